@@ -1,0 +1,1 @@
+"""Converters from published DeepSeek V4.1 Flash checkpoints to dsv4 model directories."""

@@ -1,0 +1,112 @@
+"""Every runtime switch of dsv4, in one place.
+
+Each switch has a name, an environment variable `DSV4_<NAME>`, a default and one
+line saying why it exists. Benchmarks A/B them in fresh processes by setting the
+environment; tests flip them with `override()`. `python -m dsv4.generate --help`
+and `python -m dsv4.flags` list them with their current values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator, Union
+
+Value = Union[bool, int, str]
+
+_TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    default: Value
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return f"DSV4_{self.name.upper()}"
+
+    def parse(self, text: str) -> Value:
+        if isinstance(self.default, bool):
+            low = text.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(f"{self.env}={text!r}: expected one of 0/1/true/false/on/off")
+        if isinstance(self.default, int):
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"{self.env}={text!r}: expected an integer") from None
+        return text
+
+
+FLAGS: dict[str, Flag] = {}
+_overrides: dict[str, Value] = {}
+
+
+def define(name: str, default: Value, doc: str) -> Flag:
+    if name in FLAGS:
+        raise ValueError(f"flag {name!r} is defined twice")
+    flag = Flag(name, default, doc)
+    FLAGS[name] = flag
+    return flag
+
+
+def get(name: str) -> Value:
+    """The switch's value: a test override, else the environment, else the default."""
+    flag = FLAGS[name]
+    if name in _overrides:
+        return _overrides[name]
+    text = os.environ.get(flag.env)
+    return flag.default if text is None else flag.parse(text)
+
+
+@contextlib.contextmanager
+def override(**values: Value) -> Iterator[None]:
+    """Set switches for the duration of a with-block (tests, benchmarks in-process)."""
+    for name in values:
+        if name not in FLAGS:
+            raise KeyError(f"unknown flag {name!r}; known: {sorted(FLAGS)}")
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def describe() -> str:
+    """One line per switch: env var, current value, default, doc."""
+    lines = []
+    for flag in FLAGS.values():
+        lines.append(f"{flag.env:<28} = {get(flag.name)!s:<8} (default {flag.default}) {flag.doc}")
+    return "\n".join(lines)
+
+
+# --- numerics of the model (model-spec §11) ---------------------------------------------
+define("kv_qdq", True,
+       "round window KV to fp8/32, compressed KV to fp4(e4m3)/16 and indexer q/k to fp4/32 "
+       "as the official model does; off gives the unquantized math")
+define("act_quant", True,
+       "round the inputs of fp8/fp4 matmuls to fp8 per 32 values as the official model does")
+define("index_key_quirk", False,
+       "decode: ratio-2 index sources score against the last published keys, as the "
+       "reference code does (model-spec 3.9); off uses each layer's own owner keys")
+
+# --- Engram store (on-disk tables) -----------------------------------------------------
+
+# --- kernels ------------------------------------------------------------------------------
+
+# --- decode loop ----------------------------------------------------------------------------
+
+# --- profiling ----------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    print(describe())
