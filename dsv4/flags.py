@@ -100,12 +100,31 @@ define("index_key_quirk", False,
        "reference code does (model-spec 3.9); off uses each layer's own owner keys")
 
 # --- Engram store (on-disk tables) -----------------------------------------------------
+# Measured in benchmarks/results/*engram-reads*.md (benchmarks/engram_reads.py).
+define("engram_parallel_decode", True,
+       "split each decode read (24 rows per table) over engram_decode_workers pread "
+       "workers; off reads the rows one after another on one worker")
+define("engram_decode_workers", 4,
+       "pread workers for one decode read of one table (two tables read at once)")
+define("engram_prefill_workers", 16,
+       "pread workers for a batch read (prefill: all rows of a prompt, sorted and deduplicated)")
+define("engram_row_cache", 0,
+       "rows kept per table in a least-recently-used cache of raw rows; 0 = off "
+       "(the OS page cache already serves repeats)")
+define("engram_io_hints", True,
+       "tell the OS the table is read at random: posix_fadvise RANDOM on Linux, "
+       "F_NOCACHE and no read-ahead on macOS")
+define("engram_resident", False,
+       "load every Engram table into memory as mxfp8 when it is opened (needs ~95 GiB per table)")
 
 # --- kernels ------------------------------------------------------------------------------
 
 # --- decode loop ----------------------------------------------------------------------------
 
 # --- profiling ----------------------------------------------------------------------------
+define("stage_profile", False,
+       "time every stage of each decode step (dsv4/profiler.py) and print the table at the end; "
+       "each stage boundary forces a sync, so decode gets slower")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""Engram: hashed n-gram memory added to the residual streams (model-spec §6).
+
+Host side (numpy, exact int64): token ids -> compressed ids (the tokenizer's
+normaliser folds case, accents and whitespace) -> for each position the 2-, 3- and
+4-gram hashes, one row id per (order, head) in each layer's table. Device side:
+the rows, a fp8 projection to one key per residual copy and a shared value, and a
+signed-sqrt sigmoid gate per copy.
+
+A table is anything with `rows`, `name` and `start(ids) -> request` whose
+`request.wait()` gives the rows as bf16 `[*ids.shape, 256]` (dsv4.engram_store).
+Reads start as soon as the token ids are known; the layer waits only for its own.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import flags
+from .config import ModelArgs
+from .quant import qdq_fp8
+
+DEAD = -1  # a position no n-gram may span (image tokens)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def layer_primes(args: ModelArgs) -> dict[int, np.ndarray]:
+    """For each Engram layer, its [orders, heads] primes: consecutive primes above
+    engram_vocab_size - 1, taken in (layer, order, head) order."""
+    orders, heads = args.engram_max_ngram_size - 1, args.engram_n_heads
+    candidate = args.engram_vocab_size - 1
+    out = {}
+    for layer in args.engram_layer_ids:
+        primes = np.zeros((orders, heads), np.int64)
+        for o in range(orders):
+            for h in range(heads):
+                candidate += 1
+                while not _is_prime(candidate):
+                    candidate += 1
+                primes[o, h] = candidate
+        out[layer] = primes
+    return out
+
+
+def layer_multipliers(args: ModelArgs, layer: int) -> np.ndarray:
+    """The odd int64 multipliers of one layer, from numpy's PCG64 seeded 10007 * layer."""
+    bound = (_INT64_MAX // args.engram_compressed_vocab_size) // 2
+    rng = np.random.default_rng(10007 * layer)
+    return 2 * rng.integers(0, bound, size=args.engram_max_ngram_size, dtype=np.int64) + 1
+
+
+def normalize_token_text(text: str) -> str:
+    """NFKC -> NFD -> strip accents -> lowercase -> whitespace runs to one space ->
+    a lone space kept, other text stripped (model-spec 6.2)."""
+    import re
+
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = "".join(c for c in text if unicodedata.category(c) != "Mn").lower()
+    text = re.sub(r"[ \t\r\n]+", " ", text)
+    return " " if text == " " else text.strip()
+
+
+def build_token_map(tokenizer) -> np.ndarray:
+    """compressed id of every token id, numbered by first appearance (model-spec 6.2).
+    `tokenizer` is a `tokenizers.Tokenizer`."""
+    keys: dict[str, int] = {}
+    out = np.zeros(tokenizer.get_vocab_size(), np.int64)
+    for i in range(len(out)):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        raw = tokenizer.id_to_token(i) or ""
+        key = raw if "\ufffd" in text else (normalize_token_text(text) or text)
+        out[i] = keys.setdefault(key, len(keys))
+    return out
+
+
+class NgramHasher:
+    """Row ids of every Engram layer's table for a stream of tokens, chunk by chunk.
+
+    The only state is the compressed ids of the last max_ngram-1 positions, kept in
+    the cache so prefill chunks and decode steps hash as one long sequence would.
+    """
+
+    def __init__(self, args: ModelArgs, token_map: np.ndarray):
+        if args.engram_compressed_vocab_size and token_map.max() + 1 != args.engram_compressed_vocab_size:
+            raise ValueError(
+                f"the tokenizer's Engram token map has {token_map.max() + 1} compressed ids, "
+                f"the config says engram_compressed_vocab_size={args.engram_compressed_vocab_size}")
+        self.args = args
+        self.token_map = token_map.astype(np.int64)
+        self.pad = int(self.token_map[args.engram_pad_id])
+        self.primes = layer_primes(args)
+        self.multipliers = {l: layer_multipliers(args, l) for l in args.engram_layer_ids}
+        self.offsets = {l: np.concatenate([[0], np.cumsum(p.reshape(-1))[:-1]]).astype(np.int64)
+                        for l, p in self.primes.items()}
+        self.table_rows = {l: int(p.sum()) for l, p in self.primes.items()}
+
+    def compress(self, ids: np.ndarray) -> np.ndarray:
+        return self.token_map[ids]
+
+    def hash(self, compressed: np.ndarray, history: np.ndarray, start: int) -> dict[int, np.ndarray]:
+        """compressed [B, S] ids of positions start..start+S-1, history [B, n-1] of the
+        positions before (any value where start - k < 0) -> {layer: row ids [B, S, rows]}."""
+        n = self.args.engram_max_ngram_size
+        batch, length = compressed.shape
+        seq = np.concatenate([history, compressed], axis=1)  # position start-(n-1) .. end-1
+        pos = start + np.arange(length)
+        toks = []
+        blocked = np.zeros((batch, length), bool)
+        for k in range(n):
+            src = seq[:, n - 1 - k: n - 1 - k + length]
+            blocked = blocked | (pos < k)[None, :] | (src == DEAD)
+            toks.append(np.where(blocked, self.pad, src))
+        out = {}
+        for layer in self.args.engram_layer_ids:
+            mult = self.multipliers[layer]
+            rolling = toks[0] * mult[0]
+            cols = []
+            for order in range(1, n):
+                rolling = rolling ^ (toks[order] * mult[order])
+                cols.append(rolling[..., None] % self.primes[layer][order - 1])
+            out[layer] = np.concatenate(cols, axis=-1) + self.offsets[layer]
+        return out
+
+
+class Engram(nn.Module):
+    """One Engram layer: rows -> fp8 wkv -> per-copy keys + shared value -> gated add."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hc = args.hc_mult
+        self.dim = args.hidden_size
+        self.eps = args.rms_norm_eps
+        width = args.engram_rows_per_token * args.engram_head_dim
+        self.wkv = nn.Linear(width, args.hidden_size * (args.hc_mult + 1), bias=False)
+        self.q_weight = mx.zeros((args.hc_mult, args.hidden_size), mx.bfloat16)
+        self.k_weight = mx.zeros((args.hc_mult, args.hidden_size), mx.bfloat16)
+
+    def __call__(self, streams: mx.array, rows: mx.array, gate_mask: Optional[mx.array] = None) -> mx.array:
+        """streams [B, S, hc, D]; rows [B, S, r, head_dim] -> streams with the gated value added."""
+        b, s = streams.shape[:2]
+        e = rows.reshape(b, s, -1).astype(streams.dtype)
+        if flags.get("act_quant"):
+            e = qdq_fp8(e)
+        kv = self.wkv(e)
+        key = kv[..., : self.hc * self.dim].reshape(b, s, self.hc, self.dim).astype(mx.float32)
+        value = kv[..., self.hc * self.dim:].astype(mx.float32)
+        x = streams.astype(mx.float32)
+        wqk = (self.q_weight * self.k_weight).astype(mx.float32)
+        rstd = mx.rsqrt(mx.mean(x * x, axis=-1) + self.eps) * mx.rsqrt(mx.mean(key * key, axis=-1) + self.eps)
+        dot = mx.sum(x * wqk * key, axis=-1) * rstd * (self.dim ** -0.5)
+        gate = mx.sigmoid(mx.sign(dot) * mx.sqrt(mx.maximum(mx.abs(dot), 1e-6)))
+        if gate_mask is not None:
+            gate = gate * gate_mask[..., None]
+        return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
+
+
+def history_width(args: ModelArgs) -> int:
+    return args.engram_max_ngram_size - 1
+
+
+def update_history(history: np.ndarray, compressed: np.ndarray) -> np.ndarray:
+    return np.concatenate([history, compressed], axis=1)[:, -history.shape[1]:]
+
+
+def empty_history(batch: int, args: ModelArgs) -> np.ndarray:
+    return np.full((batch, history_width(args)), DEAD, np.int64)
+
+
+def table_sizes(args: ModelArgs) -> Sequence[int]:
+    primes = layer_primes(args)
+    return [int(primes[l].sum()) for l in args.engram_layer_ids]

@@ -1,0 +1,199 @@
+"""Official checkpoint tensors -> dsv4 tensors: the one place that owns this mapping.
+
+dsv4 keeps the official tensor names (`layers.3.attn.wq_a`, `layers.3.ffn.experts.w1`,
+...) and changes only the packing, losslessly:
+  * fp8 `<m>.weight` + `<m>.scale` (32x32 blocks) -> MLX mxfp8 `<m>.weight` (uint32) +
+    `<m>.scales` (uint8, one per row and 32 inputs);
+  * fp4 experts `experts.<e>.w1.weight` + `.scale` -> stacked mxfp4
+    `experts.w1.weight` [E, out, in/8] + `experts.w1.scales` [E, out, in/32];
+  * BF16 / F32 tensors as they are.
+Engram tables (`engram.embed.*`) are not weights: they stay where they lie and are
+referenced (see `engram_table_refs`). MTP, vision tensors and `gate.bias_vl` (image
+routing) are not used by the text model and are left out.
+
+Both `dsv4.load` (official directory loaded directly) and the official converter use
+`plan()`, so a converted directory is bit-identical to loading the source.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from .config import ModelArgs
+from .quant import pack_fp4, pack_fp8_block32
+from .safetensors_file import Checkpoint, CheckpointError, TensorInfo, view
+
+MXFP8 = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+_UNUSED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.gate\.bias_vl$|\.engram\.embed\.")
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+
+
+@dataclass
+class Item:
+    """One dsv4 module's tensors, produced on demand from the source tensors."""
+    name: str                      # dsv4 name of the module or tensor
+    sources: list[TensorInfo]
+    quantization: Optional[dict]   # MLX quantization of a module, None for plain tensors
+    produce: Callable[[], dict[str, tuple[str, np.ndarray]]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sources)
+
+
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every official tensor the text model needs: {name: (dtype, shape)}."""
+    d, hc = args.hidden_size, args.hc_mult
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def fp8(name, o, i):
+        out[f"{name}.weight"] = ("F8_E4M3", (o, i))
+        out[f"{name}.scale"] = ("F8_E8M0", ((o + 31) // 32, i // 32))
+
+    out["embed.weight"] = ("BF16", (args.vocab_size, d))
+    out["head.weight"] = ("BF16", (args.vocab_size, d))
+    out["norm.weight"] = ("BF16", (d,))
+    mix = (2 + hc) * hc
+    for i in range(args.num_hidden_layers):
+        p = f"layers.{i}"
+        out[f"{p}.attn_norm.weight"] = ("BF16", (d,))
+        out[f"{p}.ffn_norm.weight"] = ("BF16", (d,))
+        for site in ("attn", "ffn"):
+            out[f"{p}.hc_{site}_fn"] = ("F32", (mix, hc * d))
+            out[f"{p}.hc_{site}_base"] = ("F32", (mix,))
+            out[f"{p}.hc_{site}_scale"] = ("F32", (3,))
+        a = f"{p}.attn"
+        out[f"{a}.attn_sink"] = ("F32", (args.num_attention_heads,))
+        fp8(f"{a}.wq_a", args.q_lora_rank, d)
+        out[f"{a}.q_norm.weight"] = ("BF16", (args.q_lora_rank,))
+        fp8(f"{a}.wq_b", args.num_attention_heads * args.head_dim, args.q_lora_rank)
+        fp8(f"{a}.wkv", args.head_dim, d)
+        out[f"{a}.kv_norm.weight"] = ("BF16", (args.head_dim,))
+        fp8(f"{a}.wo_a", args.o_groups * args.o_lora_rank,
+            args.num_attention_heads * args.head_dim // args.o_groups)
+        fp8(f"{a}.wo_b", d, args.o_groups * args.o_lora_rank)
+        if i in args.kv_source_layer_ids and args.ratio(i):
+            out[f"{a}.compressor.wkv.weight"] = ("BF16", (args.head_dim, d))
+            if args.ratio(i) > 1:
+                out[f"{a}.compressor.wgate.weight"] = ("BF16", (args.head_dim, d))
+            out[f"{a}.compressor.norm.weight"] = ("BF16", (args.head_dim,))
+        if i in args.index_source_layer_ids and args.ratio(i):
+            fp8(f"{a}.indexer.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank)
+            out[f"{a}.indexer.weights_proj.weight"] = ("BF16", (args.index_n_heads, d))
+            if i in args.kv_source_layer_ids:
+                out[f"{a}.indexer.wk.weight"] = ("BF16", (args.index_head_dim, args.head_dim))
+                out[f"{a}.indexer.k_norm.weight"] = ("BF16", (args.index_head_dim,))
+        f = f"{p}.ffn"
+        out[f"{f}.gate.weight"] = ("BF16", (args.n_routed_experts, d))
+        out[f"{f}.gate.bias"] = ("F32", (args.n_routed_experts,))
+        inter = args.moe_intermediate_size
+        for e in range(args.n_routed_experts):
+            for w, (o, n) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+                out[f"{f}.experts.{e}.{w}.weight"] = ("I8", (o, n // 2))
+                out[f"{f}.experts.{e}.{w}.scale"] = ("F8_E8M0", (o, n // 32))
+        fp8(f"{f}.shared_experts.w1", inter, d)
+        fp8(f"{f}.shared_experts.w3", inter, d)
+        fp8(f"{f}.shared_experts.w2", d, inter)
+        if i in args.engram_layer_ids:
+            g = f"{p}.engram"
+            fp8(f"{g}.wkv", d * (hc + 1), args.engram_rows_per_token * args.engram_head_dim)
+            out[f"{g}.q_weight"] = ("BF16", (hc, d))
+            out[f"{g}.k_weight"] = ("BF16", (hc, d))
+    return out
+
+
+def check(ckpt: Checkpoint, args: ModelArgs) -> None:
+    """Every needed tensor present with the right dtype and shape; nothing unknown."""
+    expected = expected_tensors(args)
+    problems = []
+    for name, (dtype, shape) in expected.items():
+        info = ckpt.tensors.get(name)
+        if info is None:
+            problems.append(f"tensor {name} is missing (expected {dtype}{list(shape)})")
+        elif info.dtype != dtype or info.shape != shape:
+            problems.append(f"{info.file.name}: tensor {name} is {info.dtype}{list(info.shape)}, "
+                            f"expected {dtype}{list(shape)}")
+    extra = [n for n in ckpt.names() if n not in expected and not _UNUSED.search(n)]
+    problems += [f"{ckpt[n].file.name}: unexpected tensor {n}" for n in sorted(extra)[:20]]
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise CheckpointError(f"{ckpt.directory}: " + "; ".join(problems[:10]) + more)
+
+
+def plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
+    """The dsv4 tensors of an official checkpoint, in a stable order, each produced lazily."""
+    check(ckpt, args)
+    items: list[Item] = []
+    experts: dict[tuple[str, str], dict[int, dict[str, TensorInfo]]] = {}
+    for name in sorted(expected_tensors(args)):
+        info = ckpt[name]
+        m = _EXPERT.match(name)
+        if m:
+            base, e, w, kind = m.groups()
+            experts.setdefault((base, w), {}).setdefault(int(e), {})[kind] = info
+            continue
+        if name.endswith(".scale"):
+            continue
+        if info.dtype == "F8_E4M3":
+            module = name.removesuffix(".weight")
+            items.append(_fp8_item(module, info, ckpt[f"{module}.scale"]))
+        else:
+            items.append(Item(name, [info], None,
+                              lambda info=info: {info.name: (info.dtype, view(info))}))
+    for (base, w), by_index in sorted(experts.items()):
+        items.append(_experts_item(f"{base}.{w}", [by_index[e] for e in sorted(by_index)]))
+    items.sort(key=lambda it: it.name)
+    return items
+
+
+def _fp8_item(module: str, weight: TensorInfo, scale: TensorInfo) -> Item:
+    def produce():
+        w, s = pack_fp8_block32(view(weight), view(scale))
+        return {f"{module}.weight": ("U32", w), f"{module}.scales": ("U8", s)}
+    return Item(module, [weight, scale], MXFP8, produce)
+
+
+def _experts_item(module: str, parts: list[dict[str, TensorInfo]]) -> Item:
+    def produce():
+        w = np.stack([view(p["weight"]) for p in parts]).view(np.uint8)
+        s = np.stack([view(p["scale"]) for p in parts])
+        w, s = pack_fp4(w, s)
+        return {f"{module}.weight": ("U32", w), f"{module}.scales": ("U8", s)}
+    sources = [t for p in parts for t in (p["weight"], p["scale"])]
+    return Item(module, sources, MXFP4, produce)
+
+
+def engram_table_refs(ckpt: Checkpoint, args: ModelArgs) -> dict[str, dict]:
+    """Where each Engram table lies in the official shards (split layout), by layer id."""
+    refs = {}
+    for layer, rows in zip(args.engram_layer_ids, _engram_rows(ckpt, args)):
+        w = ckpt[f"layers.{layer}.engram.embed.weight"]
+        s = ckpt[f"layers.{layer}.engram.embed.scale"]
+        width = args.engram_head_dim
+        if w.dtype != "F8_E4M3" or w.shape != (rows, width):
+            raise CheckpointError(f"{w.file.name}: tensor {w.name} is {w.dtype}{list(w.shape)}, "
+                                  f"expected F8_E4M3[{rows}, {width}]")
+        if s.dtype != "F8_E8M0" or s.shape != (rows, width // 32):
+            raise CheckpointError(f"{s.file.name}: tensor {s.name} is {s.dtype}{list(s.shape)}, "
+                                  f"expected F8_E8M0[{rows}, {width // 32}]")
+        refs[str(layer)] = {"layout": "split", "rows": rows,
+                            "weight": {"file": str(w.file), "offset": w.offset},
+                            "scale": {"file": str(s.file), "offset": s.offset}}
+    return refs
+
+
+def _engram_rows(ckpt: Checkpoint, args: ModelArgs) -> Iterator[int]:
+    from .engram import table_sizes
+
+    sizes = table_sizes(args)
+    if args.engram_num_embeddings and tuple(sizes) != tuple(args.engram_num_embeddings):
+        raise CheckpointError(f"{ckpt.directory}: config engram_num_embeddings "
+                              f"{list(args.engram_num_embeddings)} disagree with the hashing's "
+                              f"table sizes {sizes}")
+    yield from sizes
