@@ -104,12 +104,13 @@ def report() -> str:
         return "stage profile: off (set DSV4_STAGE_PROFILE=1)"
     if not _steps:
         return "stage profile: no decode step was profiled"
+    step_seconds = _step_seconds or 1e-12   # a share of zero time is 0, not a ZeroDivisionError
     lines = [f"stage profile: {_steps} decode steps, {1e3 * _step_seconds / _steps:.3f} ms per step "
              "(every stage boundary syncs, so steps run slower than unprofiled)",
              f"{'stage':<20} {'calls/step':>10} {'total ms':>10} {'ms/step':>9} {'share':>7}"]
     for name, seconds in _totals.items():
         lines.append(f"{name:<20} {_calls[name] / _steps:>10.1f} {1e3 * seconds:>10.2f} "
-                     f"{1e3 * seconds / _steps:>9.3f} {100 * seconds / _step_seconds:>6.1f}%")
+                     f"{1e3 * seconds / _steps:>9.3f} {100 * seconds / step_seconds:>6.1f}%")
     lines.append(f"{'total':<20} {'':>10} {1e3 * _step_seconds:>10.2f} "
                  f"{1e3 * _step_seconds / _steps:>9.3f} {100.0:>6.1f}%")
     return "\n".join(lines)
