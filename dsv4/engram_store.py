@@ -1,0 +1,628 @@
+"""Engram tables: rows of 256 fp8 e4m3 codes + 8 e8m0 scales, read where they lie on disk.
+
+Each of the model's two Engram tables has ~384 M rows (~95 GiB); every token reads 24 rows of
+each (model-spec 6). A table hands rows out as bf16, exactly `e4m3 * 2**(e8m0 - 127)` per group
+of 32 values (MLX `mxfp8`):
+
+    request = table.start(ids)    # validates ids, starts the reads, returns at once
+    rows = request.wait()         # [*ids.shape, 256] bfloat16; raises a worker's error
+
+Kinds of table:
+- `InterleavedTable`: 264-byte rows (256 e4m3 bytes, then 8 e8m0 bytes) at a 64-bit offset of
+  a file: the ds4 GGUF layout and the layout `copy_table` writes. One `pread` per row.
+- `SplitTable`: the official safetensors layout, a weight tensor [rows, 256] F8_E4M3 and a scale
+  tensor [rows, 8] F8_E8M0, possibly in different shard files. Two `pread`s per row.
+- `ResidentTable`: the rows in memory as MLX mxfp8 (weight viewed as uint32, uint8 scales).
+
+Reads run on one persistent thread pool shared by all tables. A call is sorted by row and
+de-duplicated, then split into contiguous partitions, one per worker; each worker writes only
+its own slice of the call's buffer, and its error stays with its own future. `wait()` joins
+every worker before it raises the first error (in partition order) or returns. A call of at
+most `BATCH_ROWS` distinct rows (a decode step) uses `engram_decode_workers` workers, or one
+when `engram_parallel_decode` is off; a larger call (prefill) uses `engram_prefill_workers`.
+Errors name the table, the row and the file offset. A short read is an error, never zeros.
+NaN codes (e4m3 0x7F/0xFF, e8m0 0xFF) are rejected with the row that holds them.
+
+Table reference (JSON), as a dsv4 model directory's config.json records it for each Engram
+layer under `config["dsv4"]["engram"]["<layer id>"]`; a relative "file" is relative to the
+model directory:
+
+    {"layout": "interleaved264", "file": "engram-01.bin", "offset": 0, "rows": 384006168}
+
+    {"layout": "split", "rows": 384006168,
+     "weight": {"file": "/ckpt/model-00003-of-00048.safetensors",
+                "tensor": "layers.1.engram.embed.weight", "offset": 123456},
+     "scale":  {"file": "/ckpt/model-00005-of-00048.safetensors",
+                "tensor": "layers.1.engram.embed.scale", "offset": 789}}
+
+In a split entry "tensor" and "offset" may each be left out (not both): the tensor is found
+with `safetensors_file.read_header`, its dtype and shape are checked, and a recorded offset
+must agree with it. `interleaved_reference` and `split_reference` build these dicts;
+`open_table` turns one into a table (a `ResidentTable` when `engram_resident` is on);
+`copy_table` writes a self-contained interleaved file and returns its reference.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from dsv4 import flags
+from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
+
+WEIGHT_BYTES = 256   # e4m3 codes per row
+SCALE_BYTES = 8      # one e8m0 exponent per 32 codes
+ROW_BYTES = WEIGHT_BYTES + SCALE_BYTES
+GROUP = WEIGHT_BYTES // SCALE_BYTES
+LAYOUTS = ("interleaved264", "split")
+# Decode steps read 24 rows per table per token; calls above this many distinct rows are
+# batch reads (prefill) and fan out over engram_prefill_workers.
+BATCH_ROWS = 64
+# Rows per bulk read when copying or loading a whole table (~17 MB).
+CHUNK_ROWS = 1 << 16
+
+
+class EngramError(ValueError):
+    """Bad ids, a bad table reference, or a table that holds what it must not."""
+
+
+class EngramReadError(OSError):
+    """A row could not be read (I/O error, short read on a truncated file)."""
+
+
+# --- the thread pool -------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_size = 0
+
+
+def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The shared pool, grown (never shrunk) to at least `workers` threads."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            old = _pool
+            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engram-read")
+            _pool_size = workers
+            if old is not None:
+                old.shutdown(wait=False)  # its running reads finish; new ones go to the new pool
+        return _pool
+
+
+class RowRequest:
+    """Rows being read in the background; `wait()` joins every worker, then returns or raises."""
+
+    def __init__(self, futures: Sequence[concurrent.futures.Future], finish: Callable[[], object]):
+        self._futures = list(futures)
+        self._finish = finish
+        self._result = None
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self):
+        if self._result is None:
+            concurrent.futures.wait(self._futures)  # every worker joins before anything is raised
+            for future in self._futures:
+                error = future.exception()
+                if error is not None:
+                    raise error
+            self._result = self._finish()
+        return self._result
+
+
+# --- shared helpers --------------------------------------------------------------------------
+
+def _validate_ids(ids, rows: int, name: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """ids as flat int64 and their shape; every id an integer in [0, rows)."""
+    array = np.asarray(ids)
+    if array.dtype.kind not in "iu":
+        raise EngramError(f"{name}: row ids must be an integer array, got dtype {array.dtype}")
+    flat = array.reshape(-1)
+    if flat.size:
+        bad = np.flatnonzero((flat < 0) | (flat >= rows))
+        if bad.size:
+            i = int(bad[0])
+            raise EngramError(
+                f"{name}: row id {flat[i]} (position {np.unravel_index(i, array.shape)}) is "
+                f"outside the table's {rows} rows [0, {rows})")
+    return flat.astype(np.int64), array.shape
+
+
+def dequantize_rows(raw: np.ndarray, shape: tuple[int, ...] = None) -> mx.array:
+    """Raw rows [n, 264] uint8 -> bf16 [*shape, 256], exactly e4m3 * 2**(e8m0 - 127) (mxfp8)."""
+    shape = (raw.shape[0],) if shape is None else tuple(shape)
+    if raw.shape[0] == 0:
+        return mx.zeros((*shape, WEIGHT_BYTES), dtype=mx.bfloat16)
+    weight = mx.array(np.ascontiguousarray(raw[:, :WEIGHT_BYTES]).view(np.uint32))
+    scales = mx.array(np.ascontiguousarray(raw[:, WEIGHT_BYTES:]))
+    out = mx.dequantize(weight, scales, group_size=GROUP, bits=8, mode="mxfp8", dtype=mx.bfloat16)
+    return out.reshape(*shape, WEIGHT_BYTES)
+
+
+def _first_nan(raw: np.ndarray) -> Optional[tuple[int, str]]:
+    """(index of the first row holding a NaN code, what it holds), or None."""
+    weight_nan = (raw[:, :WEIGHT_BYTES] & 0x7F) == 0x7F
+    scale_nan = raw[:, WEIGHT_BYTES:] == 0xFF
+    bad = np.flatnonzero(weight_nan.any(axis=1) | scale_nan.any(axis=1))
+    if not bad.size:
+        return None
+    i = int(bad[0])
+    if weight_nan[i].any():
+        j = int(np.argmax(weight_nan[i]))
+        return i, f"the e4m3 NaN code 0x{raw[i, j]:02X} at column {j}"
+    j = int(np.argmax(scale_nan[i]))
+    return i, f"the e8m0 NaN code 0xFF as scale {j}"
+
+
+class _RowCache:
+    """Least-recently-used raw rows of one table, bounded by a row count."""
+
+    def __init__(self):
+        self._rows: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def fill(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy the cached rows into `out`; the mask of rows found."""
+        hit = np.zeros(len(rows), bool)
+        with self._lock:
+            for i, row in enumerate(rows.tolist()):
+                data = self._rows.get(row)
+                if data is not None:
+                    self._rows.move_to_end(row)
+                    out[i] = np.frombuffer(data, np.uint8)
+                    hit[i] = True
+        return hit
+
+    def put(self, rows: np.ndarray, raw: np.ndarray, capacity: int) -> None:
+        with self._lock:
+            for row, data in zip(rows.tolist(), raw):
+                self._rows[row] = data.tobytes()
+                self._rows.move_to_end(row)
+            while len(self._rows) > capacity:
+                self._rows.popitem(last=False)
+
+
+class _Progress:
+    """One stderr line at most every second, and a last one at the end."""
+
+    def __init__(self, what: str, total: int, enabled: bool):
+        self.what, self.total, self.enabled = what, total, enabled
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= 1.0 or done == self.total):
+            self.last = now
+            rate = done * ROW_BYTES / max(now - self.start, 1e-9) / 2**20
+            print(f"\r{self.what}: {done * ROW_BYTES / 2**30:.2f} / {self.total * ROW_BYTES / 2**30:.2f} "
+                  f"GiB ({100 * done / max(self.total, 1):.0f}%, {rate:.0f} MiB/s)",
+                  end="\n" if done == self.total else "", file=sys.stderr, flush=True)
+
+
+# --- file-backed tables ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Segment:
+    """`width` bytes of each row at `offset + stride * row` of a file, stored at `dest` in the row."""
+    path: Path
+    fd: int
+    offset: int
+    stride: int
+    width: int
+    dest: int
+
+    def at(self, row: int) -> int:
+        return self.offset + self.stride * row
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset`; the number of bytes read (less than asked only at end of file)."""
+    got = 0
+    while got < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [view[got:]], offset + got)
+        else:
+            data = os.pread(fd, len(view) - got, offset + got)
+            n = len(data)
+            view[got:got + n] = data
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _open_fd(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    if flags.get("engram_io_hints"):
+        if sys.platform == "darwin":
+            import fcntl
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)  # do not fill the cache with 95 GiB
+            fcntl.fcntl(fd, getattr(fcntl, "F_RDAHEAD", 45), 0)  # a row is 264 bytes: no read-ahead
+        elif hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+class FileTable:
+    """A table over regions of existing files, read with pread on the shared pool."""
+
+    layout = ""
+
+    def __init__(self, name: str, rows: int, regions: Sequence[tuple[Path, int, int, int]]):
+        """regions: (file, offset of row 0, bytes per row in the file, position in the row)."""
+        self.name = name
+        self.rows = int(rows)
+        if self.rows <= 0:
+            raise EngramError(f"{name}: a table needs at least one row, got {rows}")
+        fds: dict[Path, int] = {}
+        segments = []
+        try:
+            for path, offset, width, dest in regions:
+                path = Path(path)
+                if not path.is_file():
+                    raise EngramError(f"{name}: table file {path} not found")
+                end = offset + width * self.rows
+                size = path.stat().st_size
+                if offset < 0 or end > size:
+                    raise EngramError(
+                        f"{name}: {self.rows} rows of {width} bytes from byte {offset} end at byte "
+                        f"{end}, but {path} has {size} bytes")
+                if path not in fds:
+                    fds[path] = _open_fd(path)
+                segments.append(_Segment(path, fds[path], offset, width, width, dest))
+        except BaseException:
+            _close_all(list(fds.values()))
+            raise
+        self._finalizer = weakref.finalize(self, _close_all, list(fds.values()))
+        self._segments = tuple(segments)
+        self._cache = _RowCache()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, rows={self.rows}, files={self.files()})"
+
+    def files(self) -> list[str]:
+        return sorted({str(s.path) for s in self._segments})
+
+    def locate(self, row: int) -> str:
+        """Where a row lies, for error messages."""
+        return " and ".join(f"byte {s.at(row)} of {s.path}" for s in self._segments)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def start(self, ids: np.ndarray) -> RowRequest:
+        flat, shape = _validate_ids(ids, self.rows, self.name)
+        futures, raw = self._dispatch(flat)
+        return RowRequest(futures, lambda: dequantize_rows(raw(), shape))
+
+    def read(self, ids) -> mx.array:
+        return self.start(ids).wait()
+
+    def read_raw(self, ids, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The raw rows [*ids.shape, 264] uint8, written into `out` when given (checked first)."""
+        flat, shape = _validate_ids(ids, self.rows, self.name)
+        _check_out(out, (*shape, ROW_BYTES), self.name)
+        futures, raw = self._dispatch(flat)
+        rows = RowRequest(futures, raw).wait().reshape(*shape, ROW_BYTES)
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def read_range(self, first: int, count: int) -> np.ndarray:
+        """Rows first..first+count-1 as [count, 264] uint8, one bulk read per region."""
+        if first < 0 or count < 0 or first + count > self.rows:
+            raise EngramError(f"{self.name}: rows [{first}, {first + count}) are outside [0, {self.rows})")
+        out = np.empty((count, ROW_BYTES), np.uint8)
+        for seg in self._segments:
+            part = out if seg.width == ROW_BYTES else np.empty((count, seg.width), np.uint8)
+            got = _pread_exact(seg.fd, memoryview(part).cast("B"), seg.at(first))
+            if got < part.nbytes:
+                row = first + got // seg.width
+                raise EngramReadError(
+                    f"{self.name}: short read of row {row} at byte {seg.at(first) + got} of "
+                    f"{seg.path}: the file ends there (truncated?)")
+            if part is not out:
+                out[:, seg.dest:seg.dest + seg.width] = part
+        self._check_codes(np.arange(first, first + count), out)
+        return out
+
+    def _dispatch(self, flat: np.ndarray):
+        """Start reading the rows `flat`; (futures, a function giving the rows in `flat`'s order)."""
+        unique, inverse = np.unique(flat, return_inverse=True)  # sorted rows = sorted offsets
+        buf = np.empty((len(unique), ROW_BYTES), np.uint8)
+        capacity = int(flags.get("engram_row_cache"))
+        missing = None
+        if capacity > 0:
+            missing = np.flatnonzero(~self._cache.fill(unique, buf))
+        todo = unique if missing is None else unique[missing]
+        target = buf if missing is None else np.empty((len(todo), ROW_BYTES), np.uint8)
+
+        if len(unique) > BATCH_ROWS:
+            workers = int(flags.get("engram_prefill_workers"))
+        elif flags.get("engram_parallel_decode"):
+            workers = int(flags.get("engram_decode_workers"))
+        else:
+            workers = 1
+        parts = max(1, min(workers, len(todo)))
+        pool = _executor(max(int(flags.get("engram_prefill_workers")),
+                             2 * int(flags.get("engram_decode_workers")), parts))
+        bounds = [len(todo) * k // parts for k in range(parts + 1)]
+        futures = [pool.submit(self._read_partition, todo[a:b], target[a:b])
+                   for a, b in zip(bounds, bounds[1:]) if b > a]
+
+        def rows_in_call_order() -> np.ndarray:
+            if missing is not None and len(todo):
+                buf[missing] = target
+                self._cache.put(todo, target, capacity)
+            return buf[inverse]
+
+        return futures, rows_in_call_order
+
+    def _read_partition(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """Read `rows` into `out` [len(rows), 264]; runs on a worker and writes nothing else."""
+        view = memoryview(out).cast("B")
+        for i, row in enumerate(rows.tolist()):
+            base = i * ROW_BYTES
+            for seg in self._segments:
+                offset = seg.at(row)
+                try:
+                    got = _pread_exact(seg.fd, view[base + seg.dest:base + seg.dest + seg.width], offset)
+                except OSError as e:
+                    raise EngramReadError(
+                        e.errno, f"{self.name}: reading row {row} at byte {offset} of {seg.path} "
+                                 f"failed: {e.strerror or e}") from e
+                if got < seg.width:
+                    raise EngramReadError(
+                        f"{self.name}: short read of row {row} at byte {offset} of {seg.path}: "
+                        f"got {got} of {seg.width} bytes (file truncated?)")
+        self._check_codes(rows, out)
+
+    def _check_codes(self, rows: np.ndarray, raw: np.ndarray) -> None:
+        found = _first_nan(raw)
+        if found is not None:
+            i, what = found
+            row = int(rows[i])
+            raise EngramError(f"{self.name}: row {row} ({self.locate(row)}) holds {what}; "
+                              f"Engram rows must be finite")
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _check_out(out: Optional[np.ndarray], shape: tuple[int, ...], name: str) -> None:
+    if out is None:
+        return
+    if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or tuple(out.shape) != shape:
+        got = f"{out.dtype}{list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise EngramError(f"{name}: output must be uint8{list(shape)}, got {got}")
+    if not out.flags.writeable:
+        raise EngramError(f"{name}: output array is read-only")
+
+
+class InterleavedTable(FileTable):
+    """264-byte rows (256 e4m3 codes, then 8 e8m0 scales) from byte `offset` of `path`."""
+
+    layout = "interleaved264"
+
+    def __init__(self, path: Path | str, offset: int, rows: int, name: str):
+        super().__init__(name, rows, [(Path(path), int(offset), ROW_BYTES, 0)])
+
+
+class SplitTable(FileTable):
+    """Weight rows [rows, 256] and scale rows [rows, 8] at their own offsets, maybe in two files."""
+
+    layout = "split"
+
+    def __init__(self, weight_path: Path | str, weight_offset: int,
+                 scale_path: Path | str, scale_offset: int, rows: int, name: str):
+        super().__init__(name, rows, [(Path(weight_path), int(weight_offset), WEIGHT_BYTES, 0),
+                                      (Path(scale_path), int(scale_offset), SCALE_BYTES, WEIGHT_BYTES)])
+
+
+# --- resident table --------------------------------------------------------------------------
+
+class ResidentTable:
+    """Rows held in memory as MLX mxfp8: weight [rows, 64] uint32 (the e4m3 bytes), scales [rows, 8]."""
+
+    def __init__(self, weight_u8: np.ndarray, scale_u8: np.ndarray, name: str):
+        self.name = name
+        weight_u8, scale_u8 = np.asarray(weight_u8), np.asarray(scale_u8)
+        if (weight_u8.dtype != np.uint8 or weight_u8.ndim != 2 or weight_u8.shape[1] != WEIGHT_BYTES
+                or scale_u8.dtype != np.uint8 or scale_u8.shape != (weight_u8.shape[0], SCALE_BYTES)):
+            raise EngramError(
+                f"{name}: a resident table needs weight uint8[rows, {WEIGHT_BYTES}] and scale "
+                f"uint8[rows, {SCALE_BYTES}], got {weight_u8.dtype}{list(weight_u8.shape)} and "
+                f"{scale_u8.dtype}{list(scale_u8.shape)}")
+        self.rows = weight_u8.shape[0]
+        if self.rows == 0:
+            raise EngramError(f"{name}: a table needs at least one row")
+        for first in range(0, self.rows, CHUNK_ROWS):
+            last = min(first + CHUNK_ROWS, self.rows)
+            found = _first_nan(np.concatenate([weight_u8[first:last], scale_u8[first:last]], axis=1))
+            if found is not None:
+                raise EngramError(f"{name}: row {first + found[0]} holds {found[1]}; "
+                                  f"Engram rows must be finite")
+        self._weight = mx.array(np.ascontiguousarray(weight_u8).view(np.uint32))
+        self._scales = mx.array(np.ascontiguousarray(scale_u8))
+
+    def __repr__(self) -> str:
+        return f"ResidentTable({self.name!r}, rows={self.rows})"
+
+    def start(self, ids: np.ndarray) -> RowRequest:
+        flat, shape = _validate_ids(ids, self.rows, self.name)
+        if not flat.size:
+            return RowRequest([], lambda: mx.zeros((*shape, WEIGHT_BYTES), dtype=mx.bfloat16))
+        index = mx.array(flat)
+        rows = mx.dequantize(self._weight[index], self._scales[index], group_size=GROUP, bits=8,
+                             mode="mxfp8", dtype=mx.bfloat16).reshape(*shape, WEIGHT_BYTES)
+        return RowRequest([], lambda: rows)
+
+    def read(self, ids) -> mx.array:
+        return self.start(ids).wait()
+
+    def read_range(self, first: int, count: int) -> np.ndarray:
+        if first < 0 or count < 0 or first + count > self.rows:
+            raise EngramError(f"{self.name}: rows [{first}, {first + count}) are outside [0, {self.rows})")
+        weight = np.array(self._weight[first:first + count]).view(np.uint8)
+        return np.concatenate([weight, np.array(self._scales[first:first + count])], axis=1)
+
+    def close(self) -> None:
+        pass
+
+
+Table = Union[InterleavedTable, SplitTable, ResidentTable]
+
+
+def load_resident(table: Table, progress: bool = True) -> ResidentTable:
+    """Read a whole table into memory (transiently twice its size while MLX copies it in)."""
+    weight = np.empty((table.rows, WEIGHT_BYTES), np.uint8)
+    scale = np.empty((table.rows, SCALE_BYTES), np.uint8)
+    shown = _Progress(f"loading {table.name}", table.rows, progress)
+    for first in range(0, table.rows, CHUNK_ROWS):
+        count = min(CHUNK_ROWS, table.rows - first)
+        raw = table.read_range(first, count)
+        weight[first:first + count] = raw[:, :WEIGHT_BYTES]
+        scale[first:first + count] = raw[:, WEIGHT_BYTES:]
+        shown.update(first + count)
+    return ResidentTable(weight, scale, table.name)
+
+
+# --- references ------------------------------------------------------------------------------
+
+def _recorded_path(path: Path | str, base_dir: Optional[Path | str]) -> str:
+    """`path` relative to `base_dir` when it lies inside it, else absolute."""
+    path = Path(path).resolve()
+    if base_dir is not None:
+        try:
+            return path.relative_to(Path(base_dir).resolve()).as_posix()
+        except ValueError:
+            pass
+    return str(path)
+
+
+def interleaved_reference(file: Path | str, offset: int, rows: int,
+                          base_dir: Optional[Path | str] = None) -> dict:
+    return {"layout": "interleaved264", "file": _recorded_path(file, base_dir),
+            "offset": int(offset), "rows": int(rows)}
+
+
+def split_reference(weight: TensorInfo, scale: TensorInfo,
+                    base_dir: Optional[Path | str] = None) -> dict:
+    """The reference of an official-layout table (weight [rows, 256] F8_E4M3, scale [rows, 8] F8_E8M0)."""
+    return {"layout": "split", "rows": int(weight.shape[0]),
+            "weight": {"file": _recorded_path(weight.file, base_dir), "tensor": weight.name,
+                       "offset": weight.offset},
+            "scale": {"file": _recorded_path(scale.file, base_dir), "tensor": scale.name,
+                      "offset": scale.offset}}
+
+
+def _field(ref: dict, key: str, kind, where: str):
+    if not isinstance(ref, dict) or key not in ref:
+        raise EngramError(f"{where}: field {key!r} is missing")
+    value = ref[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise EngramError(f"{where}: field {key!r} must be {kind.__name__}, got {value!r}")
+    if kind is int and value < 0:
+        raise EngramError(f"{where}: field {key!r} must not be negative, got {value}")
+    return value
+
+
+def _split_region(entry: dict, part: str, dtype: str, width: int, rows: int,
+                  base_dir: Path, where: str) -> tuple[Path, int]:
+    where = f"{where} {part}"
+    path = base_dir / _field(entry, "file", str, where)
+    offset = entry.get("offset")
+    if offset is not None:
+        offset = _field(entry, "offset", int, where)
+    if "tensor" in entry:
+        tensor = _field(entry, "tensor", str, where)
+        try:
+            info = read_header(path)[0].get(tensor)
+        except CheckpointError as e:
+            raise EngramError(f"{where}: {e}") from None
+        if info is None:
+            raise EngramError(f"{where}: {path} has no tensor {tensor}")
+        if info.dtype != dtype or info.shape != (rows, width):
+            raise EngramError(f"{where}: tensor {tensor} in {path} is {info.dtype}{list(info.shape)}, "
+                              f"expected {dtype}{[rows, width]}")
+        if offset is not None and offset != info.offset:
+            raise EngramError(f"{where}: recorded offset {offset} but tensor {tensor} starts at "
+                              f"byte {info.offset} of {path}")
+        offset = info.offset
+    elif offset is None:
+        raise EngramError(f"{where}: needs 'offset' or 'tensor'")
+    return path, offset
+
+
+def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> Table:
+    """The table a reference describes; a relative file is found under `base_dir`."""
+    base_dir = Path(base_dir)
+    name = name or "engram table"
+    where = f"{name}: engram table reference"
+    if not isinstance(ref, dict):
+        raise EngramError(f"{where} must be a JSON object, got {type(ref).__name__}")
+    layout = _field(ref, "layout", str, where)
+    rows = _field(ref, "rows", int, where)
+    if layout == "interleaved264":
+        path = base_dir / _field(ref, "file", str, where)
+        table: Table = InterleavedTable(path, _field(ref, "offset", int, where), rows, name)
+    elif layout == "split":
+        weight = _split_region(_field(ref, "weight", dict, where), "weight", "F8_E4M3",
+                               WEIGHT_BYTES, rows, base_dir, where)
+        scale = _split_region(_field(ref, "scale", dict, where), "scale", "F8_E8M0",
+                              SCALE_BYTES, rows, base_dir, where)
+        table = SplitTable(*weight, *scale, rows, name)
+    else:
+        raise EngramError(f"{where}: layout {layout!r} is not one of {list(LAYOUTS)}")
+    if flags.get("engram_resident"):
+        with table:
+            return load_resident(table)
+    return table
+
+
+def copy_table(table: Table, dst_file: Path | str, base_dir: Optional[Path | str] = None,
+               progress: bool = True) -> dict:
+    """Write `table` as a self-contained interleaved file; its reference (file relative to
+    `base_dir`, by default the file's directory). Written under a temporary name and renamed
+    at the end, so a failed copy leaves nothing behind."""
+    dst_file = Path(dst_file)
+    partial = dst_file.with_name(dst_file.name + ".partial")
+    shown = _Progress(f"copying {table.name} to {dst_file}", table.rows, progress)
+    try:
+        with open(partial, "wb") as f:
+            for first in range(0, table.rows, CHUNK_ROWS):
+                count = min(CHUNK_ROWS, table.rows - first)
+                f.write(table.read_range(first, count).data)
+                shown.update(first + count)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, dst_file)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return interleaved_reference(dst_file, 0, table.rows,
+                                 dst_file.parent if base_dir is None else base_dir)
