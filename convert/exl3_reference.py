@@ -124,6 +124,23 @@ def weight_dense(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, codebook
     return w * suh.astype(np.float64)[:, None] * svh.astype(np.float64)[None, :]
 
 
+def stepwise_fp16_weight(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray,
+                         codebook: str) -> np.ndarray:
+    """W [in, out] fp16 rounded like exllamav3's Python `LinearEXL3.get_weight_tensor`.
+
+    That path rounds to fp16 after each Hadamard (an fp32 matmul with H/√128) and after each
+    scale. Its cuBLAS summation order is not reproducible, so this matches it only within
+    that noise (a few ulps on under 1% of elements).
+    """
+    w_hat = reconstruct(trellis, codebook)
+    check_scales(w_hat.shape, suh, svh)
+    scale = np.float32(1 / np.sqrt(HAD))
+    w = (fwht(w_hat, axis=0) * scale).astype(np.float16)
+    w = (w.astype(np.float32) * suh.astype(np.float32)[:, None]).astype(np.float16)
+    w = (fwht(w, axis=1) * scale).astype(np.float16)
+    return (w.astype(np.float32) * svh.astype(np.float32)[None, :]).astype(np.float16)
+
+
 def fused_kernel_weight(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray,
                         codebook: str) -> np.ndarray:
     """W [in, out] fp16 rounded exactly as exllamav3's `reconstruct_had_slice` kernel.
