@@ -1,0 +1,214 @@
+"""convert/writer.py: shards, index, atomic rename, resume, verification.
+
+The oracle for what was written is the `safetensors` library's own reader (and `mx.load`),
+never our reader alone.
+"""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from dsv4_convert.writer import (ConversionError, ModelDirWriter, Unit, assign_shards,
+                                 shard_name)
+
+
+def _tensors(seed: int, n: int = 7) -> dict[str, dict[str, tuple[str, np.ndarray]]]:
+    """n modules of random tensors with mixed dtypes and sizes, {module: {name: (dtype, array)}}."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(n):
+        m = f"layers.{i}.proj"
+        rows = int(rng.integers(1, 40))
+        out[m] = {f"{m}.weight": ("U32", rng.integers(0, 2**32, (rows, 8), dtype=np.uint32)),
+                  f"{m}.scales": ("U8", rng.integers(0, 256, (rows, 1), dtype=np.uint8))}
+        if i % 3 == 0:
+            out[m][f"{m}.norm"] = ("F16", rng.normal(size=(rows,)).astype(np.float16))
+        if i % 3 == 1:
+            out[m][f"{m}.bias"] = ("F32", rng.normal(size=(2, rows, 3)).astype(np.float32))
+    return out
+
+
+def _units(modules, calls=None, fail_on=None, error=KeyboardInterrupt):
+    def make(key, tensors):
+        def produce():
+            if calls is not None:
+                calls.append(key)
+            if key == fail_on:
+                raise error(f"stopped at {key}")
+            return dict(tensors)
+        return Unit(key, sum(a.nbytes for _, a in tensors.values()), produce)
+    return [make(k, t) for k, t in modules.items()]
+
+
+def _all(modules):
+    return {n: a for t in modules.values() for n, (_, a) in t.items()}
+
+
+def _read_dir(path):
+    """Every file of a directory as bytes (for identical-directory checks)."""
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_shards_index_and_side_group_read_back_with_safetensors(tmp_path):
+    modules, side = _tensors(0), _tensors(1, 3)
+    limit = 700
+    dst = tmp_path / "out"
+    with ModelDirWriter(dst, {"v": 1}, max_shard_bytes=limit, progress=False) as out:
+        shards = out.write_weights({"model": _units(modules), "mtp": _units(side)})
+        out.write_json("config.json", {"a": 1})
+    assert not (tmp_path / ".out.partial").exists()
+    files = sorted(p.name for p in dst.iterdir())
+    model_files = [s.file for s in shards if s.group == "model"]
+    assert len(model_files) > 2
+    n = len(model_files)
+    assert model_files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    mtp_files = [s.file for s in shards if s.group == "mtp"]
+    assert files == sorted(model_files + mtp_files + ["config.json", "model.safetensors.index.json"]
+                           + (["mtp.safetensors.index.json"] if len(mtp_files) > 1 else []))
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    expected = _all(modules)
+    read = {}
+    for file in model_files:
+        loaded = load_file(dst / file)
+        data_bytes = sum(a.nbytes for a in loaded.values())
+        # a shard passes the limit only when it holds a single module
+        assert data_bytes <= limit or len({k.rsplit(".", 1)[0] for k in loaded}) == 1
+        assert all(index["weight_map"][k] == file for k in loaded)
+        read.update(loaded)
+    assert set(read) == set(expected) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in expected.values())
+    for name, array in expected.items():
+        assert read[name].dtype == array.dtype and read[name].shape == array.shape
+        assert read[name].tobytes() == array.tobytes(), name
+    side_read = {}
+    for file in mtp_files:
+        side_read.update(mx.load(str(dst / file)))
+    assert set(side_read) == set(_all(side))
+    w = "layers.0.proj.weight"
+    assert np.array_equal(np.array(side_read[w]), _all(side)[w])
+
+
+def test_assignment_is_greedy_in_order_and_deterministic():
+    units = [Unit(f"u{i}", size, lambda: {}) for i, size in enumerate([5, 5, 1, 9, 20, 3])]
+    shards = assign_shards({"model": units, "vision": units[:2]}, 10)
+    assert [s.keys for s in shards] == [("u0", "u1"), ("u2", "u3"), ("u4",), ("u5",),
+                                        ("u0", "u1")]
+    assert [s.file for s in shards][-1] == "vision.safetensors"
+    assert shard_name("model", 0, 1) == "model-00001-of-00001.safetensors"
+    assert shards == assign_shards({"model": units, "vision": units[:2]}, 10)
+    with pytest.raises(ConversionError, match="must not start with 'model'"):
+        assign_shards({"model_mtp": units}, 10)
+    with pytest.raises(ConversionError, match="u0 is given twice"):
+        assign_shards({"model": units + units[:1]}, 10)
+
+
+def test_header_larger_than_reserved_is_rewritten_exactly(tmp_path):
+    rng = np.random.default_rng(3)
+    many = {f"m.{'x' * 200}.{i}": ("F32", rng.normal(size=(i + 1,)).astype(np.float32))
+            for i in range(40)}
+    unit = Unit("m", sum(a.nbytes for _, a in many.values()), lambda: dict(many))
+    with ModelDirWriter(tmp_path / "out", {}, progress=False) as out:
+        out.write_weights({"model": [unit]})
+    loaded = load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")
+    assert {k: v.tobytes() for k, v in loaded.items()} == {k: a.tobytes() for k, (_, a) in many.items()}
+
+
+def test_bad_input_leaves_nothing_behind(tmp_path):
+    modules = _tensors(0)
+    key = list(modules)[-1]
+    with pytest.raises(ValueError, match=f"stopped at {key}"):
+        with ModelDirWriter(tmp_path / "out", {}, max_shard_bytes=500, progress=False) as out:
+            out.write_weights({"model": _units(modules, fail_on=key, error=ValueError)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_declared_size_must_match(tmp_path):
+    unit = Unit("a", 5, lambda: {"a": ("U8", np.zeros(4, np.uint8))})
+    with pytest.raises(ConversionError, match="unit a declared 5 bytes but produced 4"):
+        with ModelDirWriter(tmp_path / "out", {}, progress=False) as out:
+            out.write_weights({"model": [unit]})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_destination_exists_and_overwrite(tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "old.txt").write_text("x")
+    with pytest.raises(ConversionError, match="already exists.*--overwrite"):
+        ModelDirWriter(dst, {}).__enter__()
+    assert (dst / "old.txt").exists() and not (tmp_path / ".out.partial").exists()
+    with ModelDirWriter(dst, {}, overwrite=True, progress=False) as out:
+        out.write_weights({"model": _units(_tensors(0, 2))})
+    assert not (dst / "old.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_resume_redoes_only_unfinished_shards_and_gives_the_same_directory(tmp_path):
+    modules = _tensors(5, 9)
+    with ModelDirWriter(tmp_path / "ref", {"v": 1}, max_shard_bytes=600, progress=False) as out:
+        shards = out.write_weights({"model": _units(modules)})
+        out.write_json("config.json", {"a": 1})
+    assert len(shards) >= 3
+    stop = shards[2].keys[0]
+    dst = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with ModelDirWriter(dst, {"v": 1}, max_shard_bytes=600, progress=False) as out:
+            out.write_weights({"model": _units(modules, fail_on=stop)})
+    tmp = tmp_path / ".out.partial"
+    assert sorted(p.name for p in tmp.iterdir()) == sorted([s.file for s in shards[:2]] + ["plan.json"])
+    assert not dst.exists()
+    # without --resume an unfinished conversion is not touched
+    with pytest.raises(ConversionError, match="--resume"):
+        ModelDirWriter(dst, {"v": 1}, max_shard_bytes=600).__enter__()
+    # other options: refused, and the partial work stays
+    with pytest.raises(ConversionError, match="v: was 1, now 2"):
+        with ModelDirWriter(dst, {"v": 2}, max_shard_bytes=600, resume=True) as out:
+            pass
+    assert (tmp / shards[0].file).exists()
+    calls = []
+    with ModelDirWriter(dst, {"v": 1}, max_shard_bytes=600, resume=True, progress=False) as out:
+        out.write_weights({"model": _units(modules, calls=calls)})
+        out.write_json("config.json", {"a": 1})
+    done_before = {k for s in shards[:2] for k in s.keys}
+    assert calls == [k for s in shards[2:] for k in s.keys] and not done_before & set(calls)
+    assert _read_dir(dst) == _read_dir(tmp_path / "ref")
+    assert not tmp.exists()
+
+
+def test_resume_with_other_shard_plan_is_refused(tmp_path):
+    modules = _tensors(5, 9)
+    dst = tmp_path / "out"
+    units = _units(modules, fail_on=list(modules)[-1])
+    with pytest.raises(KeyboardInterrupt):
+        with ModelDirWriter(dst, {}, max_shard_bytes=600, progress=False) as out:
+            out.write_weights({"model": units})
+    with pytest.raises(ConversionError, match="shards of the partial conversion differ"):
+        with ModelDirWriter(dst, {}, max_shard_bytes=600, resume=True, progress=False) as out:
+            out.write_weights({"model": _units(modules)[:-1]})
+    assert (tmp_path / ".out.partial" / "plan.json").exists()
+
+
+def test_verify_finds_a_changed_row(tmp_path):
+    modules = _tensors(2, 4)
+    units = _units(modules)
+    with ModelDirWriter(tmp_path / "ok", {}, progress=False) as out:
+        out.write_weights({"model": units})
+        assert out.verify({"model": units}, rows=4) == len(_all(modules))
+    name = "layers.3.proj.weight"
+    info_rows = modules["layers.3.proj"][name][1].shape[0]
+    with pytest.raises(ConversionError, match=rf"tensor {name} row \d+ differs"):
+        with ModelDirWriter(tmp_path / "bad", {}, progress=False) as out:
+            out.write_weights({"model": units})
+            from dsv4.safetensors_file import read_header
+            shard = out.path("model-00001-of-00001.safetensors")
+            info = read_header(shard)[0][name]
+            with open(shard, "r+b") as f:  # flip a byte of the last row (always sampled)
+                f.seek(info.offset + info.nbytes - 1)
+                byte = f.read(1)[0]
+                f.seek(info.offset + info.nbytes - 1)
+                f.write(bytes([byte ^ 1]))
+            out.verify({"model": units}, rows=info_rows)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / ".bad.partial").exists()
