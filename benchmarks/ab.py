@@ -36,6 +36,7 @@ from benchmarks import hardware
 
 RESULT_PREFIX = "DSV4_RESULT "
 STAGE_KEY = "stage_profile_ms"
+HEADLINE = ("generation_tps", "prompt_tps", "ttft_s", "peak_memory_gb")   # first rows of a report
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
@@ -264,7 +265,9 @@ def render_report(title: str, when: datetime, machine: dict, base: list[str],
               f"Reproduce: `{invocation}`", "",
               "## Results", "", f"Median [min - max] over the {measured} measured runs of each "
               "variant. wall_s is the whole process (start-up and loading included).", ""]
-    metrics = [m for m in summary[names[0]] if not m.startswith(STAGE_KEY)]
+    found = list(dict.fromkeys(m for n in names for m in summary[n]))
+    metrics = [m for m in HEADLINE if m in found] + [
+        m for m in found if m not in HEADLINE and not m.startswith(STAGE_KEY)]
     lines += _table(["metric", *names], [
         [m, *(f"{_fmt(s.median)} [{_fmt(s.min)} - {_fmt(s.max)}]" if (s := summary[n].get(m))
               else "-" for n in names)] for m in metrics])
@@ -285,7 +288,7 @@ def render_report(title: str, when: datetime, machine: dict, base: list[str],
                   f"({outputs[exact[0]][0]})."]
     elif not exact:
         lines += ["", "Exactness: no variant was declared exact; outputs are listed, not checked."]
-    stages = sorted({m for n in names for m in summary[n] if m.startswith(STAGE_KEY)})
+    stages = [m for m in found if m.startswith(STAGE_KEY)]
     if stages:
         lines += ["", "## Stage profile", "", "Milliseconds per decode step (median over runs) "
                   "from DSV4_STAGE_PROFILE=1; each stage boundary forces a sync (see "
