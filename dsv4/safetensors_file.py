@@ -101,15 +101,12 @@ def view(info: TensorInfo) -> np.ndarray:
     return np.memmap(info.file, dtype=info.storage, mode="r", offset=info.offset, shape=info.shape)
 
 
-def to_mx(info: TensorInfo, array: Optional[np.ndarray] = None):
-    """The tensor as an MLX array: BF16 as bfloat16, F16/F32 as such, fp8 as uint8 codes."""
+def to_mx(array: np.ndarray, dtype: str):
+    """A storage array as an MLX array: BF16 as bfloat16, F16/F32 as such, fp8 as uint8 codes."""
     import mlx.core as mx
 
-    data = np.ascontiguousarray(view(info) if array is None else array)
-    out = mx.array(data)
-    if info.dtype == "BF16":
-        out = out.view(mx.bfloat16)
-    return out
+    out = mx.array(np.ascontiguousarray(array))
+    return out.view(mx.bfloat16) if dtype == "BF16" else out
 
 
 class Checkpoint:

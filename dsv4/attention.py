@@ -1,0 +1,338 @@
+"""V4.1 attention: Q-LoRA, window KV, Compressor, Indexer, sparse attention with sink,
+grouped low-rank output (model-spec §3).
+
+Every layer attends to its sliding window of raw KV rows. Layers with a compress
+ratio also attend to the compressed rows of their kv source, picked per query by the
+top-k of the most recent index source. Which layer plays which role comes from the
+config (`ModelArgs.kv_source`, `index_source`, `uses_candidates`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import flags
+from .cache import Cache, LayerCache
+from .config import ModelArgs
+from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
+
+
+class RMSNorm(nn.Module):
+    """w * x * rsqrt(mean(x^2) + eps), computed in fp32, returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dim,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = x.astype(mx.float32)
+        h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return (h * self.weight.astype(mx.float32)).astype(x.dtype)
+
+
+def fp8_input(x: mx.array) -> mx.array:
+    """The official fp8/fp4 matmuls see their input rounded to fp8 per 32 values."""
+    return qdq_fp8(x) if flags.get("act_quant") else x
+
+
+# --- RoPE ---------------------------------------------------------------------------------
+
+def rope_frequencies(args: ModelArgs, ratio: int) -> np.ndarray:
+    """omega_k of the interleaved RoPE: base theta for window-only layers, YaRN-scaled
+    compress theta for layers with a ratio (no mscale)."""
+    dims = args.qk_rope_head_dim
+    base = args.compress_rope_theta if ratio else args.rope_theta
+    omega = base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    scaling = args.rope_scaling or {}
+    factor = float(scaling.get("factor", 1.0))
+    if ratio and factor > 1:
+        original = float(scaling.get("original_max_position_embeddings", 65536))
+
+        def corr(rotations: float) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(float(scaling.get("beta_fast", 32)))), 0)
+        high = min(math.ceil(corr(float(scaling.get("beta_slow", 1)))), dims - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
+        omega = omega / factor * ramp + omega * (1 - ramp)
+    return omega.astype(np.float32)
+
+
+def rope(x: mx.array, positions: mx.array, omega: mx.array, inverse: bool = False) -> mx.array:
+    """Rotate adjacent pairs of the last len(omega)*2 dims of x [B, S, ..., D] by
+    positions [S] * omega; `inverse` rotates back."""
+    dims = omega.shape[0] * 2
+    angle = positions.astype(mx.float32)[:, None] * omega[None, :]  # [S, dims/2]
+    for _ in range(x.ndim - 3):
+        angle = angle[:, None, :]
+    cos, sin = mx.cos(angle), mx.sin(angle)
+    if inverse:
+        sin = -sin
+    tail = x[..., -dims:].astype(mx.float32)
+    tail = tail.reshape(*tail.shape[:-1], dims // 2, 2)
+    a, b = tail[..., 0], tail[..., 1]
+    rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], dims)
+    return mx.concatenate([x[..., :-dims], rotated.astype(x.dtype)], axis=-1)
+
+
+# --- selection ------------------------------------------------------------------------------
+
+def topk_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest fp32 scores along the last axis; ties go to the lower
+    index (scores and indices are packed into one unique int64 key)."""
+    bits = scores.astype(mx.float32).view(mx.int32)
+    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+    index = mx.arange(scores.shape[-1], dtype=mx.int64)
+    key = ordered * (1 << 32) + ((1 << 32) - 1 - index)
+    return mx.argpartition(-key, k - 1, axis=-1)[..., :k].astype(mx.int32)
+
+
+def window_indices(start: int, length: int, held_start: int, window: int) -> mx.array:
+    """[S, window] row of each query's window positions in the held rows, -1 for none."""
+    t = start + np.arange(length)[:, None]
+    u = t - window + 1 + np.arange(window)[None, :]
+    return mx.array(np.where(u >= max(held_start, 0), u - held_start, -1).astype(np.int32))
+
+
+# --- sparse attention (reference) -------------------------------------------------------------
+
+def _gather(kv: mx.array, idx: mx.array) -> mx.array:
+    b, n, d = kv.shape
+    base = (mx.arange(b, dtype=mx.int32) * n).reshape(b, 1, 1)
+    flat = (mx.maximum(idx, 0) + base).reshape(-1)
+    return kv.reshape(b * n, d)[flat].reshape(*idx.shape, d)
+
+
+def sparse_attention(q: mx.array, sets: list[tuple[mx.array, mx.array]], sinks: mx.array,
+                     scale: float, block: int = 128) -> mx.array:
+    """One softmax over the rows each query picks from each KV set, plus a per-head sink.
+
+    q is [B, S, H, D]; each set is (kv [B, N, D], idx [B or 1, S, k]) with -1 = none.
+    Scores in fp32; the probabilities are rounded to kv's dtype before PV (as the
+    official kernel does with bf16); the sink only adds exp(sink) to the denominator.
+    A query with no valid row gives zeros. Returns [B, S, H, D] in q's dtype.
+    """
+    b, s = q.shape[:2]
+    outs = []
+    for lo in range(0, s, block):
+        hi = min(s, lo + block)
+        keys, valid = [], []
+        for kv, idx in sets:
+            idx = mx.broadcast_to(idx[:, lo:hi], (b, hi - lo, idx.shape[-1]))
+            keys.append(_gather(kv, idx))
+            valid.append(idx >= 0)
+        keys = mx.concatenate(keys, axis=2).astype(mx.float32)      # [B, s, K, D]
+        valid = mx.concatenate(valid, axis=-1)[:, :, None, :]        # [B, s, 1, K]
+        logits = (q[:, lo:hi].astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale
+        logits = mx.where(valid, logits, -mx.inf)
+        m = mx.maximum(mx.max(logits, axis=-1, keepdims=True), -1e30)
+        p = mx.exp(logits - m)
+        denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks.astype(mx.float32)[:, None] - m)
+        p = p.astype(sets[0][0].dtype).astype(mx.float32)
+        outs.append(((p @ keys) / denom).astype(q.dtype))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+
+# --- per-forward shared state ------------------------------------------------------------------
+
+@dataclass
+class ForwardState:
+    """What layers of one forward hand to later layers (model-spec 3.6)."""
+    start: int
+    length: int
+    cache: Cache
+    positions: mx.array
+    window_idx: Optional[mx.array] = None
+    topk: Optional[mx.array] = None          # [B, S, k] of the latest index source
+    candidates: Optional[mx.array] = None    # [B, S, N] bool of the candidate source
+    emitted: dict = field(default_factory=dict)  # kv source layer -> latents emitted now
+
+
+class Compressor(nn.Module):
+    """Pools groups of `ratio` tokens into one latent (ratio 1: one latent per token)."""
+
+    def __init__(self, args: ModelArgs, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(args.hidden_size, args.head_dim, bias=False)
+        if ratio > 1:
+            self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False)
+        self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, state: ForwardState, lc: LayerCache) -> tuple[Optional[mx.array], int]:
+        """-> (latents [B, n, Dh] of the groups completed by this chunk or None, first group index)."""
+        r, start, end = self.ratio, state.start, state.start + state.length
+        if r == 1:
+            return self.norm(self.wkv(x)), start
+        h = x.astype(mx.float32)
+        state.cache.append_compressor_inputs(
+            lc, h @ self.wkv.weight.astype(mx.float32).T, h @ self.wgate.weight.astype(mx.float32).T)
+        first, last = start // r, end // r
+        if last == first:
+            return None, first
+        lo = first * r - lc.comp_start
+        hi = last * r - lc.comp_start
+        b, d = x.shape[0], lc.comp_kv.shape[-1]
+        kv = lc.comp_kv[:, lo:hi].reshape(b, last - first, r, d)
+        gate = lc.comp_gate[:, lo:hi].reshape(b, last - first, r, d)
+        pooled = mx.sum(kv * mx.softmax(gate, axis=2), axis=2)
+        return self.norm(pooled.astype(x.dtype)), first
+
+
+class Indexer(nn.Module):
+    """Scores compressed positions for each query and keeps the top-k (model-spec 3.6)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        self.layer = layer
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        if layer in args.kv_source_layer_ids:
+            self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def keys(self, latents: mx.array, first: int, ratio: int, omega: mx.array) -> mx.array:
+        k = self.k_norm(self.wk(latents))
+        k = rope(k, (first + mx.arange(latents.shape[1])) * ratio, omega)
+        return qdq_fp4_pow2(k) if flags.get("kv_qdq") else k
+
+    def __call__(self, x: mx.array, qr: mx.array, keys: mx.array, state: ForwardState,
+                 omega: mx.array, ratio: int) -> mx.array:
+        b, s, _ = x.shape
+        q = self.wq_b(fp8_input(qr)).reshape(b, s, self.n_heads, self.head_dim)
+        q = rope(q, state.positions, omega)
+        if flags.get("kv_qdq"):
+            q = qdq_fp4_pow2(q)
+        w = self.weights_proj(x).astype(mx.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B,S,h,N]
+        scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
+        n = keys.shape[1]
+        visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]
+        scores = mx.where(mx.arange(n)[None, :] < visible, scores, -mx.inf)
+        if self.args.is_candidate_source(self.layer):
+            state.candidates = self._candidates(scores, visible)
+        elif self.args.uses_candidates(self.layer) and state.candidates is not None:
+            scores = mx.where(state.candidates[..., :n], scores, -mx.inf)
+        k = min(self.args.index_topk, n)
+        chosen = topk_indices(scores, k)
+        return mx.where(chosen < visible, chosen, -1)
+
+    def _candidates(self, scores: mx.array, visible: mx.array) -> mx.array:
+        """Blocks of positions ranked by their best score, the newest always kept."""
+        size = self.args.candidate_block_size
+        b, s, n = scores.shape
+        pad = -n % size
+        padded = mx.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=-mx.inf)
+        blocks = mx.max(padded.reshape(b, s, -1, size), axis=-1)
+        nb = blocks.shape[-1]
+        newest = mx.where(visible > 0, (visible - 1) // size, -1)                          # [S,1]
+        blocks = mx.where(mx.arange(nb)[None, :] == newest, mx.inf, blocks)
+        kb = min(self.args.candidate_topk_blocks, nb)
+        chosen = topk_indices(blocks, kb)
+        keep = mx.take_along_axis(blocks, chosen, axis=-1) > -mx.inf
+        mask = mx.put_along_axis(mx.zeros(blocks.shape, mx.bool_), chosen, keep, axis=-1)
+        return mx.repeat(mask, size, axis=-1)[..., :n]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        self.layer = layer
+        self.ratio = args.ratio(layer)
+        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        group_in = self.n_heads * self.head_dim // args.o_groups
+        self.wo_a = nn.Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.attn_sink = mx.zeros((self.n_heads,), mx.float32)
+        if self.ratio and layer in args.kv_source_layer_ids:
+            self.compressor = Compressor(args, self.ratio)
+        if self.ratio and layer in args.index_source_layer_ids:
+            self.indexer = Indexer(args, layer)
+        self._omega = mx.array(rope_frequencies(args, self.ratio))
+
+    def __call__(self, x: mx.array, state: ForwardState) -> mx.array:
+        b, s, _ = x.shape
+        cache = state.cache
+        lc = cache[self.layer]
+        qr = self.q_norm(self.wq_a(fp8_input(x)))
+        q = self.wq_b(fp8_input(qr)).reshape(b, s, self.n_heads, self.head_dim)
+        q = rope(q, state.positions, self._omega)
+        kv = rope(self.kv_norm(self.wkv(fp8_input(x))), state.positions, self._omega)
+        if flags.get("kv_qdq"):
+            kv = qdq_fp8(kv)
+        held_start = lc.window_start
+        held = cache.append_window(lc, kv)
+        sets = [(held, window_indices(state.start, s, held_start, self.args.sliding_window)[None])]
+        if self.ratio:
+            if "compressor" in self:
+                self._compress(x, state, lc)
+            if "indexer" in self:
+                keys = self._index_keys(state)
+                state.topk = (mx.zeros((b, s, 0), mx.int32) if keys is None or keys.shape[1] == 0
+                              else self.indexer(x, qr, keys, state, self._omega, self.ratio))
+            compressed = cache[self.args.kv_source(self.layer)].compressed
+            if compressed is not None and state.topk is not None and state.topk.shape[-1]:
+                sets.append((compressed, state.topk))
+        o = sparse_attention(q, sets, self.attn_sink, self.head_dim ** -0.5)
+        o = rope(o, state.positions, self._omega, inverse=True)
+        return self.wo_b(fp8_input(self._grouped_wo_a(o.reshape(b, s, -1))))
+
+    def _compress(self, x: mx.array, state: ForwardState, lc: LayerCache) -> None:
+        latents, first = self.compressor(x, state, lc)
+        if latents is None:
+            state.emitted[self.layer] = False
+            return
+        state.emitted[self.layer] = True
+        positions = (first + mx.arange(latents.shape[1])) * self.ratio
+        row = rope(latents, positions, self._omega)
+        if flags.get("kv_qdq"):
+            row = qdq_fp4_e4m3(row)
+        lc.compressed = row if lc.compressed is None else mx.concatenate([lc.compressed, row], axis=1)
+        if "indexer" in self and "wk" in self.indexer:
+            k = self.indexer.keys(latents, first, self.ratio, self._omega)
+            lc.index_keys = k if lc.index_keys is None else mx.concatenate([lc.index_keys, k], axis=1)
+            state.cache.key_publisher = self.layer
+
+    def _index_keys(self, state: ForwardState) -> Optional[mx.array]:
+        source = self.args.kv_source(self.layer)
+        cache = state.cache
+        if (flags.get("index_key_quirk") and state.emitted.get(source) is False
+                and cache.key_publisher is not None):
+            # The reference scores against the last published keys, cut to this layer's count.
+            end = (state.start + state.length) // self.ratio
+            return cache[cache.key_publisher].index_keys[:, :end]
+        return cache[source].index_keys
+
+    def _grouped_wo_a(self, o: mx.array) -> mx.array:
+        """Each group of heads through its own block of wo_a: [B, S, H*Dh] -> [B, S, G*L]."""
+        g, b, s = self.args.o_groups, o.shape[0], o.shape[1]
+        x = o.reshape(b * s, g, 1, -1)
+        rows = self.args.o_lora_rank
+        idx = mx.arange(g)[None]
+        if isinstance(self.wo_a, nn.QuantizedLinear):
+            w = self.wo_a
+            out = mx.gather_qmm(x, w.weight.reshape(g, rows, -1), w.scales.reshape(g, rows, -1),
+                                None if w.get("biases") is None else w.biases.reshape(g, rows, -1),
+                                rhs_indices=idx, transpose=True, group_size=w.group_size,
+                                bits=w.bits, mode=w.mode)
+        else:
+            out = mx.gather_mm(x, self.wo_a.weight.reshape(g, rows, -1).swapaxes(-1, -2), rhs_indices=idx)
+        return out.reshape(b, s, g * rows)
+

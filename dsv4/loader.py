@@ -1,0 +1,156 @@
+"""`load(path_or_repo)`: a model directory -> (Model, Tokenizer).
+
+Two layouts are accepted:
+  * the official checkpoint (`config.json` with fp8 `quantization_config`, official
+    tensor names, fp8/fp4 with e8m0 scales): packed losslessly to MLX mxfp8/mxfp4 on
+    the fly through dsv4.layout, Engram tables read in place from the shards;
+  * a dsv4 model directory (`config.json` with a `dsv4` block and mlx-lm's
+    `quantization` block), as the converters write it.
+Weights are loaded module by module and evaluated as they arrive, so loading never
+holds more than the weights plus one module's source tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .config import ModelArgs
+from .engram import NgramHasher, build_token_map
+from .model import Model
+from .safetensors_file import Checkpoint, CheckpointError, to_mx, view
+from .tokenizer import Tokenizer
+
+DEMO_DIR = Path(__file__).parent / "demo"
+FORMAT_VERSION = 1
+
+
+def resolve(path_or_repo: Optional[str | Path]) -> Path:
+    """A local directory as is; None -> the bundled demo; else a Hugging Face repo id."""
+    if path_or_repo is None:
+        if not (DEMO_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the bundled demo checkpoint is missing from {DEMO_DIR}")
+        return DEMO_DIR
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json (not a model directory)")
+        return path
+    if str(path_or_repo).count("/") != 1:
+        raise FileNotFoundError(f"{path_or_repo}: no such directory (and not a repo id owner/name)")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path_or_repo), allow_patterns=[
+        "*.json", "*.safetensors", "tokenizer*", "*.bin"]))
+
+
+def read_config(path: Path) -> tuple[dict, ModelArgs]:
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    return config, ModelArgs.from_dict(config, source=str(file))
+
+
+def _quantize(model: Model, quant: dict[str, dict]) -> None:
+    """Turn the named modules into their quantized forms (before weights arrive)."""
+    if quant:
+        nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if hasattr(m, "to_quantized") else False)
+
+
+def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected: dict, seen: set) -> None:
+    for name, a in arrays.items():
+        want = expected.get(name)
+        if want is None:
+            raise CheckpointError(f"{where}: tensor {name} is not a parameter of the model")
+        if tuple(want.shape) != tuple(a.shape):
+            raise CheckpointError(f"{where}: tensor {name} has shape {list(a.shape)}, "
+                                  f"expected {list(want.shape)}")
+        if (want.dtype in (mx.uint32, mx.uint8)) != (a.dtype in (mx.uint32, mx.uint8)):
+            raise CheckpointError(f"{where}: tensor {name} is {a.dtype}, expected {want.dtype}")
+    model.load_weights(list(arrays.items()), strict=False)
+    mx.eval(list(arrays.values()))
+    seen.update(arrays)
+
+
+def _check_complete(model: Model, seen: set, where: Path) -> None:
+    missing = [n for n, _ in tree_flatten(model.parameters()) if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise CheckpointError(f"{where}: missing tensor(s) {missing[:10]}{more}")
+
+
+def _load_official(path: Path, args: ModelArgs) -> tuple[Model, dict]:
+    from . import layout
+
+    ckpt = Checkpoint(path, "model*.safetensors")
+    items = layout.plan(ckpt, args)
+    model = Model(args)
+    _quantize(model, {it.name: it.quantization for it in items if it.quantization})
+    expected = dict(tree_flatten(model.parameters()))
+    seen: set = set()
+    for item in items:
+        arrays = {n: to_mx(a, dtype) for n, (dtype, a) in item.produce().items()}
+        _load_arrays(model, arrays, str(item.sources[0].file), expected, seen)
+    _check_complete(model, seen, path)
+    return model, layout.engram_table_refs(ckpt, args)
+
+
+def _load_dsv4(path: Path, config: dict, args: ModelArgs) -> tuple[Model, dict]:
+    block = config["dsv4"]
+    if block.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path / 'config.json'}: dsv4 format_version "
+                              f"{block.get('format_version')}, this dsv4 reads {FORMAT_VERSION}")
+    ckpt = Checkpoint(path, "model*.safetensors")
+    quant = config.get("quantization") or {}
+    default = {k: quant[k] for k in ("group_size", "bits", "mode") if k in quant}
+    modules = {n.removesuffix(".scales") for n in ckpt.names() if n.endswith(".scales")}
+    model = Model(args)
+    _quantize(model, {m: quant.get(m, default) for m in modules})
+    expected = dict(tree_flatten(model.parameters()))
+    seen: set = set()
+    by_file: dict[Path, list[str]] = {}
+    for name, info in ckpt.tensors.items():
+        by_file.setdefault(info.file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        arrays = {n: to_mx(view(ckpt[n]), ckpt[n].dtype) for n in names}
+        _load_arrays(model, arrays, str(file), expected, seen)
+    _check_complete(model, seen, path)
+    return model, block.get("engram", {})
+
+
+def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = None) -> Model:
+    config, args = read_config(path)
+    if "dsv4" in config:
+        model, refs = _load_dsv4(path, config, args)
+    else:
+        model, refs = _load_official(path, args)
+    if args.engram_layer_ids:
+        from . import engram_store
+
+        hasher = NgramHasher(args, build_token_map(tokenizer.backend))
+        tables = {}
+        for layer in args.engram_layer_ids:
+            ref = refs.get(str(layer))
+            if ref is None:
+                raise CheckpointError(f"{path}: no Engram table reference for layer {layer}")
+            tables[layer] = engram_store.open_table(ref, path)
+        model.set_engram(hasher, tables)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    model.eval()
+    return model
+
+
+def load(path_or_repo: Optional[str | Path] = None, *, dtype: Optional[mx.Dtype] = None):
+    """-> (model, tokenizer). `dtype` (e.g. mx.float32) casts the float parameters."""
+    path = resolve(path_or_repo)
+    tokenizer = Tokenizer(path)
+    return load_model(path, tokenizer, dtype), tokenizer

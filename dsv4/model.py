@@ -1,0 +1,128 @@
+"""DeepSeek V4.1 Flash: embed -> 4 residual streams -> blocks -> collapse -> norm -> head.
+
+`model(input_ids [B, S], cache)` returns fp32 logits [B, S, vocab] and advances the
+cache by S positions (any S: prefill chunks, single-token decode, draft verification).
+Parameter names are the official checkpoint's (see dsv4.layout).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import profiler
+from .attention import Attention, ForwardState, RMSNorm
+from .cache import Cache
+from .config import ModelArgs
+from .engram import Engram, NgramHasher
+from .hyper import collapse, expand, hc_mixes
+from .moe import MoE
+
+
+class Block(nn.Module):
+    """(Engram) -> attention site -> MoE site, with single-pass mHC (model-spec 2.1)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        self.layer = layer
+        mix = (2 + args.hc_mult) * args.hc_mult
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", mx.zeros((mix, args.hc_mult * args.hidden_size), mx.float32))
+            setattr(self, f"hc_{site}_base", mx.zeros((mix,), mx.float32))
+            setattr(self, f"hc_{site}_scale", mx.ones((3,), mx.float32))
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = Attention(args, layer)
+        self.ffn = MoE(args)
+        if layer in args.engram_layer_ids:
+            self.engram = Engram(args)
+
+    def __call__(self, streams: mx.array, pre: mx.array, state: ForwardState) -> tuple[mx.array, mx.array]:
+        a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale,
+                                         self.hc_attn_base, self.args)
+        x = self.attn_norm(collapse(streams, pre))
+        x = profiler.mark("attention", self.attn(x, state))
+        streams = profiler.mark("mhc", expand(x, streams, a_post, a_comb))
+        f_pre, f_post, f_comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale,
+                                         self.hc_ffn_base, self.args)
+        x = self.ffn_norm(collapse(streams, a_pre))
+        x = profiler.mark("moe", self.ffn(x))
+        streams = profiler.mark("mhc", expand(x, streams, f_post, f_comb))
+        return streams, f_pre
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # Set by the loader: Engram tables by layer id and the n-gram hasher.
+        self._engram_tables: dict[int, object] = {}
+        self._hasher: Optional[NgramHasher] = None
+
+    def set_engram(self, hasher: NgramHasher, tables: dict[int, object]) -> None:
+        missing = [l for l in self.args.engram_layer_ids if l not in tables]
+        if missing:
+            raise ValueError(f"no Engram table for layer(s) {missing}")
+        for layer, table in tables.items():
+            if table.rows != hasher.table_rows[layer]:
+                raise ValueError(f"Engram table {table.name} has {table.rows} rows, the hashing "
+                                 f"addresses {hasher.table_rows[layer]}")
+        self._hasher, self._engram_tables = hasher, dict(tables)
+
+    def make_cache(self, reserve: int = 256) -> Cache:
+        return Cache(self.args.num_hidden_layers, self.args.sliding_window, reserve)
+
+    def start_engram_reads(self, ids: np.ndarray, cache: Cache) -> dict[int, object]:
+        """Hash the new tokens and start every Engram table's reads; returns the requests."""
+        if not self.args.engram_layer_ids:
+            return {}
+        if self._hasher is None:
+            raise RuntimeError("the model has Engram layers but no tables: load it with dsv4.load")
+        h = self._hasher
+        width = self.args.engram_max_ngram_size - 1
+        past = cache.tokens[:, -width:] if cache.offset else np.zeros((ids.shape[0], 0), np.int64)
+        history = np.full((ids.shape[0], width), -1, np.int64)
+        if past.shape[1]:
+            history[:, width - past.shape[1]:] = h.compress(past)
+        rows = h.hash(h.compress(ids), history, cache.offset)
+        return {layer: self._engram_tables[layer].start(rows[layer]) for layer in rows}
+
+    def __call__(self, input_ids, cache: Optional[Cache] = None) -> mx.array:
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
+        bad = (ids < 0) | (ids >= self.args.vocab_size)
+        if bad.any():
+            pos = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"token id {int(ids[pos])} at position {pos} is outside the "
+                             f"vocabulary [0, {self.args.vocab_size})")
+        cache = cache if cache is not None else self.make_cache()
+        if cache.offset and cache.tokens.shape[0] != ids.shape[0]:
+            raise ValueError(f"batch {ids.shape[0]} does not match the cache's {cache.tokens.shape[0]}")
+        b, s = ids.shape
+        if cache.offset == 0:
+            cache.tokens = np.zeros((b, 0), np.int64)
+        requests = self.start_engram_reads(ids, cache)
+        start = cache.offset
+        state = ForwardState(start=start, length=s, cache=cache,
+                             positions=mx.arange(start, start + s, dtype=mx.int32))
+        h = self.embed(mx.array(ids))
+        streams = mx.broadcast_to(h[:, :, None, :], (b, s, self.args.hc_mult, self.args.hidden_size))
+        pre = mx.zeros((b, s, self.args.hc_mult), mx.float32)
+        pre[..., 0] = 1.0
+        for block in self.layers:
+            if block.layer in requests:
+                rows = requests[block.layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
+                streams = profiler.mark("engram", block.engram(streams, rows))
+            streams, pre = block(streams, pre, state)
+        cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
+        x = self.norm(collapse(streams, pre))
+        return profiler.mark("head", x.astype(mx.float32) @ self.head.weight.astype(mx.float32).T)

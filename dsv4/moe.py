@@ -1,0 +1,97 @@
+"""MoE: sqrtsoftplus router with selection bias, clamped-SwiGLU experts, shared expert
+(model-spec §4)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from .attention import fp8_input, topk_indices
+from .config import ModelArgs
+
+
+def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
+    """silu(min(g, limit)) * clip(u, -limit, limit) in fp32."""
+    g, u = g.astype(mx.float32), u.astype(mx.float32)
+    if limit > 0:
+        g, u = mx.minimum(g, limit), mx.clip(u, -limit, limit)
+    return nn.silu(g) * u
+
+
+class Router(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
+        self.bias = mx.zeros((args.n_routed_experts,), mx.float32)
+        self.args = args
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """x [N, D] -> (expert ids [N, k], weights [N, k] fp32). The bias only selects."""
+        a = self.args
+        logits = (x.astype(mx.float32) @ self.weight.astype(mx.float32).T) / a.gate_temp
+        scores = mx.sqrt(nn.softplus(logits))
+        chosen = topk_indices(scores + self.bias, a.num_experts_per_tok)
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
+        if a.norm_topk_prob and a.num_experts_per_tok > 1:
+            weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return chosen, weights * a.routed_scaling_factor
+
+
+class RoutedExperts(nn.Module):
+    """Experts stacked as [E, out, in] (w1 gate, w3 up, w2 down), as dsv4 stores them."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, inter, e = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+        self.w1 = SwitchLinear(d, inter, e, bias=False)
+        self.w3 = SwitchLinear(d, inter, e, bias=False)
+        self.w2 = SwitchLinear(inter, d, e, bias=False)
+        self.limit = args.swiglu_limit
+
+    def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
+        """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]."""
+        n, k = ids.shape
+        # Sorting the (token, expert) pairs by expert lets each expert's rows go together.
+        flat = ids.reshape(-1)
+        order = mx.argsort(flat)
+        inv = mx.argsort(order)
+        xs = fp8_input(x)[order // k][:, None, :]                    # [N*k, 1, D]
+        e = flat[order]
+        big = n * k >= 64
+        h = clamped_swiglu(self.w1(xs, e, sorted_indices=big), self.w3(xs, e, sorted_indices=big),
+                           self.limit)
+        h = h * weights.reshape(-1)[order][:, None, None]
+        y = self.w2(fp8_input(h.astype(x.dtype)), e, sorted_indices=big)
+        y = y[inv].reshape(n, k, -1).astype(mx.float32)
+        return mx.sum(y, axis=1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, inter = args.hidden_size, args.moe_intermediate_size
+        self.w1 = nn.Linear(d, inter, bias=False)
+        self.w3 = nn.Linear(d, inter, bias=False)
+        self.w2 = nn.Linear(inter, d, bias=False)
+        self.limit = args.swiglu_limit
+
+    def __call__(self, x: mx.array) -> mx.array:
+        xq = fp8_input(x)
+        h = clamped_swiglu(self.w1(xq), self.w3(xq), self.limit)
+        return self.w2(fp8_input(h.astype(x.dtype)))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = Router(args)
+        self.experts = RoutedExperts(args)
+        self.shared_experts = SharedExpert(args)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids, weights = self.gate(flat)
+        y = self.experts(flat, ids, weights) + self.shared_experts(flat).astype(mx.float32)
+        return y.reshape(shape).astype(x.dtype)
