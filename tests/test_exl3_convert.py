@@ -1,0 +1,204 @@
+"""EXL3 pack -> dsv4 directory, on tiny synthetic packs made from a tiny official checkpoint.
+
+The pack keeps every official tensor except the routed experts, which become random EXL3
+trellises (any bit pattern is a valid trellis) padded to 128 as exllamav3 pads them. The
+oracle for the experts is the numpy reference decoder; for everything else, the official
+packing (`dsv4.layout`) of the checkpoint the pack was made from.
+"""
+
+import json
+import re
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from convert import exl3, exl3_pack
+from convert import exl3_reference as ref
+from convert.writer import ConversionError
+from dsv4 import layout
+from dsv4.config import ModelArgs
+from dsv4.safetensors_file import Checkpoint, CheckpointError, view
+from dsv4.testing import write_sharded, write_tiny_checkpoint
+
+EXPERT = re.compile(r"^(layers\.(\d+)\.ffn\.experts\.\d+\.w[123])\.(weight|scale)$")
+KS = [1, 2, 3, 4, 5, 6, 7, 8]  # layer i uses K = KS[i], codebook CODEBOOKS[i % 3]
+
+
+def pad128(x):
+    return -(-x // 128) * 128
+
+
+def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=None):
+    """Turn the official checkpoint into an EXL3 pack; returns {module: (K, codebook)}."""
+    rng = np.random.default_rng(seed)
+    ckpt = Checkpoint(official)
+    tensors, coded = {}, {}
+    for name, info in sorted(ckpt.tensors.items()):
+        if name in skip:
+            continue
+        m = EXPERT.match(name)
+        if not m:
+            tensors[name] = (info.dtype, np.array(view(info)))
+            continue
+        if m.group(3) == "scale":
+            continue
+        module, layer = m.group(1), int(m.group(2))
+        k_bits, codebook = KS[layer], ref.CODEBOOKS[layer % 3]
+        out, inp = info.shape[0], 2 * info.shape[1]
+        kp, np_ = pad128(inp), pad128(out)
+        tensors[f"{module}.trellis"] = ("I16", rng.integers(-32768, 32768, (kp // 16, np_ // 16,
+                                                                           16 * k_bits), np.int16))
+        sign = rng.choice([-1.0, 1.0], kp + np_)
+        tensors[f"{module}.suh"] = ("F16", (sign[:kp] * rng.uniform(0.05, 0.1, kp)).astype(np.float16))
+        tensors[f"{module}.svh"] = ("F16", (sign[kp:] * rng.uniform(0.5, 1.0, np_)).astype(np.float16))
+        if codebook != "3inst":
+            value = marker_value if marker_value is not None else \
+                exl3_pack.LOCKED_MULTIPLIERS[codebook]
+            tensors[f"{module}.{codebook}"] = ("I32", np.array([value], np.uint32).view(np.int32))
+        coded[module] = (k_bits, codebook)
+    pack.mkdir()
+    write_sharded(pack, tensors, shards=2)
+    config = json.loads((official / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "exl3", "bits": 4.5, "codebook": "mcg",
+                                     "original_quantization_config": config["quantization_config"]}
+    if config_edit:
+        config_edit(config)
+    (pack / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(official / name, pack / name)
+    return coded
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("official") / "ckpt", seed=3)
+
+
+@pytest.fixture(scope="module")
+def converted(official, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exl3")
+    coded = make_pack(official, root / "pack")
+    errors = exl3.convert(root / "pack", root / "out", workers=1, progress=False)
+    return root, coded, errors
+
+
+def oracle_weight(pack_ckpt, module, codebook, out, inp):
+    """[out, in] float32 from the numpy reference, trimmed of the 128-padding."""
+    w = ref.weight(np.array(view(pack_ckpt[f"{module}.trellis"])),
+                   np.array(view(pack_ckpt[f"{module}.suh"])),
+                   np.array(view(pack_ckpt[f"{module}.svh"])), codebook)
+    return w[:inp, :out].T
+
+
+def test_experts_decode_to_the_reference_within_the_reported_error(converted):
+    root, coded, errors = converted
+    pack, out = Checkpoint(root / "pack"), Checkpoint(root / "out")
+    config = json.loads((root / "out" / "config.json").read_text())
+    args = ModelArgs.from_dict(config)
+    assert config["dsv4"]["exl3"]["added_relative_rms"] == errors
+    for layer in range(args.num_hidden_layers):
+        for proj in ("w1", "w2", "w3"):
+            name = f"layers.{layer}.ffn.experts.{proj}"
+            q = config["quantization"][name]
+            assert q["mode"] == "affine" and q["bits"] == exl3.BITS_FOR_K[KS[layer]]
+            w = mx.dequantize(mx.array(np.array(view(out[f"{name}.weight"]))),
+                              mx.array(np.array(view(out[f"{name}.scales"]))).view(mx.bfloat16),
+                              mx.array(np.array(view(out[f"{name}.biases"]))).view(mx.bfloat16),
+                              group_size=q["group_size"], bits=q["bits"])
+            w = np.array(w.astype(mx.float32))
+            e2 = r2 = 0.0
+            for e in range(args.n_routed_experts):
+                module = f"layers.{layer}.ffn.experts.{e}.{proj}"
+                assert coded[module] == (KS[layer], ref.CODEBOOKS[layer % 3])
+                expect = oracle_weight(pack, module, coded[module][1], *w.shape[1:])
+                e2 += np.sum((w[e] - expect) ** 2)
+                r2 += np.sum(expect**2)
+            measured = np.sqrt(e2 / r2)
+            # the converter's own measure of what requantisation added is this one
+            assert abs(measured - errors[name]) < 0.02 * errors[name] + 1e-4
+            assert measured < {3: 0.25, 4: 0.12, 5: 0.06, 6: 0.03, 8: 0.012}[q["bits"]]
+
+
+def test_official_tensors_are_packed_exactly_as_the_official_layout(converted, official):
+    root, _, _ = converted
+    out = Checkpoint(root / "out")
+    src = Checkpoint(official)
+    args = ModelArgs.from_dict(json.loads((official / "config.json").read_text()))
+    checked = 0
+    for item in layout.plan(src, args):
+        if ".ffn.experts." in item.name:
+            continue
+        for name, (dtype, array) in item.produce().items():
+            assert out[name].dtype == dtype
+            assert np.array_equal(np.array(view(out[name])), array), name
+            checked += 1
+    assert checked > 100
+    experts = [n for n in out.names() if ".experts." in n]
+    assert len(experts) == 3 * 3 * args.num_hidden_layers  # weight, scales, biases per stack
+
+
+def test_converted_directory_loads_and_runs(converted):
+    from dsv4 import load
+
+    model, tokenizer = load(converted[0] / "out")
+    ids = mx.array([tokenizer.encode("The quick brown fox")])
+    logits = model(ids)
+    assert logits.shape[:2] == ids.shape and np.all(np.isfinite(np.array(logits)))
+
+
+def test_bits_override_and_parallel_workers_give_the_same_bytes(converted, tmp_path):
+    root, _, _ = converted
+    exl3.convert(root / "pack", tmp_path / "w2", bits=8, workers=2, progress=False)
+    exl3.convert(root / "pack", tmp_path / "w1", bits=8, workers=1, progress=False)
+    a, b = Checkpoint(tmp_path / "w2"), Checkpoint(tmp_path / "w1")
+    name = "layers.3.ffn.experts.w2.weight"
+    assert a[name].shape[-1] == 64 * 8 // 32
+    assert np.array_equal(np.array(view(a[name])), np.array(view(b[name])))
+
+
+def test_missing_tensors_are_listed(official, tmp_path):
+    make_pack(official, tmp_path / "pack", skip={"layers.2.attn.wq_a.weight", "head.weight"})
+    with pytest.raises(ConversionError, match=r"head\.weight is missing.*layers\.2\.attn\.wq_a"
+                                              r"\.weight is missing"):
+        exl3.convert(tmp_path / "pack", tmp_path / "out", workers=1, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+
+
+def test_unlocked_codebook_multiplier_is_refused(official, tmp_path):
+    make_pack(official, tmp_path / "pack", marker_value=0x12345678)
+    with pytest.raises(CheckpointError, match=r"\.mcg is \[305419896\], expected the locked "
+                                              r"multiplier 0xcbac1fed"):
+        exl3.convert(tmp_path / "pack", tmp_path / "out", workers=1, progress=False)
+
+
+def test_trellis_that_does_not_fit_the_linear_is_refused(official, tmp_path):
+    make_pack(official, tmp_path / "pack")
+    ckpt = Checkpoint(tmp_path / "pack")
+    lin = exl3_pack.scan(ckpt)["layers.0.ffn.experts.0.w1"]
+    with pytest.raises(CheckpointError, match=r"layers\.0\.ffn\.experts\.0\.w1\.trellis is "
+                                              r"\[8, 8, 16\].*expected in 256 and out 64"):
+        exl3_pack.check_fits(lin, 64, 256)
+
+
+def test_virtual_heads_are_restored(tmp_path):
+    config = {"text_config": {"num_attention_heads": 72, "o_groups": 9,
+                              "virtual_heads_from": {"num_attention_heads": 64, "o_groups": 8}},
+              "virtual_heads_from": {"num_attention_heads": 64, "o_groups": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    restored = exl3.read_config(tmp_path)
+    assert restored["text_config"]["num_attention_heads"] == 64
+    assert restored["text_config"]["o_groups"] == 8
+    assert "virtual_heads_from" not in restored["text_config"]
+
+
+def test_official_checkpoint_is_not_taken_for_a_pack(official, tmp_path):
+    with pytest.raises(ConversionError, match="not an EXL3 pack"):
+        exl3.convert(official, tmp_path / "out", workers=1, progress=False)
+
+
+def test_legacy_packed_signs():
+    bits = np.array([0b1000000000000101], dtype=np.uint16).view(np.int16)
+    signs = exl3_pack.unpack_signs(bits)
+    assert signs.tolist() == [-1, 1, -1] + [1] * 12 + [-1]
