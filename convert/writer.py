@@ -31,6 +31,7 @@ produced on demand (`produce()` -> `{tensor name: (safetensors dtype, storage ar
     with ModelDirWriter(dst, fingerprint={"source": ..., "options": ...},
                         overwrite=False, resume=False) as out:
         out.write_weights({"model": units, "mtp": mtp_units})   # streams, shows progress
+        stats = out.metadata("model")                           # units' metadata, all shards
         out.verify({"model": units})                            # optional
         out.write_json("config.json", config)
         out.copy_file(src_dir / "tokenizer.json")
@@ -84,10 +85,13 @@ class ConversionError(ValueError):
 
 @dataclass
 class Unit:
-    """One module's output tensors, produced on demand."""
+    """One module's output tensors, produced on demand. `metadata`, when given, is called after
+    `produce()` and its entries go into the shard's `__metadata__` (a converter keeps per-unit
+    statistics there, e.g. a requantization error, so a resumed run still has them)."""
     key: str                          # unique within its group, e.g. the dsv4 module name
     nbytes: int                       # bytes `produce()` returns (decides the shard)
     produce: Callable[[], Tensors]
+    metadata: Optional[Callable[[], dict[str, str]]] = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,8 @@ class Progress:
 def _header_reserve(units: Sequence[Unit]) -> int:
     """Bytes reserved for a shard's header: ample for 4 tensors per unit (a unit that produces
     more makes the shard be written again with the exact size)."""
-    return _round8(1024 + sum(4 * (len(u.key.encode()) + 160) for u in units))
+    return _round8(1024 + sum(4 * (len(u.key.encode()) + 160) + 256 * (u.metadata is not None)
+                              for u in units))
 
 
 def _round8(n: int) -> int:
@@ -197,6 +202,8 @@ def _write_shard(path: Path, units: Sequence[Unit], progress: Progress, reserve:
                 offset += data.nbytes
                 written += data.nbytes
             del produced
+            if unit.metadata is not None:
+                header["__metadata__"].update(unit.metadata())
             if written != unit.nbytes:
                 raise ConversionError(f"unit {unit.key} declared {unit.nbytes} bytes but produced "
                                       f"{written}")
@@ -398,6 +405,14 @@ class ModelDirWriter:
                 total += info.nbytes
         self.write_json(index_name(group), {"metadata": {"total_size": total},
                                             "weight_map": dict(sorted(weight_map.items()))})
+
+    def metadata(self, group: str = MODEL_GROUP) -> dict[str, str]:
+        """The `__metadata__` of every written shard of `group`, merged."""
+        merged: dict[str, str] = {}
+        for shard in self._shards:
+            if shard.group == group:
+                merged.update(read_header(self.tmp / shard.file)[1])
+        return merged
 
     # -- verification -----------------------------------------------------------------------
 

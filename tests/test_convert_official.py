@@ -1,0 +1,522 @@
+"""Official checkpoint -> dsv4 model directory (convert/official.py, convert/__main__.py).
+
+Oracles: the `safetensors` library's reader for what was written, `dsv4.layout.plan` for what
+must be written, a numpy transcription of e4m3/e2m1 * 2**(e8m0 - 127) for the values, and the
+source files' own bytes for everything copied.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors import deserialize
+from typer.testing import CliRunner
+
+from dsv4 import safetensors_file as sf
+from dsv4.config import ModelArgs
+from dsv4.layout import plan
+from dsv4.testing import write_tiny_checkpoint
+from dsv4_convert import official
+from dsv4_convert.__main__ import app
+from dsv4_convert.official import Requant, convert
+from dsv4_convert.writer import ConversionError
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def load_file(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a file, parsed by the safetensors library, in numpy storage dtypes."""
+    return {name: np.frombuffer(t["data"], sf.STORAGE[t["dtype"]]).reshape(t["shape"])
+            for name, t in deserialize(Path(path).read_bytes())}
+
+
+def e4m3_value(code: np.ndarray) -> np.ndarray:
+    code = code.astype(np.int64)
+    sign = np.where(code & 0x80, -1.0, 1.0)
+    exp, man = (code >> 3) & 0xF, code & 7
+    return sign * np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
+
+
+def fp8_source_value(codes, block_scales):
+    """Official fp8 weight [out, in] with 32x32 e8m0 block scales -> float64."""
+    s = np.repeat(np.repeat(2.0 ** (block_scales.astype(np.int64) - 127), 32, 0), 32, 1)
+    return e4m3_value(codes) * s[:codes.shape[0], :codes.shape[1]]
+
+
+def fp4_source_value(packed, scales):
+    """Official fp4 expert [out, in/2] (low nibble first) with e8m0 per 32 -> float64."""
+    b = packed.view(np.uint8)
+    vals = np.empty((b.shape[0], b.shape[1] * 2))
+    vals[:, 0::2], vals[:, 1::2] = E2M1[b & 15], E2M1[b >> 4]
+    return vals * np.repeat(2.0 ** (scales.astype(np.int64) - 127), 32, 1)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("official") / "src", seed=3)
+
+
+def _copy(source: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(source, dst)
+    return dst
+
+
+def _read_weights(directory: Path, index: str = "model.safetensors.index.json") -> dict:
+    weight_map = json.loads((directory / index).read_text())["weight_map"]
+    out = {}
+    for file in sorted(set(weight_map.values())):
+        loaded = load_file(directory / file)
+        assert {n for n, f in weight_map.items() if f == file} == set(loaded), file
+        out.update(loaded)
+    return out
+
+
+def _add_shard(src: Path, file: str, tensors: dict) -> None:
+    """Add a shard to a checkpoint with an index (as MTP/vision shards lie in the real one)."""
+    sf.write(src / file, tensors)
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({n: file for n in tensors})
+    index_path.write_text(json.dumps(index))
+
+
+def _edit_tensor(src: Path, name: str, change) -> None:
+    """Rewrite the shard holding `name` with `change(dtype, array)` -> (dtype, array) or None."""
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    file = index["weight_map"][name]
+    infos, _ = sf.read_header(src / file)
+    tensors = {n: (i.dtype, np.array(sf.view(i))) for n, i in infos.items()}
+    new = change(*tensors.pop(name))
+    if new is None:
+        del index["weight_map"][name]
+    else:
+        tensors[name] = new
+    sf.write(src / file, tensors)
+    index_path.write_text(json.dumps(index))
+
+
+def _only(tmp_path: Path, *names: str) -> None:
+    """Nothing but `names` is left in tmp_path (no partial output)."""
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+
+
+# --- lossless ------------------------------------------------------------------------------
+
+def test_lossless_directory_holds_the_plan_and_exact_values(source, tmp_path):
+    dst = tmp_path / "out"
+    result = convert(source, dst, verify=True, progress=False)
+    config = json.loads((dst / "config.json").read_text())
+    src_config = json.loads((source / "config.json").read_text())
+    args = ModelArgs.from_dict(src_config)
+    ckpt = sf.Checkpoint(source)
+    items = plan(ckpt, args)
+    weights = _read_weights(dst)
+
+    expected = {}
+    for item in items:
+        for name, (dtype, array) in item.produce().items():
+            expected[name] = array
+    assert set(weights) == set(expected)
+    for name, array in expected.items():
+        assert weights[name].shape == array.shape and weights[name].tobytes() == array.tobytes(), name
+    vision = load_file(dst / "vision.safetensors")
+    assert result.verified_tensors == len(expected) + len(vision)
+
+    # quantization block: the mode each module has in the plan; plain tensors have no scales
+    q = config["quantization"]
+    for item in items:
+        if item.quantization is None:
+            assert f"{item.name.removesuffix('.weight')}.scales" not in weights
+        else:
+            got = q.get(item.name, {k: q[k] for k in ("group_size", "bits", "mode")})
+            assert got == item.quantization, item.name
+    assert "quantization_config" not in config and config["model_type"] == "deepseek_v41"
+    assert config["hidden_size"] == src_config["text_config"]["hidden_size"]
+    assert config["dsv4"]["format_version"] == 1
+    assert config["dsv4"]["source"] == {"kind": "official", "repo": None, "revision": None,
+                                        "path": str(source.resolve())}
+
+    # values: MLX's dequantization of the written packing equals the official formula
+    m = "layers.2.attn.wq_b"
+    got = mx.dequantize(mx.array(weights[f"{m}.weight"]), mx.array(weights[f"{m}.scales"]),
+                        group_size=32, bits=8, mode="mxfp8", dtype=mx.float32)
+    want = fp8_source_value(sf.view(ckpt[f"{m}.weight"]), sf.view(ckpt[f"{m}.scale"]))
+    assert np.array_equal(np.array(got), want)
+    m = "layers.5.ffn.experts.w2"
+    got = mx.dequantize(mx.array(weights[f"{m}.weight"]), mx.array(weights[f"{m}.scales"]),
+                        group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    e = 6
+    want = fp4_source_value(sf.view(ckpt[f"layers.5.ffn.experts.{e}.w2.weight"]),
+                            sf.view(ckpt[f"layers.5.ffn.experts.{e}.w2.scale"]))
+    assert np.array_equal(np.array(got)[e], want)
+
+    # tokenizer copied, vision routing bias in its own file, no mtp file (the source has none)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (dst / name).read_bytes() == (source / name).read_bytes()
+    assert set(vision) == {n for n in ckpt.names() if n.endswith("gate.bias_vl")}
+    assert not list(dst.glob("mtp*"))
+    _only(tmp_path, "out")
+
+
+def test_engram_references_point_at_the_source_rows(source, tmp_path):
+    from dsv4.engram_store import open_table
+
+    dst = tmp_path / "out"
+    convert(source, dst, progress=False)
+    refs = json.loads((dst / "config.json").read_text())["dsv4"]["engram"]
+    weights = _read_weights(source)
+    assert sorted(refs) == ["1", "3"]
+    for layer, ref in refs.items():
+        assert Path(ref["weight"]["file"]).is_absolute()
+        codes = weights[f"layers.{layer}.engram.embed.weight"].view(np.uint8)
+        scales = weights[f"layers.{layer}.engram.embed.scale"].view(np.uint8)
+        rows = np.array([0, 5, ref["rows"] - 1])
+        with open_table(ref, dst) as table:
+            raw = table.read_raw(rows)
+        assert ref["rows"] == codes.shape[0]
+        assert np.array_equal(raw[:, :256], codes[rows]) and np.array_equal(raw[:, 256:], scales[rows])
+
+
+def test_copy_engram_writes_self_contained_tables(source, tmp_path):
+    from dsv4.engram_store import open_table
+
+    dst = tmp_path / "out"
+    convert(source, dst, copy_engram=True, progress=False)
+    refs = json.loads((dst / "config.json").read_text())["dsv4"]["engram"]
+    weights = _read_weights(source)
+    for layer, ref in refs.items():
+        assert ref == {"layout": "interleaved264", "file": f"engram-{int(layer):02d}.bin",
+                       "offset": 0, "rows": weights[f"layers.{layer}.engram.embed.weight"].shape[0]}
+        raw = np.fromfile(dst / ref["file"], np.uint8).reshape(ref["rows"], 264)
+        assert np.array_equal(raw[:, :256], weights[f"layers.{layer}.engram.embed.weight"].view(np.uint8))
+        assert np.array_equal(raw[:, 256:], weights[f"layers.{layer}.engram.embed.scale"].view(np.uint8))
+        with open_table(ref, dst) as table:
+            assert table.rows == ref["rows"]
+
+
+def test_mtp_and_vision_go_to_their_own_files_or_are_dropped(source, tmp_path):
+    src = _copy(source, tmp_path)
+    rng = np.random.default_rng(0)
+    mtp = {"mtp.0.enorm.weight": ("BF16", rng.integers(0, 2**16, (64,), dtype=np.uint16)),
+           "mtp.0.e_proj.weight": ("F8_E4M3", rng.integers(0, 0x7E, (64, 64), dtype=np.uint8)),
+           "mtp.0.e_proj.scale": ("F8_E8M0", rng.integers(120, 130, (2, 2), dtype=np.uint8))}
+    vision = {"vision.patch_embed.weight": ("F32", rng.normal(size=(8, 12)).astype(np.float32)),
+              "aligner.proj.weight": ("F32", rng.normal(size=(4, 8)).astype(np.float32)),
+              "image_newline": ("F32", rng.normal(size=(64,)).astype(np.float32))}
+    _add_shard(src, "model-mtp.safetensors", mtp)
+    _add_shard(src, "model-vision.safetensors", vision)
+    out = tmp_path / "out"
+    convert(src, out, progress=False)
+    got = load_file(out / "mtp.safetensors")
+    assert {n: a.tobytes() for n, a in got.items()} == {n: a.tobytes() for n, (_, a) in mtp.items()}
+    got = load_file(out / "vision.safetensors")
+    assert set(got) == set(vision) | {f"layers.{i}.ffn.gate.bias_vl" for i in range(8)}
+    assert got["image_newline"].tobytes() == vision["image_newline"][1].tobytes()
+    assert not set(_read_weights(out)) & (set(mtp) | set(got))  # mlx-lm never sees them
+    assert [p.name for p in out.glob("model*.safetensors")] == ["model-00001-of-00001.safetensors"]
+
+    dropped = tmp_path / "dropped"
+    convert(src, dropped, drop_mtp=True, drop_vision=True, progress=False)
+    assert not list(dropped.glob("mtp*")) and not list(dropped.glob("vision*"))
+    assert _read_weights(dropped).keys() == _read_weights(out).keys()
+
+
+def test_shards_respect_the_size_limit(source, tmp_path):
+    dst = tmp_path / "out"
+    result = convert(source, dst, max_shard_bytes=300_000, progress=False)
+    files = sorted(dst.glob("model-*.safetensors"))
+    assert result.shards == len(files) > 3
+    for f in files:
+        # a shard above the limit holds a single module (an item larger than the limit)
+        names = {n.rsplit(".", 1)[0] for n in load_file(f)}
+        assert sum(a.nbytes for a in load_file(f).values()) <= 300_000 or len(names) == 1
+    convert(source, tmp_path / "one", progress=False)
+    one = _read_weights(tmp_path / "one")
+    assert {n: a.tobytes() for n, a in _read_weights(dst).items()} == {n: a.tobytes() for n, a in one.items()}
+
+
+# --- requantization -------------------------------------------------------------------------
+
+def test_requantized_experts_and_dense_report_their_true_error(source, tmp_path):
+    dst = tmp_path / "out"
+    result = convert(source, dst, experts=Requant(4, 64), dense=Requant(8, 32), verify=True,
+                     progress=False)
+    config = json.loads((dst / "config.json").read_text())
+    weights = _read_weights(dst)
+    ckpt = sf.Checkpoint(source)
+    q = config["quantization"]
+
+    def quant(module):
+        return q.get(module, {k: q[k] for k in ("group_size", "bits", "mode")})
+
+    sums = {}
+    for layer in range(8):
+        for kind in ("ffn.experts.w1", "ffn.experts.w2", "attn.wq_a", "attn.wo_b",
+                     "ffn.shared_experts.w2"):
+            m = f"layers.{layer}.{kind}"
+            qm = quant(m)
+            assert qm == ({"group_size": 64, "bits": 4, "mode": "affine"} if "experts.w" in kind
+                          and "shared" not in kind else {"group_size": 32, "bits": 8, "mode": "affine"})
+            bf16 = {k: mx.array(weights[f"{m}.{k}"]).view(mx.bfloat16) for k in ("scales", "biases")}
+            got = np.array(mx.dequantize(
+                mx.array(weights[f"{m}.weight"]), bf16["scales"], bf16["biases"],
+                group_size=qm["group_size"], bits=qm["bits"], mode="affine",
+                dtype=mx.float32)).astype(np.float64)
+            if "experts.w" in kind and "shared" not in kind:
+                want = np.stack([fp4_source_value(sf.view(ckpt[f"layers.{layer}.ffn.experts.{e}.{kind[-2:]}.weight"]),
+                                                  sf.view(ckpt[f"layers.{layer}.ffn.experts.{e}.{kind[-2:]}.scale"]))
+                                 for e in range(8)])
+            else:
+                want = fp8_source_value(sf.view(ckpt[f"{m}.weight"]), sf.view(ckpt[f"{m}.scale"]))
+            s = sums.setdefault(kind, [0.0, 0.0])
+            s[0] += np.sum((got - want) ** 2)
+            s[1] += np.sum(want ** 2)
+    for kind, (e2, r2) in sums.items():
+        true = (e2 / r2) ** 0.5
+        assert result.requant_errors[kind] == pytest.approx(true, rel=1e-4), kind
+        assert 0 < true < (0.12 if "experts.w" in kind and "shared" not in kind else 0.01)
+    recorded = config["dsv4"]["requantization"]
+    assert recorded["experts"]["bits"] == 4 and recorded["dense"]["group_size"] == 32
+    assert recorded["experts"]["relative_error"]["ffn.experts.w1"] == result.requant_errors["ffn.experts.w1"]
+    assert "ffn.experts.w1" not in recorded["dense"]["relative_error"]
+    # plain tensors untouched
+    assert weights["layers.0.attn_norm.weight"].tobytes() == sf.view(ckpt["layers.0.attn_norm.weight"]).tobytes()
+
+
+@pytest.mark.parametrize("bits,group", [(5, 64), (4, 48)])
+def test_requant_options_are_checked(bits, group):
+    with pytest.raises(ConversionError, match="must be one of"):
+        Requant(bits, group)
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+_KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from dsv4_convert import official
+    real_plan = official.plan
+    def plan(ckpt, args):
+        items = real_plan(ckpt, args)
+        victim = items[int(sys.argv[3])]
+        real = victim.produce
+        def produce():
+            os.kill(os.getpid(), signal.SIGKILL)   # killed: no handler, no cleanup runs
+        victim.produce = produce
+        return items
+    official.plan = plan
+    official.convert(sys.argv[1], sys.argv[2], max_shard_bytes=400_000, progress=False)
+""")
+
+
+def _tree(path: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_resume_after_a_kill_gives_the_same_directory(source, tmp_path):
+    reference = tmp_path / "reference"
+    convert(source, reference, max_shard_bytes=400_000, progress=False)
+    shards = sorted(reference.glob("model-*.safetensors"))
+    assert len(shards) >= 4
+    dst = tmp_path / "out"
+    victim = len(plan(sf.Checkpoint(source), ModelArgs.from_dict(
+        json.loads((source / "config.json").read_text())))) * 3 // 4
+    run = subprocess.run([sys.executable, "-c", _KILLER, str(source), str(dst), str(victim)],
+                         capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    partial = tmp_path / ".out.partial"
+    finished = sorted(p.name for p in partial.glob("model-*.safetensors"))
+    assert 1 <= len(finished) < len(shards)
+    assert not dst.exists()
+    before = {f: (partial / f).stat().st_mtime_ns for f in finished}
+    with pytest.raises(ConversionError, match="--resume"):
+        convert(source, dst, max_shard_bytes=400_000, progress=False)
+    convert(source, dst, max_shard_bytes=400_000, progress=False, resume=True)
+    assert {f: (dst / f).stat().st_mtime_ns for f in finished} == before  # not written again
+    assert _tree(dst) == _tree(reference)
+    _only(tmp_path, "reference", "out")
+
+
+def test_resume_refuses_other_options(source, tmp_path):
+    dst = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        real = official.requantized_unit
+
+        def interrupted(item, spec):
+            unit = real(item, spec)
+            if item.name == "layers.7.ffn.experts.w3":
+                def stop():
+                    raise KeyboardInterrupt
+                unit.produce = stop
+            return unit
+        official.requantized_unit = interrupted
+        try:
+            convert(source, dst, experts=Requant(4, 64), max_shard_bytes=300_000, progress=False)
+        finally:
+            official.requantized_unit = real
+    with pytest.raises(ConversionError, match="experts"):
+        convert(source, dst, experts=Requant(2, 64), max_shard_bytes=300_000, resume=True,
+                progress=False)
+    result = convert(source, dst, experts=Requant(4, 64), max_shard_bytes=300_000, resume=True,
+                     progress=False)
+    # the errors of units written before the interruption come back from the shards' metadata
+    full = convert(source, tmp_path / "full", experts=Requant(4, 64), progress=False)
+    assert result.requant_errors == pytest.approx(full.requant_errors, rel=1e-12)
+    assert _read_weights(dst).keys() == _read_weights(tmp_path / "full").keys()
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+def _bad(tmp_path, source, edit, match):
+    src = _copy(source, tmp_path)
+    edit(src)
+    with pytest.raises(ValueError, match=match):
+        convert(src, tmp_path / "out", progress=False)
+    _only(tmp_path, "src")
+
+
+def test_missing_shard(source, tmp_path):
+    _bad(tmp_path, source, lambda s: (s / "model-00002-of-00003.safetensors").unlink(),
+         r"model-00002-of-00003.safetensors")
+
+
+def test_missing_tensor(source, tmp_path):
+    _bad(tmp_path, source, lambda s: _edit_tensor(s, "layers.4.attn.wkv.scale", lambda d, a: None),
+         r"tensor layers\.4\.attn\.wkv\.scale is missing")
+
+
+def test_extra_tensor(source, tmp_path):
+    _bad(tmp_path, source,
+         lambda s: _add_shard(s, "extra.safetensors", {"layers.2.attn.surprise": ("F32", np.zeros(3, np.float32))}),
+         r"extra\.safetensors: unexpected tensor layers\.2\.attn\.surprise")
+
+
+def test_shape_mismatch(source, tmp_path):
+    _bad(tmp_path, source,
+         lambda s: _edit_tensor(s, "layers.3.attn.q_norm.weight", lambda d, a: (d, a[:16])),
+         r"tensor layers\.3\.attn\.q_norm\.weight is BF16\[16\], expected BF16\[32\]")
+
+
+def test_dtype_mismatch(source, tmp_path):
+    _bad(tmp_path, source,
+         lambda s: _edit_tensor(s, "norm.weight", lambda d, a: ("F16", a.view(np.float16))),
+         r"tensor norm\.weight is F16\[64\], expected BF16\[64\]")
+
+
+def test_truncated_shard(source, tmp_path):
+    def cut(src):
+        path = src / "model-00003-of-00003.safetensors"
+        os.truncate(path, path.stat().st_size - 100)
+    _bad(tmp_path, source, cut, r"model-00003-of-00003\.safetensors: truncated: tensor \S+ ends at")
+
+
+def test_missing_config(source, tmp_path):
+    _bad(tmp_path, source, lambda s: (s / "config.json").unlink(), r"config\.json: not found")
+
+
+def test_destination_exists(source, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match=r"already exists \(use --overwrite"):
+        convert(source, dst, progress=False)
+    assert (dst / "keep.txt").read_text() == "mine"
+    _only(tmp_path, "out")
+    convert(source, dst, overwrite=True, progress=False)
+    assert not (dst / "keep.txt").exists() and (dst / "config.json").is_file()
+    _only(tmp_path, "out")
+
+
+# --- Hugging Face source ---------------------------------------------------------------------
+
+def test_repo_id_downloads_only_the_needed_files(source, tmp_path, monkeypatch):
+    import fnmatch
+
+    import huggingface_hub
+
+    origin = _copy(source, tmp_path / "origin")
+    _add_shard(origin, "model-mtp.safetensors",
+               {"mtp.0.enorm.weight": ("BF16", np.zeros(64, np.uint16))})
+    (origin / "README.md").write_text("not needed")
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "models--deepseek-ai--DeepSeek-V4.1-Flash" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, **kw):
+        calls.append((repo_id, revision, list(allow_patterns)))
+        for f in origin.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy(f, snapshot / f.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    dst = tmp_path / "out"
+    convert("deepseek-ai/DeepSeek-V4.1-Flash", dst, revision="main", drop_mtp=True, progress=False)
+    assert [c[:2] for c in calls] == [("deepseek-ai/DeepSeek-V4.1-Flash", "main")]
+    # weights, index, config and tokenizer files; not the README (nor code, docs, images)
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(
+        [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [
+            "model-mtp.safetensors", "config.json", "model.safetensors.index.json",
+            "tokenizer.json", "tokenizer_config.json"])
+    assert not list(dst.glob("mtp*"))
+    config = json.loads((dst / "config.json").read_text())
+    assert config["dsv4"]["source"] == {"kind": "official", "repo": "deepseek-ai/DeepSeek-V4.1-Flash",
+                                        "revision": revision, "path": str(snapshot)}
+
+
+def test_source_that_is_neither_directory_nor_repo(tmp_path):
+    with pytest.raises(ConversionError, match="no such directory, and not a Hugging Face repo id"):
+        convert(str(tmp_path / "nope" / "deeper" / "x"), tmp_path / "out", progress=False)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def test_cli_official_and_its_errors(source, tmp_path):
+    runner = CliRunner()
+    dst = tmp_path / "out"
+    ok = runner.invoke(app, ["official", str(source), str(dst), "--quiet", "--verify",
+                             "--experts-bits", "4", "--experts-group-size", "32", "--shard-gb", "0.001"])
+    assert ok.exit_code == 0, ok.output
+    assert "requantization error of ffn.experts.w1" in ok.output and "verified" in ok.output
+    assert len(list(dst.glob("model-*.safetensors"))) > 1
+    again = runner.invoke(app, ["official", str(source), str(dst), "--quiet"])
+    assert again.exit_code == 1 and "already exists" in again.output
+    bad = runner.invoke(app, ["official", str(source), str(tmp_path / "x"), "--dense-bits", "5"])
+    assert bad.exit_code == 1 and "bits must be one of" in bad.output
+
+
+def test_cli_delegates_gguf_and_exl3(monkeypatch):
+    import types
+
+    runner = CliRunner()
+    seen = []
+    fake = types.ModuleType("dsv4_convert.gguf")
+
+    def gguf_command(src: str, dst: str, bits: int = 4):
+        seen.append((src, dst, bits))
+    fake.gguf_command = gguf_command
+    monkeypatch.setitem(sys.modules, "dsv4_convert.gguf", fake)
+    run = runner.invoke(app, ["gguf", "a.gguf", "out", "--bits", "2"])
+    assert run.exit_code == 0, run.output
+    assert seen == [("a.gguf", "out", 2)]
+
+    import importlib
+    real_import = importlib.import_module
+
+    def missing(name, *a):
+        if name == "dsv4_convert.exl3":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *a)
+    monkeypatch.setattr(importlib, "import_module", missing)
+    run = runner.invoke(app, ["exl3", "x", "y"])
+    assert run.exit_code == 1 and "exl3 converter is not available yet" in run.output
