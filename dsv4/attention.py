@@ -184,6 +184,7 @@ class Compressor(nn.Module):
         b, d = x.shape[0], lc.comp_kv.shape[-1]
         kv = lc.comp_kv[:, lo:hi].reshape(b, last - first, r, d)
         gate = lc.comp_gate[:, lo:hi].reshape(b, last - first, r, d)
+        state.cache.evict_compressor_inputs(lc)
         pooled = mx.sum(kv * mx.softmax(gate, axis=2), axis=2)
         return self.norm(pooled.astype(x.dtype)), first
 

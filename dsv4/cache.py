@@ -83,6 +83,9 @@ class Cache:
     def append_compressor_inputs(self, layer: LayerCache, kv: mx.array, gate: mx.array) -> None:
         layer.comp_kv = _append(layer.comp_kv, kv)
         layer.comp_gate = _append(layer.comp_gate, gate)
+
+    def evict_compressor_inputs(self, layer: LayerCache) -> None:
+        """Drop inputs older than `window + reserve` positions (call after pooling)."""
         if layer.comp_kv.shape[1] > self.keep_limit() + self.reserve:
             cut = layer.comp_kv.shape[1] - self.keep_limit()
             layer.comp_kv, layer.comp_gate = layer.comp_kv[:, cut:], layer.comp_gate[:, cut:]
