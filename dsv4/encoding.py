@@ -418,7 +418,7 @@ class StreamParser:
         markers = (THINK_CLOSE, CALLS_OPEN, EOS) if self._state == "reasoning" else (CALLS_OPEN, EOS)
         found = [(text.find(m), m) for m in markers if m in text]
         if not found:
-            held = 0 if final else _held_back(text, markers + (CALLS_START,))
+            held = 0 if final else longest_marker_prefix(text, markers + (CALLS_START,))
             out.append(Delta(self._state, text[:len(text) - held]))
             self._pending = text[len(text) - held:]
             return False
@@ -435,8 +435,9 @@ class StreamParser:
         return marker == THINK_CLOSE
 
 
-def _held_back(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that could begin one of the markers."""
+def longest_marker_prefix(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could be the beginning of one of the markers
+    (the part a streaming reader must hold back until more text decides it)."""
     longest = 0
     for marker in markers:
         for n in range(min(len(marker) - 1, len(text)), longest, -1):

@@ -1,0 +1,415 @@
+"""The OpenAI-compatible server, live on loopback, driven by the real `openai` client.
+
+Two backends: a tiny random checkpoint (dsv4.testing) served by `python -m dsv4.server` in a
+subprocess, checked against direct `stream_generate` calls in this process (greedy decoding
+is deterministic); and, in-process, the same server code in front of a scripted generator,
+for what a random model cannot be made to do (emit a tool call, a stop string, think, run
+long enough to be cancelled).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from dsv4.encoding import encode_messages, parse_completion  # noqa: E402
+from dsv4.generate import GenerationResponse, stream_generate  # noqa: E402
+from dsv4.prompt_cache import common_prefix  # noqa: E402
+from dsv4.server import Service, Worker, make_server  # noqa: E402
+
+MAX_TOKENS = 6
+MAX_CONTEXT = 300
+
+
+# --- real model in a subprocess --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from dsv4.testing import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint):
+    import dsv4
+
+    model, tokenizer = dsv4.load(str(checkpoint))
+
+    def generate(tokens, max_tokens=MAX_TOKENS, **kwargs):
+        """Direct generation from a fresh cache -> (text, token ids)."""
+        responses = list(stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, **kwargs))
+        return "".join(r.text for r in responses), [r.token for r in responses]
+
+    return SimpleNamespace(model=model, tokenizer=tokenizer, generate=generate,
+                           encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
+
+
+def start_server(args: list[str]):
+    process = subprocess.Popen([sys.executable, "-m", "dsv4.server", "--port", "0", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        found = re.search(r"listening on http://([\d.]+):(\d+)", line)
+        if found:
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+            return process, found.group(1), int(found.group(2))
+    process.wait()
+    raise RuntimeError("the server did not start:\n" + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def live(checkpoint):
+    process, host, port = start_server(["--model", str(checkpoint), "--max-context", str(MAX_CONTEXT),
+                                        "--max-tokens", str(MAX_TOKENS)])
+    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield SimpleNamespace(client=client, host=host, port=port)
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def get_json(host, port, path):
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    connection.request("GET", path)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def post_raw(host, port, path, body: bytes, headers=None):
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    connection.request("POST", path, body=body, headers=headers or {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def chat(client, messages, **kwargs):
+    return client.chat.completions.create(model="tiny", messages=messages, **kwargs)
+
+
+def test_binds_to_loopback_and_lists_the_model(live, checkpoint):
+    assert live.host == "127.0.0.1"
+    assert get_json(live.host, live.port, "/health") == (200, {"status": "ok"})
+    assert [m.id for m in live.client.models.list().data] == [str(checkpoint)]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_equals_direct_generation(live, oracle, thinking):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"}]
+    mode = "thinking" if thinking else "chat"
+    tokens = oracle.encode(encode_messages(messages, mode))
+    text, ids = oracle.generate(tokens)
+    expected = parse_completion(text, mode)
+
+    reply = chat(live.client, messages, extra_body={"thinking": {"type": "enabled" if thinking else "disabled"}})
+    message = reply.choices[0].message
+    assert message.content == expected.content
+    assert getattr(message, "reasoning_content", None) == (expected.reasoning if thinking else None)
+    assert reply.usage.prompt_tokens == len(tokens)
+    assert reply.usage.completion_tokens == sum(t not in oracle.tokenizer.eos_token_ids for t in ids)
+    assert reply.choices[0].finish_reason == ("stop" if ids[-1] in oracle.tokenizer.eos_token_ids else "length")
+
+
+def test_streaming_equals_non_streaming(live):
+    messages = [{"role": "user", "content": "Explicit is better than implicit."}]
+    whole = chat(live.client, messages, max_tokens=5)
+    chunks = list(chat(live.client, messages, max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_second_turn_prefills_only_the_new_tokens(live, oracle):
+    first = [{"role": "user", "content": "Readability counts. Tell me more."}]
+    reply = chat(live.client, first)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And then?"}]
+    tokens1, tokens2 = (oracle.encode(encode_messages(m)) for m in (first, second))
+    _, generated = oracle.generate(tokens1)
+    # The cache holds the first prompt and every generated token but the last one.
+    expected_cached = min(common_prefix(tokens1 + generated[:-1], tokens2), len(tokens2) - 1)
+    assert expected_cached >= len(tokens1)
+
+    again = chat(live.client, second)
+    assert again.usage.prompt_tokens == len(tokens2)
+    assert again.usage.prompt_tokens_details.cached_tokens == expected_cached
+    _, stats = get_json(live.host, live.port, "/v1/stats")
+    assert stats["last"]["prefilled_tokens"] == len(tokens2) - expected_cached
+    # Reusing the cache changes nothing in the result.
+    text, _ = oracle.generate(tokens2)
+    assert again.choices[0].message.content == parse_completion(text).content
+
+
+def test_concurrent_requests_equal_sequential_ones(live):
+    requests = [[{"role": "user", "content": f"Number {i}: sparse is better than dense."}] for i in range(4)]
+    sequential = [chat(live.client, m).choices[0].message.content for m in requests]
+    with ThreadPoolExecutor(4) as pool:
+        concurrent = list(pool.map(lambda m: chat(live.client, m).choices[0].message.content, requests))
+    assert concurrent == sequential
+
+
+def test_text_completions(live, oracle):
+    prompt = "Flat is better than nested."
+    text, _ = oracle.generate(oracle.encode(prompt), max_tokens=4)
+    reply = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=4)
+    assert reply.choices[0].text == text
+    streamed = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_seeded_sampling_repeats(live):
+    messages = [{"role": "user", "content": "Now is better than never."}]
+    a, b = (chat(live.client, messages, temperature=1.0, seed=7).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/chat/completions", {}, 400, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": []}, 400, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "unsupported role 'robot'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "is an image"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "'max_tokens' must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400,
+     "'max_tokens' must be an integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400,
+     "'temperature' must be a number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400,
+     "'top_p' must be a number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, "'stop' must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "only n=1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400,
+     "'stream' must be true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, 400,
+     "'tools' must be a list"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}, 400,
+     "'reasoning_effort' must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "thinking": True}, 400,
+     "'thinking' must be"),
+    ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
+    ("/v1/embeddings", {"input": "x"}, 404, "no route POST /v1/embeddings"),
+])
+def test_malformed_requests_get_clear_errors(live, path, body, status, message):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    code, reply = post_raw(live.host, live.port, path, data)
+    assert code == status
+    assert message in reply["error"]["message"]
+
+
+def test_missing_length_and_unknown_get(live):
+    connection = http.client.HTTPConnection(live.host, live.port, timeout=30)
+    connection.putrequest("POST", "/v1/chat/completions")
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]["message"]
+    assert get_json(live.host, live.port, "/v1/nothing")[0] == 404
+
+
+def test_over_long_prompt_is_refused(live):
+    long = [{"role": "user", "content": "word " * 400}]
+    with pytest.raises(openai.BadRequestError) as error:
+        chat(live.client, long)
+    assert error.value.code == "context_length_exceeded"
+    assert f"context is {MAX_CONTEXT} tokens" in str(error.value)
+    # The server is fine afterwards.
+    assert chat(live.client, [{"role": "user", "content": "hi"}], max_tokens=1).usage.completion_tokens <= 1
+
+
+# --- the same server in front of a scripted generator ----------------------------------------
+
+
+class ByteTokenizer:
+    """Bytes are ids 0..255; 256 is end of sentence."""
+    eos_token_id, bos_token_id, eos_token_ids = 256, 257, {256}
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+class ListCache:
+    def __init__(self):
+        self.tokens = []
+
+    @property
+    def offset(self):
+        return len(self.tokens)
+
+    def trim(self, n, ratios=None):
+        del self.tokens[len(self.tokens) - n:]
+        return n
+
+
+class Script:
+    """Generates `pieces` (one per token) whatever the prompt, then end of sentence; records
+    the prompts it saw and how many generations ever ran at once."""
+
+    def __init__(self, pieces, delay=0.0):
+        self.pieces, self.delay = pieces, delay
+        self.prompts, self.active, self.most_active = [], 0, 0
+        self.args = SimpleNamespace(compress_ratios=())
+
+    def make_cache(self):
+        return ListCache()
+
+    def __call__(self, model, tokenizer, prompt, *, max_tokens, temp, top_p, seed, cache):
+        cache.tokens.extend(prompt)
+        self.prompts.append(bytes(t for t in cache.tokens if t < 256).decode())
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        try:
+            pieces = list(self.pieces) + [None]
+            for n in range(max_tokens):
+                piece = pieces[n] if n < len(pieces) else "."
+                time.sleep(self.delay)
+                token = 256 if piece is None else 65
+                finish = "stop" if piece is None else ("length" if n + 1 == max_tokens else None)
+                yield GenerationResponse(piece or "", token, len(prompt), 0.0, n + 1, 0.0, 0.0, finish)
+                if finish:
+                    return
+                cache.tokens.append(token)
+        finally:
+            self.active -= 1
+
+
+@pytest.fixture
+def scripted():
+    """-> start(pieces, delay) returning (client, script, host, port)."""
+    servers = []
+
+    def start(pieces, delay=0.0, max_tokens=64):
+        script = Script(pieces, delay)
+        worker = Worker(lambda: (script, ByteTokenizer()), max_context=100_000, generate=script)
+        worker.start()
+        worker.ready.wait()
+        server = make_server(Service(worker, "scripted", max_tokens, False), "127.0.0.1", 0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        host, port = server.server_address
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        return client, script, host, port
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+CALL_TEXT = ('<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+             '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n'
+             '<｜DSML｜ parameter name="days" string="false">2</｜DSML｜ parameter>\n'
+             '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(scripted, stream):
+    pieces = ["Let me ", "check.", "\n", "\n"] + [CALL_TEXT[i:i + 7] for i in range(0, len(CALL_TEXT), 7)]
+    client, script, _, _ = scripted(pieces)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    if stream:
+        chunks = list(chat(client, messages, tools=[WEATHER], stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        reply = chat(client, messages, tools=[WEATHER])
+        content, calls, finish = (reply.choices[0].message.content, reply.choices[0].message.tool_calls,
+                                  reply.choices[0].finish_reason)
+    assert content == "Let me check."
+    assert finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+    assert script.prompts[-1] == encode_messages(messages, tools=[WEATHER])
+
+    history = messages + [
+        {"role": "assistant", "content": content, "tool_calls": [
+            {"id": calls[0].id, "type": "function",
+             "function": {"name": calls[0].function.name, "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 24 C"}]
+    chat(client, history, tools=[WEATHER])
+    sent = script.prompts[-1]
+    assert sent == encode_messages(history, tools=[WEATHER])
+    assert CALL_TEXT.replace("\n", "") in sent.replace("\n", "") and "<tool_result>sunny, 24 C</tool_result>" in sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_output(scripted, stream):
+    client, script, host, port = scripted(["alpha ", "be", "ta S", "TOP gam", "ma"])
+    messages = [{"role": "user", "content": "go"}]
+    if stream:
+        chunks = list(chat(client, messages, stop=["STOP", "zzz"], stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        reply = chat(client, messages, stop="STOP")
+        text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert (text, finish) == ("alpha beta ", "stop")
+
+
+def test_thinking_and_reasoning_effort(scripted):
+    client, script, _, _ = scripted(["I should ", "greet.", "</think>", "Hello!"])
+    messages = [{"role": "user", "content": "hi"}]
+    reply = chat(client, messages, reasoning_effort="max")
+    assert reply.choices[0].message.content == "Hello!"
+    assert reply.choices[0].message.reasoning_content == "I should greet."
+    assert script.prompts[-1] == encode_messages(messages, "thinking", reasoning_effort="max")
+    chunks = list(chat(client, messages, extra_body={"thinking": {"type": "enabled"}}, stream=True))
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == "I should greet."
+
+
+def test_requests_run_one_at_a_time(scripted):
+    client, script, _, _ = scripted(["a", "b", "c"], delay=0.02)
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda i: chat(client, [{"role": "user", "content": f"q{i}"}]), range(4)))
+    assert [r.choices[0].message.content for r in replies] == ["abc"] * 4
+    assert script.most_active == 1
+
+
+def wait_for_cancel(host, port, requests_before):
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        stats = get_json(host, port, "/v1/stats")[1]
+        if stats["requests"] > requests_before:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError("the generation did not end after the client left")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_generation(scripted, stream):
+    client, script, host, port = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go on forever"}],
+                       "stream": stream}).encode()
+    sock = socket.create_connection((host, port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    if stream:
+        assert b"data:" in sock.recv(4096)
+    time.sleep(0.3)
+    sock.close()
+    stats = wait_for_cancel(host, port, 0)
+    assert stats["cancelled"] == 1 and stats["last"]["finish_reason"] == "cancelled"
+    assert 0 < stats["last"]["completion_tokens"] < 100_000
+    # The server serves the next request normally.
+    assert chat(client, [{"role": "user", "content": "hi"}], max_tokens=3).choices[0].message.content == "xxx"
