@@ -1,0 +1,656 @@
+"""ds4 GGUF files of DeepSeek V4.1 Flash -> a dsv4 model directory.
+
+    python -m dsv4_convert gguf DeepSeek-V4.1-Flash-Q2.gguf ~/models/v41-q2
+
+Reads antirez's ds4 dialect (`general.architecture = "deepseek41"`, the HF config as the
+JSON string `deepseek41.config`, Engram tables as I8 [264, rows] at the end of the file).
+A file published as raw byte splits (`X.gguf.part1`, `X.gguf.part2`, ...) is read as given:
+name the `.part1` and the others are found next to it.
+
+- Config: `deepseek41.config`, cross-checked against the typed `deepseek41.*` copies.
+- Tokenizer: tokenizer.json rebuilt from `tokenizer.ggml.*` (convert/gguf_tokenizer.py).
+- Engram: the hashing metadata (token map, primes, multipliers) must equal dsv4's; the tables
+  stay in the GGUF and are referenced in place (264-byte rows at their absolute offset), or
+  copied with --copy-engram. A table must lie within one part of a split file.
+- Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
+  IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
+  tensor kind; --dequantize writes every quantized tensor as bf16 instead (the full-precision
+  reference of the same model). Mapping runs in worker processes, ahead of the writer.
+- Output through convert/writer.py: atomic, resumable, sharded.
+
+Other dialects are recognised and refused: llama.cpp's `deepseek41` (different names, Engram
+re-quantized) and `deepseek4` (V4 Flash) files.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+
+from dsv4.config import ModelArgs
+from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_sizes
+from dsv4.layout import expected_tensors
+
+from . import gguf_quants, gguf_tokenizer
+from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
+
+ENGRAM_ENCODING = "e4m3_e8m0_32_row264"
+ENGRAM_ROW_BYTES = 264
+FLOAT_TYPES = {T.F32: ("F32", np.float32), T.F16: ("F16", np.float16), T.BF16: ("BF16", np.uint16),
+               T.I32: ("I32", np.int32)}
+# Tensors ds4 writes that the text model does not use (image-token routing bias).
+UNUSED = re.compile(r"^blk\.\d+\.exp_probs_b_vl\.bias$")
+_TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+        "output.weight": "head.weight"}
+# blk.N.<suffix> -> layers.N.<dsv4 suffix>
+_LAYER = {
+    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    **{f"hc_{s}_{p}.weight": f"hc_{s}_{p}" for s in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    "attn_sinks.weight": "attn.attn_sink", "attn_q_a.weight": "attn.wq_a.weight",
+    "attn_q_a_norm.weight": "attn.q_norm.weight", "attn_q_b.weight": "attn.wq_b.weight",
+    "attn_kv.weight": "attn.wkv.weight", "attn_kv_a_norm.weight": "attn.kv_norm.weight",
+    "attn_output_a.weight": "attn.wo_a.weight", "attn_output_b.weight": "attn.wo_b.weight",
+    "attn_compressor_kv.weight": "attn.compressor.wkv.weight",
+    "attn_compressor_gate.weight": "attn.compressor.wgate.weight",
+    "attn_compressor_norm.weight": "attn.compressor.norm.weight",
+    "indexer.attn_k.weight": "attn.indexer.wk.weight", "indexer.k_norm.weight": "attn.indexer.k_norm.weight",
+    "indexer.attn_q_b.weight": "attn.indexer.wq_b.weight",
+    "indexer.proj.weight": "attn.indexer.weights_proj.weight",
+    "ffn_gate_inp.weight": "ffn.gate.weight", "exp_probs_b.bias": "ffn.gate.bias",
+    "ffn_gate_shexp.weight": "ffn.shared_experts.w1.weight",
+    "ffn_up_shexp.weight": "ffn.shared_experts.w3.weight",
+    "ffn_down_shexp.weight": "ffn.shared_experts.w2.weight",
+    "ffn_gate_exps.weight": "ffn.experts.w1.weight", "ffn_up_exps.weight": "ffn.experts.w3.weight",
+    "ffn_down_exps.weight": "ffn.experts.w2.weight",
+    "engram_q_norm.weight": "engram.q_weight", "engram_k_norm.weight": "engram.k_weight",
+    "engram_kv.weight": "engram.wkv.weight",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_ENGRAM_TABLE = re.compile(r"^blk\.(\d+)\.engram_embd\.weight$")
+
+
+class UnsupportedGGUF(ConversionError):
+    """A GGUF of another model or another dialect; the message says which."""
+
+
+def dsv4_name(gguf_name: str) -> Optional[str]:
+    """The dsv4 tensor name of a GGUF tensor, None if there is none."""
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    m = _BLK.match(gguf_name)
+    if m and m.group(2) in _LAYER:
+        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return None
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    qtype: T
+    dims: tuple[int, ...]   # GGUF order, innermost (input) first
+    offset: int             # absolute, in the concatenation of the parts
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical (numpy) shape."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return (*self.shape[:-1], self.shape[-1] // block * size)
+
+
+class _HeaderReader(GGUFReader):
+    """gguf's reader, keeping tensor positions only: in a split file the data of later
+    tensors lies in other parts, which the parts reader maps itself."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        self.tensor_infos = []
+        for f in fields:
+            _, name, _, dims, raw_dtype, offset = f.parts
+            qtype = T(int(raw_dtype[0]))
+            block, size = GGML_QUANT_SIZES[qtype]
+            n = int(np.prod(dims.astype(np.int64)))
+            self.tensor_infos.append(GGUFTensor(bytes(name).decode(), qtype,
+                                                tuple(int(d) for d in dims),
+                                                int(start_offs + offset[0]), n // block * size))
+        self.tensors = []
+
+
+def _parts_of(path: Path) -> list[Path]:
+    if not path.name.endswith(".part1"):
+        return [path]
+    stem = path.name[: -len("1")]
+    parts, k = [], 1
+    while (path.parent / f"{stem}{k}").is_file():
+        parts.append(path.parent / f"{stem}{k}")
+        k += 1
+    return parts
+
+
+_MAPS: dict[str, np.memmap] = {}
+
+
+def read_bytes(parts: tuple[tuple[str, int], ...], offset: int, nbytes: int) -> np.ndarray:
+    """`nbytes` at `offset` of the parts' concatenation: a zero-copy view when they lie in
+    one part (they nearly always do), else a copy."""
+    pieces, start = [], 0
+    for path, size in parts:
+        lo, hi = max(offset, start), min(offset + nbytes, start + size)
+        if lo < hi:
+            if path not in _MAPS:
+                _MAPS[path] = np.memmap(path, np.uint8, mode="r")
+            pieces.append(_MAPS[path][lo - start: hi - start])
+        start += size
+    got = sum(len(p) for p in pieces)
+    if got != nbytes:
+        raise ConversionError(f"{parts[-1][0]}: bytes {offset}..{offset + nbytes} are past the "
+                              f"end of the file (truncated download?)")
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+class GGUFSource:
+    """A GGUF file (or its raw byte splits): metadata fields and tensor positions."""
+
+    def __init__(self, path: Path | str):
+        path = Path(path).absolute()
+        if not path.is_file():
+            raise ConversionError(f"{path}: file not found")
+        self.path = path
+        self.parts = tuple((str(p), p.stat().st_size) for p in _parts_of(path))
+        try:
+            reader = _HeaderReader(self.parts[0][0])
+        except (ValueError, IndexError, OSError) as e:
+            raise ConversionError(f"{path}: not a readable GGUF file ({e})") from None
+        self.fields = reader.fields
+        self.tensors = {t.name: t for t in reader.tensor_infos}
+        del reader
+
+    def has(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, default=None):
+        f = self.fields.get(key)
+        return default if f is None else f.contents()
+
+    def need(self, key: str):
+        if key not in self.fields:
+            raise ConversionError(f"{self.path}: metadata key {key} is missing")
+        return self.fields[key].contents()
+
+    def raw(self, t: GGUFTensor) -> np.ndarray:
+        return read_bytes(self.parts, t.offset, t.nbytes)
+
+    def locate(self, offset: int, nbytes: int) -> Optional[tuple[str, int]]:
+        """(part file, offset in it) when the byte range lies within one part, else None."""
+        start = 0
+        for path, size in self.parts:
+            if start <= offset and offset + nbytes <= start + size:
+                return path, offset - start
+            start += size
+        return None
+
+
+def check_dialect(src: GGUFSource) -> None:
+    arch = src.get("general.architecture")
+    names = set(src.tensors)
+    if arch == "deepseek4":
+        raise UnsupportedGGUF(f"{src.path}: a DeepSeek V4 Flash GGUF (general.architecture "
+                              f"'deepseek4', ds4 or llama.cpp); dsv4 converts V4.1 Flash files "
+                              f"only for now")
+    if arch != "deepseek41":
+        raise UnsupportedGGUF(f"{src.path}: not a DeepSeek V4.1 Flash GGUF "
+                              f"(general.architecture is {arch!r}, expected 'deepseek41')")
+    ds4 = src.has("deepseek41.config") and any(_ENGRAM_TABLE.match(n) for n in names)
+    if not ds4:
+        llama_cpp = any(re.search(r"\.engram_(wkv|q|k)\.", n) for n in names) or \
+            src.has("deepseek41.engram.head_count")
+        what = ("a llama.cpp-dialect V4.1 GGUF (llama.cpp PR #28696 names, Engram tables "
+                "re-quantized, lossy)" if llama_cpp else
+                "a deepseek41 GGUF without ds4's `deepseek41.config` key and Engram tables")
+        raise UnsupportedGGUF(f"{src.path}: {what}; dsv4 reads antirez's ds4 files "
+                              f"(antirez/deepseek-v4.1-flash-gguf) or the official checkpoint")
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+def read_config(src: GGUFSource) -> tuple[dict, ModelArgs]:
+    """The HF config from `deepseek41.config`, every typed `deepseek41.*` copy checked."""
+    try:
+        config = json.loads(src.need("deepseek41.config"))
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{src.path}: deepseek41.config is not JSON ({e})") from None
+    text = config.get("text_config", config)
+    problems = []
+    for key in src.fields:
+        if not key.startswith("deepseek41.") or key.startswith(("deepseek41.engram.",)) or \
+                key in ("deepseek41.config", "deepseek41.quantization", "deepseek41.calibration"):
+            continue
+        name = key.removeprefix("deepseek41.")
+        if name.startswith("rope_scaling."):
+            expected = (text.get("rope_scaling") or {}).get(name.removeprefix("rope_scaling."))
+        else:
+            expected = text.get(name)
+        if expected is None:
+            continue  # a key ds4 adds that the config does not spell out: nothing to compare
+        got = src.get(key)
+        if name == "compress_ratios":
+            expected = expected[: text["num_hidden_layers"]]
+        if not _same(got, expected):
+            problems.append(f"{key} = {got!r} but deepseek41.config has {name} = {expected!r}")
+    if problems:
+        raise ConversionError(f"{src.path}: metadata disagrees with deepseek41.config: " +
+                              "; ".join(problems))
+    return config, ModelArgs.from_dict(config, source=f"{src.path}: deepseek41.config")
+
+
+def _same(got, expected) -> bool:
+    if isinstance(expected, (list, tuple)):
+        return isinstance(got, list) and len(got) == len(expected) and \
+            all(_same(g, e) for g, e in zip(got, expected))
+    if isinstance(expected, bool) or isinstance(got, (str, bool)):
+        return got == expected
+    if isinstance(got, float):  # stored as f32
+        return np.float32(got) == np.float32(expected)
+    return got == expected
+
+
+def read_tokenizer(src: GGUFSource):
+    model = src.need("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ConversionError(f"{src.path}: tokenizer.ggml.model is {model!r}, expected 'gpt2' "
+                              f"(byte-level BPE)")
+    return gguf_tokenizer.build(
+        src.need("tokenizer.ggml.tokens"), src.need("tokenizer.ggml.token_type"),
+        src.need("tokenizer.ggml.merges"), src.need("tokenizer.ggml.pre"),
+        src.need("tokenizer.ggml.bos_token_id"), src.need("tokenizer.ggml.eos_token_id"),
+        src.get("tokenizer.ggml.add_bos_token", True), src.get("tokenizer.ggml.add_eos_token", False),
+        source=str(src.path))
+
+
+def check_engram(src: GGUFSource, args: ModelArgs, tokenizer) -> dict[int, GGUFTensor]:
+    """The Engram metadata equals dsv4's hashing; the tables, by layer."""
+    where = f"{src.path}: deepseek41.engram"
+    layers = list(args.engram_layer_ids)
+    encoding = src.need("deepseek41.engram.encoding")
+    if encoding != ENGRAM_ENCODING:
+        raise ConversionError(f"{where}.encoding is {encoding!r}, expected {ENGRAM_ENCODING!r}")
+
+    def expect(key, got, want):
+        if not np.array_equal(np.asarray(got, np.int64), np.asarray(want, np.int64)):
+            g, w = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+            at = int(np.flatnonzero(g[: len(w)] != w[: len(g)])[0]) if len(g) == len(w) else None
+            detail = (f"first difference at index {at}: {g[at]} vs {w[at]}" if at is not None
+                      else f"{len(g)} entries, expected {len(w)}")
+            raise ConversionError(f"{where}.{key} disagrees with dsv4's Engram hashing ({detail})")
+
+    expect("layer_ids", src.need("deepseek41.engram.layer_ids"), layers)
+    rows = table_sizes(args)
+    expect("rows", src.need("deepseek41.engram.rows"), rows)
+    primes = layer_primes(args)
+    expect("primes", src.need("deepseek41.engram.primes"),
+           np.concatenate([primes[l].reshape(-1) for l in layers]))
+    expect("multipliers", src.need("deepseek41.engram.multipliers"),
+           np.concatenate([layer_multipliers(args, l) for l in layers]))
+    token_map = build_token_map(tokenizer)
+    expect("token_map", src.need("deepseek41.engram.token_map"), token_map)
+    expect("compressed_vocab_size", [src.need("deepseek41.engram.compressed_vocab_size")],
+           [args.engram_compressed_vocab_size or token_map.max() + 1])
+    expect("pad_id", [src.need("deepseek41.engram.pad_id")], [token_map[args.engram_pad_id]])
+    tables = {}
+    for layer, n in zip(layers, rows):
+        t = src.tensors.get(f"blk.{layer}.engram_embd.weight")
+        if t is None:
+            raise ConversionError(f"{src.path}: tensor blk.{layer}.engram_embd.weight (Engram "
+                                  f"table of layer {layer}) is missing")
+        if t.qtype != T.I8 or t.dims != (ENGRAM_ROW_BYTES, n):
+            raise ConversionError(f"{src.path}: tensor {t.name} is {t.qtype.name}{list(t.dims)}, "
+                                  f"expected I8[{ENGRAM_ROW_BYTES}, {n}]")
+        tables[layer] = t
+    return tables
+
+
+def engram_references(src: GGUFSource, tables: dict[int, GGUFTensor]) -> dict[str, dict]:
+    from dsv4.engram_store import interleaved_reference
+
+    refs = {}
+    for layer, t in tables.items():
+        place = src.locate(t.offset, t.nbytes)
+        if place is None:
+            raise ConversionError(
+                f"{src.path}: the Engram table of layer {layer} ({t.name}, bytes {t.offset}.."
+                f"{t.offset + t.nbytes}) spans two parts of the split file; join the parts "
+                f"(cat {Path(src.parts[0][0]).name[:-1]}* > one.gguf) and convert that file")
+        refs[str(layer)] = interleaved_reference(place[0], place[1], t.dims[1])
+    return refs
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+def _expected_logical(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """dsv4 tensor name -> logical shape (before packing), experts stacked."""
+    out = {}
+    expert = re.compile(r"^(layers\.\d+\.ffn\.experts)\.\d+\.(w[123])\.weight$")
+    for name, (dtype, shape) in expected_tensors(args).items():
+        if name.endswith(".scale"):
+            continue
+        m = expert.match(name)
+        if m:
+            out[f"{m.group(1)}.{m.group(2)}.weight"] = (args.n_routed_experts, shape[0], shape[1] * 2)
+        else:
+            out[name] = tuple(shape)
+    return out
+
+
+@dataclass
+class Options:
+    iq2_xxs_bits: int = 3
+    q2_k_bits: int = 4
+    dequantize: bool = False   # quantized tensors -> bf16 (full-precision reference)
+
+    def bits(self, qtype: T) -> int:
+        return {T.IQ2_XXS: self.iq2_xxs_bits, T.Q2_K: self.q2_k_bits}.get(
+            qtype, gguf_quants.DEFAULT_BITS.get(qtype, 0))
+
+
+@dataclass
+class _Job:
+    """What a worker needs to produce one module (picklable)."""
+    parts: tuple
+    tensor: GGUFTensor
+    name: str            # dsv4 tensor name
+    mode: str            # "copy", "affine" or "dequantize"
+    bits: int = 0
+
+
+def run_job(job: _Job) -> tuple[dict, float, float]:
+    """(tensors, squared error added, squared norm of the source) for one module."""
+    t = job.tensor
+    raw = read_bytes(job.parts, t.offset, t.nbytes)
+    if job.mode == "copy":
+        dtype, storage = FLOAT_TYPES[t.qtype]
+        return {job.name: (dtype, raw.view(storage).reshape(t.shape))}, 0.0, 0.0
+    raw = raw.reshape(t.byte_shape)
+    if job.mode == "dequantize":
+        import mlx.core as mx
+        from gguf.quants import dequantize
+
+        values = mx.array(dequantize(raw, t.qtype)).astype(mx.bfloat16)
+        return {job.name: ("BF16", np.array(values.view(mx.uint16)))}, 0.0, 0.0
+    try:
+        a = gguf_quants.to_affine(raw, t.qtype, job.bits)
+    except gguf_quants.QuantError as e:
+        raise ConversionError(f"tensor {t.name}: {e}") from None
+    module = job.name.removesuffix(".weight")
+    dtype = "F16" if a.scales.dtype == np.float16 else "F32"
+    return ({f"{module}.weight": ("U32", a.weight), f"{module}.scales": (dtype, a.scales),
+             f"{module}.biases": (dtype, a.biases)}, a.err_sq, a.ref_sq)
+
+
+def _kind(name: str) -> str:
+    return re.sub(r"^layers\.\d+\.", "layers.*.", name.removesuffix(".weight"))
+
+
+@dataclass
+class KindStats:
+    source: str
+    target: str
+    tensors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+
+    def summary(self) -> dict:
+        out = {"from": self.source, "to": self.target, "tensors": self.tensors,
+               "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+        if self.ref_sq:
+            out["added_relative_rms_error"] = float(np.sqrt(self.err_sq / self.ref_sq))
+        return out
+
+
+class _Ahead:
+    """Runs jobs on worker processes ahead of the writer, which asks for them in plan order;
+    at most `window` results wait in memory."""
+
+    def __init__(self, jobs: dict[str, _Job], order: list[str], workers: int):
+        self.jobs, self.order = jobs, order
+        self.pos = {k: i for i, k in enumerate(order)}
+        self.pool = concurrent.futures.ProcessPoolExecutor(workers) if workers > 1 else None
+        self.window = 2 * workers
+        self.pending: dict[str, concurrent.futures.Future] = {}
+
+    def get(self, key: str):
+        if self.pool is None:
+            return run_job(self.jobs[key])
+        i = self.pos[key]
+        for k in self.order[i: i + self.window]:
+            if k not in self.pending:
+                self.pending[k] = self.pool.submit(run_job, self.jobs[k])
+        return self.pending.pop(key).result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.pending.values():
+                f.cancel()
+            self.pool.shutdown(wait=True)
+
+
+def plan(src: GGUFSource, args: ModelArgs, options: Options):
+    """(jobs by dsv4 name in order, stats by kind, quantization by module); every tensor the
+    model needs present with its shape, every GGUF tensor accounted for."""
+    expected = _expected_logical(args)
+    jobs: dict[str, _Job] = {}
+    problems, unknown = [], []
+    for t in src.tensors.values():
+        if _ENGRAM_TABLE.match(t.name) or UNUSED.match(t.name):
+            continue
+        name = dsv4_name(t.name)
+        if name is None or name not in expected:
+            unknown.append(t.name)
+            continue
+        if t.shape != expected[name]:
+            problems.append(f"tensor {t.name} ({name}) has shape {list(t.shape)}, expected "
+                            f"{list(expected[name])}")
+            continue
+        if t.qtype in FLOAT_TYPES:
+            jobs[name] = _Job(src.parts, t, name, "copy")
+        elif t.qtype in gguf_quants.MAPPERS:
+            if t.shape[-1] % gguf_quants.BLOCK_WEIGHTS[t.qtype]:
+                problems.append(f"tensor {t.name}: {t.qtype.name} needs inputs in multiples of "
+                                f"{gguf_quants.BLOCK_WEIGHTS[t.qtype]}, has {t.shape[-1]}")
+                continue
+            mode = "dequantize" if options.dequantize else "affine"
+            jobs[name] = _Job(src.parts, t, name, mode, options.bits(t.qtype))
+        else:
+            problems.append(f"tensor {t.name} has type {t.qtype.name}, which ds4 files do not use "
+                            f"(expected F16, F32, BF16, Q8_0, Q4_K, Q2_K or IQ2_XXS)")
+    missing = sorted(set(expected) - set(jobs))
+    problems += [f"tensor for {n} is missing" for n in missing[:10]]
+    problems += [f"unexpected tensor {n}" for n in sorted(unknown)[:10]]
+    if problems:
+        raise ConversionError(f"{src.path}: " + "; ".join(problems[:12]) +
+                              (f" (and {len(problems) - 12} more)" if len(problems) > 12 else ""))
+    stats: dict[str, KindStats] = {}
+    quantization: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
+    for name in sorted(jobs):
+        job = jobs[name]
+        t = job.tensor
+        rows = int(np.prod(t.shape[:-1]))
+        if job.mode == "copy":
+            target, nbytes = t.qtype.name, t.nbytes
+        elif job.mode == "dequantize":
+            target, nbytes = "BF16", 2 * rows * t.shape[-1]
+        else:
+            target = f"affine {job.bits}-bit g32"
+            nbytes = gguf_quants.affine_nbytes(t.qtype, job.bits, rows, t.shape[-1])
+            quantization[name.removesuffix(".weight")] = {
+                "group_size": gguf_quants.GROUP, "bits": job.bits, "mode": "affine"}
+        s = stats.setdefault(f"{_kind(name)} ({t.qtype.name})", KindStats(t.qtype.name, target))
+        s.tensors += 1
+        s.bytes_in += t.nbytes
+        s.bytes_out += nbytes
+        sizes[name] = nbytes
+    return {n: jobs[n] for n in sorted(jobs)}, sizes, stats, quantization
+
+
+def quantization_block(per_module: dict[str, dict]) -> Optional[dict]:
+    """mlx-lm's block: the most common setting as default, the other modules listed."""
+    if not per_module:
+        return None
+    counts = Counter(json.dumps(q, sort_keys=True) for q in per_module.values())
+    default = json.loads(counts.most_common(1)[0][0])
+    block = dict(default)
+    for module, q in sorted(per_module.items()):
+        if q != default:
+            block[module] = q
+    return block
+
+
+# --- the conversion --------------------------------------------------------------------------
+
+def convert(source: Path | str, dst: Path | str, options: Optional[Options] = None, workers: int = 0,
+            copy_engram: bool = False, overwrite: bool = False, resume: bool = False,
+            verify: bool = False, progress: bool = True,
+            max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Convert a ds4 GGUF into the dsv4 model directory `dst`; returns the per-kind report."""
+    options = options or Options()
+    src = GGUFSource(source)
+    check_dialect(src)
+    config, args = read_config(src)
+    tokenizer = read_tokenizer(src)
+    tables = check_engram(src, args, tokenizer)
+    refs = {} if copy_engram else engram_references(src, tables)
+    jobs, sizes, stats, per_module = plan(src, args, options)
+    workers = workers or os.cpu_count() or 1
+    order = list(jobs)
+    ahead = _Ahead(jobs, order, workers)
+    recorded: set[str] = set()
+
+    def unit(name: str) -> Unit:
+        def produce():
+            tensors, err_sq, ref_sq = ahead.get(name)
+            if name not in recorded:  # verify() produces again; count once
+                recorded.add(name)
+                s = stats[f"{_kind(name)} ({jobs[name].tensor.qtype.name})"]
+                s.err_sq += err_sq
+                s.ref_sq += ref_sq
+            return tensors
+        return Unit(name.removesuffix(".weight") if jobs[name].mode == "affine" else name,
+                    sizes[name], produce)
+
+    fingerprint = {"source": [[p, size, os.stat(p).st_mtime_ns] for p, size in src.parts],
+                   "options": vars(options) | {"copy_engram": copy_engram}}
+    try:
+        with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
+                            max_shard_bytes=max_shard_bytes, progress=progress) as out:
+            units = [unit(n) for n in order]
+            out.write_weights({"model": units})
+            if verify:
+                out.verify({"model": units})
+            if copy_engram:
+                refs = _copy_tables(src, tables, out, progress)
+            report = {k: s.summary() for k, s in sorted(stats.items())}
+            out.write_json("config.json", _output_config(src, config, per_module, refs, report))
+            out.write_json("tokenizer.json", json.loads(tokenizer.to_str()))
+            out.write_json("tokenizer_config.json", gguf_tokenizer.tokenizer_config(
+                src.need("tokenizer.ggml.tokens"), src.need("tokenizer.ggml.bos_token_id"),
+                src.need("tokenizer.ggml.eos_token_id"), src.get("tokenizer.ggml.add_bos_token", True),
+                src.get("tokenizer.ggml.add_eos_token", False), args.engram_pad_id,
+                args.max_position_embeddings))
+    finally:
+        ahead.close()
+    return report
+
+
+def _copy_tables(src: GGUFSource, tables: dict[int, GGUFTensor], out: ModelDirWriter,
+                 progress: bool) -> dict[str, dict]:
+    from dsv4.engram_store import InterleavedTable, copy_table
+
+    refs = {}
+    for layer, t in tables.items():
+        name = f"engram-{layer:02d}.bin"
+        place = src.locate(t.offset, t.nbytes)
+        if place is None:
+            raise ConversionError(f"{src.path}: the Engram table of layer {layer} spans two parts "
+                                  f"of the split file; join the parts and convert that file")
+        if not out.exists(name):
+            with InterleavedTable(place[0], place[1], t.dims[1], f"layer {layer} table") as table:
+                copy_table(table, out.path(name), progress=progress)
+        refs[str(layer)] = {"layout": "interleaved264", "file": name, "offset": 0, "rows": t.dims[1]}
+    return refs
+
+
+def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict, report: dict) -> dict:
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    block = quantization_block(per_module)
+    if block is not None:
+        out["quantization"] = block
+    out["dsv4"] = {
+        "format_version": 1,
+        "source": {"kind": "gguf", "path": [p for p, _ in src.parts],
+                   "architecture": src.get("general.architecture"),
+                   "repo": src.get("general.source.url"), "revision": src.get("general.source.revision"),
+                   "recipe": src.get("deepseek41.quantization")},
+        "engram": refs,
+        "conversion": report,
+    }
+    return out
+
+
+def print_report(report: dict, file=sys.stderr) -> None:
+    print(f"{'tensor kind':<44} {'from':>8} {'to':>18} {'MB in':>9} {'MB out':>9} {'added err':>10}",
+          file=file)
+    for kind, r in report.items():
+        err = r.get("added_relative_rms_error")
+        print(f"{kind:<44} {r['from']:>8} {r['to']:>18} {r['bytes_in'] / 1e6:>9.1f} "
+              f"{r['bytes_out'] / 1e6:>9.1f} {'exact' if err is None else f'{err:.4f}':>10}", file=file)
+    total_in = sum(r["bytes_in"] for r in report.values())
+    total_out = sum(r["bytes_out"] for r in report.values())
+    print(f"{'total':<44} {'':>8} {'':>18} {total_in / 1e6:>9.1f} {total_out / 1e6:>9.1f}", file=file)
+
+
+def gguf_command(
+    source: Path,
+    dst: Path,
+    iq2_xxs_bits: int = 3,
+    q2_k_bits: int = 4,
+    dequantize: bool = False,
+    workers: int = 0,
+    copy_engram: bool = False,
+    overwrite: bool = False,
+    resume: bool = False,
+    verify: bool = False,
+) -> None:
+    """Convert a ds4 GGUF of DeepSeek V4.1 Flash (SOURCE; for a split file its .part1) into
+    the dsv4 model directory DST.
+
+    IQ2_XXS maps to affine 3-bit (lossy, ~2% added error) or 8-bit (exact); Q2_K to affine
+    2-8 bits (lossy; 4 by default). --dequantize writes quantized tensors as bf16 instead.
+    Engram tables stay in the GGUF unless --copy-engram. --workers 0 uses every core.
+    """
+    try:
+        report = convert(source, dst, Options(iq2_xxs_bits, q2_k_bits, dequantize), workers,
+                         copy_engram, overwrite, resume, verify)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print_report(report)
+    print(f"wrote {dst}", file=sys.stderr)

@@ -1,0 +1,250 @@
+"""GGUF quantized blocks -> MLX affine quantization (group size 32), in numpy.
+
+MLX affine: per group of 32 inputs, w = scale * code + bias, codes packed LSB-first into
+uint32 words (`mx.dequantize(weight, scales, biases, group_size=32, bits=b)`).
+
+  Q8_0    -> 8-bit, exact: code = q + 128, scale = d, bias = -128 d (f16 holds both exactly).
+  Q4_K    -> 4-bit, exact: the 32-element sub-blocks are MLX groups; scale = d*sc and
+             bias = -dmin*m need up to 17 mantissa bits, so they are f32.
+  IQ2_XXS -> every 32-element sub-block holds db * {±8, ±25, ±43}. 3-bit (lossy): the six
+             levels go to codes 0..5 on their least-squares line; 8-bit (exact, f32):
+             code = level + 43, scale = db, bias = -43 db.
+  Q2_K    -> lossy: a group of 32 joins two 16-element sub-blocks with their own scale and
+             min, which share no grid; fitted per group (min/max start, then Lloyd steps:
+             nearest codes <-> least-squares scale and bias), scale and bias in f16.
+
+Every function takes the raw rows of a tensor, uint8 [..., bytes per row] (one GGUF row is
+one output neuron, blocks along the input), and returns an `Affine` whose arrays have the
+same leading shape. Lossy mappings also return the squared error they add and the squared
+norm of the source values, so a converter can report relative RMS errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import IQ2_XXS as _IQ2_XXS
+from gguf.quants import Q4_K as _Q4_K
+
+GROUP = 32
+QK_K = 256
+BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.Q2_K: 84, T.IQ2_XXS: 66}
+BLOCK_WEIGHTS = {T.Q8_0: 32, T.Q4_K: QK_K, T.Q2_K: QK_K, T.IQ2_XXS: QK_K}
+# IQ2_XXS levels in code order and their least-squares line code -> level (3-bit map).
+_IQ2_LEVELS = np.array([-43, -25, -8, 8, 25, 43], np.float64)
+_IQ2_SLOPE = float(np.polyfit(np.arange(6), _IQ2_LEVELS, 1)[0])
+
+
+@dataclass
+class Affine:
+    weight: np.ndarray   # uint32 [..., out, in * bits / 32]
+    scales: np.ndarray   # f16 or f32 [..., out, in / 32]
+    biases: np.ndarray   # same dtype and shape as scales
+    bits: int
+    exact: bool
+    err_sq: float = 0.0  # sum of squared differences to the source values (lossy only)
+    ref_sq: float = 0.0  # sum of squared source values (lossy only)
+
+    @property
+    def quantization(self) -> dict:
+        return {"group_size": GROUP, "bits": self.bits, "mode": "affine"}
+
+
+class QuantError(ValueError):
+    """Raw rows that do not hold whole blocks of the type."""
+
+
+def _blocks(raw: np.ndarray, qtype: T) -> tuple[np.ndarray, tuple[int, ...]]:
+    """raw [..., row bytes] -> blocks [n, block bytes] and the leading shape."""
+    size = BLOCK_BYTES[qtype]
+    if raw.dtype != np.uint8 or raw.shape[-1] % size:
+        raise QuantError(f"{qtype.name} rows must be uint8 with a multiple of {size} bytes, got "
+                         f"{raw.dtype} {list(raw.shape)}")
+    return np.ascontiguousarray(raw).reshape(-1, size), raw.shape[:-1]
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes [..., n] (n a multiple of 32) -> uint32 [..., n * bits / 32], LSB first."""
+    codes = np.ascontiguousarray(codes, np.uint8)
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    if bits == 8:
+        packed = codes
+    elif bits == 4:
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    else:  # 3 (and any width): through a little-endian bit stream
+        stream = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
+        packed = np.packbits(stream.reshape(*lead, n * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").reshape(*lead, n * bits // 32)
+
+
+def dequantize(a: Affine) -> np.ndarray:
+    """The values an `Affine` stands for, f32 [..., out, in] (numpy, for error checks)."""
+    words = a.weight.view(np.uint8)
+    stream = np.unpackbits(words, axis=-1, bitorder="little")
+    n = stream.shape[-1] // a.bits
+    codes = (stream.reshape(*stream.shape[:-1], n, a.bits)
+             << np.arange(a.bits, dtype=np.uint8)).sum(-1, dtype=np.uint32)
+    groups = codes.reshape(*codes.shape[:-1], n // GROUP, GROUP).astype(np.float32)
+    s = a.scales.astype(np.float32)[..., None]
+    b = a.biases.astype(np.float32)[..., None]
+    return (s * groups + b).reshape(*codes.shape)
+
+
+def q8_0(raw: np.ndarray) -> Affine:
+    blocks, lead = _blocks(raw, T.Q8_0)
+    d = blocks[:, :2].copy().view(np.float16)                      # [n, 1]
+    codes = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    # -128 d is exact in f16 unless it overflows, which needs weights near 65504.
+    biases = d.astype(np.float32) * -128
+    if not np.all(np.abs(biases) <= 65504):
+        raise QuantError(f"Q8_0 block {int(np.argmax(np.abs(biases) > 65504))}: scale "
+                         f"{float(d[np.abs(biases) > 65504][0])} is too large for an f16 bias")
+    return Affine(pack_codes(codes.reshape(*lead, -1), 8), d.reshape(*lead, -1),
+                  biases.astype(np.float16).reshape(*lead, -1), 8, True)
+
+
+def q4_k(raw: np.ndarray) -> Affine:
+    blocks, lead = _blocks(raw, T.Q4_K)
+    n = len(blocks)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = _Q4_K.get_scale_min(blocks[:, 4:16].copy())          # [n, 8] 6-bit each
+    # 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c+1.
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(*lead, -1)
+    scales = (d * sc.astype(np.float32)).reshape(*lead, -1)
+    biases = -(dmin * m.astype(np.float32)).reshape(*lead, -1)
+    return Affine(pack_codes(codes, 4), scales, biases, 4, True)
+
+
+def _iq2_xxs_fields(raw: np.ndarray):
+    """(db [n, 8] f32, level index 0..5 [n, 256] in _IQ2_LEVELS order, leading shape)."""
+    blocks, lead = _blocks(raw, T.IQ2_XXS)
+    n = len(blocks)
+    if _IQ2_XXS.grid is None:
+        _IQ2_XXS.init_grid()
+    grid = _IQ2_XXS.grid.reshape(256, 8)
+    magnitude = np.select([grid == 8, grid == 25, grid == 43], [0, 1, 2], -1).astype(np.uint8)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    qs = blocks[:, 2:].copy().view("<u4").reshape(n, 8, 2)
+    db = d * (np.float32(0.5) + (qs[..., 1] >> 28).astype(np.float32)) * np.float32(0.25)
+    mags = magnitude[qs[..., 0].copy().view(np.uint8).reshape(n, 8, 4)]       # [n, 8, 4, 8]
+    ksigns = np.frombuffer(_IQ2_XXS.ksigns, np.uint8)
+    sign_bytes = ksigns[(qs[..., 1][..., None] >> np.array([0, 7, 14, 21], np.uint32)) & 0x7F]
+    negative = (sign_bytes[..., None] >> np.arange(8, dtype=np.uint8)) & 1    # [n, 8, 4, 8]
+    index = np.where(negative == 1, 2 - mags, 3 + mags).astype(np.uint8)
+    return db, index.reshape(n, QK_K), lead
+
+
+def iq2_xxs(raw: np.ndarray, bits: int = 3) -> Affine:
+    db, index, lead = _iq2_xxs_fields(raw)
+    groups = index.reshape(len(db), 8, GROUP)
+    if bits == 8:
+        codes = (_IQ2_LEVELS.astype(np.int16)[groups] + 43).astype(np.uint8)
+        return Affine(pack_codes(codes.reshape(*lead, -1), 8), db.reshape(*lead, -1),
+                      (db * np.float32(-43)).reshape(*lead, -1), 8, True)
+    if bits != 3:
+        raise ValueError(f"IQ2_XXS maps to 3-bit (level map) or 8-bit (exact), not {bits}-bit")
+    scales = (db * np.float32(_IQ2_SLOPE)).astype(np.float16)
+    biases = (db * np.float32(-2.5 * _IQ2_SLOPE)).astype(np.float16)
+    got = scales.astype(np.float32)[..., None] * groups + biases.astype(np.float32)[..., None]
+    ref = db[..., None] * _IQ2_LEVELS.astype(np.float32)[groups]
+    return Affine(pack_codes(index.reshape(*lead, -1), 3), scales.reshape(*lead, -1),
+                  biases.reshape(*lead, -1), 3, False,
+                  float(np.sum(np.square(got - ref, dtype=np.float64))),
+                  float(np.sum(np.square(ref, dtype=np.float64))))
+
+
+def q2_k_values(raw: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Q2_K rows -> f32 values [n blocks, 256] (ggml's dequantize_row_q2_K) and leading shape."""
+    blocks, lead = _blocks(raw, T.Q2_K)
+    n = len(blocks)
+    scales, qs = blocks[:, :16], blocks[:, 16:80]
+    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
+    dl = (d * (scales & 0xF).astype(np.float32))[..., None]           # [n, 16, 1]
+    ml = (dmin * (scales >> 4).astype(np.float32))[..., None]
+    # byte l of each 32-byte half holds elements 32j + l (j = 0..3) of that half of 128.
+    q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    return (dl * q.reshape(n, 16, 16).astype(np.float32) - ml).reshape(n, QK_K), lead
+
+
+def fit_affine(values: np.ndarray, bits: int, steps: int = 2):
+    """Per row of `values` [g, 32]: f16 (scale, bias) and codes minimising the squared error,
+    from the min/max grid improved by `steps` Lloyd steps; per row the better of the two after
+    rounding to f16, so never worse than min/max."""
+    top = (1 << bits) - 1
+    v = values.astype(np.float32)
+    lo, hi = v.min(-1), v.max(-1)
+    s = np.where(hi > lo, (hi - lo) / top, 1.0).astype(np.float32)
+    b = lo
+    start = (s, b)
+    n = v.shape[-1]
+    for _ in range(steps):
+        c = np.clip(np.rint((v - b[:, None]) / s[:, None]), 0, top)
+        sc, sv = c.sum(-1), v.sum(-1)
+        den = n * np.square(c).sum(-1) - sc * sc
+        ok = den > 0
+        new_s = np.where(ok, (n * (c * v).sum(-1) - sc * sv) / np.where(ok, den, 1), s)
+        ok &= new_s > 0
+        s = np.where(ok, new_s, s).astype(np.float32)
+        b = np.where(ok, (sv - s * sc) / n, b).astype(np.float32)
+    best = None
+    for s, b in (start, (s, b)) if steps else (start,):
+        with np.errstate(over="ignore"):
+            s16, b16 = s.astype(np.float16), b.astype(np.float16)
+        bad = ~(np.isfinite(s16) & np.isfinite(b16))
+        if bad.any():
+            raise QuantError(f"group {int(np.argmax(bad))}: values up to "
+                             f"{float(np.abs(v[bad]).max())} do not fit an f16 scale and bias")
+        s32, b32 = s16.astype(np.float32), b16.astype(np.float32)
+        safe = np.where(s32 == 0, np.float32(1), s32)
+        c = np.clip(np.rint((v - b32[:, None]) / safe[:, None]), 0, top).astype(np.uint8)
+        err = np.square(s32[:, None] * c + b32[:, None] - v).sum(-1)
+        if best is None:
+            best = [s16, b16, c, err]
+        else:
+            better = err < best[3]
+            best[0] = np.where(better, s16, best[0])
+            best[1] = np.where(better, b16, best[1])
+            best[2] = np.where(better[:, None], c, best[2])
+    return best[0], best[1], best[2]
+
+
+def q2_k(raw: np.ndarray, bits: int = 4, steps: int = 2) -> Affine:
+    values, lead = q2_k_values(raw)
+    groups = values.reshape(-1, GROUP)
+    s, b, codes = fit_affine(groups, bits, steps)
+    got = s.astype(np.float32)[:, None] * codes + b.astype(np.float32)[:, None]
+    return Affine(pack_codes(codes.reshape(*lead, -1), bits), s.reshape(*lead, -1),
+                  b.reshape(*lead, -1), bits, False,
+                  float(np.sum(np.square(got - groups, dtype=np.float64))),
+                  float(np.sum(np.square(groups, dtype=np.float64))))
+
+
+MAPPERS = {T.Q8_0: q8_0, T.Q4_K: q4_k, T.IQ2_XXS: iq2_xxs, T.Q2_K: q2_k}
+DEFAULT_BITS = {T.Q8_0: 8, T.Q4_K: 4, T.IQ2_XXS: 3, T.Q2_K: 4}
+ALLOWED_BITS = {T.Q8_0: (8,), T.Q4_K: (4,), T.IQ2_XXS: (3, 8), T.Q2_K: (2, 3, 4, 5, 6, 8)}
+
+
+def scale_dtype(qtype: T, bits: int) -> np.dtype:
+    """The dtype of scales and biases `MAPPERS[qtype]` produces at `bits`."""
+    exact_f32 = qtype == T.Q4_K or (qtype == T.IQ2_XXS and bits == 8)
+    return np.dtype(np.float32 if exact_f32 else np.float16)
+
+
+def affine_nbytes(qtype: T, bits: int, rows: int, n_in: int) -> int:
+    """Bytes of weight + scales + biases for `rows` rows of `n_in` inputs."""
+    return rows * (n_in * bits // 8 + 2 * (n_in // GROUP) * scale_dtype(qtype, bits).itemsize)
+
+
+def to_affine(raw: np.ndarray, qtype: T, bits: int) -> Affine:
+    if bits not in ALLOWED_BITS[qtype]:
+        raise QuantError(f"{qtype.name} maps to affine {ALLOWED_BITS[qtype]} bits, not {bits}")
+    if qtype == T.IQ2_XXS:
+        return iq2_xxs(raw, bits)
+    if qtype == T.Q2_K:
+        return q2_k(raw, bits)
+    return MAPPERS[qtype](raw)

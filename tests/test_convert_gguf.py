@@ -1,0 +1,295 @@
+"""ds4 GGUF -> dsv4 model directory, on tiny ds4-dialect files written with gguf's writer.
+
+Oracles: gguf's own dequantisation (`gguf.quants.dequantize`) for every weight, MLX's
+`mx.dequantize` for our packing, the source tokenizer for the rebuilt one, the official
+tensors the fixture was made from for the Engram rows, dsv4.layout for the names.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
+from gguf.quants import dequantize
+
+from convert import gguf as conv
+from convert import gguf_quants as gq
+from convert.writer import ConversionError
+from dsv4.config import ModelArgs
+from dsv4.engram_store import open_table
+from dsv4.layout import expected_tensors
+from dsv4.safetensors_file import read_header, view
+from tests.gguf_fixtures import NON_SPECIAL_ADDED, write_ds4_gguf
+
+# layers 6 and 7 Q4_K, the rest IQ2_XXS gate/up + Q2_K down: ds4's spliced "mixed" files
+MIXED = {6: (T.Q4_K, T.Q4_K, T.Q4_K), 7: (T.Q4_K, T.Q4_K, T.Q4_K)}
+CORPUS = [
+    "def main(argv):\n    return sum(int(x) ** 2 for x in argv if x.isdigit())  # 1234567",
+    "深度求索 数字 こんにちは カタカナ 한국어 文字列。",
+    "emoji 🙂🚀 👩\u200d👩\u200d👧 flags 🇫🇷 done",
+    "   leading\t\ttabs,  runs    of   spaces \n\n\n\r\n trailing   ",
+    "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>ok</think>" + NON_SPECIAL_ADDED + "{}",
+    "Café naïve résumé — ÉCOLE école, 3.14159e-10, 1,234,567.89, x86_64",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    made = write_ds4_gguf(root / "tiny-q2.gguf", "q2", seed=3, expert_types=MIXED)
+    report = conv.convert(root / "tiny-q2.gguf", root / "out", workers=2, progress=False)
+    return {"root": root, "gguf": root / "tiny-q2.gguf", "out": root / "out", "report": report,
+            **made}
+
+
+def _tensors(out):
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    infos = {}
+    for file in sorted(set(index["weight_map"].values())):
+        infos.update(read_header(out / file)[0])
+    return infos
+
+
+def _affine(infos, module, bits):
+    s = view(infos[f"{module}.scales"]).astype(np.float32)  # f32 compute: exact products
+    b = view(infos[f"{module}.biases"]).astype(np.float32)
+    return np.array(mx.dequantize(mx.array(view(infos[f"{module}.weight"])), mx.array(s), mx.array(b),
+                                  group_size=32, bits=bits, dtype=mx.float32))
+
+
+def test_exact_types_bit_exact_against_gguf(mixed):
+    src = conv.GGUFSource(mixed["gguf"])
+    infos = _tensors(mixed["out"])
+    config = json.loads((mixed["out"] / "config.json").read_text())
+    seen = set()
+    for t in src.tensors.values():
+        if t.qtype not in (T.Q8_0, T.Q4_K):
+            continue
+        module = conv.dsv4_name(t.name).removesuffix(".weight")
+        bits = config["quantization"].get(module, config["quantization"])["bits"]
+        ref = dequantize(np.asarray(src.raw(t)).reshape(t.byte_shape), t.qtype)
+        got = _affine(infos, module, bits)
+        assert np.array_equal(got, ref), t.name
+        seen.add(t.qtype)
+    assert seen == {T.Q8_0, T.Q4_K}
+
+
+def test_float_tensors_copied(mixed):
+    src = conv.GGUFSource(mixed["gguf"])
+    infos = _tensors(mixed["out"])
+    checked = 0
+    for t in src.tensors.values():
+        if t.qtype in (T.F16, T.F32) and t.qtype != T.I8 and conv.dsv4_name(t.name):
+            got = view(infos[conv.dsv4_name(t.name)])
+            ref = np.asarray(src.raw(t)).view(np.float16 if t.qtype == T.F16 else np.float32)
+            assert got.dtype == ref.dtype and np.array_equal(got.reshape(-1), ref), t.name
+            checked += 1
+    assert checked > 50
+
+
+def test_lossy_types_within_reported_error(mixed):
+    src = conv.GGUFSource(mixed["gguf"])
+    infos = _tensors(mixed["out"])
+    err, ref_sq = {}, {}
+    for t in src.tensors.values():
+        if t.qtype not in (T.IQ2_XXS, T.Q2_K):
+            continue
+        module = conv.dsv4_name(t.name).removesuffix(".weight")
+        ref = dequantize(np.asarray(src.raw(t)).reshape(t.byte_shape), t.qtype)
+        got = _affine(infos, module, {T.IQ2_XXS: 3, T.Q2_K: 4}[t.qtype])
+        kind = f"{conv._kind(module)} ({t.qtype.name})"
+        err[kind] = err.get(kind, 0.0) + float(np.sum((got.astype(np.float64) - ref) ** 2))
+        ref_sq[kind] = ref_sq.get(kind, 0.0) + float(np.sum(ref.astype(np.float64) ** 2))
+    assert set(err) == {"layers.*.ffn.experts.w1 (IQ2_XXS)", "layers.*.ffn.experts.w3 (IQ2_XXS)",
+                        "layers.*.ffn.experts.w2 (Q2_K)"}
+    for kind in err:
+        measured = np.sqrt(err[kind] / ref_sq[kind])
+        reported = mixed["report"][kind]["added_relative_rms_error"]
+        assert abs(measured - reported) <= 1e-4 * reported, kind
+        # what the mappings are for: IQ2_XXS levels sit ~2% off the 3-bit line; Q2_K at 4 bits
+        assert measured < (0.03 if "IQ2_XXS" in kind else 0.06), (kind, measured)
+
+
+def test_iq2_xxs_8bit_is_exact(mixed):
+    src = conv.GGUFSource(mixed["gguf"])
+    t = src.tensors["blk.0.ffn_gate_exps.weight"]
+    raw = np.asarray(src.raw(t)).reshape(t.byte_shape)
+    a = gq.to_affine(raw, T.IQ2_XXS, 8)
+    got = mx.dequantize(mx.array(a.weight), mx.array(a.scales), mx.array(a.biases), group_size=32,
+                        bits=8, dtype=mx.float32)
+    assert np.array_equal(np.array(got), dequantize(raw, T.IQ2_XXS))
+
+
+def test_lloyd_steps_never_worse_than_min_max():
+    rng = np.random.default_rng(0)
+    values = rng.normal(0, 1, (4096, 32)).astype(np.float32) * rng.uniform(0.1, 3, (4096, 1))
+    errors = []
+    for steps in (0, 1, 3):
+        s, b, c = gq.fit_affine(values, 4, steps)
+        got = s.astype(np.float32)[:, None] * c + b.astype(np.float32)[:, None]
+        errors.append(np.sum((got - values) ** 2, axis=1))
+    assert np.all(errors[1] <= errors[0] * (1 + 1e-3)) and np.all(errors[2] <= errors[1] * (1 + 1e-3))
+    assert errors[2].sum() < 0.95 * errors[0].sum()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_pack_codes_is_mlx_packing(bits):
+    codes = np.random.default_rng(bits).integers(0, 1 << bits, (3, 64), dtype=np.uint8)
+    ones = mx.ones((3, 2), mx.float32)
+    got = mx.dequantize(mx.array(gq.pack_codes(codes, bits)), ones, mx.zeros((3, 2)), group_size=32,
+                        bits=bits, dtype=mx.float32)
+    assert np.array_equal(np.array(got), codes.astype(np.float32))
+
+
+def test_names_shapes_and_config(mixed):
+    config = json.loads((mixed["out"] / "config.json").read_text())
+    args = ModelArgs.from_dict(config)
+    infos = _tensors(mixed["out"])
+    wanted = set()
+    for name, (dtype, shape) in expected_tensors(args).items():
+        if name.endswith(".scale"):
+            continue
+        name = conv.re.sub(r"\.experts\.\d+\.", ".experts.", name)
+        module = name.removesuffix(".weight")
+        if f"{module}.scales" in infos:
+            wanted |= {f"{module}.weight", f"{module}.scales", f"{module}.biases"}
+        else:
+            wanted.add(name)
+    assert set(infos) == wanted
+    src = conv.GGUFSource(mixed["gguf"])
+    quantized = sum(t.qtype in gq.MAPPERS for t in src.tensors.values())
+    assert sum(n.endswith(".scales") for n in infos) == quantized
+    e, inter, d = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+    assert infos["layers.0.ffn.experts.w1.weight"].shape == (e, inter, d * 3 // 32)
+    assert infos["layers.7.ffn.experts.w2.scales"].shape == (e, d, inter // 32)
+    assert infos["layers.7.ffn.experts.w2.scales"].dtype == "F32"   # Q4_K: exact with f32
+    assert infos["head.scales"].dtype == "F16"                       # Q8_0: exact in f16
+    assert config["quantization"]["layers.0.ffn.experts.w1"] == {"group_size": 32, "bits": 3,
+                                                                  "mode": "affine"}
+    assert config["quantization"]["layers.7.ffn.experts.w1"]["bits"] == 4
+    assert config["text_config"] == mixed["config"]["text_config"]
+    assert "quantization_config" not in config
+    assert config["dsv4"]["format_version"] == 1 and config["dsv4"]["source"]["kind"] == "gguf"
+
+
+def test_engram_rows_through_the_store(mixed):
+    config = json.loads((mixed["out"] / "config.json").read_text())
+    refs = config["dsv4"]["engram"]
+    assert sorted(refs) == ["1", "3"]
+    for layer, ref in refs.items():
+        with open_table(ref, mixed["out"]) as table:
+            rows = table.read_range(0, table.rows)
+            ids = np.array([0, table.rows - 1, table.rows // 2])
+            got = np.array(table.read(ids).astype(mx.float32))
+        g = f"layers.{layer}.engram.embed"
+        expected = np.concatenate([mixed["official"][f"{g}.weight"][1],
+                                   mixed["official"][f"{g}.scale"][1]], axis=1)
+        assert np.array_equal(rows, expected)
+        codes, scales = expected[ids, :256], expected[ids, 256:]
+        want = np.array(mx.from_fp8(mx.array(codes), mx.float32)) * \
+            np.repeat(2.0 ** (scales.astype(np.float32) - 127), 32, axis=1)
+        assert np.array_equal(got, want.astype(np.float32))
+
+
+def test_tokenizer_round_trips(mixed):
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    source = mixed["tokenizer"]
+    rebuilt = Tokenizer.from_file(str(mixed["out"] / "tokenizer.json"))
+    for text in CORPUS:
+        ids = source.encode(text, add_special_tokens=False).ids
+        assert rebuilt.encode(text, add_special_tokens=False).ids == ids, text
+        assert rebuilt.decode(ids, skip_special_tokens=False) == source.decode(ids, skip_special_tokens=False)
+        assert rebuilt.decode(ids, skip_special_tokens=False) == text
+    assert rebuilt.encode("hi").ids[0] == 0   # add_bos_token: BOS first
+    assert rebuilt.token_to_id(NON_SPECIAL_ADDED) == source.token_to_id(NON_SPECIAL_ADDED)
+    # the corpus tells DeepSeek's pre-tokenisation from plain byte-level splitting
+    plain = Tokenizer.from_str(source.to_str())
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert any(plain.encode(t, add_special_tokens=False).ids !=
+               source.encode(t, add_special_tokens=False).ids for t in CORPUS)
+    tok_config = json.loads((mixed["out"] / "tokenizer_config.json").read_text())
+    assert tok_config["bos_token"] == "<｜begin▁of▁sentence｜>" and tok_config["add_bos_token"]
+
+
+def test_split_file_reads_as_one(mixed, tmp_path):
+    data = mixed["gguf"].read_bytes()
+    src = conv.GGUFSource(mixed["gguf"])
+    first_table = min(t.offset for n, t in src.tensors.items() if "engram_embd" in n)
+    cut = first_table - 5000                      # inside the resident weights
+    (tmp_path / "m.gguf.part1").write_bytes(data[:cut])
+    (tmp_path / "m.gguf.part2").write_bytes(data[cut:])
+    conv.convert(tmp_path / "m.gguf.part1", tmp_path / "out", workers=1, progress=False)
+    a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
+    refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]["engram"]
+    assert refs["1"]["file"] == str(tmp_path / "m.gguf.part2")
+    assert refs["1"]["offset"] == first_table - cut
+    with open_table(refs["1"], tmp_path / "out") as table:
+        assert np.array_equal(table.read_range(0, table.rows),
+                              np.frombuffer(data, np.uint8, table.rows * 264, first_table).reshape(-1, 264))
+    # a cut inside a table: refused with the fix, nothing written
+    (tmp_path / "n.gguf.part1").write_bytes(data[:first_table + 1000])
+    (tmp_path / "n.gguf.part2").write_bytes(data[first_table + 1000:])
+    with pytest.raises(ConversionError, match="spans two parts"):
+        conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out2", workers=1, progress=False)
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"typed_overrides": {"num_attention_heads": 8}}, "deepseek41.num_attention_heads = 8"),
+    ({"typed_overrides": {"routed_scaling_factor": 2.0}}, "routed_scaling_factor"),
+    ({"engram_overrides": {"multipliers": [3] * 8}}, "multipliers disagrees"),
+    ({"engram_overrides": {"pad_id": 7}}, "pad_id disagrees"),
+    ({"skip": ("blk.5.attn_kv.weight",)}, "layers.5.attn.wkv.weight is missing"),
+])
+def test_bad_files_refused(tmp_path, mixed, overrides, match):
+    path = tmp_path / "bad.gguf"
+    write_ds4_gguf(path, "q2", tokenizer=mixed["tokenizer"], config=mixed["config"], **overrides)
+    with pytest.raises(ConversionError, match=match):
+        conv.convert(path, tmp_path / "out", workers=1, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+
+
+@pytest.mark.parametrize("arch, tensor, key, match", [
+    ("deepseek4", "blk.0.ffn_gate_exps.weight", None, "DeepSeek V4 Flash GGUF"),
+    ("deepseek41", "blk.1.engram_wkv.weight", "deepseek41.engram.head_count", "llama.cpp-dialect"),
+    ("llama", "blk.0.attn_q.weight", None, "not a DeepSeek V4.1 Flash GGUF"),
+])
+def test_other_dialects_refused(tmp_path, arch, tensor, key, match):
+    path = tmp_path / f"{arch}.gguf"
+    w = GGUFWriter(str(path), arch)
+    if key:
+        w.add_uint32(key, 8)
+    w.add_tensor(tensor, np.zeros((4, 32), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(conv.UnsupportedGGUF, match=match):
+        conv.convert(path, tmp_path / "out", progress=False)
+
+
+def test_resume_after_interruption(mixed, tmp_path, monkeypatch):
+    """A conversion stopped after some shards resumes and gives the same tensors."""
+    real, calls = conv.run_job, []
+
+    def interrupted(job):
+        calls.append(job.name)
+        if len(calls) == 60:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(conv, "run_job", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conv.convert(mixed["gguf"], tmp_path / "out", workers=1, progress=False,
+                     max_shard_bytes=2_000_000)
+    finished = [p.name for p in (tmp_path / ".out.partial").glob("model-*.safetensors")]
+    assert finished and not (tmp_path / "out").exists()
+    monkeypatch.setattr(conv, "run_job", real)
+    conv.convert(mixed["gguf"], tmp_path / "out", workers=1, resume=True, progress=False,
+                 max_shard_bytes=2_000_000)
+    a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
