@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -203,8 +204,8 @@ def _decode_job(job):
 class Decoder:
     """Decodes targets, in worker processes when `workers` > 1, and keeps the added errors."""
 
-    def __init__(self, bits: Optional[int], group_size: int, workers: int):
-        self.bits, self.group_size, self.workers = bits, group_size, workers
+    def __init__(self, bits: Optional[int], group_size: int, workers: int, progress: bool = True):
+        self.bits, self.group_size, self.workers, self.progress = bits, group_size, workers, progress
         self.errors: dict[str, float] = {}
         self.on_error = lambda errors: None  # called after each module, e.g. to save them
         self._pool = None
@@ -233,7 +234,13 @@ class Decoder:
     def produce(self, target: Target) -> dict[str, tuple[str, np.ndarray]]:
         bits = choose_bits(target.k_bits, self.bits)
         jobs = [(lin, target.out, target.inp, bits, self.group_size) for lin in target.linears]
-        results = list(self._pool.map(_decode_job, jobs) if self._pool else map(_decode_job, jobs))
+        results, shown = [], 0.0
+        for result in (self._pool.map(_decode_job, jobs) if self._pool else map(_decode_job, jobs)):
+            results.append(result)
+            if self.progress and time.monotonic() - shown > 0.5:  # a stack takes minutes
+                shown = time.monotonic()
+                print(f"\rdecoding {target.name}: {len(results)}/{len(jobs)} ", end="",
+                      file=sys.stderr, flush=True)
         parts = [np.stack(arrays) if target.stacked else arrays[0]
                  for arrays in zip(*(r[:3] for r in results))]
         err2, ref2 = sum(r[3] for r in results), sum(r[4] for r in results)
@@ -309,7 +316,7 @@ def convert(src: Path | str, dst: Path | str, bits: Optional[int] = None, group_
                    "options": {"bits": bits, "group_size": group_size},
                    "files": sorted((i.file.name, i.file.stat().st_size)
                                    for i in {t.file: t for t in ckpt.tensors.values()}.values())}
-    with Decoder(bits, group_size, workers) as decoder, \
+    with Decoder(bits, group_size, workers, progress) as decoder, \
             ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
                            progress=progress) as out:
         if out.exists(ERRORS_FILE):  # resuming: modules decoded by the earlier run
