@@ -183,8 +183,9 @@ def _requantize(weight: np.ndarray, scales: np.ndarray, source: dict, spec: Requ
                               group_size=source["group_size"], bits=source["bits"],
                               mode=source["mode"], dtype=mx.bfloat16)
         qw, qs, qb = mx.quantize(exact, group_size=spec.group_size, bits=spec.bits, mode="affine")
-        back = mx.dequantize(qw, qs, qb, group_size=spec.group_size, bits=spec.bits,
-                             mode="affine", dtype=mx.float32)
+        # fp32 scales: with bf16 ones MLX would round every dequantized value to bf16
+        back = mx.dequantize(qw, qs.astype(mx.float32), qb.astype(mx.float32),
+                             group_size=spec.group_size, bits=spec.bits, mode="affine")
         ref = exact.astype(mx.float32)
         e2, r2 = mx.sum(mx.square(back - ref)), mx.sum(mx.square(ref))
         mx.eval(qw, qs, qb, e2, r2)

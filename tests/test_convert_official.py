@@ -267,7 +267,8 @@ def test_requantized_experts_and_dense_report_their_true_error(source, tmp_path)
             qm = quant(m)
             assert qm == ({"group_size": 64, "bits": 4, "mode": "affine"} if "experts.w" in kind
                           and "shared" not in kind else {"group_size": 32, "bits": 8, "mode": "affine"})
-            bf16 = {k: mx.array(weights[f"{m}.{k}"]).view(mx.bfloat16) for k in ("scales", "biases")}
+            bf16 = {k: mx.array(weights[f"{m}.{k}"]).view(mx.bfloat16).astype(mx.float32)
+                    for k in ("scales", "biases")}
             got = np.array(mx.dequantize(
                 mx.array(weights[f"{m}.weight"]), bf16["scales"], bf16["biases"],
                 group_size=qm["group_size"], bits=qm["bits"], mode="affine",
@@ -520,3 +521,72 @@ def test_cli_delegates_gguf_and_exl3(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", missing)
     run = runner.invoke(app, ["exl3", "x", "y"])
     assert run.exit_code == 1 and "exl3 converter is not available yet" in run.output
+
+
+# --- end to end: dsv4.load -------------------------------------------------------------------
+
+def _logits(model, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """Prefill `prefill` tokens, then decode the rest one by one; every position's logits."""
+    cache = model.make_cache()
+    out = [np.array(model(ids[:, :prefill], cache))]
+    for t in range(prefill, ids.shape[1]):
+        out.append(np.array(model(ids[:, t:t + 1], cache)))
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("copy_engram", [False, True])
+def test_converted_directory_gives_bit_identical_logits(source, tmp_path, copy_engram):
+    import dsv4
+
+    dst = tmp_path / "out"
+    convert(source, dst, copy_engram=copy_engram, max_shard_bytes=500_000, progress=False)
+    official_model, tokenizer = dsv4.load(source)
+    converted_model, _ = dsv4.load(dst)
+    ids = np.array([tokenizer.encode("Sparse is better than dense. Readability counts, 1234.")])
+    want = _logits(official_model, ids, prefill=ids.shape[1] - 4)
+    got = _logits(converted_model, ids, prefill=ids.shape[1] - 4)
+    assert np.isfinite(want).all() and want.std() > 0
+    assert np.array_equal(got, want)
+
+
+def test_requantized_modules_deviate_by_the_reported_error(source, tmp_path):
+    """For Gaussian inputs x, E|dW x|^2 / E|W x|^2 = |dW|_F^2 / |W|_F^2: the loaded modules'
+    outputs must deviate from the lossless ones by the relative error the converter reported."""
+    import dsv4
+    from mlx.utils import tree_flatten
+
+    lossless, tokenizer = dsv4.load(source, dtype=mx.float32)
+    dsts = {}
+    for bits in (8, 4):
+        dsts[bits] = tmp_path / f"q{bits}"
+        result = convert(source, dsts[bits], experts=Requant(bits, 32), dense=Requant(8, 32),
+                         progress=False)
+    requant, _ = dsv4.load(dsts[4], dtype=mx.float32)
+    modules = [dict(m.named_modules()) for m in (lossless, requant)]
+    rng = np.random.default_rng(0)
+    for kind in ("attn.wq_a", "attn.wo_b", "ffn.shared_experts.w2", "ffn.experts.w1",
+                 "ffn.experts.w2"):
+        err2 = ref2 = 0.0
+        for layer in range(8):
+            exact, approx = (m[f"layers.{layer}.{kind}"] for m in modules)
+            in_dim = exact.scales.shape[-1] * 32
+            x = mx.array(rng.normal(size=(512, in_dim)).astype(np.float32))
+            if "experts.w" in kind and "shared" not in kind:
+                ids = mx.array(rng.integers(0, 8, 512).astype(np.uint32))
+                y, y2 = exact(x[:, None], ids), approx(x[:, None], ids)
+            else:
+                y, y2 = exact(x), approx(x)
+            err2 += float(mx.sum(mx.square(y2 - y)))
+            ref2 += float(mx.sum(mx.square(y)))
+        assert (err2 / ref2) ** 0.5 == pytest.approx(result.requant_errors[kind], rel=0.1), kind
+
+    # the whole model: finite logits, and fewer bits move them further (teacher forcing)
+    ids = np.array([tokenizer.encode("Errors should never pass silently. Unless explicitly silenced.")])
+    base = np.array(lossless(ids))
+    moved = {}
+    for bits, path in dsts.items():
+        model, _ = dsv4.load(path, dtype=mx.float32)
+        logits = np.array(model(ids))
+        assert np.isfinite(logits).all()
+        moved[bits] = np.linalg.norm(logits - base) / np.linalg.norm(base)
+    assert 0 < moved[8] < moved[4]
