@@ -86,11 +86,15 @@ class EngramReadError(OSError):
 _pool_lock = threading.Lock()
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_size = 0
+# Serial reads of every table go through one thread, so they are serial across tables too.
+_serial = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engram-serial-read")
 
 
 def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The shared pool, grown (never shrunk) to at least `workers` threads."""
+    """The shared pool, grown (never shrunk) to at least `workers` threads; one: the serial thread."""
     global _pool, _pool_size
+    if workers == 1:
+        return _serial
     with _pool_lock:
         if _pool is None or _pool_size < workers:
             old = _pool
@@ -114,9 +118,8 @@ class RowRequest:
 
     def wait(self):
         if self._result is None:
-            concurrent.futures.wait(self._futures)  # every worker joins before anything is raised
-            for future in self._futures:
-                error = future.exception()
+            errors = [f.exception() for f in self._futures]  # every worker joins first
+            for error in errors:
                 if error is not None:
                     raise error
             self._result = self._finish()
@@ -366,10 +369,11 @@ class FileTable:
         else:
             workers = 1
         parts = max(1, min(workers, len(todo)))
-        pool = _executor(max(int(flags.get("engram_prefill_workers")),
-                             2 * int(flags.get("engram_decode_workers")), parts))
+        pool = _executor(1 if parts == 1 else max(int(flags.get("engram_prefill_workers")),
+                                                  2 * int(flags.get("engram_decode_workers")), parts))
+        readahead = bool(flags.get("engram_readahead")) and hasattr(os, "posix_fadvise")
         bounds = [len(todo) * k // parts for k in range(parts + 1)]
-        futures = [pool.submit(self._read_partition, todo[a:b], target[a:b])
+        futures = [pool.submit(self._read_partition, todo[a:b], target[a:b], readahead)
                    for a, b in zip(bounds, bounds[1:]) if b > a]
 
         def rows_in_call_order() -> np.ndarray:
@@ -380,10 +384,15 @@ class FileTable:
 
         return futures, rows_in_call_order
 
-    def _read_partition(self, rows: np.ndarray, out: np.ndarray) -> None:
+    def _read_partition(self, rows: np.ndarray, out: np.ndarray, readahead: bool) -> None:
         """Read `rows` into `out` [len(rows), 264]; runs on a worker and writes nothing else."""
         view = memoryview(out).cast("B")
-        for i, row in enumerate(rows.tolist()):
+        row_list = rows.tolist()
+        if readahead:  # the kernel starts every page read now; the preads below then wait less
+            for row in row_list:
+                for seg in self._segments:
+                    os.posix_fadvise(seg.fd, seg.at(row), seg.width, os.POSIX_FADV_WILLNEED)
+        for i, row in enumerate(row_list):
             base = i * ROW_BYTES
             for seg in self._segments:
                 offset = seg.at(row)

@@ -108,6 +108,9 @@ define("engram_decode_workers", 4,
        "pread workers for one decode read of one table (two tables read at once)")
 define("engram_prefill_workers", 16,
        "pread workers for a batch read (prefill: all rows of a prompt, sorted and deduplicated)")
+define("engram_readahead", True,
+       "each read worker first asks the kernel for all its rows (posix_fadvise WILLNEED, Linux) "
+       "so the disk serves them at once, then preads them")
 define("engram_row_cache", 0,
        "rows kept per table in a least-recently-used cache of raw rows; 0 = off "
        "(the OS page cache already serves repeats)")

@@ -426,10 +426,14 @@ def test_resident_mode_loads_tables_into_memory(tables, tmp_path, rng):
 
 
 @pytest.mark.parametrize("hints", [False, True])
-def test_io_hints_do_not_change_rows(tmp_path, rng, hints):
+@pytest.mark.parametrize("readahead", [False, True])
+def test_io_hints_do_not_change_rows(tmp_path, rng, hints, readahead):
     raw = random_rows(rng, 500)
-    with flags.override(engram_io_hints=hints):
+    with flags.override(engram_io_hints=hints, engram_readahead=readahead):
         table = es.InterleavedTable(write_interleaved(tmp_path / "t.bin", raw), 0, 500, "t")
-    ids = rng.integers(0, 500, 100)
-    np.testing.assert_array_equal(table.read_raw(ids), raw[ids])
+        for ids in (rng.integers(0, 500, 24), rng.integers(0, 500, 1000)):
+            np.testing.assert_array_equal(table.read_raw(ids), raw[ids])
+        split = es.open_table(write_split(tmp_path, raw), tmp_path, name="t")
+        np.testing.assert_array_equal(split.read_raw(ids), raw[ids])
     table.close()
+    split.close()
