@@ -1,0 +1,47 @@
+"""generate / stream_generate and the CLI on a tiny checkpoint."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+import dsv4
+from dsv4.generate import stream_generate
+
+
+def test_greedy_stream_equals_manual_argmax(tiny_dir):
+    model, tok = dsv4.load(tiny_dir)
+    prompt = tok.encode("Simple is better than complex.")
+    got = [r.token for r in stream_generate(model, tok, prompt, max_tokens=12)]
+    cache = model.make_cache()
+    logits = model(np.array([prompt]), cache)[0, -1]
+    want = []
+    for _ in range(12):
+        want.append(int(mx.argmax(logits).item()))
+        if want[-1] in tok.eos_token_ids:
+            break
+        logits = model(np.array([[want[-1]]]), cache)[0, -1]
+    assert got == want
+
+
+def test_stream_text_joins_to_decoded_tokens(tiny_dir):
+    model, tok = dsv4.load(tiny_dir)
+    responses = list(stream_generate(model, tok, "Errors should never", max_tokens=15, temp=0.9, seed=3))
+    assert responses[-1].finish_reason in ("length", "stop")
+    tokens = [r.token for r in responses if r.token not in tok.eos_token_ids]
+    assert "".join(r.text for r in responses) == tok.decode(tokens)
+    again = [r.token for r in stream_generate(model, tok, "Errors should never", max_tokens=15, temp=0.9, seed=3)]
+    assert again == [r.token for r in responses]
+
+
+def test_cli_streams_and_reports(tiny_dir):
+    out = subprocess.run([sys.executable, "-m", "dsv4.generate", "--model", str(tiny_dir),
+                          "--prompt", "Hello", "--max-tokens", "6", "--bench-json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Generation:" in out.stdout and "Peak memory:" in out.stdout
+    line = [l for l in out.stdout.splitlines() if l.startswith("DSV4_RESULT ")][-1]
+    result = json.loads(line.removeprefix("DSV4_RESULT "))
+    assert result["generation_tokens"] == len(result["tokens"]) <= 6
