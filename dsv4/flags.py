@@ -121,6 +121,15 @@ define("engram_resident", False,
        "load every Engram table into memory as mxfp8 when it is opened (needs ~95 GiB per table)")
 
 # --- kernels ------------------------------------------------------------------------------
+define("kernel_sparse_attention", True,
+       "sparse attention with sink through the custom GPU kernel (Metal/CUDA); off runs the "
+       "plain-MLX reference")
+define("kernel_moe", True,
+       "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
+       "gather_qmm reference")
+define("kernel_mhc", True,
+       "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
+       "the plain-MLX reference")
 
 # --- decode loop ----------------------------------------------------------------------------
 

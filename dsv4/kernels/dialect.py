@@ -1,0 +1,164 @@
+"""One kernel source, two GPU dialects: Metal (`mx.fast.metal_kernel`) and CUDA (`mx.fast.cuda_kernel`).
+
+A kernel body is written once against the small vocabulary below; the backend's prelude
+(helper functions in the header, a few variable declarations at the top of the body) gives
+it meaning. Launch parameters mean the same on both: `grid` counts threads, `threadgroup`
+is the block; threadgroups are one-dimensional (x) and a multiple of 32 threads, so a
+SIMD group (Metal) is a warp (CUDA), 32 lanes on every GPU MLX supports.
+
+Vocabulary available to bodies:
+  tid, lane, warp            thread index in its threadgroup, lane in its SIMD group, SIMD group index
+  group_x, group_y, group_z  threadgroup position in the grid
+  group_threads              threads per threadgroup
+  KFN                        qualifier of helper functions defined in a kernel's header
+  GLOBAL                     read-only global memory, for pointers into inputs of >= 8 elements
+  SHARED, BARRIER()          threadgroup/shared memory declaration and barrier
+  LOCAL                      address space of a pointer to a thread's own array (helper arguments)
+  simd_sum_f, simd_max_f     sum/max over the 32 lanes, result in every lane
+  simd_shuffle_i(v, src)     int v of lane src
+  EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
+  AS_FLOAT(u32), AS_UINT(f)  bit casts
+  half2_bits_to_float2(u32)  two fp16 bit patterns (low half first) -> float2
+  LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import mlx.core as mx
+
+METAL_HEADER = r"""
+#define KFN inline
+#define LOCAL thread
+#define GLOBAL const device
+#define SHARED threadgroup
+#define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define EXP(x) metal::exp(x)
+#define EXP2(x) metal::exp2(x)
+#define LOG(x) metal::log(x)
+#define RSQRT(x) metal::rsqrt(x)
+#define SQRT(x) metal::sqrt(x)
+#define FMAX(a, b) metal::max(a, b)
+#define FMIN(a, b) metal::min(a, b)
+#define RINT(x) metal::rint(x)
+#define FABS(x) metal::abs(x)
+#define AS_FLOAT(u) as_type<float>(u)
+#define AS_UINT(f) as_type<uint32_t>(f)
+#define LOAD_U4(p, i) (((const device uint4*)(p))[i])
+inline float simd_sum_f(float x) { return simd_sum(x); }
+inline int simd_shuffle_i(int x, int src) { return simd_shuffle(x, ushort(src)); }
+inline float simd_max_f(float x) { return simd_max(x); }
+inline float2 half2_bits_to_float2(uint32_t b) { return float2(as_type<half2>(b)); }
+"""
+
+METAL_BODY_PRELUDE = r"""
+  const uint32_t tid = thread_position_in_threadgroup.x;
+  const uint32_t lane = tid & 31u;
+  const uint32_t warp = tid >> 5;
+  const uint32_t group_x = threadgroup_position_in_grid.x;
+  const uint32_t group_y = threadgroup_position_in_grid.y;
+  const uint32_t group_z = threadgroup_position_in_grid.z;
+  const uint32_t group_threads = threads_per_threadgroup.x;
+  (void)lane; (void)warp; (void)group_x; (void)group_y; (void)group_z; (void)group_threads;
+"""
+
+CUDA_HEADER = r"""
+#define KFN __device__ inline
+#define LOCAL
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#define GLOBAL const
+#define SHARED __shared__
+#define BARRIER() __syncthreads()
+#define EXP(x) expf(x)
+#define EXP2(x) exp2f(x)
+#define LOG(x) logf(x)
+#define RSQRT(x) rsqrtf(x)
+#define SQRT(x) sqrtf(x)
+#define FMAX(a, b) fmaxf(a, b)
+#define FMIN(a, b) fminf(a, b)
+#define RINT(x) rintf(x)
+#define FABS(x) fabsf(x)
+#define AS_FLOAT(u) __uint_as_float(u)
+#define AS_UINT(f) __float_as_uint(f)
+#define LOAD_U4(p, i) (reinterpret_cast<const uint4*>(p)[i])
+__device__ inline float simd_sum_f(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ inline int simd_shuffle_i(int x, int src) { return __shfl_sync(0xffffffffu, x, src); }
+__device__ inline float simd_max_f(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ inline float2 half2_bits_to_float2(uint32_t b) {
+  __half2 h = *reinterpret_cast<__half2*>(&b);
+  return __half22float2(h);
+}
+"""
+
+CUDA_BODY_PRELUDE = r"""
+  const uint32_t tid = threadIdx.x;
+  const uint32_t lane = tid & 31u;
+  const uint32_t warp = tid >> 5;
+  const uint32_t group_x = blockIdx.x;
+  const uint32_t group_y = blockIdx.y;
+  const uint32_t group_z = blockIdx.z;
+  const uint32_t group_threads = blockDim.x;
+  (void)lane; (void)warp; (void)group_x; (void)group_y; (void)group_z; (void)group_threads;
+"""
+
+
+def backend() -> str | None:
+    """'metal' or 'cuda' when custom kernels can run on the default device, else None (CPU)."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel body written once; `source(dialect)` gives the (header, body) for that backend.
+
+    `checks` lists instantiations for the offline compile gates: each is
+    (input dtypes, output dtypes, template args), with inputs assumed to hold >= 8 elements.
+    """
+
+    name: str
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    body: str
+    header: str = ""
+    checks: tuple = field(default=(), compare=False)
+
+    def source(self, dialect: str) -> tuple[str, str]:
+        if dialect == "metal":
+            return METAL_HEADER + self.header, METAL_BODY_PRELUDE + self.body
+        if dialect == "cuda":
+            return CUDA_HEADER + self.header, CUDA_BODY_PRELUDE + self.body
+        raise ValueError(f"unknown kernel dialect {dialect!r}; expected 'metal' or 'cuda'")
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=(), init_value=None):
+        dialect = backend()
+        if dialect is None:
+            raise RuntimeError(f"kernel {self.name}: no GPU backend (Metal or CUDA) on the default device")
+        fn = _compiled(self, dialect)
+        return fn(inputs=list(inputs), output_shapes=list(output_shapes),
+                  output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
+                  template=list(template), init_value=init_value)
+
+
+@lru_cache(maxsize=None)
+def _compiled(kernel: Kernel, dialect: str):
+    header, body = kernel.source(dialect)
+    make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+    return make(name=kernel.name, input_names=list(kernel.input_names),
+                output_names=list(kernel.output_names), source=body, header=header)

@@ -1,0 +1,420 @@
+"""Routed experts + shared expert for a few tokens (decode, draft verification), model-spec §4.
+
+For each token t, its selected experts e (router weights w_te) and the shared expert:
+
+    g = round(W1_e x), u = round(W3_e x)                   (matmul outputs in x's dtype, bf16)
+    h = round(silu(min(g, L)) * clip(u, -L, L) * w_te)     (fp32; w = 1 for the shared expert)
+    y = round(sum_e round(W2_e h) + round(W2_s h_s))       (fp32 sum of bf16 expert outputs)
+
+with L = swiglu_limit. Optional `act_quant` rounds x and h to fp8 per 32 values first, as
+the official model does for every fp8/fp4 matmul input (model-spec §11).
+
+Weights are MLX-quantized matrices (`QuantizedMatrix`): mxfp4 and mxfp8 (e8m0 scale per 32,
+no bias) and affine with 2, 3, 4 or 8 bits (scale and bias per group of 32/64/128), packed
+exactly as `mx.quantize` packs them: little-endian bit stream in uint32 words, value i of a
+row at bit i*bits (3-bit values may straddle words), fp4 e2m1 nibbles low first, fp8 e4m3 bytes.
+
+The kernel is two launches: gate+up matvecs with the clamped SwiGLU and the router weight
+fused (one SIMD group per 4 rows of one token-expert pair, lanes split the input), then the
+down matvecs of all of a token's experts with the bf16 rounding per expert and the sum
+fused. Each lane works on packs of 32 consecutive values (`bits` words, one scale group for
+mx modes), decoded in registers; fp4/fp8 codes become fp16 bit patterns, whose fixed
+exponent offset is folded into the block scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels.dialect import Kernel, backend
+from dsv4.quant import qdq_fp8
+
+MAX_KERNEL_TOKENS = 8
+WARPS = 4
+ROWS_GATE_UP = 4
+ROWS_DOWN = 2
+MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
+AFFINE_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """One MLX-quantized weight: routed experts [E, out, in] or a single matrix [out, in].
+
+    weight uint32 [..., out, in*bits/32]; scales [..., out, in/group_size] (uint8 e8m0 for
+    mxfp4/mxfp8, float for affine); biases like scales for affine, else None.
+    """
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array | None
+    group_size: int
+    bits: int
+    mode: str = "affine"
+
+    @classmethod
+    def of(cls, layer) -> "QuantizedMatrix":
+        """From any layer with MLX's quantized attributes (nn.QuantizedLinear, QuantizedSwitchLinear)."""
+        return cls(layer.weight, layer.scales, getattr(layer, "biases", None), layer.group_size,
+                   layer.bits, getattr(layer, "mode", "affine"))
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[-1] * 32 // self.bits
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[-2]
+
+    def kwargs(self) -> dict:
+        return dict(group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
+def _swiglu(g, u, limit):
+    g = mx.minimum(g.astype(mx.float32), limit)
+    u = mx.clip(u.astype(mx.float32), -limit, limit)
+    return g * mx.sigmoid(g) * u
+
+
+def experts_reference(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
+                      act_quant=False):
+    """Plain-MLX definition (the gather_qmm path); see `experts`.
+
+    The matmuls take fp32 inputs so that they accumulate in fp32 on every backend (MLX's CPU
+    kernels accumulate in the input dtype); their outputs are rounded to x's dtype as a bf16
+    linear layer's would be.
+    """
+    dtype = x.dtype
+    xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
+
+    def matmul(a, m, idx=None):
+        if idx is None:
+            out = mx.quantized_matmul(a, m.weight, m.scales, m.biases, transpose=True, **m.kwargs())
+        else:
+            out = mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True,
+                                **m.kwargs())
+        return out.astype(dtype)
+
+    def hidden(g, u, route=1.0):
+        h = (_swiglu(g, u, swiglu_limit) * route).astype(dtype)
+        return (qdq_fp8(h) if act_quant else h).astype(mx.float32)
+
+    xe = xin[:, None, None, :]
+    route = weights.astype(mx.float32)[..., None, None]
+    h = hidden(matmul(xe, gate, indices), matmul(xe, up, indices), route)   # [T, k, 1, I]
+    y = matmul(h, down, indices)                                             # [T, k, 1, D]
+    total = mx.sum(y.astype(mx.float32), axis=(1, 2))
+    if shared is not None:
+        s_gate, s_up, s_down = shared
+        sy = matmul(hidden(matmul(xin, s_gate), matmul(xin, s_up)), s_down)
+        total = total + sy.astype(mx.float32)
+    return total.astype(dtype)
+
+
+_HEADER = r"""
+// A pack = 32 consecutive values of one row = BITS uint32 words. MODE 0 affine, 1 mxfp4, 2 mxfp8.
+KFN float e8m0_scale(uint32_t s) { return s == 0 ? AS_FLOAT(0x00400000u) : AS_FLOAT(s << 23); }
+
+KFN float e4m3_round(float x) {
+  const float a = FABS(x);
+  float r;
+  if (a < 0.015625f) {
+    r = RINT(a * 512.0f) * (1.0f / 512.0f);          // subnormal e4m3: steps of 2^-9
+  } else {
+    uint32_t u = AS_UINT(a);
+    u += 0x7ffffu + ((u >> 20) & 1u);                // round the mantissa to 3 bits, ties to even
+    r = AS_FLOAT(u & 0xfff00000u);
+  }
+  return x < 0.0f ? -r : r;
+}
+
+// fp8 e4m3 with a power-of-two scale per 32 values (the official act_quant).
+KFN void qdq_fp8_32(LOCAL float* v) {
+  float amax = 1e-4f;
+  for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
+  const uint32_t b = AS_UINT(amax * (1.0f / 448.0f));
+  const float s = AS_FLOAT((((b >> 23) & 0xffu) + ((b & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
+  for (int i = 0; i < 32; ++i) v[i] = e4m3_round(FMIN(FMAX(v[i] / s, -448.0f), 448.0f)) * s;
+}
+
+// 32 bf16 values starting at element 32*p of row (16-byte aligned).
+template <typename P>
+KFN void load_bf16_pack(P row, int p, LOCAL float* v) {
+  for (int k = 0; k < 4; ++k) {
+    const uint4 q = LOAD_U4(row + 32 * p, k);
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    for (int j = 0; j < 4; ++j) {
+      v[8 * k + 2 * j] = AS_FLOAT(w[j] << 16);
+      v[8 * k + 2 * j + 1] = AS_FLOAT(w[j] & 0xffff0000u);
+    }
+  }
+}
+
+template <int BITS, typename P>
+KFN void load_words(P w, LOCAL uint32_t* out) {
+  if (BITS % 4 == 0) {
+    for (int k = 0; k < BITS / 4; ++k) {
+      const uint4 q = LOAD_U4(w, k);
+      out[4 * k] = q.x; out[4 * k + 1] = q.y; out[4 * k + 2] = q.z; out[4 * k + 3] = q.w;
+    }
+  } else {
+    for (int k = 0; k < BITS; ++k) out[k] = w[k];
+  }
+}
+
+// Decode one pack. mxfp4 values come out scaled by 2^-14 and mxfp8 by 2^-8 (fp16 exponent
+// bias); pack_dot folds the factor back into the block scale.
+template <int MODE, int BITS>
+KFN void unpack32(LOCAL const uint32_t* w, LOCAL float* v) {
+  if (MODE == 1) {
+    for (int j = 0; j < 4; ++j)
+      for (int p = 0; p < 4; ++p) {
+        const uint32_t q = w[j] >> (8 * p);
+        const float2 f = half2_bits_to_float2(((q & 0x7u) << 9) | ((q & 0x8u) << 12) |
+                                              ((q & 0x70u) << 21) | ((q & 0x80u) << 24));
+        v[8 * j + 2 * p] = f.x;
+        v[8 * j + 2 * p + 1] = f.y;
+      }
+  } else if (MODE == 2) {
+    for (int j = 0; j < 8; ++j)
+      for (int p = 0; p < 2; ++p) {
+        const uint32_t q = w[j] >> (16 * p);
+        const float2 f = half2_bits_to_float2(((q & 0x7fu) << 7) | ((q & 0x80u) << 8) |
+                                              ((q & 0x7f00u) << 15) | ((q & 0x8000u) << 16));
+        v[4 * j + 2 * p] = f.x;
+        v[4 * j + 2 * p + 1] = f.y;
+      }
+  } else {
+    for (int i = 0; i < 32; ++i) {
+      const int bit = i * BITS, word = bit / 32, off = bit % 32;
+      uint32_t q = w[word] >> off;
+      if (off + BITS > 32) q |= w[word + 1] << (32 - off);
+      v[i] = (float)(q & ((1u << BITS) - 1u));
+    }
+  }
+}
+
+template <int MODE, int BITS, int GS, typename PW, typename PS, typename PB>
+KFN float pack_dot(PW w_row, PS s_row, PB b_row, int p, LOCAL const float* x, float x_sum) {
+  uint32_t words[BITS];
+  load_words<BITS>(w_row + p * BITS, words);
+  float v[32];
+  unpack32<MODE, BITS>(words, v);
+  float d = 0.0f;
+  for (int i = 0; i < 32; ++i) d += v[i] * x[i];
+  if (MODE == 1) return e8m0_scale((uint32_t)s_row[p]) * 16384.0f * d;
+  if (MODE == 2) return e8m0_scale((uint32_t)s_row[p]) * 256.0f * d;
+  const int g = (p * 32) / GS;
+  return float(s_row[g]) * d + float(b_row[g]) * x_sum;
+}
+
+// ROWS consecutive output rows (from row0, clamped to the last row) of expert e, for one
+// input row x of K_in values: acc0 from matrix 0 and, if TWO, acc1 from matrix 1. Summed
+// over the lanes on return.
+template <int MODE, int BITS, int GS, int ROWS, bool ACTQ, bool TWO, typename PX, typename PW,
+          typename PS, typename PB>
+KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, int e, int row0, int rows_out,
+                  int K_in, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
+  const int words_per_row = K_in / 32 * BITS;
+  const int scales_per_row = K_in / GS;
+  for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
+  for (int p = (int)lane; p < K_in / 32; p += 32) {
+    float xv[32];
+    load_bf16_pack(x, p, xv);
+    if (ACTQ) qdq_fp8_32(xv);
+    float x_sum = 0.0f;
+    if (MODE == 0)
+      for (int i = 0; i < 32; ++i) x_sum += xv[i];
+    for (int r = 0; r < ROWS; ++r) {
+      const size_t row = (size_t)e * rows_out + min(row0 + r, rows_out - 1);
+      acc0[r] += pack_dot<MODE, BITS, GS>(w0 + row * words_per_row, s0 + row * scales_per_row,
+                                          b0 + row * scales_per_row, p, xv, x_sum);
+      if (TWO)
+        acc1[r] += pack_dot<MODE, BITS, GS>(w1 + row * words_per_row, s1 + row * scales_per_row,
+                                            b1 + row * scales_per_row, p, xv, x_sum);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    acc0[r] = simd_sum_f(acc0[r]);
+    if (TWO) acc1[r] = simd_sum_f(acc1[r]);
+  }
+}
+"""
+
+_GATE_UP_BODY = r"""
+  // grid (32*warps, ceil(I / (warps*ROWS)), tokens*(K+HS)); h is [tokens, K+HS, I].
+  const int pair = group_z;
+  const int t = pair / (K + HS), slot = pair % (K + HS);
+  const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
+  if (row0 >= I) return;
+  const float limit = params[0];
+  float g[ROWS], u[ROWS];
+  GLOBAL T* xrow = x + (size_t)t * D;
+  float route = 1.0f;
+  if (slot < K) {
+    route = route_w[t * K + slot];
+    rows_dot<MODE, BITS, GS, ROWS, ACTQ, true>(xrow, gate_w, gate_s, gate_b, up_w, up_s, up_b,
+                                               idx[t * K + slot], row0, I, D, g, u, lane);
+  } else {
+    rows_dot<SMODE, SBITS, SGS, ROWS, ACTQ, true>(xrow, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
+                                                  sup_b, 0, row0, I, D, g, u, lane);
+  }
+  if (lane == 0) {
+    for (int r = 0; r < ROWS && row0 + r < I; ++r) {
+      const float gv = FMIN(float(static_cast<T>(g[r])), limit);
+      const float uv = FMIN(FMAX(float(static_cast<T>(u[r])), -limit), limit);
+      h[(size_t)pair * I + row0 + r] = static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route);
+    }
+  }
+"""
+
+_DOWN_BODY = r"""
+  // grid (32*warps, ceil(DO / (warps*ROWS)), tokens); h is [tokens, K+HS, I], y is [tokens, DO].
+  const int t = group_z;
+  const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
+  if (row0 >= DO) return;
+  float total[ROWS], acc[ROWS], unused[ROWS];
+  for (int r = 0; r < ROWS; ++r) total[r] = 0.0f;
+  for (int slot = 0; slot < K + HS; ++slot) {
+    GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;
+    if (slot < K) {
+      rows_dot<MODE, BITS, GS, ROWS, ACTQ, false>(hrow, down_w, down_s, down_b, down_w, down_s,
+                                                  down_b, idx[t * K + slot], row0, DO, I, acc,
+                                                  unused, lane);
+    } else {
+      rows_dot<SMODE, SBITS, SGS, ROWS, ACTQ, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
+                                                     sdown_s, sdown_b, 0, row0, DO, I, acc, unused,
+                                                     lane);
+    }
+    // Each expert's output is rounded to the activation dtype, as its own matmul would be.
+    for (int r = 0; r < ROWS; ++r) total[r] += float(static_cast<T>(acc[r]));
+  }
+  if (lane == 0)
+    for (int r = 0; r < ROWS && row0 + r < DO; ++r) y[(size_t)t * DO + row0 + r] = static_cast<T>(total[r]);
+"""
+
+_GATE_UP_INPUTS = ("x", "idx", "route_w", "params",
+                   "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                   "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b")
+_DOWN_INPUTS = ("h", "idx", "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b")
+
+
+def _check_instances(stage):
+    """(mode, bits, group_size, scale dtype) pairs the offline compile gates instantiate."""
+    variants = [(("mxfp4", 4, 32, mx.uint8), ("mxfp8", 8, 32, mx.uint8)),
+                (("affine", 3, 64, mx.bfloat16), ("affine", 2, 32, mx.float32)),
+                (("affine", 4, 128, mx.float32), ("affine", 8, 32, mx.bfloat16))]
+    out = []
+    for (m, b, g, st), (sm, sb, sg, sst) in variants:
+        tmpl = [("T", mx.bfloat16), ("MODE", MODE_IDS[m]), ("BITS", b), ("GS", g),
+                ("SMODE", MODE_IDS[sm]), ("SBITS", sb), ("SGS", sg), ("HS", 1), ("ACTQ", True),
+                ("K", 6), ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
+        bt = st if m == "affine" else mx.uint8
+        sbt = sst if sm == "affine" else mx.uint8
+        if stage == "gate_up":
+            ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
+            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("D", 5120)])))
+        else:
+            ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt)
+            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("DO", 5120)])))
+    return tuple(out)
+
+
+GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up", input_names=_GATE_UP_INPUTS,
+                        output_names=("h",), body=_GATE_UP_BODY, header=_HEADER,
+                        checks=_check_instances("gate_up"))
+DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_names=("y",),
+                     body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
+
+
+def _kernel_handles(m: QuantizedMatrix) -> bool:
+    if m.mode in ("mxfp4", "mxfp8"):
+        ok_bits = m.bits == (4 if m.mode == "mxfp4" else 8) and m.group_size == 32
+    else:
+        ok_bits = m.mode == "affine" and m.bits in AFFINE_BITS and m.group_size in (32, 64, 128)
+    return ok_bits and m.in_features % 32 == 0 and m.weight.dtype == mx.uint32
+
+
+def kernel_supports(x, gate, up, down, shared) -> bool:
+    mats = [gate, up, down] + (list(shared) if shared is not None else [])
+    if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[0] > MAX_KERNEL_TOKENS:
+        return False
+    if not all(_kernel_handles(m) for m in mats):
+        return False
+    same = lambda a, b: (a.mode, a.bits, a.group_size, a.scales.dtype) == (b.mode, b.bits, b.group_size, b.scales.dtype)
+    return same(gate, up) and same(gate, down) and (shared is None or (
+        same(shared[0], shared[1]) and same(shared[0], shared[2])))
+
+
+_PLACEHOLDER = None
+
+
+def _placeholder():
+    """An 8-word input standing for an absent matrix/bias (8+ elements keep Metal's device space)."""
+    global _PLACEHOLDER
+    if _PLACEHOLDER is None:
+        _PLACEHOLDER = mx.zeros((8,), mx.uint32)
+    return _PLACEHOLDER
+
+
+def _operands(m: QuantizedMatrix | None):
+    if m is None:
+        return [_placeholder()] * 3
+    return [m.weight, m.scales, m.biases if m.biases is not None else _placeholder()]
+
+
+def _mode_template(prefix, m: QuantizedMatrix | None, like: QuantizedMatrix):
+    m = m or like
+    return [(prefix + "MODE", MODE_IDS[m.mode]), (prefix + "BITS", m.bits), (prefix + "GS", m.group_size)]
+
+
+def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
+                   act_quant=False):
+    """The fused GPU path; same contract as `experts` (call that instead)."""
+    T, D = x.shape
+    K = indices.shape[-1]
+    HS = 0 if shared is None else 1
+    I = gate.out_features
+    DO = down.out_features
+    s_gate, s_up, s_down = shared if shared is not None else (None, None, None)
+    common = [("T", x.dtype)] + _mode_template("", gate, gate) + _mode_template("S", s_gate, gate) + [
+        ("HS", HS), ("ACTQ", bool(act_quant)), ("K", K)]
+    (h,) = GATE_UP_KERNEL(
+        inputs=[x, indices.astype(mx.int32), weights.astype(mx.float32),
+                mx.array([swiglu_limit], mx.float32)]
+        + _operands(gate) + _operands(up) + _operands(s_gate) + _operands(s_up),
+        output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype],
+        grid=(32 * WARPS, math.ceil(I / (WARPS * ROWS_GATE_UP)), T * (K + HS)),
+        threadgroup=(32 * WARPS, 1, 1),
+        template=common + [("ROWS", ROWS_GATE_UP), ("I", I), ("D", D)])
+    (y,) = DOWN_KERNEL(
+        inputs=[h, indices.astype(mx.int32)] + _operands(down) + _operands(s_down),
+        output_shapes=[(T, DO)], output_dtypes=[x.dtype],
+        grid=(32 * WARPS, math.ceil(DO / (WARPS * ROWS_DOWN)), T), threadgroup=(32 * WARPS, 1, 1),
+        template=common + [("ROWS", ROWS_DOWN), ("I", I), ("DO", DO)])
+    return y
+
+
+def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0, act_quant=False):
+    """Routed experts (+ shared expert) of a MoE layer, summed.
+
+    x        [T, D] activations (bf16)
+    indices  [T, k] int: selected experts per token (all valid: the router always picks k)
+    weights  [T, k] fp32 router weights (already normalised and scaled by route_scale)
+    gate, up, down  QuantizedMatrix of the routed experts: [E, I, D], [E, I, D], [E, D, I]
+    shared   optional (gate, up, down) QuantizedMatrix of the shared expert: [I, D], [I, D], [D, I]
+    swiglu_limit    L in min(g, L) and clip(u, -L, L)
+    act_quant       round x and h to fp8 per 32 values before their matmuls (official numerics)
+    returns  [T, D] in x's dtype
+
+    The fused kernel runs for 1-8 bf16 tokens when the backend has one and flag `kernel_moe`
+    is on; otherwise (and for prefill) `experts_reference`, MLX's gather_qmm path.
+    """
+    if (flags.get("kernel_moe") and backend() is not None
+            and kernel_supports(x, gate, up, down, shared)):
+        return experts_kernel(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
+    return experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)

@@ -1,0 +1,30 @@
+"""Skipping work that cannot change the result: indexer scoring when every row is selected.
+
+The indexer keeps the top k of the compressed rows a query can see (model-spec §3.6). While
+the cache holds at most k compressed rows, every visible row is kept whatever the scores, so
+the scoring (the indexer's q projection, the score matmul, the candidate-block pass and the
+top-k) can be skipped and the selection written down directly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def indexer_can_be_skipped(n_compressed: int, topk: int) -> bool:
+    """True when all `n_compressed` rows (the most any query sees) fit in the top `topk`."""
+    return n_compressed <= topk
+
+
+def select_all_visible(start_pos: int, batch: int, length: int, ratio: int, n_compressed: int) -> mx.array:
+    """The indexer's selection when it keeps everything: [batch, length, n_compressed] int32.
+
+    Query s sits at absolute position t = start_pos + s and sees compressed rows j < (t+1)//ratio;
+    row j is listed at column j (ascending, as the reference sorts its top-k), -1 past the
+    visible count. Use only when `indexer_can_be_skipped(n_compressed, topk)`.
+    """
+    positions = mx.arange(start_pos, start_pos + length, dtype=mx.int32)
+    visible = (positions + 1) // ratio
+    rows = mx.arange(n_compressed, dtype=mx.int32)
+    idx = mx.where(rows[None, :] < visible[:, None], rows[None, :], -1)
+    return mx.broadcast_to(idx[None], (batch, length, n_compressed))

@@ -1,0 +1,300 @@
+"""Sparse attention with sink over a shared K=V latent (model-spec §3.7).
+
+For each query, one softmax runs over the window rows it may see and the compressed rows
+its indexer selected, with the per-head sink logit added to the denominator only:
+
+    l_j = (q_h . kv_j) * scale                       (fp32; an index of -1 picks nothing)
+    M   = max(max_j l_j, -1e30)
+    o_h = sum_j exp(l_j - M) kv_j / (sum_j exp(l_j - M) + exp(sink_h - M))
+
+The probabilities are rounded to the KV dtype (bf16 in the model) before the PV product,
+as the official kernel does; the denominator stays fp32. A query with no valid row gets
+zeros. Optionally the rotary slice of the output is de-rotated (inverse RoPE), fused.
+
+The kernel gives each threadgroup one query, a group of up to 8 heads (one SIMD group per
+head) and a slice of the query's rows; a second kernel merges the slices. The heads of a
+group read each KV row once from memory together (the other groups hit the cache), the
+gather is never materialised, and splitting the rows keeps the GPU busy at decode (S = 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels.dialect import Kernel, backend
+
+HEADS_PER_GROUP = 8
+TARGET_THREADGROUPS = 256  # enough to fill a large GPU at decode; more only adds merge work
+MIN_ROWS_PER_SPLIT = 8
+
+
+def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
+                               rope_cos=None, rope_sin=None):
+    """Plain-MLX definition of the op; see `sparse_attention` for the contract."""
+    B, S, H, D = q.shape
+    rows, valid = _gather(window_kv, window_idx, B, S)
+    if compressed_kv is not None:
+        c_rows, c_valid = _gather(compressed_kv, topk_idx, B, S)
+        rows = mx.concatenate([rows, c_rows], axis=2)
+        valid = mx.concatenate([valid, c_valid], axis=2)
+    kv32 = rows.astype(mx.float32)                                        # [B, S, n, D]
+    scores = (q.astype(mx.float32) @ kv32.swapaxes(-1, -2)) * scale         # [B, S, H, n]
+    scores = mx.where(valid[:, :, None, :], scores, -mx.inf)
+    top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), -1e30)
+    p = mx.exp(scores - top)
+    denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks.astype(mx.float32)[:, None] - top)
+    numer = p.astype(rows.dtype).astype(mx.float32) @ kv32
+    out = (numer / denom).astype(q.dtype)
+    if rope_cos is not None:
+        out = inverse_rope_reference(out, rope_cos, rope_sin)
+    return out
+
+
+def inverse_rope_reference(x, cos, sin):
+    """De-rotate the last 2*R dims of x [B, S, H, D] in interleaved pairs (model-spec §3.3).
+
+    cos, sin are [B, S, R] fp32: the angles of each query's position. Pair k = dims
+    (D-2R+2k, D-2R+2k+1); (a, b) -> (a cos + b sin, -a sin + b cos), in fp32.
+    """
+    R = cos.shape[-1]
+    D = x.shape[-1]
+    rot = x[..., D - 2 * R:].astype(mx.float32).reshape(*x.shape[:-1], R, 2)
+    a, b = rot[..., 0], rot[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = mx.stack([a * c + b * s, b * c - a * s], axis=-1).reshape(*x.shape[:-1], 2 * R)
+    return mx.concatenate([x[..., :D - 2 * R], out.astype(x.dtype)], axis=-1)
+
+
+def _gather(kv, idx, B, S):
+    """Rows kv[b, idx[b, s, j]] as [B, S, k, D] and their validity [B, S, k]."""
+    n = kv.shape[1]
+    valid = (idx >= 0) & (idx < n)
+    safe = mx.where(valid, idx, 0).astype(mx.int32)
+    flat = safe + (mx.arange(B, dtype=mx.int32) * n)[:, None, None]
+    rows = mx.take(kv.reshape(B * n, kv.shape[-1]), flat.reshape(-1), axis=0)
+    return rows.reshape(B, S, idx.shape[-1], kv.shape[-1]), valid
+
+
+_PARTIAL_BODY = r"""
+  // grid (32*G, n_head_groups*splits, B*S); one SIMD group per head.
+  constexpr int DPL = D / 32;
+  const int S = sizes[0], W = sizes[1], N = sizes[2], NW = sizes[3], NK = sizes[4];
+  const int SPLITS = sizes[5], RPS = sizes[6];
+  const int qi = group_z;
+  const int b = qi / S;
+  const int split = group_y % SPLITS;
+  const int h = (group_y / SPLITS) * G + warp;
+  if (h >= H) return;
+  const float scale = params[0];
+  const size_t part = ((size_t)qi * H + h) * SPLITS + split;
+
+  float qv[DPL];
+  for (int i = 0; i < DPL; ++i) qv[i] = float(q[((size_t)qi * H + h) * D + lane * DPL + i]);
+  float m = -INFINITY, l = 0.0f;
+  float acc[DPL];
+  for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+
+  const int r_begin = split * RPS;
+  const int r_end = min(NW + NK, r_begin + RPS);
+  for (int base = r_begin; base < r_end; base += 32) {
+    // Each lane fetches one row's index; rows are then taken 4 at a time from the lanes.
+    const int r = base + (int)lane;
+    int my_row = -1;
+    if (r < r_end) {
+      if (r < NW) {
+        const int j = window_idx[(size_t)qi * NW + r];
+        my_row = (j >= 0 && j < W) ? j : -1;
+      } else {
+        const int j = topk_idx[(size_t)qi * NK + (r - NW)];
+        my_row = (j >= 0 && j < N) ? (W + j) : -1;   // W + j marks a compressed row
+      }
+    }
+    const int count = min(32, r_end - base);
+    for (int c = 0; c < count; c += 4) {
+      int rows[4];
+      float kv[4][DPL];
+      float s[4];
+      bool any = false;
+      for (int u = 0; u < 4; ++u) {
+        rows[u] = simd_shuffle_i(my_row, c + u);   // lanes past the end hold -1
+        any = any || rows[u] >= 0;
+      }
+      if (!any) continue;
+      for (int u = 0; u < 4; ++u) {
+        for (int i = 0; i < DPL; ++i) kv[u][i] = 0.0f;
+        if (rows[u] >= W) {
+          const size_t off = ((size_t)b * N + (rows[u] - W)) * D + lane * DPL;
+          for (int i = 0; i < DPL; ++i) kv[u][i] = float(compressed_kv[off + i]);
+        } else if (rows[u] >= 0) {
+          const size_t off = ((size_t)b * W + rows[u]) * D + lane * DPL;
+          for (int i = 0; i < DPL; ++i) kv[u][i] = float(window_kv[off + i]);
+        }
+      }
+      float m_new = m;
+      for (int u = 0; u < 4; ++u) {
+        float dot = 0.0f;
+        for (int i = 0; i < DPL; ++i) dot += qv[i] * kv[u][i];
+        s[u] = simd_sum_f(dot) * scale;
+        if (rows[u] < 0) s[u] = -INFINITY;
+        m_new = FMAX(m_new, s[u]);
+      }
+      const float corr = EXP(m - m_new);
+      l *= corr;
+      for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+      for (int u = 0; u < 4; ++u) {
+        const float p = EXP(s[u] - m_new);
+        l += p;
+        const float p_rounded = float(static_cast<T>(p));   // bf16 probabilities before PV
+        for (int i = 0; i < DPL; ++i) acc[i] += p_rounded * kv[u][i];
+      }
+      m = m_new;
+    }
+  }
+  for (int i = 0; i < DPL; ++i) part_acc[part * D + lane * DPL + i] = acc[i];
+  if (lane == 0) {
+    part_ml[part * 2] = m;
+    part_ml[part * 2 + 1] = l;
+  }
+"""
+
+_MERGE_BODY = r"""
+  // grid (32, H, B*S): one SIMD group merges one (query, head).
+  constexpr int DPL = D / 32;
+  const int SPLITS = sizes[5];
+  const int qi = group_z;
+  const int h = group_y;
+  const size_t first = ((size_t)qi * H + h) * SPLITS;
+  float top = -1e30f;
+  for (int s = 0; s < SPLITS; ++s) top = FMAX(top, part_ml[(first + s) * 2]);
+  float denom = EXP(sinks[h] - top);
+  float o[DPL];
+  for (int i = 0; i < DPL; ++i) o[i] = 0.0f;
+  for (int s = 0; s < SPLITS; ++s) {
+    const float w = EXP(part_ml[(first + s) * 2] - top);
+    denom += w * part_ml[(first + s) * 2 + 1];
+    for (int i = 0; i < DPL; ++i) o[i] += w * part_acc[(first + s) * D + lane * DPL + i];
+  }
+  const size_t out_off = ((size_t)qi * H + h) * D + lane * DPL;
+  for (int i = 0; i < DPL; ++i) o[i] = float(static_cast<T>(o[i] / denom));
+  if (ROPE_HALF > 0) {
+    // Inverse RoPE on the last 2*ROPE_HALF dims, after the output's rounding (as unfused).
+    const int first_rot = D - 2 * ROPE_HALF;
+    for (int i = 0; i < DPL; i += 2) {
+      const int d = lane * DPL + i;
+      if (d >= first_rot) {
+        const int k = (d - first_rot) / 2;
+        const float c = rope_cos[(size_t)qi * ROPE_HALF + k];
+        const float sn = rope_sin[(size_t)qi * ROPE_HALF + k];
+        const float a = o[i], bb = o[i + 1];
+        o[i] = a * c + bb * sn;
+        o[i + 1] = bb * c - a * sn;
+      }
+    }
+  }
+  for (int i = 0; i < DPL; ++i) out[out_off + i] = static_cast<T>(o[i]);
+"""
+
+_CHECK_TYPES = ((mx.bfloat16, 512, 64, 32), (mx.float32, 64, 3, 8))
+
+PARTIAL_KERNEL = Kernel(
+    name="dsv4_sparse_attention_partial",
+    input_names=("q", "window_kv", "window_idx", "compressed_kv", "topk_idx", "sizes", "params"),
+    output_names=("part_acc", "part_ml"),
+    body=_PARTIAL_BODY,
+    checks=tuple(
+        ((t, t, mx.int32, t, mx.int32, mx.int32, mx.float32), (mx.float32, mx.float32),
+         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP))))
+        for t, d, h, _ in _CHECK_TYPES),
+)
+
+MERGE_KERNEL = Kernel(
+    name="dsv4_sparse_attention_merge",
+    input_names=("part_acc", "part_ml", "sinks", "sizes", "rope_cos", "rope_sin"),
+    output_names=("out",),
+    body=_MERGE_BODY,
+    checks=tuple(
+        ((mx.float32, mx.float32, mx.float32, mx.int32, mx.float32, mx.float32), (t,),
+         (("T", t), ("D", d), ("H", h), ("ROPE_HALF", r)))
+        for t, d, h, r in _CHECK_TYPES),
+)
+
+
+def kernel_supports(q, window_kv, compressed_kv, rope_cos) -> bool:
+    """The shapes and dtypes the kernel handles; anything else runs the reference."""
+    D = q.shape[-1]
+    if D % 32 or D // 32 > 32 or q.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return False
+    if window_kv.dtype != q.dtype or (compressed_kv is not None and compressed_kv.dtype != q.dtype):
+        return False
+    if rope_cos is not None and ((D // 32) % 2 or 2 * rope_cos.shape[-1] > D):
+        return False
+    return True
+
+
+def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
+                            rope_cos=None, rope_sin=None):
+    """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""
+    B, S, H, D = q.shape
+    W = window_kv.shape[1]
+    if compressed_kv is None:
+        compressed_kv = mx.zeros((B, 1, D), q.dtype)
+        topk_idx = mx.full((B, S, 1), -1, mx.int32)
+    N = compressed_kv.shape[1]
+    NW, NK = window_idx.shape[-1], topk_idx.shape[-1]
+    groups = math.ceil(H / HEADS_PER_GROUP)
+    G = min(H, HEADS_PER_GROUP)
+    rows = NW + NK
+    splits = max(1, min(math.ceil(TARGET_THREADGROUPS / (B * S * groups)),
+                        math.ceil(rows / MIN_ROWS_PER_SPLIT)))
+    rows_per_split = max(1, math.ceil(rows / splits))
+    splits = max(1, math.ceil(rows / rows_per_split))
+    sizes = mx.array([S, W, N, NW, NK, splits, rows_per_split, 0], mx.int32)
+    params = mx.array([scale], mx.float32)
+    part_acc, part_ml = PARTIAL_KERNEL(
+        inputs=[q, window_kv, window_idx.astype(mx.int32), compressed_kv, topk_idx.astype(mx.int32),
+                sizes, params],
+        output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
+        output_dtypes=[mx.float32, mx.float32],
+        grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("H", H), ("G", G)])
+    rope_half = 0 if rope_cos is None else rope_cos.shape[-1]
+    if rope_cos is None:
+        rope_cos = rope_sin = mx.zeros((8,), mx.float32)
+    (out,) = MERGE_KERNEL(
+        inputs=[part_acc, part_ml, sinks.astype(mx.float32), sizes,
+                rope_cos.astype(mx.float32), rope_sin.astype(mx.float32)],
+        output_shapes=[q.shape], output_dtypes=[q.dtype],
+        grid=(32, H, B * S), threadgroup=(32, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("H", H), ("ROPE_HALF", rope_half)])
+    return out
+
+
+def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
+                     rope_cos=None, rope_sin=None):
+    """Attention of each query over its window rows and selected compressed rows, with sink.
+
+    q             [B, S, H, D]  queries (bf16 in the model; fp16/fp32 also accepted)
+    window_kv     [B, W, D]     window rows (K = V), same dtype as q
+    window_idx    [B, S, w]     int: rows of window_kv each query sees; -1 (or >= W) = none
+    compressed_kv [B, N, D]     compressed rows, or None (layers without compression)
+    topk_idx      [B, S, k]     int: rows of compressed_kv each query sees; -1 = none
+    sinks         [H]           fp32 sink logits (denominator only)
+    scale         float         softmax scale (512**-0.5 in V4.1)
+    rope_cos/sin  [B, S, R]     optional fp32 cos/sin of each query's RoPE angles: the last
+                                2R dims of the output are de-rotated (interleaved pairs)
+    returns       [B, S, H, D]  in q's dtype; zeros for a query with no valid row
+
+    Uses the GPU kernel when the backend has one and flag `kernel_sparse_attention` is on,
+    else `sparse_attention_reference`.
+    """
+    if topk_idx is not None and topk_idx.shape[-1] == 0:
+        compressed_kv = topk_idx = None   # nothing selected yet (e.g. the first tokens)
+    if (flags.get("kernel_sparse_attention") and backend() is not None
+            and kernel_supports(q, window_kv, compressed_kv, rope_cos)):
+        return sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
+                                       scale, rope_cos, rope_sin)
+    return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
+                                      scale, rope_cos, rope_sin)

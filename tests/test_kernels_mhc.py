@@ -1,0 +1,96 @@
+"""mHC references against a float64 numpy transcription of model-spec §2.2, and dispatch. CPU."""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels import mhc
+
+
+def oracle_mixes(X, fn, scale, base, norm_eps, hc_eps, iters):
+    hc = X.shape[-2]
+    x = X.reshape(*X.shape[:-2], -1)
+    r = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + norm_eps)
+    m = (x @ fn.T) * r
+    sig = lambda v: 1.0 / (1.0 + np.exp(-v))
+    pre = sig(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * sig(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    c = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    c = np.exp(c - c.max(-1, keepdims=True))
+    c = c / c.sum(-1, keepdims=True) + hc_eps
+    c = c / (c.sum(-2, keepdims=True) + hc_eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + hc_eps)
+        c = c / (c.sum(-2, keepdims=True) + hc_eps)
+    return pre, post, c
+
+
+def random_site(rng, B, S, D, dtype=mx.bfloat16):
+    X = mx.array(rng.standard_normal((B, S, 4, D)).astype(np.float32)).astype(dtype)
+    fn = mx.array((rng.standard_normal((24, 4 * D)) / np.sqrt(4 * D)).astype(np.float32))
+    scale = mx.array(rng.uniform(0.5, 2.0, 3).astype(np.float32))
+    base = mx.array(rng.standard_normal(24).astype(np.float32))
+    return X, fn, scale, base
+
+
+def f64(a):
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 96)])
+def test_mixes_reference_matches_spec(shape):
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, *shape)
+    got = mhc.hc_mixes_reference(X, fn, scale, base, 1e-20, 1e-6, 20)
+    want = oracle_mixes(f64(X), f64(fn), f64(scale), f64(base), 1e-20, 1e-6, 20)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.array(g), w, rtol=2e-5, atol=1e-6)   # fp32 vs fp64
+    # Sinkhorn property: columns sum to ~1 after the last (column) normalisation.
+    np.testing.assert_allclose(np.array(got[2]).sum(-2), 1.0, atol=1e-5)
+
+
+def test_collapse_norm_reference_matches_spec():
+    rng = np.random.default_rng()
+    X, *_ = random_site(rng, 2, 2, 160)
+    pre = mx.array(rng.uniform(0, 1, (2, 2, 4)).astype(np.float32))
+    weight = mx.array(rng.uniform(0.5, 1.5, 160).astype(np.float32)).astype(mx.bfloat16)
+    got = f64(mhc.hc_collapse_norm_reference(X, pre, weight, 1e-20))
+    h = (f64(pre)[..., None] * f64(X)).sum(-2)
+    want = f64(weight) * h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-20)
+    # bf16 collapse, bf16 normalised value, bf16 product: three roundings of at most 2^-8
+    # relative each (half an ulp of an 8-bit significand).
+    np.testing.assert_allclose(got, want, rtol=3 * 2.0 ** -8, atol=1e-6)
+
+
+def test_expand_reference_matches_spec():
+    rng = np.random.default_rng()
+    X, *_ = random_site(rng, 1, 3, 64)
+    y = mx.array(rng.standard_normal((1, 3, 64)).astype(np.float32)).astype(mx.bfloat16)
+    post = mx.array(rng.uniform(0, 2, (1, 3, 4)).astype(np.float32))
+    comb = mx.array(rng.uniform(0, 1, (1, 3, 4, 4)).astype(np.float32))
+    got = f64(mhc.hc_expand_reference(y, X, post, comb))
+    want = f64(post)[..., None] * f64(y)[..., None, :] + np.einsum("bsij,bsid->bsjd", f64(comb), f64(X))
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -8, atol=1e-5)   # one bf16 rounding (<= 2^-8)
+
+
+def test_dispatch_uses_reference_on_cpu_and_kernels_when_switched(monkeypatch):
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, 1, 1, 32)
+    assert mhc.backend() is None
+    ref = mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6)
+    for a, b in zip(ref, mhc.hc_mixes_reference(X, fn, scale, base, 1e-20, 1e-6)):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    calls = []
+    fake = lambda **kw: calls.append(kw) or [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+    monkeypatch.setattr(mhc, "backend", lambda: "metal")
+    monkeypatch.setattr(mhc.Kernel, "__call__", lambda self, **kw: fake(**kw))
+    pre, post, comb = mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6)
+    assert comb.shape == (1, 1, 4, 4) and len(calls) == 2
+    with flags.override(kernel_mhc=False):
+        mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6)
+        mhc.hc_expand(X[:, :, 0], X, pre, comb)
+    assert len(calls) == 2
+    mhc.hc_expand(X[:, :, 0], X, pre, comb)
+    assert calls[-1]["grid"] == (256, 1, 1) and len(calls) == 3

@@ -1,0 +1,145 @@
+"""Sparse attention with sink: the MLX reference against a float64 numpy transcription of
+model-spec §3.7, plus the dispatch rules and the indexer-skip helper. CPU, runs in CI."""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels import sparse_attention as sa
+from dsv4.kernels.selection import indexer_can_be_skipped, select_all_visible
+
+
+def oracle(q, wkv, wi, ckv, ti, sinks, scale, cos=None, sin=None):
+    """Spec §3.7 one query/head at a time, float64, probabilities not rounded."""
+    B, S, H, D = q.shape
+    out = np.zeros((B, S, H, D))
+    for b in range(B):
+        for s in range(S):
+            rows = [wkv[b, j] for j in wi[b, s] if 0 <= j < wkv.shape[1]]
+            if ckv is not None:
+                rows += [ckv[b, j] for j in ti[b, s] if 0 <= j < ckv.shape[1]]
+            for h in range(H):
+                if rows:
+                    kv = np.stack(rows)
+                    logits = kv @ q[b, s, h] * scale
+                    top = max(logits.max(), -1e30)
+                    e = np.exp(logits - top)
+                    out[b, s, h] = e @ kv / (e.sum() + np.exp(sinks[h] - top))
+    if cos is not None:
+        R = cos.shape[-1]
+        z = out[..., D - 2 * R::2] + 1j * out[..., D - 2 * R + 1::2]
+        z = z * np.exp(-1j * np.arctan2(sin, cos))[:, :, None, :]
+        out[..., D - 2 * R::2], out[..., D - 2 * R + 1::2] = z.real, z.imag
+    return out
+
+
+def random_case(rng, B, S, H, D, W, N, w, k, dtype, invalid=0.3):
+    f = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    wi = rng.integers(0, W, (B, S, w))
+    ti = rng.integers(0, max(N, 1), (B, S, k))
+    wi[rng.random(wi.shape) < invalid] = -1
+    ti[rng.random(ti.shape) < invalid] = -1
+    return dict(q=f(B, S, H, D), window_kv=f(B, W, D), window_idx=mx.array(wi.astype(np.int32)),
+                compressed_kv=f(B, N, D), topk_idx=mx.array(ti.astype(np.int32)),
+                sinks=mx.array(rng.standard_normal(H).astype(np.float32)), scale=D ** -0.5)
+
+
+def as_np(case):
+    g = lambda a: np.array(a.astype(mx.float32)).astype(np.float64)
+    return (g(case["q"]), g(case["window_kv"]), np.array(case["window_idx"]), g(case["compressed_kv"]),
+            np.array(case["topk_idx"]), np.array(case["sinks"]).astype(np.float64), case["scale"])
+
+
+@pytest.mark.parametrize("S", [1, 5])
+def test_reference_fp32_matches_spec(S):
+    rng = np.random.default_rng()
+    case = random_case(rng, 2, S, 3, 64, 9, 11, 6, 5, mx.float32)
+    got = np.array(sa.sparse_attention_reference(**case))
+    # fp32 throughout (probabilities rounded to fp32 = unchanged): only fp32 arithmetic error.
+    np.testing.assert_allclose(got, oracle(*as_np(case)), rtol=1e-4, atol=1e-5)
+
+
+def test_reference_bf16_matches_spec_within_rounding():
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 3, 4, 128, 16, 20, 16, 12, mx.bfloat16)
+    got = np.array(sa.sparse_attention_reference(**case).astype(mx.float32))
+    want = oracle(*as_np(case))
+    # bf16 probabilities (relative error 2^-9 each) and the bf16 output (2^-9 of |o|):
+    # together below 2^-7 of the largest |kv| entry.
+    bound = 2.0 ** -7 * np.abs(as_np(case)[1]).max()
+    assert np.abs(got - want).max() <= bound
+
+
+def test_edge_cases_all_invalid_one_row_and_sink():
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 3, 2, 32, 4, 4, 3, 2, mx.float32, invalid=0.0)
+    wi = np.array(case["window_idx"]); ti = np.array(case["topk_idx"])
+    wi[0, 0] = -1; ti[0, 0] = -1            # query 0: nothing valid -> zeros
+    wi[0, 1] = [2, -1, -1]; ti[0, 1] = -1   # query 1: exactly one row
+    ti[0, 2] = [7, 99]                      # out-of-range compressed indices count as -1
+    case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
+    got = np.array(sa.sparse_attention_reference(**case))
+    assert np.all(got[0, 0] == 0)
+    # One row: softmax weight exp(l)/(exp(l)+exp(sink)) times that row.
+    qn, kvn, *_ = as_np(case)
+    row = kvn[0, 2]
+    for h in range(2):
+        logit = row @ qn[0, 1, h] * case["scale"]
+        weight = 1.0 / (1.0 + np.exp(float(np.array(case["sinks"])[h]) - logit))
+        np.testing.assert_allclose(got[0, 1, h], weight * row, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, oracle(*as_np(case)), rtol=1e-4, atol=1e-5)
+
+
+def test_without_compressed_rows():
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 2, 2, 32, 6, 1, 4, 1, mx.float32)
+    q, wkv, wi, _, _, sinks, scale = as_np(case)
+    case.update(compressed_kv=None, topk_idx=None)
+    got = np.array(sa.sparse_attention(**case))
+    np.testing.assert_allclose(got, oracle(q, wkv, wi, None, None, sinks, scale), rtol=1e-4, atol=1e-5)
+
+
+def test_fused_inverse_rope():
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 2, 2, 64, 5, 5, 4, 3, mx.float32)
+    theta = rng.uniform(-3, 3, (1, 2, 8)).astype(np.float32)
+    cos, sin = np.cos(theta), np.sin(theta)
+    got = np.array(sa.sparse_attention(**case, rope_cos=mx.array(cos), rope_sin=mx.array(sin)))
+    np.testing.assert_allclose(got, oracle(*as_np(case), cos, sin), rtol=1e-4, atol=1e-5)
+
+
+def test_dispatch_cpu_uses_reference_and_switch_selects_kernel(monkeypatch):
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 1, 2, 32, 4, 4, 2, 2, mx.float32)
+    assert sa.backend() is None          # CI runs on CPU: always the reference
+    called = []
+    monkeypatch.setattr(sa, "sparse_attention_kernel", lambda *a, **k: called.append(1) or "kernel")
+    np.testing.assert_array_equal(np.array(sa.sparse_attention(**case)),
+                                  np.array(sa.sparse_attention_reference(**case)))
+    monkeypatch.setattr(sa, "backend", lambda: "cuda")
+    assert sa.sparse_attention(**case) == "kernel"
+    with flags.override(kernel_sparse_attention=False):
+        assert isinstance(sa.sparse_attention(**case), mx.array)
+    odd = dict(case, q=case["q"][..., :16], window_kv=case["window_kv"][..., :16],
+               compressed_kv=case["compressed_kv"][..., :16])
+    assert isinstance(sa.sparse_attention(**odd), mx.array)   # D=16 is not a kernel shape
+    assert called == [1]
+
+
+@pytest.mark.parametrize("start_pos,length,ratio", [(0, 7, 2), (9, 1, 2), (3, 4, 1)])
+def test_select_all_visible_equals_topk_when_everything_fits(start_pos, length, ratio):
+    rng = np.random.default_rng()
+    n = (start_pos + length) // ratio
+    topk = n + 2
+    assert indexer_can_be_skipped(n, topk) and not indexer_can_be_skipped(topk + 1, topk)
+    got = np.array(select_all_visible(start_pos, 2, length, ratio, n))
+    scores = rng.standard_normal((2, length, n))
+    for b in range(2):
+        for s in range(length):
+            visible = (start_pos + s + 1) // ratio
+            masked = np.where(np.arange(n) < visible, scores[b, s], -np.inf)
+            picked = np.sort(np.argsort(-masked)[:topk])
+            picked = picked[np.isfinite(masked[picked])]
+            assert sorted(got[b, s][got[b, s] >= 0]) == list(picked)

@@ -1,0 +1,45 @@
+"""CI gate for the Metal sources: every kernel body, wrapped as mx.fast.metal_kernel wraps it,
+must parse and type-check with clang against tools/metal_shim (no Mac needed). Needs clang:
+without it the test fails (apt-get install clang), it does not skip."""
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import metal_syntax_check as gate  # noqa: E402
+
+
+def require_clang():
+    if shutil.which("clang++") is None and shutil.which("clang") is None:
+        pytest.fail("clang is not installed: the Metal syntax gate needs it (apt-get install clang)")
+
+
+@pytest.mark.parametrize("kernel", gate.all_kernels(), ids=lambda k: k.name)
+def test_metal_source_compiles(kernel):
+    require_clang()
+    assert kernel.checks, f"{kernel.name} lists no instantiations to check"
+    errors = gate.check_metal(kernel)
+    assert not errors, "\n".join(errors)
+
+
+def test_gate_rejects_a_type_error_and_an_unknown_function():
+    require_clang()
+    kernel = gate.all_kernels()[0]
+    first = kernel.checks[:1]
+    bad_type = dataclasses.replace(kernel, body=kernel.body + "\n  float oops = tid; uint3 v = oops;\n",
+                                   checks=first)
+    bad_call = dataclasses.replace(kernel, body=kernel.body + "\n  simd_shuffle_down_f(1.0f);\n",
+                                   checks=first)
+    assert gate.check_metal(bad_type) and gate.check_metal(bad_call)
+
+
+def test_wrapper_matches_mlx_signature_rules():
+    kernel = gate.all_kernels()[0]
+    src = gate.metal_source(kernel, kernel.checks[0])
+    assert f"[[kernel]] void custom_kernel_{kernel.name}(" in src
+    assert "[[buffer(0)]]" in src and "thread_position_in_threadgroup [[thread_position_in_threadgroup]]" in src
+    assert "thread_position_in_grid [[" not in src    # only attributes the body names

@@ -1,0 +1,65 @@
+// A small stand-in for <metal_stdlib> and MLX's Metal utils, enough for clang to parse and
+// type-check dsv4's kernel bodies as C++17 (tools/metal_syntax_check.py). It declares only what
+// the bodies use, with Metal's signatures; nothing here is ever executed.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#define device
+#define threadgroup
+#define constant
+#define thread
+#define INFINITY __builtin_inff()
+
+using uint = unsigned int;
+using ushort = unsigned short;
+
+struct half {
+  half(float);
+  operator float() const;
+};
+struct bfloat16_t {
+  bfloat16_t(float);
+  operator float() const;
+};
+using float16_t = half;
+
+struct uint3 { uint x, y, z; };
+struct uint4 { uint x, y, z, w; };
+struct half2 { half x, y; };
+struct float2 {
+  float x, y;
+  float2(float, float);
+  explicit float2(half2);
+};
+struct float4 {
+  float x, y, z, w;
+  float4(float, float, float, float);
+};
+
+template <typename T, typename U>
+T as_type(U);
+
+float simd_sum(float);
+float simd_max(float);
+int simd_shuffle(int, ushort);
+
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+void threadgroup_barrier(mem_flags);
+
+namespace metal {
+float exp(float);
+float exp2(float);
+float log(float);
+float rsqrt(float);
+float sqrt(float);
+float rint(float);
+float abs(float);
+float max(float, float);
+float min(float, float);
+int max(int, int);
+int min(int, int);
+uint max(uint, uint);
+uint min(uint, uint);
+}  // namespace metal
+using namespace metal;

@@ -1,0 +1,181 @@
+"""Offline compile gates for dsv4's kernel bodies.
+
+Metal (no Mac needed): each kernel body is wrapped exactly the way `mx.fast.metal_kernel`
+wraps it (MLX's `write_signature`: template line, `[[kernel]]` signature with one buffer per
+input and output, the attributes the body names, the explicit template instantiation), then
+parsed and type-checked by clang as C++17 against tools/metal_shim/metal_stdlib.h. A syntax or
+type error fails.
+
+CUDA (optional, where nvcc is installed): the body is wrapped the way `mx.fast.cuda_kernel`
+wraps it and compiled for sm_90 with nvcc; MLX's device utilities are replaced by the CUDA
+headers they include, which is all the bodies use.
+
+    python tools/metal_syntax_check.py          # Metal gate
+    python tools/metal_syntax_check.py --cuda   # also the CUDA gate
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dsv4.kernels.dialect import Kernel  # noqa: E402
+
+SHIM = ROOT / "tools" / "metal_shim"
+CLANG_PACKAGE = "clang"
+
+METAL_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
+               mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t"}
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+              mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t"}
+# MLX's list of Metal thread attributes; a signature gets those the body names.
+METAL_ATTRIBUTES = (
+    ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"), ("grid_origin", "uint3"), ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"), ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"), ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"), ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"), ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"), ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"), ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"), ("threads_per_simdgroup", "uint"), ("threads_per_threadgroup", "uint3"),
+)
+
+
+def all_kernels() -> list[Kernel]:
+    """Every Kernel defined at module level in dsv4.kernels."""
+    import dsv4.kernels as package
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"dsv4.kernels.{info.name}")
+        found += [v for v in vars(module).values() if isinstance(v, Kernel)]
+    return found
+
+
+def _template_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return METAL_TYPES[value]
+
+
+def metal_source(kernel: Kernel, check) -> str:
+    """The text `mx.fast.metal_kernel` compiles for one instantiation (minus MLX's utils)."""
+    in_types, out_types, template = check
+    header, body = kernel.source("metal")
+    name = f"custom_kernel_{kernel.name}"
+    lines = [header]
+    if template:
+        kinds = ["typename" if not isinstance(v, int) else ("bool" if isinstance(v, bool) else "int")
+                 for _, v in template]
+        lines.append("template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, template)) + ">")
+    params = [f"  const device {METAL_TYPES[t]}* {n} [[buffer({i})]]"
+              for i, (n, t) in enumerate(zip(kernel.input_names, in_types))]
+    params += [f"  device {METAL_TYPES[t]}* {n} [[buffer({len(in_types) + i})]]"
+               for i, (n, t) in enumerate(zip(kernel.output_names, out_types))]
+    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in body]
+    lines.append(f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {")
+    lines += [body, "}"]
+    if template:
+        args = "<" + ", ".join(_template_value(v) for _, v in template) + ">"
+        # Metal spells this `template [[host_name("...")]] [[kernel]] decltype(f<..>) f<..>;`;
+        # plain clang rejects attributes there, and they carry no type information.
+        lines.append(f"template decltype({name}{args}) {name}{args};")
+    return "\n".join(lines) + "\n"
+
+
+def cuda_source(kernel: Kernel, check) -> str:
+    """The text `mx.fast.cuda_kernel` compiles for one instantiation."""
+    in_types, out_types, template = check
+    header, body = kernel.source("cuda")
+    lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
+             "#include <cooperative_groups.h>", header, "namespace mlx::core::cu {",
+             "namespace cg = cooperative_groups;"]
+    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in zip(kernel.input_names, in_types)]
+    params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in zip(kernel.output_names, out_types)]
+    lines.append(f"__global__ void custom_kernel_{kernel.name}(\n" + ",\n".join(params) + ") {")
+    for n, v in template:
+        if isinstance(v, bool):
+            lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
+        elif isinstance(v, int):
+            lines.append(f"  constexpr int {n} = {v};")
+        else:
+            lines.append(f"  using {n} = {CUDA_TYPES[v]};")
+    lines += [body, "}", "}  // namespace mlx::core::cu"]
+    return "\n".join(lines) + "\n"
+
+
+def _run(cmd: list[str], source: str, suffix: str) -> str | None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"kernel{suffix}"
+        path.write_text(source)
+        result = subprocess.run(cmd + [str(path)], capture_output=True, text=True, cwd=tmp)
+    if result.returncode == 0:
+        return None
+    return result.stderr or result.stdout
+
+
+def clang() -> str:
+    exe = shutil.which("clang++") or shutil.which("clang")
+    if exe is None:
+        raise RuntimeError(f"clang is not installed: install it (Debian/Ubuntu: apt-get install "
+                           f"{CLANG_PACKAGE}) to run the Metal syntax gate")
+    return exe
+
+
+def check_metal(kernel: Kernel) -> list[str]:
+    """Errors (empty when clean) of every instantiation of `kernel`'s Metal source."""
+    cmd = [clang(), "-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes",
+           "-include", str(SHIM / "metal_stdlib.h")]
+    errors = []
+    for check in kernel.checks:
+        err = _run(cmd, metal_source(kernel, check), ".metal.cpp")
+        if err:
+            errors.append(f"{kernel.name} {check[2]}:\n{err}")
+    return errors
+
+
+def check_cuda(kernel: Kernel, nvcc: str) -> list[str]:
+    cmd = [nvcc, "-std=c++17", "-arch=sm_90", "-c", "-o", "/dev/null"]
+    errors = []
+    for check in kernel.checks:
+        err = _run(cmd, cuda_source(kernel, check), ".cu")
+        if err:
+            errors.append(f"{kernel.name} {check[2]}:\n{err}")
+    return errors
+
+
+def main(argv: list[str]) -> int:
+    kernels = all_kernels()
+    errors = []
+    for k in kernels:
+        if not k.checks:
+            errors.append(f"{k.name}: no instantiations listed in Kernel.checks")
+        errors += check_metal(k)
+    if "--cuda" in argv:
+        nvcc = shutil.which("nvcc")
+        if nvcc is None:
+            errors.append("--cuda: nvcc is not on PATH")
+        else:
+            for k in kernels:
+                errors += check_cuda(k, nvcc)
+    for e in errors:
+        print(e, file=sys.stderr)
+    print(f"{len(kernels)} kernels, {sum(len(k.checks) for k in kernels)} instantiations: "
+          f"{'FAILED' if errors else 'ok'}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
