@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from .encoding import REASONING_EFFORTS, StreamParser, encode_messages, longest_marker_prefix
+from .encoding import REASONING_EFFORTS, Delta, StreamParser, encode_messages, longest_marker_prefix
 from .prompt_cache import PromptCache
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -301,9 +301,6 @@ class Handler(BaseHTTPRequestHandler):
     service: Service  # set on the subclass made by make_server
     server_version = "dsv4"
 
-    def log_message(self, format, *args):  # quiet: tests and users read the server's own lines
-        pass
-
     # -- plumbing
 
     def _send_json(self, status: int, payload: dict) -> None:
@@ -385,7 +382,9 @@ class Handler(BaseHTTPRequestHandler):
                 raise RequestError("the prompt encodes to no tokens", param="prompt")
             job = self.service.worker.submit(Job(tokens, options["max_tokens"], options["temperature"],
                                                  options["top_p"], options["seed"]))
-            event = job.events.get()
+            event = self._wait_for_start(job)
+            if event is None:
+                return
             if event[0] == "error":
                 raise event[1]
         except RequestError as error:
@@ -394,6 +393,16 @@ class Handler(BaseHTTPRequestHandler):
             self._respond(kind, job, event[1], options, mode, body.get("model") or self.service.model_name)
         except ClientGone:
             job.cancelled.set()
+
+    def _wait_for_start(self, job: Job):
+        """The job's first event, or None if the client left while it waited its turn."""
+        while True:
+            try:
+                return job.events.get(timeout=0.5)
+            except queue.Empty:
+                if self._client_gone():
+                    job.cancelled.set()
+                    return None
 
     def _respond(self, kind: str, job: Job, usage_start: dict, options: dict, mode: str, model: str) -> None:
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -415,8 +424,10 @@ class Handler(BaseHTTPRequestHandler):
                     "choices": [choice]}
 
         def deliver(piece: str, final: bool) -> None:
-            deltas = parser.feed(piece) + (parser.close() if final else []) if parser else (
-                [_TextDelta(piece)] if piece else [])
+            if parser is None:  # text completions: no chat structure to read
+                deltas = [Delta("content", piece)] if piece else []
+            else:
+                deltas = parser.feed(piece) + (parser.close() if final else [])
             for delta in deltas:
                 if delta.kind == "tool_call":
                     call = {"index": len(calls), "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
@@ -485,12 +496,6 @@ class Handler(BaseHTTPRequestHandler):
                        "choices": [{"index": 0, "message": message, "finish_reason": finish}]}
         payload["usage"] = usage
         self._send_json(200, payload)
-
-
-@dataclass(frozen=True)
-class _TextDelta:
-    text: str
-    kind: str = "content"
 
 
 def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:

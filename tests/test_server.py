@@ -386,6 +386,14 @@ def test_requests_run_one_at_a_time(scripted):
     assert script.most_active == 1
 
 
+def read_until(sock, marker: bytes) -> None:
+    received = b""
+    while marker not in received:
+        piece = sock.recv(4096)
+        assert piece, f"the server closed the connection before sending {marker!r}: {received!r}"
+        received += piece
+
+
 def wait_for_cancel(host, port, requests_before):
     deadline = time.time() + 20
     while time.time() < deadline:
@@ -405,7 +413,7 @@ def test_client_disconnect_cancels_generation(scripted, stream):
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     if stream:
-        assert b"data:" in sock.recv(4096)
+        read_until(sock, b"data:")
     time.sleep(0.3)
     sock.close()
     stats = wait_for_cancel(host, port, 0)
@@ -413,3 +421,43 @@ def test_client_disconnect_cancels_generation(scripted, stream):
     assert 0 < stats["last"]["completion_tokens"] < 100_000
     # The server serves the next request normally.
     assert chat(client, [{"role": "user", "content": "hi"}], max_tokens=3).choices[0].message.content == "xxx"
+
+
+def test_client_that_leaves_while_queued_is_skipped(scripted):
+    client, script, host, port = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
+
+    def send(stream):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": stream}).encode()
+        sock = socket.create_connection((host, port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        return sock
+
+    running = send(stream=True)
+    read_until(running, b"data:")
+    queued = send(stream=False)
+    time.sleep(0.3)
+    queued.close()
+    time.sleep(1.0)  # the waiting handler notices and withdraws the job
+    running.close()
+    wait_for_cancel(host, port, 0)
+    assert chat(client, [{"role": "user", "content": "hi"}], max_tokens=2).choices[0].message.content == "xx"
+    stats = get_json(host, port, "/v1/stats")[1]
+    assert stats["requests"] == 2 and stats["cancelled"] == 1
+    assert len(script.prompts) == 2
+
+
+def test_prompt_cache_can_be_switched_off(live, checkpoint):
+    process, host, port = start_server(["--model", str(checkpoint), "--max-tokens", "3", "--no-prompt-cache"])
+    try:
+        uncached = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Errors should never pass silently."}]
+        for client in (uncached, live.client):
+            chat(client, messages, max_tokens=3)
+        replies = [chat(client, messages, max_tokens=3) for client in (uncached, live.client)]
+        assert replies[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert replies[1].usage.prompt_tokens_details.cached_tokens == replies[1].usage.prompt_tokens - 1
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
