@@ -160,12 +160,16 @@ class Progress:
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = "--:--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
         pct = 100 * self.done / max(self.total, 1)
-        print(f"\r{self.what}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB ({pct:3.0f}%) "
+        print(f"\r{self.what}: {_size(self.done)} of {_size(self.total)} ({pct:3.0f}%), "
               f"{rate / 1e6:.0f} MB/s, {eta} left ", end="\n" if final else "",
               file=sys.stderr, flush=True)
 
     def finish(self) -> None:
         self.show(final=True)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _header_reserve(units: Sequence[Unit]) -> int:

@@ -212,3 +212,13 @@ def test_verify_finds_a_changed_row(tmp_path):
                 f.write(bytes([byte ^ 1]))
             out.verify({"model": units}, rows=info_rows)
     assert not (tmp_path / "bad").exists() and not (tmp_path / ".bad.partial").exists()
+
+
+def test_progress_shows_bytes_rate_and_time_left(tmp_path, capsys):
+    modules = _tensors(4, 3)
+    total = sum(a.nbytes for a in _all(modules).values())
+    with ModelDirWriter(tmp_path / "out", {}, progress=True) as out:
+        out.write_weights({"model": _units(modules)})
+    last = capsys.readouterr().err.strip().split("\r")[-1]
+    assert last.startswith(f"writing weights: {total / 1e6:.1f} MB of {total / 1e6:.1f} MB (100%), ")
+    assert "MB/s" in last and last.endswith("left")
