@@ -30,9 +30,9 @@ from dsv4.config import ModelArgs
 from dsv4 import layout
 from dsv4.safetensors_file import Checkpoint, CheckpointError, TensorInfo
 
-from . import exl3_pack
+from . import exl3_pack, official
 from .exl3_pack import Exl3Linear
-from .writer import ConversionError, ModelDirWriter, Unit
+from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
 
 # Affine width per K: about two bits above the trellis, so the requantisation adds a few
 # percent to EXL3's own error (relative RMS ~0.38 at K=2, ~0.17 at K=3, ~0.09 at K=4).
@@ -40,9 +40,7 @@ BITS_FOR_K = {1: 3, 2: 4, 3: 5, 4: 6, 5: 8, 6: 8, 7: 8, 8: 8}
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 _EXPERT_MODULE = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])$")
-ERRORS_FILE = "exl3_requantization_errors.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                   "special_tokens_map.json", "generation_config.json")
+ERROR_KEY = official._ERROR_KEY  # shard metadata: "<err2>,<ref2>" per requantised module
 
 
 @dataclass(frozen=True)
@@ -62,15 +60,7 @@ class Target:
 # -- reading the pack ----------------------------------------------------------------------------
 
 def read_config(src: Path) -> dict:
-    path = src / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: missing (an EXL3 pack keeps the model's config.json)") \
-            from None
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path}: not valid JSON ({e})") from None
-    return restore_virtual_heads(config, path)
+    return restore_virtual_heads(official.read_config(src), src / "config.json")
 
 
 def restore_virtual_heads(config: dict, path: Path) -> dict:
@@ -127,6 +117,8 @@ def plan_pack(ckpt: Checkpoint, args: ModelArgs,
     stand_ins, hidden = {}, set()
     singles, experts = [], {}
     for module, lin in linears.items():
+        if layout._UNUSED.search(f"{module}.weight"):  # e.g. MTP experts: copied verbatim
+            continue
         weight = expected.get(f"{module}.weight")
         shape = weight and exl3_pack.linear_shape(*weight)
         if shape is None:
@@ -180,7 +172,8 @@ def choose_bits(k_bits: int, override: Optional[int]) -> int:
 
 
 def decode_requantize(lin: Exl3Linear, out: int, inp: int, bits: int, group_size: int):
-    """One EXL3 Linear -> MLX affine (weight uint32, scales/biases bf16 bits) + error sums."""
+    """One EXL3 Linear -> MLX affine (weight uint32, scales/biases bf16 bits) + the squared
+    error the requantisation adds and the squared norm of the decoded weight."""
     import mlx.core as mx
 
     from dsv4.safetensors_file import view
@@ -190,8 +183,10 @@ def decode_requantize(lin: Exl3Linear, out: int, inp: int, bits: int, group_size
     weight = linear_weight(np.asarray(view(lin.trellis)), exl3_pack.scales(lin.input_scales),
                            exl3_pack.scales(lin.output_scales), lin.codebook)[:out, :inp]
     q, s, b = mx.quantize(weight.astype(mx.bfloat16), group_size=group_size, bits=bits)
-    error = mx.dequantize(q, s, b, group_size=group_size, bits=bits).astype(mx.float32) - weight
-    err2, ref2 = mx.sum(error * error), mx.sum(weight * weight)
+    # the stored bf16 scales taken exactly (fp32), as the official converter measures
+    back = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size,
+                         bits=bits)
+    err2, ref2 = mx.sum(mx.square(back - weight)), mx.sum(mx.square(weight))
     mx.eval(q, s, b, err2, ref2)
     return (np.array(q), np.array(s.view(mx.uint16)), np.array(b.view(mx.uint16)),
             float(err2), float(ref2))
@@ -202,12 +197,12 @@ def _decode_job(job):
 
 
 class Decoder:
-    """Decodes targets, in worker processes when `workers` > 1, and keeps the added errors."""
+    """Makes writer units of EXL3 targets, decoded in worker processes when `workers` > 1.
+    Each unit records its squared error and norm in its shard's metadata (so a resumed
+    conversion still reports every module)."""
 
     def __init__(self, bits: Optional[int], group_size: int, workers: int, progress: bool = True):
         self.bits, self.group_size, self.workers, self.progress = bits, group_size, workers, progress
-        self.errors: dict[str, float] = {}
-        self.on_error = lambda errors: None  # called after each module, e.g. to save them
         self._pool = None
 
     def __enter__(self):
@@ -223,15 +218,20 @@ class Decoder:
         return {"group_size": self.group_size, "bits": choose_bits(target.k_bits, self.bits),
                 "mode": "affine"}
 
-    def nbytes(self, target: Target) -> int:
+    def unit(self, target: Target) -> Unit:
         bits = choose_bits(target.k_bits, self.bits)
         rows = len(target.linears) * target.out
-        return rows * target.inp * bits // 8 + 2 * 2 * rows * (target.inp // self.group_size)
+        nbytes = rows * target.inp * bits // 8 + 2 * 2 * rows * (target.inp // self.group_size)
+        stats = {}
 
-    def unit(self, target: Target) -> Unit:
-        return Unit(target.name, self.nbytes(target), lambda: self.produce(target))
+        def produce():
+            tensors, stats["value"] = self.produce(target)
+            return tensors
 
-    def produce(self, target: Target) -> dict[str, tuple[str, np.ndarray]]:
+        return Unit(target.name, nbytes, produce,
+                    lambda: {ERROR_KEY + target.name: stats["value"]})
+
+    def produce(self, target: Target):
         bits = choose_bits(target.k_bits, self.bits)
         jobs = [(lin, target.out, target.inp, bits, self.group_size) for lin in target.linears]
         results, shown = [], 0.0
@@ -244,66 +244,50 @@ class Decoder:
         parts = [np.stack(arrays) if target.stacked else arrays[0]
                  for arrays in zip(*(r[:3] for r in results))]
         err2, ref2 = sum(r[3] for r in results), sum(r[4] for r in results)
-        self.errors[target.name] = float(np.sqrt(err2 / ref2)) if ref2 > 0 else 0.0
-        self.on_error(self.errors)
-        return {f"{target.name}.weight": ("U32", parts[0]),
-                f"{target.name}.scales": ("BF16", parts[1]),
-                f"{target.name}.biases": ("BF16", parts[2])}
+        return ({f"{target.name}.weight": ("U32", parts[0]),
+                 f"{target.name}.scales": ("BF16", parts[1]),
+                 f"{target.name}.biases": ("BF16", parts[2])}, f"{err2!r},{ref2!r}")
+
+
+def module_errors(metadata: dict[str, str]) -> dict[str, float]:
+    """Relative RMS error added to each requantised module, from the shards' metadata."""
+    out = {}
+    for key, value in metadata.items():
+        if key.startswith(ERROR_KEY):
+            err2, ref2 = (float(v) for v in value.split(","))
+            out[key[len(ERROR_KEY):]] = (err2 / ref2) ** 0.5 if ref2 > 0 else 0.0
+    return dict(sorted(out.items()))
 
 
 # -- the conversion -------------------------------------------------------------------------------
 
-def official_unit(item: layout.Item) -> Unit:
-    """A writer unit for an official item; its byte count from the packing it gets."""
-    if item.quantization == layout.MXFP8:  # codes unchanged, scales one per row and 32 inputs
-        weight = item.sources[0]
-        nbytes = weight.nbytes + weight.shape[0] * weight.shape[1] // 32
-    else:  # plain tensors and mxfp4 experts keep their bytes
-        nbytes = item.nbytes
-    return Unit(item.name, nbytes, item.produce)
+@dataclass
+class Result:
+    dst: Path
+    bytes_written: int
+    errors: dict[str, float]        # requantised module -> relative RMS error added
+    errors_by_kind: dict[str, float]
+    verified_tensors: int
 
 
-def output_config(config: dict, items, targets, decoder: Decoder, src: Path,
-                  engram: dict) -> dict:
-    out = {k: v for k, v in config.items() if k != "quantization_config"}
-    quantization: dict = dict(layout.MXFP8)
-    for item in items:
-        if item.quantization and item.quantization != layout.MXFP8:
-            quantization[item.name] = dict(item.quantization)
-    for target in targets:
-        quantization[target.name] = decoder.quantization(target)
-    out["quantization"] = quantization
-    ks = sorted({lin.k_bits for t in targets for lin in t.linears})
-    out["dsv4"] = {
-        "format_version": 1,
-        "source": {"kind": "exl3", "path": str(src),
-                   "quantization_config": config.get("quantization_config")},
-        "engram": engram,
-        "exl3": {"bits_for_K": {str(k): choose_bits(k, decoder.bits) for k in ks},
-                 "group_size": decoder.group_size,
-                 "codebooks": sorted({lin.codebook for t in targets for lin in t.linears}),
-                 "added_relative_rms": decoder.errors},
-    }
-    return out
-
-
-def convert(src: Path | str, dst: Path | str, bits: Optional[int] = None, group_size: int = 64,
-            workers: Optional[int] = None, overwrite: bool = False, resume: bool = False,
-            verify: bool = False, progress: bool = True) -> dict[str, float]:
-    """Convert the EXL3 pack at `src` into a dsv4 model directory `dst`; returns the added
-    relative RMS error of each requantised module."""
-    src = Path(src)
+def convert(src: Path | str, dst: Path | str, *, revision: Optional[str] = None,
+            bits: Optional[int] = None, group_size: int = 64, workers: Optional[int] = None,
+            overwrite: bool = False, resume: bool = False, verify: bool = False,
+            max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = True, log=print) -> Result:
+    """Convert the EXL3 pack at `src` (directory or HF repo id) into the dsv4 directory `dst`.
+    Every input check runs before anything is written."""
     if bits is not None and bits not in AFFINE_BITS:
         raise ConversionError(f"--bits {bits}: MLX affine widths are {AFFINE_BITS}")
     if group_size not in GROUP_SIZES:
         raise ConversionError(f"--group-size {group_size}: expected one of {GROUP_SIZES}")
-    config = read_config(src)
-    ckpt = Checkpoint(src)
+    source = official.resolve_source(str(src), revision)
+    config = read_config(source.path)
+    ckpt = Checkpoint(source.path)
     if not is_exl3_pack(config, ckpt):
-        raise ConversionError(f"{src}: not an EXL3 pack (no .trellis tensors, quant_method "
-                              f"{(config.get('quantization_config') or {}).get('quant_method')!r}); "
-                              f"use the official converter")
-    args = ModelArgs.from_dict(config)
+        raise ConversionError(f"{source.path}: not an EXL3 pack (no .trellis tensors, "
+                              f"quant_method {(config.get('quantization_config') or {}).get('quant_method')!r}); "
+                              f"use `dsv4_convert official`")
+    args = ModelArgs.from_dict(config, source=str(source.path / "config.json"))
     linears = exl3_pack.scan(ckpt)
     items, targets = plan_pack(ckpt, args, linears)
     for target in targets:
@@ -312,63 +296,87 @@ def convert(src: Path | str, dst: Path | str, bits: Optional[int] = None, group_
                                   f"--group-size {group_size}")
     engram = layout.engram_table_refs(ckpt, args)
     workers = workers if workers is not None else min(4, os.cpu_count() or 1)
-    fingerprint = {"source": str(src.resolve()), "kind": "exl3",
-                   "options": {"bits": bits, "group_size": group_size},
-                   "files": sorted((i.file.name, i.file.stat().st_size)
-                                   for i in {t.file: t for t in ckpt.tensors.values()}.values())}
-    with Decoder(bits, group_size, workers, progress) as decoder, \
-            ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
-                           progress=progress) as out:
-        if out.exists(ERRORS_FILE):  # resuming: modules decoded by the earlier run
-            decoder.errors.update(json.loads(out.path(ERRORS_FILE).read_text()))
-        decoder.on_error = lambda errors: out.write_json(ERRORS_FILE, errors)
-        units = [official_unit(it) for it in items] + [decoder.unit(t) for t in targets]
-        units.sort(key=lambda u: u.key)
-        out.write_weights({"model": units})
-        if verify:
-            out.verify({"model": [official_unit(it) for it in items]})
-        out.write_json("config.json", output_config(config, items, targets, decoder,
-                                                    src.resolve(), engram))
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                out.copy_file(src / name)
-    report_errors(decoder.errors, targets, decoder, progress)
-    return decoder.errors
+    fingerprint = {
+        "source": str(source.path), "kind": "exl3",
+        "source_files": {p.name: p.stat().st_size for p in sorted(source.path.glob("*.safetensors"))},
+        "options": {"bits": bits, "group_size": group_size},
+    }
+    with Decoder(bits, group_size, workers, progress) as decoder:
+        lossless = [official.lossless_unit(it) for it in items]
+        side = {name: units for name, pattern in (("mtp", official._MTP), ("vision", official._VISION))
+                if (units := official.side_units(ckpt, pattern))}
+        model = sorted(lossless + [decoder.unit(t) for t in targets], key=lambda u: u.key)
+        modules = {it.name: dict(it.quantization) for it in items if it.quantization}
+        modules.update({t.name: decoder.quantization(t) for t in targets})
+        verified = 0
+        with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
+                            max_shard_bytes=max_shard_bytes, progress=progress) as out:
+            shards = out.write_weights({"model": model, **side})
+            metadata = out.metadata("model")
+            errors, by_kind = module_errors(metadata), official.requant_errors(metadata)
+            if verify:  # the official tensors; EXL3 modules would be decoded a second time
+                verified = out.verify({"model": lossless, **side})
+            out.write_json("config.json", output_config(config, source, modules, engram, targets,
+                                                        decoder, errors, by_kind))
+            for pattern in official.TOKENIZER_FILES:
+                for path in sorted(source.path.glob(pattern)):
+                    out.copy_file(path)
+            written = sum(s.nbytes for s in shards)
+    for k, (mean, worst, count) in errors_by_k(errors, targets).items():
+        log(f"EXL3 K={k} -> affine {choose_bits(k, bits)}-bit/{group_size}: added relative RMS "
+            f"error mean {mean:.4f}, max {worst:.4f} over {count} modules")
+    return Result(Path(dst), written, errors, by_kind, verified)
 
 
-def report_errors(errors: dict[str, float], targets: list[Target], decoder: Decoder,
-                  enabled: bool) -> None:
-    if not enabled or not errors:
-        return
+def output_config(config, source, modules, engram, targets, decoder, errors, by_kind) -> dict:
+    """The official converter's config, marked as made from EXL3, with what the requantisation
+    cost recorded under `dsv4.requantization.exl3`."""
+    ks = sorted({lin.k_bits for t in targets for lin in t.linears})
+    requant = {"exl3": {
+        "bits_for_K": {str(k): choose_bits(k, decoder.bits) for k in ks},
+        "group_size": decoder.group_size,
+        "codebooks": sorted({lin.codebook for t in targets for lin in t.linears}),
+        "relative_error": by_kind, "relative_error_by_module": errors}}
+    out = official.output_config(config, source, official.quantization_block(modules), engram,
+                                 requant, drop_vision=False)
+    out["dsv4"]["source"].update(kind="exl3",
+                                 quantization_config=config.get("quantization_config"))
+    return out
+
+
+def errors_by_k(errors: dict[str, float], targets: list[Target]) -> dict[int, tuple]:
     by_k: dict[int, list[float]] = {}
     for target in targets:
         if target.name in errors:
             by_k.setdefault(target.k_bits, []).append(errors[target.name])
-    for k, values in sorted(by_k.items()):
-        print(f"EXL3 K={k} -> affine {choose_bits(k, decoder.bits)}-bit/{decoder.group_size}: "
-              f"added relative RMS error mean {np.mean(values):.4f}, max {np.max(values):.4f} "
-              f"over {len(values)} modules", file=sys.stderr)
+    return {k: (float(np.mean(v)), float(np.max(v)), len(v)) for k, v in sorted(by_k.items())}
 
 
 def exl3_command(
-    src: Path,
+    src: str,
     dst: Path,
+    revision: Optional[str] = None,
     bits: Optional[int] = None,
     group_size: int = 64,
     workers: Optional[int] = None,
     overwrite: bool = False,
     resume: bool = False,
     verify: bool = False,
+    quiet: bool = False,
 ) -> None:
-    """Convert an EXL3 (exllamav3) pack of DeepSeek V4.1 Flash into a dsv4 model directory.
+    """Convert an EXL3 (exllamav3) pack of DeepSeek V4.1 Flash (directory or Hugging Face
+    repo id) into a dsv4 model directory.
 
-    EXL3 Linears are decoded and requantised to MLX affine (BITS: width for all of them,
-    default from each module's K: K1->3, K2->4, K3->5, K4->6, K5+->8); official tensors are
-    packed as the official converter does. WORKERS decode in parallel (default min(4, cores)).
+    EXL3 Linears are decoded and requantised to MLX affine: --bits for all of them, by default
+    from each module's K (K1->3, K2->4, K3->5, K4->6, K5+->8 bits), --group-size values per
+    scale. Official tensors are packed as by `official`. --workers decode processes (default
+    min(4, cores)).
     """
     try:
-        convert(src, dst, bits=bits, group_size=group_size, workers=workers,
-                overwrite=overwrite, resume=resume, verify=verify)
-    except (ConversionError, CheckpointError) as e:
+        result = convert(src, dst, revision=revision, bits=bits, group_size=group_size,
+                         workers=workers, overwrite=overwrite, resume=resume, verify=verify,
+                         progress=not quiet, log=lambda line: print(line, file=sys.stderr))
+    except ValueError as e:  # bad input: the message names the file and tensor
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None
+    print(f"wrote {result.dst}: {result.bytes_written / 1e9:.2f} GB")
