@@ -14,8 +14,8 @@ name the `.part1` and the others are found next to it.
   copied with --copy-engram. A table must lie within one part of a split file.
 - Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
   IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
-  tensor kind; --dequantize writes every quantized tensor as bf16 instead (the full-precision
-  reference of the same model). Mapping runs in worker processes, ahead of the writer.
+  tensor kind; --dequantize bf16|f32 writes every quantized tensor as plain floats instead
+  (gguf's own decoder: the full-precision reference of the same model). Mapping runs in worker processes, ahead of the writer.
 - Output through convert/writer.py: atomic, resumable, sharded.
 
 Other dialects are recognised and refused: llama.cpp's `deepseek41` (different names, Engram
@@ -50,6 +50,7 @@ ENGRAM_ENCODING = "e4m3_e8m0_32_row264"
 ENGRAM_ROW_BYTES = 264
 FLOAT_TYPES = {T.F32: ("F32", np.float32), T.F16: ("F16", np.float16), T.BF16: ("BF16", np.uint16),
                T.I32: ("I32", np.int32)}
+DEQUANTIZED = {"bf16": 2, "f32": 4}  # --dequantize targets: bytes per weight
 # Tensors ds4 writes that the text model does not use (image-token routing bias).
 UNUSED = re.compile(r"^blk\.\d+\.exp_probs_b_vl\.bias$")
 _TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
@@ -362,7 +363,7 @@ def _expected_logical(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 class Options:
     iq2_xxs_bits: int = 3
     q2_k_bits: int = 4
-    dequantize: bool = False   # quantized tensors -> bf16 (full-precision reference)
+    dequantize: Optional[str] = None   # "bf16" or "f32": quantized tensors as plain floats
 
     def bits(self, qtype: T) -> int:
         return {T.IQ2_XXS: self.iq2_xxs_bits, T.Q2_K: self.q2_k_bits}.get(
@@ -375,7 +376,7 @@ class _Job:
     parts: tuple
     tensor: GGUFTensor
     name: str            # dsv4 tensor name
-    mode: str            # "copy", "affine" or "dequantize"
+    mode: str            # "copy", "affine", "bf16" or "f32" (dequantized)
     bits: int = 0
 
 
@@ -387,12 +388,16 @@ def run_job(job: _Job) -> tuple[dict, float, float]:
         dtype, storage = FLOAT_TYPES[t.qtype]
         return {job.name: (dtype, raw.view(storage).reshape(t.shape))}, 0.0, 0.0
     raw = raw.reshape(t.byte_shape)
-    if job.mode == "dequantize":
-        import mlx.core as mx
+    if job.mode in DEQUANTIZED:
         from gguf.quants import dequantize
 
-        values = mx.array(dequantize(raw, t.qtype)).astype(mx.bfloat16)
-        return {job.name: ("BF16", np.array(values.view(mx.uint16)))}, 0.0, 0.0
+        values = dequantize(raw, t.qtype)  # gguf's own decoder: an independent reference
+        if job.mode == "f32":
+            return {job.name: ("F32", values.astype(np.float32))}, 0.0, 0.0
+        import mlx.core as mx
+
+        bits = mx.array(values).astype(mx.bfloat16).view(mx.uint16)
+        return {job.name: ("BF16", np.array(bits))}, 0.0, 0.0
     try:
         a = gguf_quants.to_affine(raw, t.qtype, job.bits)
     except gguf_quants.QuantError as e:
@@ -476,7 +481,9 @@ def plan(src: GGUFSource, args: ModelArgs, options: Options):
                 problems.append(f"tensor {t.name}: {t.qtype.name} needs inputs in multiples of "
                                 f"{gguf_quants.BLOCK_WEIGHTS[t.qtype]}, has {t.shape[-1]}")
                 continue
-            mode = "dequantize" if options.dequantize else "affine"
+            mode = options.dequantize or "affine"
+            if mode not in ("affine", *DEQUANTIZED):
+                raise ConversionError(f"dequantize to {mode!r}: expected one of {list(DEQUANTIZED)}")
             jobs[name] = _Job(src.parts, t, name, mode, options.bits(t.qtype))
         else:
             problems.append(f"tensor {t.name} has type {t.qtype.name}, which ds4 files do not use "
@@ -496,8 +503,8 @@ def plan(src: GGUFSource, args: ModelArgs, options: Options):
         rows = int(np.prod(t.shape[:-1]))
         if job.mode == "copy":
             target, nbytes = t.qtype.name, t.nbytes
-        elif job.mode == "dequantize":
-            target, nbytes = "BF16", 2 * rows * t.shape[-1]
+        elif job.mode in DEQUANTIZED:
+            target, nbytes = job.mode.upper(), DEQUANTIZED[job.mode] * rows * t.shape[-1]
         else:
             target = f"affine {job.bits}-bit g32"
             nbytes = gguf_quants.affine_nbytes(t.qtype, job.bits, rows, t.shape[-1])
@@ -632,7 +639,7 @@ def gguf_command(
     dst: Path,
     iq2_xxs_bits: int = 3,
     q2_k_bits: int = 4,
-    dequantize: bool = False,
+    dequantize: Optional[str] = None,
     workers: int = 0,
     copy_engram: bool = False,
     overwrite: bool = False,
@@ -643,7 +650,8 @@ def gguf_command(
     the dsv4 model directory DST.
 
     IQ2_XXS maps to affine 3-bit (lossy, ~2% added error) or 8-bit (exact); Q2_K to affine
-    2-8 bits (lossy; 4 by default). --dequantize writes quantized tensors as bf16 instead.
+    2-8 bits (lossy; 4 by default). --dequantize bf16|f32 writes quantized tensors as plain
+    floats instead (gguf's own dequantisation: the full-precision reference of the file).
     Engram tables stay in the GGUF unless --copy-engram. --workers 0 uses every core.
     """
     try:
