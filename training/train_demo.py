@@ -259,6 +259,7 @@ def write_checkpoint(path: Path, tensors: dict, config: dict, tokenizer) -> None
     """Write into a temporary sibling, then move into place: never a half-written model."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private
     write_sharded(tmp, tensors, SHARDS)
     write_side_files(tmp, config, tokenizer)
     if path.exists():
