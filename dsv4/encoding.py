@@ -89,10 +89,12 @@ def _json(value: Any) -> str:
 
 @dataclass
 class _Turn:
-    """One rendered unit: consecutive user and tool messages merge into one user turn whose
-    blocks are ("text", str) or ("tool_result", call_id, str)."""
+    """One rendered unit. Consecutive user and tool messages merge into one user turn whose
+    blocks are ("text", str) or ("tool_result", call_id, str); other roles keep their
+    content as `text`."""
     role: str
     message: Message
+    text: str = ""
     blocks: list = field(default_factory=list)
 
     @property
@@ -101,44 +103,68 @@ class _Turn:
         return self.role == "user" and any(kind == "text" for kind, *_ in self.blocks)
 
 
-def _text_of_parts(parts: list, where: str) -> list[str]:
+def _content_parts(message: Message, where: str, keep_unsupported: bool) -> list[str]:
+    """The message's content as a list of texts. A list of OpenAI content parts keeps its
+    text parts; other kinds become "[Unsupported kind]" or are left out, as the official
+    encoder does for user/tool and for other roles respectively."""
+    content = message.get("content")
+    if content is None:
+        return [""]
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content: expected a string, a list of content parts or null, "
+                         f"got {type(content).__name__}")
     texts = []
-    for i, part in enumerate(parts):
-        if not isinstance(part, dict) or "type" not in part:
-            raise ValueError(f"{where}: content part {i} must be an object with a 'type', got {part!r}")
+    for n, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f"{where}: content part {n} must be an object with a 'type', got {part!r}")
         if part["type"] in ("image", "image_url"):
-            raise ValueError(f"{where}: content part {i} is an image; this model reads text only")
-        texts.append(part.get("text", "") if part["type"] == "text" else f"[Unsupported {part['type']}]")
+            raise ValueError(f"{where}: content part {n} is an image; this model reads text only")
+        if part["type"] == "text":
+            texts.append(part.get("text") or "")
+        elif keep_unsupported:
+            texts.append(f"[Unsupported {part['type']}]")
     return texts
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: expected a list, got {type(calls).__name__}")
+    for n, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}[{n}]: expected {{'function': {{'name': ..., 'arguments': ...}}}}, "
+                             f"got {call!r}")
 
 
 def _merge_turns(messages: list[Message]) -> list[_Turn]:
     turns: list[_Turn] = []
     for i, message in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}]: expected an object, got {type(message).__name__}")
+            raise ValueError(f"{where}: expected an object, got {type(message).__name__}")
         role = message.get("role")
         if "task" in message:
-            raise ValueError(f"messages[{i}]: 'task' (DeepSeek's internal classification prompts) is not supported")
-        if role in ("user", "tool"):
-            content = message.get("content")
-            if role == "tool":
-                if isinstance(content, list):
-                    content = "\n\n".join(_text_of_parts(content, f"messages[{i}]"))
-                blocks = [("tool_result", message.get("tool_call_id", ""), content or "")]
-            elif isinstance(content, list):
-                blocks = [("text", text) for text in _text_of_parts(content, f"messages[{i}]")]
-            else:
-                blocks = [("text", content or "")]
-            if turns and turns[-1].role == "user":
-                turns[-1].blocks.extend(blocks)
-            else:
-                turns.append(_Turn("user", message, blocks))
+            raise ValueError(f"{where}: 'task' (DeepSeek's internal classification prompts) is not supported")
+        if role == "tool":
+            result = "\n\n".join(_content_parts(message, where, keep_unsupported=True))
+            blocks = [("tool_result", message.get("tool_call_id", ""), result)]
+        elif role == "user":
+            blocks = [("text", text) for text in _content_parts(message, where, keep_unsupported=True)]
         elif role in ("system", "assistant", "latest_reminder"):
-            turns.append(_Turn(role, message))
+            if message.get("tool_calls"):
+                _check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+            text = "\n\n".join(_content_parts(message, where, keep_unsupported=False))
+            turns.append(_Turn(role, message, text))
+            continue
         else:
-            raise ValueError(f"messages[{i}]: unsupported role {role!r}; expected system, user, "
+            raise ValueError(f"{where}: unsupported role {role!r}; expected system, user, "
                              f"assistant, tool or latest_reminder")
+        if turns and turns[-1].role == "user":
+            turns[-1].blocks.extend(blocks)
+        else:
+            turns.append(_Turn("user", message, blocks=blocks))
     _order_tool_results(turns)
     return turns
 
@@ -266,7 +292,7 @@ def _with_system_extras(messages: list[Message], tools, response_format) -> list
 def _render_turn(turn: _Turn, index: int, show_reasoning: bool) -> str:
     message = turn.message
     if turn.role == "system":
-        text = (SYSTEM if index > 0 else "") + (message.get("content") or "")
+        text = (SYSTEM if index > 0 else "") + turn.text
         if message.get("tools"):
             text += "\n\n" + _render_tools(message["tools"], f"messages[{index}].tools")
         if message.get("response_format"):
@@ -277,11 +303,11 @@ def _render_turn(turn: _Turn, index: int, show_reasoning: bool) -> str:
             block[1] if block[0] == "text" else f"<tool_result>{block[2]}</tool_result>"
             for block in turn.blocks)
     if turn.role == "latest_reminder":
-        return LATEST_REMINDER + (message.get("content") or "")
+        return LATEST_REMINDER + turn.text
     reasoning = (message.get("reasoning_content") or "") + THINK_CLOSE if show_reasoning else ""
     calls = message.get("tool_calls")
     calls_text = "\n\n" + render_tool_calls(calls) if calls else ""
-    return reasoning + (message.get("content") or "") + calls_text + EOS
+    return reasoning + turn.text + calls_text + EOS
 
 
 # --- parsing the model's output -----------------------------------------------------------

@@ -28,7 +28,7 @@ def test_matches_official_encoder(fixture):
 
 def test_fixture_set_is_varied():
     prompts = {c["name"]: c["prompt"] for c in CASES}
-    assert len(CASES) >= 35
+    assert len(CASES) >= 40
     assert sum("<｜DSML｜ calls>" in p for p in prompts.values()) >= 8
     assert sum("<tool_result>" in p for p in prompts.values()) >= 6
     assert sum(p.endswith("<think>") for p in prompts.values()) >= 10
@@ -72,6 +72,11 @@ def test_earlier_reasoning_is_dropped_but_the_latest_kept():
     ([{"role": "system", "content": "", "tools": [{"name": "f"}]}, {"role": "user", "content": "x"}], {},
      "messages[0].tools[0]: expected {'type': 'function'"),
     ([{"role": "user", "content": "x", "task": "query"}], {}, "messages[0]: 'task'"),
+    ([{"role": "user", "content": 42}], {}, "messages[0].content: expected a string, a list of content parts"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}], {},
+     "messages[1].tool_calls[0]: expected {'function'"),
+    ([{"role": "assistant", "content": "", "tool_calls": {"function": {}}}], {},
+     "messages[0].tool_calls: expected a list"),
 ])
 def test_bad_input_is_named(messages, options, message):
     with pytest.raises(ValueError) as error:
