@@ -372,22 +372,30 @@ class Options:
 
 @dataclass
 class _Job:
-    """What a worker needs to produce one module (picklable)."""
+    """What a worker needs to produce rows [first, last) of one module (picklable)."""
     parts: tuple
     tensor: GGUFTensor
     name: str            # dsv4 tensor name
     mode: str            # "copy", "affine", "bf16" or "f32" (dequantized)
     bits: int = 0
+    first: int = 0       # rows of the tensor flattened to [rows, inputs]
+    last: int = 0
+
+
+CHUNK_WEIGHTS = 1 << 25  # weights per worker task: ~16-64 MB of output
 
 
 def run_job(job: _Job) -> tuple[dict, float, float]:
-    """(tensors, squared error added, squared norm of the source) for one module."""
+    """(tensors of rows first..last as [rows, ...], squared error added, squared norm of the
+    source) for one task; copies return the whole tensor in its shape."""
     t = job.tensor
-    raw = read_bytes(job.parts, t.offset, t.nbytes)
     if job.mode == "copy":
         dtype, storage = FLOAT_TYPES[t.qtype]
+        raw = read_bytes(job.parts, t.offset, t.nbytes)
         return {job.name: (dtype, raw.view(storage).reshape(t.shape))}, 0.0, 0.0
-    raw = raw.reshape(t.byte_shape)
+    row_bytes = t.byte_shape[-1]
+    raw = read_bytes(job.parts, t.offset + job.first * row_bytes, (job.last - job.first) * row_bytes)
+    raw = raw.reshape(job.last - job.first, row_bytes)
     if job.mode in DEQUANTIZED:
         from gguf.quants import dequantize
 
@@ -401,11 +409,70 @@ def run_job(job: _Job) -> tuple[dict, float, float]:
     try:
         a = gguf_quants.to_affine(raw, t.qtype, job.bits)
     except gguf_quants.QuantError as e:
-        raise ConversionError(f"tensor {t.name}: {e}") from None
+        raise ConversionError(f"tensor {t.name} rows {job.first}..{job.last}: {e}") from None
     module = job.name.removesuffix(".weight")
     dtype = "F16" if a.scales.dtype == np.float16 else "F32"
     return ({f"{module}.weight": ("U32", a.weight), f"{module}.scales": (dtype, a.scales),
              f"{module}.biases": (dtype, a.biases)}, a.err_sq, a.ref_sq)
+
+
+def _tasks(job: _Job) -> list[_Job]:
+    """A module's rows cut into worker tasks of at most CHUNK_WEIGHTS weights."""
+    if job.mode == "copy":
+        return [job]
+    rows = int(np.prod(job.tensor.shape[:-1]))
+    step = max(1, CHUNK_WEIGHTS // job.tensor.shape[-1])
+    return [_Job(job.parts, job.tensor, job.name, job.mode, job.bits, r, min(r + step, rows))
+            for r in range(0, rows, step)]
+
+
+class _Ahead:
+    """Produces modules in plan order; their tasks run on worker processes, at most
+    `window` tasks ahead of the module being written, so memory holds one module and a
+    few tasks whatever the sizes (a stacked expert tensor can be a GB)."""
+
+    def __init__(self, jobs: dict[str, _Job], workers: int):
+        self.tasks = {name: _tasks(job) for name, job in jobs.items()}
+        self.queue = [(name, k) for name, ts in self.tasks.items() for k in range(len(ts))]
+        self.pos = {key: i for i, key in enumerate(self.queue)}
+        self.pool = concurrent.futures.ProcessPoolExecutor(workers) if workers > 1 else None
+        self.window = workers + 1
+        self.pending: dict[tuple[str, int], concurrent.futures.Future] = {}
+
+    def _result(self, key: tuple[str, int]):
+        name, k = key
+        if self.pool is None or self.tasks[name][k].mode == "copy":
+            return run_job(self.tasks[name][k])  # copies are views of the mapped file
+        first = self.pos[key]
+        for ahead in self.queue[first: first + self.window]:
+            if ahead not in self.pending and self.tasks[ahead[0]][ahead[1]].mode != "copy":
+                self.pending[ahead] = self.pool.submit(run_job, self.tasks[ahead[0]][ahead[1]])
+        return self.pending.pop(key).result()
+
+    def get(self, name: str) -> tuple[dict, float, float]:
+        """The module's tensors in their final shapes, with its summed error terms."""
+        tasks = self.tasks[name]
+        tensors, err_sq, ref_sq = self._result((name, 0))
+        if tasks[0].mode == "copy":
+            return tensors, err_sq, ref_sq
+        rows, lead = tasks[-1].last, tasks[0].tensor.shape[:-1]
+        out = {}
+        for n, (dtype, a) in tensors.items():
+            out[n] = (dtype, np.empty((rows, a.shape[-1]), a.dtype))
+            out[n][1][: tasks[0].last] = a
+        del tensors
+        for k in range(1, len(tasks)):
+            part, e, r = self._result((name, k))
+            for n, (_, a) in part.items():
+                out[n][1][tasks[k].first: tasks[k].last] = a
+            err_sq, ref_sq = err_sq + e, ref_sq + r
+        return {n: (d, a.reshape(*lead, a.shape[-1])) for n, (d, a) in out.items()}, err_sq, ref_sq
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.pending.values():
+                f.cancel()
+            self.pool.shutdown(wait=True)
 
 
 def _kind(name: str) -> str:
@@ -428,33 +495,6 @@ class KindStats:
         if self.ref_sq:
             out["added_relative_rms_error"] = float(np.sqrt(self.err_sq / self.ref_sq))
         return out
-
-
-class _Ahead:
-    """Runs jobs on worker processes ahead of the writer, which asks for them in plan order;
-    at most `window` results wait in memory."""
-
-    def __init__(self, jobs: dict[str, _Job], order: list[str], workers: int):
-        self.jobs, self.order = jobs, order
-        self.pos = {k: i for i, k in enumerate(order)}
-        self.pool = concurrent.futures.ProcessPoolExecutor(workers) if workers > 1 else None
-        self.window = 2 * workers
-        self.pending: dict[str, concurrent.futures.Future] = {}
-
-    def get(self, key: str):
-        if self.pool is None:
-            return run_job(self.jobs[key])
-        i = self.pos[key]
-        for k in self.order[i: i + self.window]:
-            if k not in self.pending:
-                self.pending[k] = self.pool.submit(run_job, self.jobs[k])
-        return self.pending.pop(key).result()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            for f in self.pending.values():
-                f.cancel()
-            self.pool.shutdown(wait=True)
 
 
 def plan(src: GGUFSource, args: ModelArgs, options: Options):
@@ -548,7 +588,7 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
     jobs, sizes, stats, per_module = plan(src, args, options)
     workers = workers or os.cpu_count() or 1
     order = list(jobs)
-    ahead = _Ahead(jobs, order, workers)
+    ahead = _Ahead(jobs, workers)
     recorded: set[str] = set()
 
     def unit(name: str) -> Unit:

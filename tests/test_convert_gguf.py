@@ -293,3 +293,20 @@ def test_resume_after_interruption(mixed, tmp_path, monkeypatch):
                  max_shard_bytes=2_000_000)
     a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
     assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
+
+
+def test_small_tasks_copied_tables_and_verify(mixed, tmp_path, monkeypatch):
+    """Modules cut into many worker tasks give the same bytes; --copy-engram writes the
+    tables into the directory (the store reads the same rows); --verify re-reads rows."""
+    monkeypatch.setattr(conv, "CHUNK_WEIGHTS", 5000)  # several tasks per expert tensor
+    conv.convert(mixed["gguf"], tmp_path / "out", workers=2, copy_engram=True, verify=True,
+                 progress=False)
+    a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
+    refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]["engram"]
+    assert refs["1"] == {"layout": "interleaved264", "file": "engram-01.bin", "offset": 0,
+                         "rows": mixed["tables"]["blk.1.engram_embd.weight"].shape[0]}
+    for layer, ref in refs.items():
+        with open_table(ref, tmp_path / "out") as table:
+            assert np.array_equal(table.read_range(0, table.rows),
+                                  mixed["tables"][f"blk.{layer}.engram_embd.weight"])
