@@ -5,9 +5,9 @@
 Published packs code only some Linears with EXL3 (usually the routed experts) and keep every
 other tensor in the official format. The official tensors go through the official packing
 (`dsv4.layout`), unchanged. Each EXL3 Linear is decoded (`exl3_decode`, trellis -> float32
-weight), trimmed of exllamav3's 128-padding, and requantised to MLX affine at a width chosen
-from its K (`--bits` overrides); the error this adds is measured per module, printed and
-recorded in the output config. Experts of one layer and projection are stacked [E, out, in]
+weight) and trimmed of exllamav3's 128-padding; routed experts are requantised to MLX affine
+at a width chosen from their K (`--bits` overrides), any other EXL3 Linear is kept as bf16.
+The error this adds is measured per module, printed and recorded in the output config. Experts of one layer and projection are stacked [E, out, in]
 as dsv4 stores them; they are decoded in parallel worker processes.
 """
 
@@ -153,7 +153,8 @@ def plan_pack(ckpt: Checkpoint, args: ModelArgs,
         first = by_index[0].module
         out, inp = exl3_pack.linear_shape(*expected[f"{first}.weight"])
         targets.append(Target(name, tuple(by_index[e] for e in sorted(by_index)), out, inp, True))
-    replaced = {t.name for t in targets}
+    # plan items are named by module (fp8, experts) or by tensor (BF16 Linears such as head)
+    replaced = {t.name for t in targets} | {f"{t.name}.weight" for t in targets}
     items = [it for it in layout.plan(view, args) if it.name not in replaced]
     return items, targets
 
@@ -171,9 +172,10 @@ def choose_bits(k_bits: int, override: Optional[int]) -> int:
     return override if override is not None else BITS_FOR_K[k_bits]
 
 
-def decode_requantize(lin: Exl3Linear, out: int, inp: int, bits: int, group_size: int):
-    """One EXL3 Linear -> MLX affine (weight uint32, scales/biases bf16 bits) + the squared
-    error the requantisation adds and the squared norm of the decoded weight."""
+def decode_requantize(lin: Exl3Linear, out: int, inp: int, bits: Optional[int], group_size: int):
+    """One EXL3 Linear -> MLX affine (weight uint32, scales/biases bf16 bits), or bf16 weight
+    bits when `bits` is None, + the squared error this adds and the squared norm of the
+    decoded weight."""
     import mlx.core as mx
 
     from dsv4.safetensors_file import view
@@ -182,13 +184,17 @@ def decode_requantize(lin: Exl3Linear, out: int, inp: int, bits: int, group_size
 
     weight = linear_weight(np.asarray(view(lin.trellis)), exl3_pack.scales(lin.input_scales),
                            exl3_pack.scales(lin.output_scales), lin.codebook)[:out, :inp]
-    q, s, b = mx.quantize(weight.astype(mx.bfloat16), group_size=group_size, bits=bits)
-    # the stored bf16 scales taken exactly (fp32), as the official converter measures
-    back = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size,
-                         bits=bits)
+    if bits is None:
+        parts = (weight.astype(mx.bfloat16),)
+        back = parts[0].astype(mx.float32)
+    else:
+        parts = mx.quantize(weight.astype(mx.bfloat16), group_size=group_size, bits=bits)
+        # the stored bf16 scales taken exactly (fp32), as the official converter measures
+        back = mx.dequantize(parts[0], parts[1].astype(mx.float32), parts[2].astype(mx.float32),
+                             group_size=group_size, bits=bits)
     err2, ref2 = mx.sum(mx.square(back - weight)), mx.sum(mx.square(weight))
-    mx.eval(q, s, b, err2, ref2)
-    return (np.array(q), np.array(s.view(mx.uint16)), np.array(b.view(mx.uint16)),
+    mx.eval(*parts, err2, ref2)
+    return (*(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in parts),
             float(err2), float(ref2))
 
 
@@ -202,7 +208,8 @@ class Decoder:
     conversion still reports every module)."""
 
     def __init__(self, bits: Optional[int], group_size: int, workers: int, progress: bool = True):
-        self.bits, self.group_size, self.workers, self.progress = bits, group_size, workers, progress
+        self.bits_override, self.group_size = bits, group_size
+        self.workers, self.progress = workers, progress
         self._pool = None
 
     def __enter__(self):
@@ -214,14 +221,22 @@ class Decoder:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def quantization(self, target: Target) -> dict:
-        return {"group_size": self.group_size, "bits": choose_bits(target.k_bits, self.bits),
-                "mode": "affine"}
+    def bits(self, target: Target) -> Optional[int]:
+        """Affine width of a stack of experts; None (bf16) for a single Linear, which dsv4
+        may use unquantized (the head is one) and which is small next to the experts."""
+        return choose_bits(target.k_bits, self.bits_override) if target.stacked else None
+
+    def quantization(self, target: Target) -> Optional[dict]:
+        bits = self.bits(target)
+        return bits and {"group_size": self.group_size, "bits": bits, "mode": "affine"}
 
     def unit(self, target: Target) -> Unit:
-        bits = choose_bits(target.k_bits, self.bits)
+        bits = self.bits(target)
         rows = len(target.linears) * target.out
-        nbytes = rows * target.inp * bits // 8 + 2 * 2 * rows * (target.inp // self.group_size)
+        if bits is None:
+            nbytes = 2 * rows * target.inp
+        else:
+            nbytes = rows * target.inp * bits // 8 + 2 * 2 * rows * (target.inp // self.group_size)
         stats = {}
 
         def produce():
@@ -232,8 +247,8 @@ class Decoder:
                     lambda: {ERROR_KEY + target.name: stats["value"]})
 
     def produce(self, target: Target):
-        bits = choose_bits(target.k_bits, self.bits)
-        jobs = [(lin, target.out, target.inp, bits, self.group_size) for lin in target.linears]
+        jobs = [(lin, target.out, target.inp, self.bits(target), self.group_size)
+                for lin in target.linears]
         results, shown = [], 0.0
         for result in (self._pool.map(_decode_job, jobs) if self._pool else map(_decode_job, jobs)):
             results.append(result)
@@ -242,11 +257,15 @@ class Decoder:
                 print(f"\rdecoding {target.name}: {len(results)}/{len(jobs)} ", end="",
                       file=sys.stderr, flush=True)
         parts = [np.stack(arrays) if target.stacked else arrays[0]
-                 for arrays in zip(*(r[:3] for r in results))]
-        err2, ref2 = sum(r[3] for r in results), sum(r[4] for r in results)
-        return ({f"{target.name}.weight": ("U32", parts[0]),
-                 f"{target.name}.scales": ("BF16", parts[1]),
-                 f"{target.name}.biases": ("BF16", parts[2])}, f"{err2!r},{ref2!r}")
+                 for arrays in zip(*(r[:-2] for r in results))]
+        err2, ref2 = sum(r[-2] for r in results), sum(r[-1] for r in results)
+        if len(parts) == 1:
+            tensors = {f"{target.name}.weight": ("BF16", parts[0])}
+        else:
+            tensors = {f"{target.name}.weight": ("U32", parts[0]),
+                       f"{target.name}.scales": ("BF16", parts[1]),
+                       f"{target.name}.biases": ("BF16", parts[2])}
+        return tensors, f"{err2!r},{ref2!r}"
 
 
 def module_errors(metadata: dict[str, str]) -> dict[str, float]:
@@ -307,7 +326,7 @@ def convert(src: Path | str, dst: Path | str, *, revision: Optional[str] = None,
                 if (units := official.side_units(ckpt, pattern))}
         model = sorted(lossless + [decoder.unit(t) for t in targets], key=lambda u: u.key)
         modules = {it.name: dict(it.quantization) for it in items if it.quantization}
-        modules.update({t.name: decoder.quantization(t) for t in targets})
+        modules.update({t.name: decoder.quantization(t) for t in targets if t.stacked})
         verified = 0
         with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
                             max_shard_bytes=max_shard_bytes, progress=progress) as out:
@@ -322,9 +341,10 @@ def convert(src: Path | str, dst: Path | str, *, revision: Optional[str] = None,
                 for path in sorted(source.path.glob(pattern)):
                     out.copy_file(path)
             written = sum(s.nbytes for s in shards)
-    for k, (mean, worst, count) in errors_by_k(errors, targets).items():
-        log(f"EXL3 K={k} -> affine {choose_bits(k, bits)}-bit/{group_size}: added relative RMS "
-            f"error mean {mean:.4f}, max {worst:.4f} over {count} modules")
+    for (k, stacked), (mean, worst, count) in errors_by_k(errors, targets).items():
+        into = f"affine {choose_bits(k, bits)}-bit/{group_size}" if stacked else "bf16"
+        log(f"EXL3 K={k} -> {into}: added relative RMS error mean {mean:.4f}, max {worst:.4f} "
+            f"over {count} modules")
     return Result(Path(dst), written, errors, by_kind, verified)
 
 
@@ -333,7 +353,8 @@ def output_config(config, source, modules, engram, targets, decoder, errors, by_
     cost recorded under `dsv4.requantization.exl3`."""
     ks = sorted({lin.k_bits for t in targets for lin in t.linears})
     requant = {"exl3": {
-        "bits_for_K": {str(k): choose_bits(k, decoder.bits) for k in ks},
+        "bits_for_K": {str(k): choose_bits(k, decoder.bits_override) for k in ks},
+        "single_linears": "bf16",
         "group_size": decoder.group_size,
         "codebooks": sorted({lin.codebook for t in targets for lin in t.linears}),
         "relative_error": by_kind, "relative_error_by_module": errors}}
@@ -344,11 +365,12 @@ def output_config(config, source, modules, engram, targets, decoder, errors, by_
     return out
 
 
-def errors_by_k(errors: dict[str, float], targets: list[Target]) -> dict[int, tuple]:
-    by_k: dict[int, list[float]] = {}
+def errors_by_k(errors: dict[str, float], targets: list[Target]) -> dict[tuple, tuple]:
+    """(K, stacked) -> (mean, max, count) of the added relative errors."""
+    by_k: dict[tuple, list[float]] = {}
     for target in targets:
         if target.name in errors:
-            by_k.setdefault(target.k_bits, []).append(errors[target.name])
+            by_k.setdefault((target.k_bits, target.stacked), []).append(errors[target.name])
     return {k: (float(np.mean(v)), float(np.max(v)), len(v)) for k, v in sorted(by_k.items())}
 
 
@@ -367,9 +389,9 @@ def exl3_command(
     """Convert an EXL3 (exllamav3) pack of DeepSeek V4.1 Flash (directory or Hugging Face
     repo id) into a dsv4 model directory.
 
-    EXL3 Linears are decoded and requantised to MLX affine: --bits for all of them, by default
-    from each module's K (K1->3, K2->4, K3->5, K4->6, K5+->8 bits), --group-size values per
-    scale. Official tensors are packed as by `official`. --workers decode processes (default
+    EXL3 routed experts are decoded and requantised to MLX affine: --bits for all of them, by
+    default from each module's K (K1->3, K2->4, K3->5, K4->6, K5+->8 bits), --group-size values
+    per scale; other EXL3 Linears (head, attention in native exllamav3 conversions) become bf16. Official tensors are packed as by `official`. --workers decode processes (default
     min(4, cores)).
     """
     try:

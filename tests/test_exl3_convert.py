@@ -30,8 +30,9 @@ def pad128(x):
     return -(-x // 128) * 128
 
 
-def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=None):
-    """Turn the official checkpoint into an EXL3 pack; returns {module: (K, codebook)}."""
+def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=None, singles=()):
+    """Turn the official checkpoint into an EXL3 pack (routed experts, and the Linears named in
+    `singles`, EXL3-coded); returns {module: (K, codebook)}."""
     rng = np.random.default_rng(seed)
     ckpt = Checkpoint(official)
     tensors, coded = {}, {}
@@ -39,14 +40,18 @@ def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=No
         if name in skip:
             continue
         m = EXPERT.match(name)
-        if not m:
+        single = name.removesuffix(".weight") in singles
+        if not m and not single:
             tensors[name] = (info.dtype, np.array(view(info)))
             continue
-        if m.group(3) == "scale":
+        if single:
+            module, layer, (out, inp) = name.removesuffix(".weight"), 4, info.shape
+        elif m.group(3) == "scale":
             continue
-        module, layer = m.group(1), int(m.group(2))
+        else:
+            module, layer = m.group(1), int(m.group(2))
+            out, inp = info.shape[0], 2 * info.shape[1]
         k_bits, codebook = KS[layer], ref.CODEBOOKS[layer % 3]
-        out, inp = info.shape[0], 2 * info.shape[1]
         kp, np_ = pad128(inp), pad128(out)
         tensors[f"{module}.trellis"] = ("I16", rng.integers(-32768, 32768, (kp // 16, np_ // 16,
                                                                            16 * k_bits), np.int16))
@@ -240,3 +245,21 @@ def test_cli_subcommand(converted, tmp_path):
     assert "K=3 -> affine 4-bit/64" in run.stderr
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["quantization"]["layers.0.ffn.experts.w1"]["bits"] == 4
+
+
+def test_a_single_exl3_linear_becomes_bf16(official, tmp_path):
+    from dsv4 import load
+
+    coded = make_pack(official, tmp_path / "pack", singles=("head",))
+    assert coded["head"] == (5, "mcg")
+    result = exl3.convert(tmp_path / "pack", tmp_path / "out", workers=1, progress=False)
+    out, pack = Checkpoint(tmp_path / "out"), Checkpoint(tmp_path / "pack")
+    assert "head" not in json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    assert out["head.weight"].dtype == "BF16" and "head.scales" not in out
+    w = (np.array(view(out["head.weight"])).astype(np.uint32) << 16).view(np.float32)
+    expect = oracle_weight(pack, "head", "mcg", *w.shape)
+    measured = np.sqrt(np.sum((w - expect) ** 2) / np.sum(expect**2))
+    assert abs(measured - result.errors["head"]) < 0.02 * measured and measured < 0.003
+    model, tokenizer = load(tmp_path / "out")
+    logits = model(mx.array([tokenizer.encode("Sparse is better than dense.")]))
+    assert np.all(np.isfinite(np.array(logits)))
