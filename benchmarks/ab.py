@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -36,7 +37,8 @@ from benchmarks import hardware
 
 RESULT_PREFIX = "DSV4_RESULT "
 STAGE_KEY = "stage_profile_ms"
-HEADLINE = ("generation_tps", "prompt_tps", "ttft_s", "peak_memory_gb")   # first rows of a report
+HEADLINE = ("generation_tps", "generation_cpu_ms_per_token", "prompt_tps", "prompt_cpu_s", "ttft_s",
+            "peak_memory_gb", "wall_s", "cpu_s")   # the first rows of a report, in this order
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")
@@ -107,11 +109,12 @@ class Run:
     variant: str
     warmup: bool
     wall_s: float
+    cpu_s: float
     result: dict
 
     def metrics(self) -> dict[str, float]:
-        """wall_s (process start to exit), every numeric key of the result, and each profiled stage."""
-        numbers = {"wall_s": self.wall_s}
+        """wall_s (process start to exit), cpu_s, every numeric key of the result, each stage."""
+        numbers = {"wall_s": self.wall_s, "cpu_s": self.cpu_s}
         for key, value in self.result.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 numbers[key] = float(value)
@@ -120,8 +123,15 @@ class Run:
         return numbers
 
 
-def run_once(base: list[str], variant: Variant, timeout_s: float) -> tuple[float, dict]:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(base: list[str], variant: Variant, timeout_s: float) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds of all its threads, result) of one fresh process."""
     command = variant.command(base)
+    cpu_start = _children_cpu_s()
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, env={**os.environ, **variant.env}, capture_output=True,
@@ -130,12 +140,13 @@ def run_once(base: list[str], variant: Variant, timeout_s: float) -> tuple[float
         raise BenchmarkError(f"variant {variant.name}: `{shlex.join(command)}` ran longer than "
                              f"{timeout_s} s") from None
     wall_s = time.perf_counter() - start
+    cpu_s = _children_cpu_s() - cpu_start
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise BenchmarkError(f"variant {variant.name}: `{shlex.join(command)}` exited with status "
                              f"{proc.returncode}; end of its stderr:\n{tail}")
     try:
-        return wall_s, parse_result(proc.stdout)
+        return wall_s, cpu_s, parse_result(proc.stdout)
     except BenchmarkError as error:
         raise BenchmarkError(f"variant {variant.name}: `{shlex.join(command)}`: {error}") from None
 
@@ -156,8 +167,8 @@ def run_variants(base: list[str], variants: list[Variant], runs: int, warmup: in
     plan = schedule(names, warmup + runs)
     done = []
     for order, (round_, name) in enumerate(plan):
-        wall_s, result = run_once(base, by_name[name], timeout_s)
-        run = Run(order, round_, name, round_ < warmup, wall_s, result)
+        wall_s, cpu_s, result = run_once(base, by_name[name], timeout_s)
+        run = Run(order, round_, name, round_ < warmup, wall_s, cpu_s, result)
         done.append(run)
         shown = {k: v for k, v in run.metrics().items() if not k.startswith(STAGE_KEY)}
         log(f"[{order + 1}/{len(plan)}] {'warm-up ' if run.warmup else ''}{name}: "
@@ -242,7 +253,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_report(title: str, when: datetime, machine: dict, base: list[str],
                   variants: list[Variant], runs: list[Run], warmup: int, problems: list[str],
-                  csv_name: str, invocation: str, load: tuple[str, str], note: str = "") -> str:
+                  csv_name: str, invocation: str, load: tuple[str, str], revision: str,
+                  note: str = "") -> str:
     names = [v.name for v in variants]
     summary = summarize(runs, names)
     measured = max((s.n for s in summary[names[0]].values()), default=0)
@@ -254,6 +266,7 @@ def render_report(title: str, when: datetime, machine: dict, base: list[str],
         lines += [note, ""]
     lines += ["## Machine", "", hardware.to_markdown(machine), "",
               f"Load average (1 min) at start / end: {load[0]} / {load[1]}.", "",
+              f"Code: {revision} (run from {os.getcwd()}).", "",
               "## Variants", "", f"Command: `{shlex.join(base) if base else '(per variant)'}`", ""]
     lines += _table(["variant", "environment", "extra arguments", "declared exact"],
                     [[v.name, " ".join(f"{k}={val}" for k, val in v.env.items()) or "-",
@@ -264,7 +277,8 @@ def render_report(title: str, when: datetime, machine: dict, base: list[str],
               f"a fresh process; order interleaved by rounds ({first_rounds} | ...).", "",
               f"Reproduce: `{invocation}`", "",
               "## Results", "", f"Median [min - max] over the {measured} measured runs of each "
-              "variant. wall_s is the whole process (start-up and loading included).", ""]
+              "variant. wall_s is the whole process (start-up and loading included); cpu_s its CPU time (all "
+              "threads), less sensitive than wall time to other jobs on a shared machine.", ""]
     found = list(dict.fromkeys(m for n in names for m in summary[n]))
     metrics = [m for m in HEADLINE if m in found] + [
         m for m in found if m not in HEADLINE and not m.startswith(STAGE_KEY)]
@@ -322,6 +336,17 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def code_revision() -> str:
+    """The git commit the code ran from, and whether tracked files differed from it."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "not a git checkout"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return commit + (" with uncommitted changes" if dirty else "")
+
+
 def _load_average() -> str:
     try:
         return f"{os.getloadavg()[0]:.2f}"
@@ -360,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"variant {v.name} has no command: give one after `--` or in the variant")
 
     when = datetime.now(timezone.utc)
-    load_start = _load_average()
+    load_start, revision = _load_average(), code_revision()
     try:
         runs = run_variants(base, variants, args.runs, args.warmup, args.timeout)
     except BenchmarkError as error:
@@ -374,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     invocation = shlex.join(["python", "-m", "benchmarks.ab", *argv])
     report = render_report(" vs ".join(names), when, hardware.describe(), base, variants, runs,
                            args.warmup, problems, csv_path.name, invocation,
-                           (load_start, _load_average()), args.note)
+                           (load_start, _load_average()), revision, args.note)
     _write_atomic(csv_path, runs_csv(runs))
     _write_atomic(md_path, report)
     print(report)

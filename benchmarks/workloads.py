@@ -8,7 +8,8 @@ A run feeds a synthetic prompt (token ids drawn from a seeded generator, so ever
 every run sees the same prompt), generates greedily, and prints one result line for
 `benchmarks/ab.py`: prompt_tps (prompt tokens / time to first token), ttft_s, generation_tps
 (tokens after the first / time from the first to the last), peak_memory_gb, the generated ids and
-their tokens_md5. With DSV4_STAGE_PROFILE=1 it adds the per-stage decode profile and prints the
+their tokens_md5, and the CPU time of those phases (all threads; on a shared machine it moves less
+than wall time when other jobs compete for the cores). With DSV4_STAGE_PROFILE=1 it adds the per-stage decode profile and prints the
 profiler's table to stderr. `--model synthetic` is a stand-in decoder of plain MLX matmuls whose
 stages are marked like the real forward pass: it measures the harness and the profiler itself.
 """
@@ -103,12 +104,13 @@ def _model_tokens(path: str, prompt_tokens: int, max_tokens: int, seed: int):
 
 def measure(tokens, prompt_tokens: int) -> dict:
     """Time a stream of generated ids (the prompt is processed before the first one arrives)."""
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     ids, first, last = [], None, None
     for token in tokens:
-        last = time.perf_counter()
+        last, last_cpu = time.perf_counter(), time.process_time()
         ids.append(int(token))
-        first = first or last
+        if first is None:
+            first, first_cpu = last, last_cpu
     if first is None:
         raise RuntimeError("the model generated no token")
     result = {
@@ -116,12 +118,14 @@ def measure(tokens, prompt_tokens: int) -> dict:
         "generation_tokens": len(ids),
         "prompt_tps": prompt_tokens / (first - start),
         "ttft_s": first - start,
+        "prompt_cpu_s": first_cpu - start_cpu,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "tokens": ids,
         "tokens_md5": tokens_md5(ids),
     }
     if len(ids) > 1:
         result["generation_tps"] = (len(ids) - 1) / (last - first)
+        result["generation_cpu_ms_per_token"] = 1e3 * (last_cpu - first_cpu) / (len(ids) - 1)
     if profiler.enabled():
         result[STAGE_KEY] = profiler.per_step_ms()
     return result

@@ -17,7 +17,7 @@ import pytest
 from benchmarks import ab, hardware
 
 CHILD = r"""
-import json, os, sys
+import json, os, sys, time
 name, log = os.environ["AB_NAME"], os.environ["AB_LOG"]
 with open(log, "a") as f:
     f.write(f"{name} {os.getpid()}\n")
@@ -26,6 +26,12 @@ with open(log) as f:
 tokens = [int(t) for t in os.environ.get("AB_TOKENS", "1,2,3").split(",")]
 if os.environ.get("AB_TOKENS_VARY"):
     tokens.append(k)
+if os.environ.get("AB_BUSY_S"):       # burn CPU time, measured by the child itself
+    stop = time.process_time() + float(os.environ["AB_BUSY_S"])
+    while time.process_time() < stop:
+        pass
+if os.environ.get("AB_SLEEP_S"):
+    time.sleep(float(os.environ["AB_SLEEP_S"]))
 if os.environ.get("AB_FAIL"):
     sys.exit("child failed on purpose")
 print("some other output")
@@ -89,6 +95,15 @@ def test_medians_extremes_and_ratios_leave_out_warmups(log):
     assert ratio == pytest.approx(np.median(b_values[1:]) / np.median(a_values[1:]))
     walls = [r.wall_s for r in runs if r.variant == "A" and not r.warmup]
     assert summary["A"]["wall_s"].median == pytest.approx(np.median(walls))
+
+
+def test_cpu_time_counts_work_and_not_waiting(log):
+    variants = [ab.parse_variant(_spec("busy", [1, 1], "AB_BUSY_S=0.3")),
+                ab.parse_variant(_spec("sleepy", [1, 1], "AB_SLEEP_S=0.3"))]
+    runs = ab.run_variants(BASE, variants, runs=1, warmup=0, log=lambda _: None)
+    busy, sleepy = sorted(runs, key=lambda r: r.variant)
+    assert busy.cpu_s >= 0.3
+    assert sleepy.wall_s >= 0.3 and sleepy.cpu_s < 0.2
 
 
 def test_result_protocol_takes_the_last_line_and_digests_tokens():
