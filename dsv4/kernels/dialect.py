@@ -24,8 +24,10 @@ Vocabulary available to bodies:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Iterator
 
 import mlx.core as mx
 
@@ -112,6 +114,21 @@ CUDA_BODY_PRELUDE = r"""
 """
 
 
+_poison = False
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Tests: fill every kernel output with NaN before the kernel runs, so that an element the
+    kernel forgets to write cannot pass for a right answer."""
+    global _poison
+    saved, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = saved
+
+
 def backend() -> str | None:
     """'metal' or 'cuda' when custom kernels can run on the default device, else None (CPU)."""
     if mx.default_device() != mx.gpu:
@@ -153,7 +170,7 @@ class Kernel:
         fn = _compiled(self, dialect)
         return fn(inputs=list(inputs), output_shapes=list(output_shapes),
                   output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
-                  template=list(template), init_value=init_value)
+                  template=list(template), init_value=float("nan") if _poison else init_value)
 
 
 @lru_cache(maxsize=None)

@@ -34,8 +34,9 @@ from dsv4.kernels.dialect import Kernel, backend
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
-WARPS = 4
+GATE_UP_WARPS = 8   # x ROWS_GATE_UP = 32 rows of h per threadgroup: one fp8 block of h
 ROWS_GATE_UP = 4
+DOWN_WARPS = 4
 ROWS_DOWN = 2
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
 AFFINE_BITS = (2, 3, 4, 8)
@@ -132,13 +133,19 @@ KFN float e4m3_round(float x) {
   return x < 0.0f ? -r : r;
 }
 
+// 2^ceil(log2(v)) for a positive normal v, from the exponent bits (the official bit trick).
+KFN float pow2_ceil(float v) {
+  const uint32_t b = AS_UINT(v);
+  return AS_FLOAT((((b >> 23) & 0xffu) + ((b & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
+}
+
 // fp8 e4m3 with a power-of-two scale per 32 values (the official act_quant).
 KFN void qdq_fp8_32(LOCAL float* v) {
   float amax = 1e-4f;
   for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
-  const uint32_t b = AS_UINT(amax * (1.0f / 448.0f));
-  const float s = AS_FLOAT((((b >> 23) & 0xffu) + ((b & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
-  for (int i = 0; i < 32; ++i) v[i] = e4m3_round(FMIN(FMAX(v[i] / s, -448.0f), 448.0f)) * s;
+  const float s = pow2_ceil(amax * (1.0f / 448.0f));
+  const float inv = 1.0f / s;   // exact: s is a power of two
+  for (int i = 0; i < 32; ++i) v[i] = e4m3_round(FMIN(FMAX(v[i] * inv, -448.0f), 448.0f)) * s;
 }
 
 // 32 bf16 values starting at element 32*p of row (16-byte aligned).
@@ -246,11 +253,11 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, int e, int row
 """
 
 _GATE_UP_BODY = r"""
-  // grid (32*warps, ceil(I / (warps*ROWS)), tokens*(K+HS)); h is [tokens, K+HS, I].
+  // grid (32*8, I/32, tokens*(K+HS)): a threadgroup makes 32 consecutive rows of h (one fp8
+  // block when ACTQ), each SIMD group ROWS of them. h is [tokens, K+HS, I]; I % 32 == 0.
   const int pair = group_z;
   const int t = pair / (K + HS), slot = pair % (K + HS);
   const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
-  if (row0 >= I) return;
   const float limit = params[0];
   float g[ROWS], u[ROWS];
   GLOBAL T* xrow = x + (size_t)t * D;
@@ -263,12 +270,22 @@ _GATE_UP_BODY = r"""
     rows_dot<SMODE, SBITS, SGS, ROWS, ACTQ, true>(xrow, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
                                                   sup_b, 0, row0, I, D, g, u, lane);
   }
+  SHARED float block_h[32];
   if (lane == 0) {
-    for (int r = 0; r < ROWS && row0 + r < I; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       const float gv = FMIN(float(static_cast<T>(g[r])), limit);
       const float uv = FMIN(FMAX(float(static_cast<T>(u[r])), -limit), limit);
-      h[(size_t)pair * I + row0 + r] = static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route);
+      block_h[warp * ROWS + r] = float(static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route));
     }
+  }
+  BARRIER();
+  if (warp == 0) {
+    float v = block_h[lane];
+    if (ACTQ) {
+      const float s = pow2_ceil(FMAX(simd_max_f(FABS(v)), 1e-4f) * (1.0f / 448.0f));
+      v = e4m3_round(FMIN(FMAX(v * (1.0f / s), -448.0f), 448.0f)) * s;
+    }
+    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);
   }
 """
 
@@ -311,8 +328,8 @@ def _check_instances(stage):
     out = []
     for (m, b, g, st), (sm, sb, sg, sst) in variants:
         tmpl = [("T", mx.bfloat16), ("MODE", MODE_IDS[m]), ("BITS", b), ("GS", g),
-                ("SMODE", MODE_IDS[sm]), ("SBITS", sb), ("SGS", sg), ("HS", 1), ("ACTQ", True),
-                ("K", 6), ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
+                ("SMODE", MODE_IDS[sm]), ("SBITS", sb), ("SGS", sg), ("HS", 1), ("K", 6),
+                ("ACTQ", stage == "gate_up"), ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
         bt = st if m == "affine" else mx.uint8
         sbt = sst if sm == "affine" else mx.uint8
         if stage == "gate_up":
@@ -344,6 +361,10 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[0] > MAX_KERNEL_TOKENS:
         return False
     if not all(_kernel_handles(m) for m in mats):
+        return False
+    dims = [(m_g.in_features, m_g.out_features, m_u.out_features, m_d.in_features)
+            for m_g, m_u, m_d in [(gate, up, down)] + ([tuple(shared)] if shared is not None else [])]
+    if any(d != x.shape[-1] or not (i == j == k) for d, i, j, k in dims):
         return False
     same = lambda a, b: (a.mode, a.bits, a.group_size, a.scales.dtype) == (b.mode, b.bits, b.group_size, b.scales.dtype)
     return same(gate, up) and same(gate, down) and (shared is None or (
@@ -382,20 +403,21 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     DO = down.out_features
     s_gate, s_up, s_down = shared if shared is not None else (None, None, None)
     common = [("T", x.dtype)] + _mode_template("", gate, gate) + _mode_template("S", s_gate, gate) + [
-        ("HS", HS), ("ACTQ", bool(act_quant)), ("K", K)]
+        ("HS", HS), ("K", K)]
     (h,) = GATE_UP_KERNEL(
         inputs=[x, indices.astype(mx.int32), weights.astype(mx.float32),
                 mx.array([swiglu_limit], mx.float32)]
         + _operands(gate) + _operands(up) + _operands(s_gate) + _operands(s_up),
         output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype],
-        grid=(32 * WARPS, math.ceil(I / (WARPS * ROWS_GATE_UP)), T * (K + HS)),
-        threadgroup=(32 * WARPS, 1, 1),
-        template=common + [("ROWS", ROWS_GATE_UP), ("I", I), ("D", D)])
+        grid=(32 * GATE_UP_WARPS, I // 32, T * (K + HS)), threadgroup=(32 * GATE_UP_WARPS, 1, 1),
+        template=common + [("ACTQ", bool(act_quant)), ("ROWS", ROWS_GATE_UP), ("I", I), ("D", D)])
     (y,) = DOWN_KERNEL(
         inputs=[h, indices.astype(mx.int32)] + _operands(down) + _operands(s_down),
         output_shapes=[(T, DO)], output_dtypes=[x.dtype],
-        grid=(32 * WARPS, math.ceil(DO / (WARPS * ROWS_DOWN)), T), threadgroup=(32 * WARPS, 1, 1),
-        template=common + [("ROWS", ROWS_DOWN), ("I", I), ("DO", DO)])
+        grid=(32 * DOWN_WARPS, math.ceil(DO / (DOWN_WARPS * ROWS_DOWN)), T),
+        threadgroup=(32 * DOWN_WARPS, 1, 1),
+        # h arrives already rounded to fp8 (gate_up kernel), so no ACTQ here.
+        template=common + [("ACTQ", False), ("ROWS", ROWS_DOWN), ("I", I), ("DO", DO)])
     return y
 
 

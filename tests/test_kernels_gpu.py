@@ -1,0 +1,179 @@
+"""GPU kernels (CUDA build on the H200, or Metal) against their plain-MLX references.
+
+Run on the GPU machine: `pytest -m gpu tests/test_kernels_gpu.py`. Random inputs every run,
+edge cases on purpose, every kernel output filled with NaN before the kernel writes it
+(`poisoned_outputs`), tolerances stated next to each comparison.
+"""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels import experts as ex
+from dsv4.kernels import mhc
+from dsv4.kernels import sparse_attention as sa
+from dsv4.kernels.dialect import backend, poisoned_outputs
+
+pytestmark = pytest.mark.gpu
+
+RNG = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def on_gpu():
+    if backend() is None:
+        pytest.skip("no Metal/CUDA backend on the default device")
+    with poisoned_outputs():
+        yield
+
+
+def f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def arr(x, dtype=mx.float32):
+    return mx.array(np.asarray(x, np.float32)).astype(dtype)
+
+
+# --- sparse attention ------------------------------------------------------------------------
+
+def attention_case(B, S, H, D, W, N, w, k, dtype, invalid=0.25, rope=0):
+    wi = RNG.integers(0, W, (B, S, w)).astype(np.int32)
+    ti = RNG.integers(0, max(N, 1), (B, S, k)).astype(np.int32)
+    wi[RNG.random(wi.shape) < invalid] = -1
+    ti[RNG.random(ti.shape) < invalid] = -1
+    case = dict(q=arr(RNG.standard_normal((B, S, H, D)) * 2, dtype),
+                window_kv=arr(RNG.standard_normal((B, W, D)), dtype), window_idx=mx.array(wi),
+                compressed_kv=arr(RNG.standard_normal((B, N, D)), dtype), topk_idx=mx.array(ti),
+                sinks=arr(RNG.standard_normal(H)), scale=D ** -0.5)
+    if rope:
+        theta = RNG.uniform(-np.pi, np.pi, (B, S, rope))
+        case.update(rope_cos=arr(np.cos(theta)), rope_sin=arr(np.sin(theta)))
+    return case
+
+
+def compare_attention(case):
+    assert sa.kernel_supports(case["q"], case["window_kv"], case["compressed_kv"], case.get("rope_cos"))
+    got = f32(sa.sparse_attention_kernel(**case))
+    want = f32(sa.sparse_attention_reference(**case))
+    assert np.isfinite(got).all(), "kernel left unwritten (NaN-poisoned) or non-finite outputs"
+    kv_max = max(np.abs(f32(case["window_kv"])).max(), np.abs(f32(case["compressed_kv"])).max())
+    if case["q"].dtype == mx.float32:
+        # Same fp32 math in another order (online softmax by splits): fp32 rounding only.
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * kv_max)
+    else:
+        # Both round probabilities to bf16, but relative to different running maxima: each
+        # weight may differ by 2^-8 relative, the weighted mean of rows by 2^-8 * max|kv|;
+        # plus one bf16 output ulp (2^-8 relative). Bound 2^-7 * max|kv| + 2^-8 |out|.
+        assert np.all(np.abs(got - want) <= 2.0 ** -7 * kv_max + 2.0 ** -8 * np.abs(want))
+    return got
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_attention_decode_real_shape(dtype):
+    compare_attention(attention_case(1, 1, 64, 512, 128, 700, 128, 512, dtype))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_attention_multi_query_odd_sizes(dtype):
+    compare_attention(attention_case(2, 5, 11, 96, 13, 37, 9, 7, dtype))
+    compare_attention(attention_case(1, 16, 64, 512, 144, 300, 128, 64, dtype, rope=32))
+
+
+def test_attention_all_invalid_and_one_row():
+    case = attention_case(1, 3, 8, 64, 8, 8, 5, 4, mx.bfloat16, invalid=0.0)
+    wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
+    wi[0, 0] = -1; ti[0, 0] = -1                   # no valid row -> zeros
+    wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1  # exactly one row
+    ti[0, 2] = [100, -5, 2, 2]                     # out of range = none; a repeated row counts twice
+    case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
+    got = compare_attention(case)
+    assert np.all(got[0, 0] == 0)
+
+
+def test_attention_without_compressed_and_single_row_caches():
+    case = attention_case(2, 1, 4, 32, 1, 1, 1, 1, mx.float32, invalid=0.0)
+    compare_attention(case)
+    got = f32(sa.sparse_attention(**dict(case, compressed_kv=None, topk_idx=None)))
+    want = f32(sa.sparse_attention_reference(**dict(case, compressed_kv=None, topk_idx=None)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# --- mHC ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (7, 96, mx.float32), (3, 5120, mx.bfloat16)])
+def test_hc_mixes(tokens, D, dtype):
+    X = arr(RNG.standard_normal((1, tokens, 4, D)), dtype)
+    fn = arr(RNG.standard_normal((24, 4 * D)) / np.sqrt(4 * D))
+    scale, base = arr(RNG.uniform(0.5, 2, 3)), arr(RNG.standard_normal(24))
+    got = mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6, 20)
+    with flags.override(kernel_mhc=False):
+        want = mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6, 20)
+    for g, w in zip(got, want):
+        # fp32 dot products of 4D terms summed in another order (relative ~1e-6), through
+        # sigmoid/softmax and 20 normalisations that do not amplify it.
+        np.testing.assert_allclose(f32(g), f32(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (5, 100, mx.float32)])
+def test_hc_collapse_norm_and_expand(tokens, D, dtype):
+    X = arr(RNG.standard_normal((1, tokens, 4, D)), dtype)
+    pre = arr(RNG.uniform(0, 1, (1, tokens, 4)))
+    post = arr(RNG.uniform(0, 2, (1, tokens, 4)))
+    comb = arr(RNG.uniform(0, 1, (1, tokens, 4, 4)))
+    weight = arr(RNG.uniform(0.5, 1.5, D), dtype)
+    y = arr(RNG.standard_normal((1, tokens, D)), dtype)
+    got_n, got_e = mhc.hc_collapse_norm(X, pre, weight, 1e-20), mhc.hc_expand(y, X, post, comb)
+    want_n = mhc.hc_collapse_norm_reference(X, pre, weight, 1e-20)
+    want_e = mhc.hc_expand_reference(y, X, post, comb)
+    ulp = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -20
+    # The fp32 collapse summed in another order may round to the neighbouring value, which
+    # moves the norm output by at most two ulps (<= 2^-7 relative in bf16).
+    np.testing.assert_allclose(f32(got_n), f32(want_n), rtol=2 * ulp, atol=1e-6)
+    assert np.mean(f32(got_n) == f32(want_n)) > 0.95
+    np.testing.assert_allclose(f32(got_e), f32(want_e), rtol=ulp, atol=1e-5)   # one rounding
+
+
+# --- fused experts ------------------------------------------------------------------------------
+
+def quantized(shape, mode, bits, gs, scale_dtype=mx.bfloat16):
+    w = arr(RNG.standard_normal(shape) * 0.05, scale_dtype)
+    parts = mx.quantize(w, group_size=gs, bits=bits, mode=mode)
+    return ex.QuantizedMatrix(parts[0], parts[1], parts[2] if mode == "affine" else None, gs, bits, mode)
+
+
+MOE_MODES = [("mxfp4", 4, 32, ("mxfp8", 8, 32)), ("mxfp8", 8, 32, None), ("affine", 2, 32, ("affine", 4, 64)),
+             ("affine", 3, 64, None), ("affine", 4, 128, ("affine", 8, 32)), ("affine", 8, 32, None)]
+
+
+@pytest.mark.parametrize("mode,bits,gs,shared_mode", MOE_MODES)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_experts(mode, bits, gs, shared_mode, tokens, act_quant):
+    E, I, D, K = 10, 256, 512, 6
+    gate, up = quantized((E, I, D), mode, bits, gs), quantized((E, I, D), mode, bits, gs)
+    down = quantized((E, D, I), mode, bits, gs, mx.float32 if mode == "affine" else mx.bfloat16)
+    if down.mode == "affine":     # GGUF-style fp32 scales on one matrix; all three must match
+        gate, up = (quantized((E, I, D), mode, bits, gs, mx.float32) for _ in range(2))
+    shared = None
+    if shared_mode is not None:
+        sm, sb, sg = shared_mode
+        shared = (quantized((I, D), sm, sb, sg), quantized((I, D), sm, sb, sg), quantized((D, I), sm, sb, sg))
+    x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
+    idx = mx.array(np.stack([RNG.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    if tokens > 1:
+        idx[1:2] = idx[0:1]        # two tokens on the same experts
+    rw = arr(RNG.uniform(0.05, 1.0, (tokens, K)))
+    limit = 0.3                    # low enough for both clamps to act
+    assert ex.kernel_supports(x, gate, up, down, shared)
+    got = f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared, limit, act_quant))
+    want = f32(ex.experts_reference(x, idx, rw, gate, up, down, shared, limit, act_quant))
+    assert np.isfinite(got).all()
+    # Same roundings (g, u, h, each expert's output to bf16; fp8 of x and h), different fp32
+    # summation order: a value next to a rounding boundary can land one ulp away (2^-8
+    # relative) and carry into the sum. Bound 2^-6 of the largest output; most are exact.
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 2.0 ** -6 * scale
+    assert np.mean(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-6 * scale) > 0.9
