@@ -32,9 +32,10 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import numpy as np
+import typer
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
@@ -662,7 +663,8 @@ def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict, 
     return out
 
 
-def print_report(report: dict, file=sys.stderr) -> None:
+def print_report(report: dict, file=None) -> None:
+    file = file or sys.stderr
     print(f"{'tensor kind':<44} {'from':>8} {'to':>18} {'MB in':>9} {'MB out':>9} {'added err':>10}",
           file=file)
     for kind, r in report.items():
@@ -675,25 +677,22 @@ def print_report(report: dict, file=sys.stderr) -> None:
 
 
 def gguf_command(
-    source: Path,
-    dst: Path,
-    iq2_xxs_bits: int = 3,
-    q2_k_bits: int = 4,
-    dequantize: Optional[str] = None,
-    workers: int = 0,
-    copy_engram: bool = False,
-    overwrite: bool = False,
-    resume: bool = False,
-    verify: bool = False,
+    source: Annotated[Path, typer.Argument(help="the ds4 .gguf file (for a split file, its .part1)")],
+    dst: Annotated[Path, typer.Argument(help="the dsv4 model directory to write")],
+    iq2_xxs_bits: Annotated[int, typer.Option(
+        help="IQ2_XXS -> affine 3-bit (level map, ~2% added error) or 8-bit (exact)")] = 3,
+    q2_k_bits: Annotated[int, typer.Option(
+        help="Q2_K -> affine 2, 3, 4, 5, 6 or 8 bits (lossy fit; ~3-5% added error at 4)")] = 4,
+    dequantize: Annotated[Optional[str], typer.Option(
+        help="bf16 or f32: write quantized tensors as plain floats (gguf's own dequantisation)")] = None,
+    workers: Annotated[int, typer.Option(help="worker processes; 0 = one per core")] = 0,
+    copy_engram: Annotated[bool, typer.Option(
+        help="copy the Engram tables into DST instead of reading them in the GGUF")] = False,
+    overwrite: Annotated[bool, typer.Option(help="replace DST or an unfinished conversion")] = False,
+    resume: Annotated[bool, typer.Option(help="continue an interrupted conversion")] = False,
+    verify: Annotated[bool, typer.Option(help="re-read sampled rows of every tensor")] = False,
 ) -> None:
-    """Convert a ds4 GGUF of DeepSeek V4.1 Flash (SOURCE; for a split file its .part1) into
-    the dsv4 model directory DST.
-
-    IQ2_XXS maps to affine 3-bit (lossy, ~2% added error) or 8-bit (exact); Q2_K to affine
-    2-8 bits (lossy; 4 by default). --dequantize bf16|f32 writes quantized tensors as plain
-    floats instead (gguf's own dequantisation: the full-precision reference of the file).
-    Engram tables stay in the GGUF unless --copy-engram. --workers 0 uses every core.
-    """
+    """Convert a ds4 GGUF of DeepSeek V4.1 Flash into a dsv4 model directory."""
     try:
         report = convert(source, dst, Options(iq2_xxs_bits, q2_k_bits, dequantize), workers,
                          copy_engram, overwrite, resume, verify)

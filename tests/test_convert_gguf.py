@@ -310,3 +310,24 @@ def test_small_tasks_copied_tables_and_verify(mixed, tmp_path, monkeypatch):
         with open_table(ref, tmp_path / "out") as table:
             assert np.array_equal(table.read_range(0, table.rows),
                                   mixed["tables"][f"blk.{layer}.engram_embd.weight"])
+
+
+def test_command_line(mixed, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command("gguf")(conv.gguf_command)
+    app.command("other")(lambda: None)
+    runner = CliRunner()
+    bad = runner.invoke(app, ["gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "x")])
+    assert bad.exit_code == 1 and "missing.gguf: file not found" in bad.output
+    ok = runner.invoke(app, ["gguf", str(mixed["gguf"]), str(tmp_path / "out"),
+                             "--iq2-xxs-bits", "8", "--workers", "1"])
+    assert ok.exit_code == 0, ok.output
+    assert "layers.*.ffn.experts.w1 (IQ2_XXS)" in ok.output
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    q = config["quantization"]
+    assert q.get("layers.0.ffn.experts.w1", q)["bits"] == 8   # 8-bit is now the default
+    assert "added_relative_rms_error" not in config["dsv4"]["conversion"][
+        "layers.*.ffn.experts.w1 (IQ2_XXS)"]
