@@ -33,9 +33,10 @@ class TurnStats:
     prompt_tokens: int
     cached_tokens: int
     generation_tokens: int
-    prompt_tps: float
+    prompt_tps: float       # prefilled tokens per second (the cached ones cost nothing)
     generation_tps: float
     peak_memory: float
+    generated: list[int]    # every token id produced, the end of sentence included
 
     def line(self) -> str:
         return (f"[{self.prompt_tokens} prompt tokens ({self.cached_tokens} from cache, "
@@ -48,12 +49,13 @@ class ChatSession:
     """A conversation with a model, its cache reused from turn to turn."""
 
     def __init__(self, model, tokenizer, *, system: Optional[str] = None, thinking: bool = False,
-                 max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None):
+                 max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                 prompt_cache: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.system = system
         self.thinking = thinking
         self.sampling = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
-        self.prompt_cache = PromptCache(model)
+        self.prompt_cache = PromptCache(model, enabled=prompt_cache)
         self.messages: list[dict] = []
         self.reset()
 
@@ -100,7 +102,7 @@ class ChatSession:
         end = set(self.tokenizer.eos_token_ids)
         stats = TurnStats(len(tokens), reuse.cached, sum(t not in end for t in produced),
                           last.prompt_tps if last else 0.0, last.generation_tps if last else 0.0,
-                          last.peak_memory if last else 0.0)
+                          last.peak_memory if last else 0.0, produced)
         return message, stats
 
     def save(self, path: Path) -> None:
@@ -190,6 +192,7 @@ def main(
     seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
     system: Optional[str] = typer.Option(None, help="system prompt"),
     think: bool = typer.Option(False, help="start in thinking mode"),
+    prompt_cache: bool = typer.Option(True, help="reuse the cache across turns (off: prefill everything)"),
 ):
     """Chat with a dsv4 model."""
     import dsv4
@@ -197,7 +200,7 @@ def main(
     print(f"loading {model or 'the bundled demo model'} ...", flush=True)
     loaded_model, tokenizer = dsv4.load(model) if model else dsv4.load()
     session = ChatSession(loaded_model, tokenizer, system=system, thinking=think, max_tokens=max_tokens,
-                          temp=temp, top_p=top_p, seed=seed)
+                          temp=temp, top_p=top_p, seed=seed, prompt_cache=prompt_cache)
     run_repl(session)
 
 

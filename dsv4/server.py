@@ -212,6 +212,8 @@ def _thinking_mode(body: dict, default: bool) -> tuple[str, Any]:
     """thinking on/off from DeepSeek's `thinking: {type}`, vLLM's
     `chat_template_kwargs: {thinking}` or an OpenAI `reasoning_effort`."""
     effort = body.get("reasoning_effort")
+    if effort == "none":  # OpenAI's way of asking for no reasoning
+        effort, default = None, False
     thinking = default if effort is None else True
     switch = body.get("thinking")
     if switch is not None:
@@ -220,13 +222,15 @@ def _thinking_mode(body: dict, default: bool) -> tuple[str, Any]:
                                param="thinking")
         thinking = switch["type"] == "enabled"
     kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     if "thinking" in kwargs:
         thinking = bool(kwargs["thinking"])
     if effort == "medium":  # OpenAI's middle level; V4.1's default is "high"
         effort = "high"
     if effort is not None and effort not in REASONING_EFFORTS and not (
             type(effort) is int and 1 <= effort <= 100):
-        raise RequestError(f"'reasoning_effort' must be one of low, medium, high, max or an integer "
+        raise RequestError(f"'reasoning_effort' must be one of none, low, medium, high, max or an integer "
                            f"1..100, got {effort!r}", param="reasoning_effort")
     return ("thinking" if thinking else "chat"), effort
 
@@ -238,7 +242,7 @@ def _chat_prompt(body: dict, default_thinking: bool) -> tuple[str, str]:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice") or "auto"
     if choice not in ("auto", "none"):
         raise RequestError("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
     response_format = body.get("response_format")

@@ -205,6 +205,10 @@ def test_seeded_sampling_repeats(live):
      "'reasoning_effort' must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "thinking": True}, 400,
      "'thinking' must be"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1}, 400,
+     "'chat_template_kwargs' must be an object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400,
+     "messages[0].content: expected a string"),
     ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
     ("/v1/embeddings", {"input": "x"}, 404, "no route POST /v1/embeddings"),
 ])
