@@ -209,7 +209,7 @@ def _arguments_dict(arguments: Any) -> dict:
     return value if isinstance(value, dict) else {"arguments": arguments}
 
 
-def render_tool_calls(calls: Iterable[dict]) -> str:
+def _render_tool_calls(calls: Iterable[dict]) -> str:
     """The DSML block for OpenAI-format tool calls ({"function": {"name", "arguments"}})."""
     invokes = []
     for call in calls:
@@ -306,7 +306,7 @@ def _render_turn(turn: _Turn, index: int, show_reasoning: bool) -> str:
         return LATEST_REMINDER + turn.text
     reasoning = (message.get("reasoning_content") or "") + THINK_CLOSE if show_reasoning else ""
     calls = message.get("tool_calls")
-    calls_text = "\n\n" + render_tool_calls(calls) if calls else ""
+    calls_text = "\n\n" + _render_tool_calls(calls) if calls else ""
     return reasoning + turn.text + calls_text + EOS
 
 
