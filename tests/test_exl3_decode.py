@@ -106,3 +106,11 @@ def test_bad_trellis_is_refused_with_its_shape():
         mlx_dec.reconstruct(np.zeros((8, 8, 144), np.int16), "mcg")
     with pytest.raises(ValueError, match="unknown EXL3 codebook 'q4'"):
         ref.codebook_values("q4")
+
+
+def test_mlx_input_equals_numpy_input():
+    import mlx.core as mx
+
+    trellis = random_trellis(np.random.default_rng(9), 5)
+    a = np.array(mlx_dec.reconstruct(mx.array(trellis), "mul1")).view(np.uint16)
+    assert np.array_equal(a, ref.reconstruct(trellis, "mul1").view(np.uint16))
