@@ -15,8 +15,11 @@ name the `.part1` and the others are found next to it.
 - Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
   IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
   tensor kind; --dequantize bf16|f32 writes every quantized tensor as plain floats instead
-  (gguf's own decoder: the full-precision reference of the same model). Mapping runs in worker processes, ahead of the writer.
-- Output through convert/writer.py: atomic, resumable, sharded.
+  (gguf's own decoder: the full-precision reference of the same model). The mapping runs in
+  worker processes, in row tasks a few steps ahead of the writer.
+- Output through convert/writer.py: atomic, resumable, sharded. The report (config.json,
+  `dsv4.conversion`) counts the errors of the modules converted by the run that finished;
+  after --resume, those of shards written earlier are not in it.
 
 Other dialects are recognised and refused: llama.cpp's `deepseek41` (different names, Engram
 re-quantized) and `deepseek4` (V4 Flash) files.

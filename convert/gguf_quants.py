@@ -10,8 +10,9 @@ uint32 words (`mx.dequantize(weight, scales, biases, group_size=32, bits=b)`).
              levels go to codes 0..5 on their least-squares line; 8-bit (exact, f32):
              code = level + 43, scale = db, bias = -43 db.
   Q2_K    -> lossy: a group of 32 joins two 16-element sub-blocks with their own scale and
-             min, which share no grid; fitted per group (min/max start, then Lloyd steps:
-             nearest codes <-> least-squares scale and bias), scale and bias in f16.
+             min, which share no grid; fitted per group on its 8 distinct values weighted by
+             their counts (min/max start, then Lloyd steps: nearest codes <-> least-squares
+             scale and bias), scale and bias in f16. ~3.4% added error at 4 bits, 0.2% at 8.
 
 Every function takes the raw rows of a tensor, uint8 [..., bytes per row] (one GGUF row is
 one output neuron, blocks along the input), and returns an `Affine` whose arrays have the
@@ -175,40 +176,31 @@ def iq2_xxs(raw: np.ndarray, bits: int = 3) -> Affine:
                   float(np.sum(count * np.square(ref))))
 
 
-def q2_k_values(raw: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Q2_K rows -> f32 values [n blocks, 256] (ggml's dequantize_row_q2_K) and leading shape."""
-    blocks, lead = _blocks(raw, T.Q2_K)
-    n = len(blocks)
-    scales, qs = blocks[:, :16], blocks[:, 16:80]
-    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
-    dl = (d * (scales & 0xF).astype(np.float32))[..., None]           # [n, 16, 1]
-    ml = (dmin * (scales >> 4).astype(np.float32))[..., None]
-    # byte l of each 32-byte half holds elements 32j + l (j = 0..3) of that half of 128.
-    q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    return (dl * q.reshape(n, 16, 16).astype(np.float32) - ml).reshape(n, QK_K), lead
-
-
-def fit_affine(values: np.ndarray, bits: int, steps: int = 2):
-    """Per row of `values` [g, 32]: f16 (scale, bias) and codes minimising the squared error,
-    from the min/max grid improved by `steps` Lloyd steps; per row the better of the two after
-    rounding to f16, so never worse than min/max."""
+def fit_affine(values: np.ndarray, bits: int, steps: int = 2, weights: np.ndarray = None):
+    """Per row of `values` [g, k] (with `weights`, counts of each value; default 1): f16
+    (scale, bias) and codes minimising the weighted squared error, from the min/max grid
+    improved by `steps` Lloyd steps (nearest codes <-> least-squares line); per row the better
+    of the two after rounding to f16, so never worse than min/max."""
     top = (1 << bits) - 1
     v = values.astype(np.float32)
-    lo, hi = v.min(-1), v.max(-1)
+    w = np.ones_like(v) if weights is None else weights.astype(np.float32)
+    present = w > 0
+    lo = np.where(present, v, np.inf).min(-1)
+    hi = np.where(present, v, -np.inf).max(-1)
     s = np.where(hi > lo, (hi - lo) / top, 1.0).astype(np.float32)
-    b = lo
+    b = lo.astype(np.float32)
     start = (s, b)
-    n = v.shape[-1]
+    total = w.sum(-1)
     for _ in range(steps):
         c = np.clip(np.rint((v - b[:, None]) / s[:, None]), 0, top)
-        sc, sv = c.sum(-1), v.sum(-1)
-        den = n * np.square(c).sum(-1) - sc * sc
+        wc = w * c
+        sc, sv = wc.sum(-1), (w * v).sum(-1)
+        den = total * (wc * c).sum(-1) - sc * sc
         ok = den > 0
-        new_s = np.where(ok, (n * (c * v).sum(-1) - sc * sv) / np.where(ok, den, 1), s)
+        new_s = np.where(ok, (total * (wc * v).sum(-1) - sc * sv) / np.where(ok, den, 1), s)
         ok &= new_s > 0
         s = np.where(ok, new_s, s).astype(np.float32)
-        b = np.where(ok, (sv - s * sc) / n, b).astype(np.float32)
+        b = np.where(ok, (sv - s * sc) / total, b).astype(np.float32)
     best = None
     for s, b in (start, (s, b)) if steps else (start,):
         with np.errstate(over="ignore"):
@@ -220,26 +212,38 @@ def fit_affine(values: np.ndarray, bits: int, steps: int = 2):
         s32, b32 = s16.astype(np.float32), b16.astype(np.float32)
         safe = np.where(s32 == 0, np.float32(1), s32)
         c = np.clip(np.rint((v - b32[:, None]) / safe[:, None]), 0, top).astype(np.uint8)
-        err = np.square(s32[:, None] * c + b32[:, None] - v).sum(-1)
+        err = (w * np.square(s32[:, None] * c + b32[:, None] - v)).sum(-1)
         if best is None:
             best = [s16, b16, c, err]
         else:
             better = err < best[3]
-            best[0] = np.where(better, s16, best[0])
-            best[1] = np.where(better, b16, best[1])
-            best[2] = np.where(better[:, None], c, best[2])
+            best = [np.where(better, s16, best[0]), np.where(better, b16, best[1]),
+                    np.where(better[:, None], c, best[2]), np.minimum(err, best[3])]
     return best[0], best[1], best[2]
 
 
 def q2_k(raw: np.ndarray, bits: int = 4, steps: int = 2) -> Affine:
-    values, lead = q2_k_values(raw)
-    groups = values.reshape(-1, GROUP)
-    s, b, codes = fit_affine(groups, bits, steps)
-    got = s.astype(np.float32)[:, None] * codes + b.astype(np.float32)[:, None]
+    """A group of 32 holds at most 8 distinct values (two 16-element sub-blocks, each
+    d*sc*q - dmin*m for q = 0..3): fit on those, weighted by how often each q occurs."""
+    blocks, lead = _blocks(raw, T.Q2_K)
+    n = len(blocks)
+    d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
+    step = d * (blocks[:, :16] & 0xF).astype(np.float32)                     # [n, 16]
+    low = dmin * (blocks[:, :16] >> 4).astype(np.float32)
+    # byte l of each 32-byte half holds elements 32j + l (j = 0..3) of that half of 128
+    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = q.reshape(n * 16, 16).astype(np.int64)                               # per sub-block
+    counts = np.bincount((np.arange(n * 16)[:, None] * 4 + q).ravel(), minlength=n * 64)
+    values = (step.reshape(-1, 1) * np.arange(4, dtype=np.float32) - low.reshape(-1, 1))
+    values, counts = values.reshape(n * 8, 8), counts.reshape(n * 8, 8)      # per group
+    s, b, c = fit_affine(values, bits, steps, counts)
+    codes = np.take_along_axis(c.reshape(n * 16, 4), q, axis=1)
+    got = s.astype(np.float64)[:, None] * c + b.astype(np.float64)[:, None]
     return Affine(pack_codes(codes.reshape(*lead, -1), bits), s.reshape(*lead, -1),
                   b.reshape(*lead, -1), bits, False,
-                  float(np.sum(np.square(got - groups, dtype=np.float64))),
-                  float(np.sum(np.square(groups, dtype=np.float64))))
+                  float(np.sum(counts * np.square(got - values))),
+                  float(np.sum(counts * np.square(values.astype(np.float64)))))
 
 
 MAPPERS = {T.Q8_0: q8_0, T.Q4_K: q4_k, T.IQ2_XXS: iq2_xxs, T.Q2_K: q2_k}
