@@ -91,20 +91,43 @@ def report(local: dict, others: list[dict]) -> str:
     return "\n".join(parts)
 
 
+def exllamav3_section(info: dict) -> list[str]:
+    """exllamav3's own CUDA kernels on the same matrix, as timed by tools/exl3_groundtruth."""
+    t = info["timing"]
+    k, n = t["shape_in_out"]
+    lines = [f"## For comparison: exllamav3 {info['exllamav3_version'].split('=')[-1].strip().strip('"')} "
+             f"CUDA kernels on {info['gpu']} (torch {info['torch']})", "",
+             f"One {n}x{k} matrix, K={t['K']} {t['codebook']}, CUDA-event time per call "
+             "(tools/exl3_groundtruth/make_vectors.py). These are not MLX numbers.", "",
+             "| exllamav3 call | seconds | projected pack (s) |", "|---|---|---|"]
+    for name, sec in t["seconds"].items():
+        lines.append(f"| `{name}` | {sec:.2e} | {sec * MATRICES_PER_PACK:.1f} |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the measurement here, no report")
     parser.add_argument("--merge", type=Path, nargs="*", default=[],
                         help="measurements from other machines to add to the report")
+    parser.add_argument("--exllamav3", type=Path,
+                        default=Path("tests/fixtures/exl3/exl3_groundtruth_info.json"),
+                        help="exllamav3's own kernel timings to quote (from the ground-truth run)")
+    parser.add_argument("--note", action="append", default=[],
+                        help="a paragraph to add to the report")
     args = parser.parse_args()
     result = measure(args.reps)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         return
     others = [json.loads(path.read_text()) for path in args.merge]
+    text = report(result, others)
+    if args.exllamav3.is_file():
+        text += "\n".join(exllamav3_section(json.loads(args.exllamav3.read_text())))
+    text += "".join(f"\n{note}\n" for note in args.note)
     out = Path(__file__).parent / "results" / f"{result['date']}-exl3-decode.md"
-    out.write_text(report(result, others))
+    out.write_text(text)
     print(f"wrote {out}")
 
 
