@@ -185,7 +185,7 @@ def _stop_strings(body: dict) -> list[str]:
 
 
 def _common_options(body: dict, default_max_tokens: int) -> dict:
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise RequestError("only n=1 is supported", param="n")
     if body.get("logprobs"):
         raise RequestError("logprobs are not supported", param="logprobs")
