@@ -5,7 +5,7 @@
     python -m benchmarks.workloads --list
 
 A run feeds a synthetic prompt (token ids drawn from a seeded generator, so every variant and
-every run sees the same prompt), generates greedily, and prints one result line for
+every run sees the same prompt), generates greedily exactly the tokens asked for (end-of-sequence ignored), and prints one result line for
 `benchmarks/ab.py`: prompt_tps (prompt tokens / time to first token), ttft_s, generation_tps
 (tokens after the first / time from the first to the last), peak_memory_gb, the generated ids and
 their tokens_md5, and the CPU time of those phases (all threads; on a shared machine it moves less
@@ -79,7 +79,7 @@ class SyntheticDecoder:
         return profiler.mark("head", x @ self.head)
 
 
-def _synthetic_tokens(model: SyntheticDecoder, prompt: list[int], max_tokens: int):
+def synthetic_tokens(model: SyntheticDecoder, prompt: list[int], max_tokens: int):
     """Greedy generation with the synthetic decoder; yields token ids as mlx-lm's loop would."""
     token = mx.argmax(model(mx.array(prompt))[-1])
     yield token.item()
@@ -91,15 +91,25 @@ def _synthetic_tokens(model: SyntheticDecoder, prompt: list[int], max_tokens: in
         yield token.item()
 
 
-def _model_tokens(path: str, prompt_tokens: int, max_tokens: int, seed: int):
-    """(prompt, token stream) of dsv4's own generate loop on the model at `path`, greedy."""
-    from dsv4 import load
+class _IgnoreEos:
+    """The tokenizer as the generate loop sees it, without end-of-sequence ids: a benchmark run
+    generates exactly the tokens it asked for (as llama-bench's --ignore-eos)."""
+
+    eos_token_ids = frozenset()
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def model_tokens(model, tokenizer, prompt: list[int], max_tokens: int):
+    """Greedy token ids from dsv4's own generate loop, exactly `max_tokens` of them."""
     from dsv4.generate import stream_generate
 
-    model, tokenizer = load(path)
-    prompt = synthetic_prompt(prompt_tokens, model.args.vocab_size, seed)
-    stream = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
-    return prompt, (response.token for response in stream)
+    stream = stream_generate(model, _IgnoreEos(tokenizer), prompt, max_tokens=max_tokens)
+    return (response.token for response in stream)
 
 
 def measure(tokens, prompt_tokens: int) -> dict:
@@ -157,15 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "synthetic":
         model = SyntheticDecoder()
         prompt = synthetic_prompt(prompt_tokens, model.vocab_size, args.seed)
-        tokens = _synthetic_tokens(model, prompt, max_tokens)
+        tokens = synthetic_tokens(model, prompt, max_tokens)
     else:
-        prompt, tokens = _model_tokens(args.model, prompt_tokens, max_tokens, args.seed)
+        from dsv4 import load
+
+        model, tokenizer = load(args.model)
+        prompt = synthetic_prompt(prompt_tokens, model.args.vocab_size, args.seed)
+        tokens = model_tokens(model, tokenizer, prompt, max_tokens)
     name = args.workload if (prompt_tokens, max_tokens) == (workload.prompt_tokens,
                                                              workload.generation_tokens) else "custom"
     result = {"workload": name, "model": args.model, **measure(tokens, len(prompt))}
-    if len(result["tokens"]) < max_tokens:
-        print(f"warning: generation stopped after {len(result['tokens'])} of {max_tokens} tokens",
-              file=sys.stderr)
     if profiler.enabled():
         print(profiler.report(), file=sys.stderr)
     print(RESULT_PREFIX + json.dumps(result), flush=True)

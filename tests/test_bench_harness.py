@@ -1,4 +1,5 @@
-"""The A/B harness on a cheap child command: order, fresh processes, statistics, exactness, files.
+"""The A/B harness on a cheap child command: order, fresh processes, statistics, exactness, files;
+the standard workloads' timing and greedy generation.
 
 The child is a few lines of Python that logs its variant and pid, and reports a value chosen from
 a list by how many times its variant ran before; so the test knows every number it will see and
@@ -9,12 +10,14 @@ import csv
 import hashlib
 import os
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from benchmarks import ab, hardware
+from benchmarks import ab, hardware, workloads
+from dsv4 import flags, profiler
 
 CHILD = r"""
 import json, os, sys, time
@@ -194,3 +197,61 @@ def test_hardware_describes_this_machine():
     lines = hardware.to_markdown(info).splitlines()
     assert len(lines) == 2 + len(info)
     assert f"| cpu_cores | {os.cpu_count()} |" in lines
+
+
+# --- the standard workloads -------------------------------------------------------------------
+
+def test_measure_times_a_stream_of_tokens():
+    def stream():
+        time.sleep(0.05)            # the prompt
+        yield 7
+        for token in (8, 9, 10):
+            time.sleep(0.02)
+            yield token
+
+    result = workloads.measure(stream(), prompt_tokens=100)
+    assert result["tokens"] == [7, 8, 9, 10] and result["generation_tokens"] == 4
+    assert result["tokens_md5"] == hashlib.md5(b"7,8,9,10").hexdigest()
+    assert result["ttft_s"] >= 0.05
+    assert result["prompt_tps"] == pytest.approx(100 / result["ttft_s"])
+    assert 0 < result["generation_tps"] <= 3 / 0.06
+    assert result["generation_cpu_ms_per_token"] < 10   # sleeping is not CPU time
+    assert workloads.measure(iter([5]), 3)["generation_tokens"] == 1
+
+
+def test_synthetic_prompt_depends_only_on_the_seed():
+    a = workloads.synthetic_prompt(1000, 50, seed=3)
+    assert a == workloads.synthetic_prompt(1000, 50, seed=3)
+    assert a != workloads.synthetic_prompt(1000, 50, seed=4)
+    assert len(a) == 1000 and min(a) >= 0 and max(a) < 50 and len(set(a)) == 50
+
+
+def test_synthetic_workload_prints_a_result_line_with_the_stage_profile(capsys):
+    with flags.override(stage_profile=True):
+        assert workloads.main(["--model", "synthetic", "--prompt-tokens", "4",
+                               "--generation-tokens", "3"]) == 0
+    profiler.reset()
+    out, err = capsys.readouterr()
+    result = ab.parse_result(out)
+    assert result["generation_tokens"] == 3 and result["workload"] == "custom"
+    assert list(result["stage_profile_ms"]) == ["embed", "attention", "moe", "head", "sampling",
+                                                profiler.UNMARKED]
+    assert "stage profile: 2 decode steps" in err
+
+
+def test_model_workload_is_greedy_and_ignores_end_of_sequence(tmp_path):
+    from dsv4 import load
+    from dsv4.generate import stream_generate
+    from dsv4.testing import write_tiny_checkpoint
+
+    model, tokenizer = load(write_tiny_checkpoint(tmp_path / "tiny", seed=0))
+    tokenizer.eos_token_ids = set(range(model.args.vocab_size))   # every token ends a sequence
+    prompt = workloads.synthetic_prompt(6, model.args.vocab_size, seed=0)
+    assert len(list(stream_generate(model, tokenizer, prompt, max_tokens=4))) == 1
+    ids = list(workloads.model_tokens(model, tokenizer, prompt, max_tokens=4))
+    cache, expected, inputs = model.make_cache(), [], prompt
+    for _ in range(4):           # greedy by hand: the argmax of the last position, fed back
+        logits = model(mx.array(inputs)[None], cache=cache)
+        expected.append(int(mx.argmax(logits[0, -1]).item()))
+        inputs = expected[-1:]
+    assert ids == expected
