@@ -1,6 +1,7 @@
 """Standard workloads: prefill and decode speed of a model directory, one DSV4_RESULT line out.
 
     python -m benchmarks.workloads --model PATH --workload decode-2k
+    python -m benchmarks.workloads --workload prefill-2k                # the bundled demo checkpoint
     python -m benchmarks.workloads --model synthetic --workload decode-512   # no checkpoint needed
     python -m benchmarks.workloads --list
 
@@ -144,7 +145,8 @@ def measure(tokens, prompt_tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.workloads", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a model directory or repo id, or 'synthetic'")
+    parser.add_argument("--model", help="a model directory or repo id (default: the bundled demo "
+                        "checkpoint), or 'synthetic'")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="decode-512")
     parser.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length")
     parser.add_argument("--generation-tokens", type=int, help="override the tokens generated")
@@ -155,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, w in WORKLOADS.items():
             print(f"{name:<12} prompt {w.prompt_tokens:>5}, generate {w.generation_tokens:>3}: {w.doc}")
         return 0
-    if not args.model:
-        parser.error("--model is required (a model directory, a repo id, or 'synthetic')")
     workload = WORKLOADS[args.workload]
     prompt_tokens = args.prompt_tokens or workload.prompt_tokens
     max_tokens = args.generation_tokens or workload.generation_tokens
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = model_tokens(model, tokenizer, prompt, max_tokens)
     name = args.workload if (prompt_tokens, max_tokens) == (workload.prompt_tokens,
                                                              workload.generation_tokens) else "custom"
-    result = {"workload": name, "model": args.model, **measure(tokens, len(prompt))}
+    result = {"workload": name, "model": args.model or "demo", **measure(tokens, len(prompt))}
     if profiler.enabled():
         print(profiler.report(), file=sys.stderr)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
