@@ -95,7 +95,8 @@ def exllamav3_section(info: dict) -> list[str]:
     """exllamav3's own CUDA kernels on the same matrix, as timed by tools/exl3_groundtruth."""
     t = info["timing"]
     k, n = t["shape_in_out"]
-    lines = [f"## For comparison: exllamav3 {info['exllamav3_version'].split('=')[-1].strip().strip('"')} "
+    version = info["exllamav3_version"].split("=")[-1].strip().strip('"')
+    lines = [f"## For comparison: exllamav3 {version} "
              f"CUDA kernels on {info['gpu']} (torch {info['torch']})", "",
              f"One {n}x{k} matrix, K={t['K']} {t['codebook']}, CUDA-event time per call "
              "(tools/exl3_groundtruth/make_vectors.py). These are not MLX numbers.", "",
