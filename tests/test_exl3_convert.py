@@ -263,3 +263,12 @@ def test_a_single_exl3_linear_becomes_bf16(official, tmp_path):
     model, tokenizer = load(tmp_path / "out")
     logits = model(mx.array([tokenizer.encode("Sparse is better than dense.")]))
     assert np.all(np.isfinite(np.array(logits)))
+
+
+def test_padded_heads_without_their_real_counts_are_refused(official, tmp_path):
+    def pad_heads(config):  # a TP3-style config that lost its virtual_heads_from
+        config["text_config"].update(num_attention_heads=6, o_groups=3)
+
+    make_pack(official, tmp_path / "pack", config_edit=pad_heads)
+    with pytest.raises(ConversionError, match=r"attn_sink is F32\[4\], expected F32\[6\]"):
+        exl3.convert(tmp_path / "pack", tmp_path / "out", workers=1, progress=False)
