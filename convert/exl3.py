@@ -306,6 +306,10 @@ def convert(src: Path | str, dst: Path | str, *, revision: Optional[str] = None,
         raise ConversionError(f"{source.path}: not an EXL3 pack (no .trellis tensors, "
                               f"quant_method {(config.get('quantization_config') or {}).get('quant_method')!r}); "
                               f"use `dsv4_convert official`")
+    if (source.path / "permute_g8_manifest.json").is_file():
+        raise ConversionError(f"{source.path}: a PF-G8 pack (permute_g8_manifest.json: trellis "
+                              f"reindexed group-major for one vLLM kernel) is not supported; "
+                              f"use the stock-layout pack")
     args = ModelArgs.from_dict(config, source=str(source.path / "config.json"))
     linears = exl3_pack.scan(ckpt)
     items, targets = plan_pack(ckpt, args, linears)

@@ -272,3 +272,11 @@ def test_padded_heads_without_their_real_counts_are_refused(official, tmp_path):
     make_pack(official, tmp_path / "pack", config_edit=pad_heads)
     with pytest.raises(ConversionError, match=r"attn_sink is F32\[4\], expected F32\[6\]"):
         exl3.convert(tmp_path / "pack", tmp_path / "out", workers=1, progress=False)
+
+
+def test_group_major_reindexed_pack_is_refused(converted, tmp_path):
+    pack = tmp_path / "pack"
+    shutil.copytree(converted[0] / "pack", pack)
+    (pack / "permute_g8_manifest.json").write_text("{}")
+    with pytest.raises(ConversionError, match="PF-G8 pack"):
+        exl3.convert(pack, tmp_path / "out", workers=1, progress=False)
