@@ -308,6 +308,10 @@ def check_engram(src: GGUFSource, args: ModelArgs, tokenizer) -> dict[int, GGUFT
     expect("layer_ids", src.need("deepseek41.engram.layer_ids"), layers)
     rows = table_sizes(args)
     expect("rows", src.need("deepseek41.engram.rows"), rows)
+    if args.engram_num_embeddings and list(args.engram_num_embeddings) != list(rows):
+        raise ConversionError(f"{src.path}: deepseek41.config engram_num_embeddings "
+                              f"{list(args.engram_num_embeddings)} disagree with the table sizes "
+                              f"of dsv4's Engram hashing {list(rows)}")
     primes = layer_primes(args)
     expect("primes", src.need("deepseek41.engram.primes"),
            np.concatenate([primes[l].reshape(-1) for l in layers]))

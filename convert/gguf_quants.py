@@ -71,13 +71,19 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     codes = np.ascontiguousarray(codes, np.uint8)
     lead, n = codes.shape[:-1], codes.shape[-1]
     if bits == 8:
-        packed = codes
-    elif bits == 4:
-        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    else:  # 3 (and any width): through a little-endian bit stream
-        stream = (codes[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
-        packed = np.packbits(stream.reshape(*lead, n * bits), axis=-1, bitorder="little")
-    return np.ascontiguousarray(packed).view("<u4").reshape(*lead, n * bits // 32)
+        return codes.view("<u4").reshape(*lead, n // 4)
+    if bits == 4:
+        return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)).view("<u4")
+    # 32 codes fill `bits` words exactly; code k starts at bit bits*k of the group.
+    # Transposed, so that each step works on contiguous rows.
+    groups = np.ascontiguousarray(codes.reshape(-1, 32).T).astype(np.uint32)
+    words = np.zeros((bits, groups.shape[1]), np.uint32)
+    for k in range(32):
+        word, shift = divmod(bits * k, 32)
+        words[word] |= groups[k] << np.uint32(shift)
+        if shift + bits > 32:  # straddles into the next word
+            words[word + 1] |= groups[k] >> np.uint32(32 - shift)
+    return np.ascontiguousarray(words.T).reshape(*lead, n * bits // 32)
 
 
 def dequantize(a: Affine) -> np.ndarray:
