@@ -2,7 +2,7 @@
 
     python -m benchmarks.convert_gguf --experts 32 --runs 2
 
-1. Per quant type: `convert.gguf_quants.to_affine` on 32 MiB of random valid blocks (Q8_0
+1. Per quant type: `convert.gguf_quants.to_affine` on 16 MiB of random valid blocks (Q8_0
    from gguf's quantiser), best of 3, next to gguf's own numpy dequantisation of the same
    bytes (the reference decoder, the speed of `--dequantize`). One process, one core.
 2. Whole file: a synthetic ds4-dialect GGUF (tests/gguf_fixtures.py at hidden 1024, 8
@@ -60,7 +60,7 @@ print(json.dumps({"rss_mb": own, "worker_rss_mb": kids, "report": report}))
 """
 
 
-def per_type(megabytes: int = 32) -> list[dict]:
+def per_type(megabytes: int) -> list[dict]:
     import numpy as np
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize, quantize
@@ -115,13 +115,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=32, help="routed experts per layer (size)")
     parser.add_argument("--runs", type=int, default=2, help="runs per variant")
+    parser.add_argument("--megabytes", type=int, default=16, help="MiB of blocks per quant type")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
-    types = per_type()
+    types = per_type(args.megabytes)
     work = Path(tempfile.mkdtemp(prefix="dsv4-gguf-bench-", dir=args.workdir))
     results: dict[str, list] = {}
     sizes, reports = {}, {}
@@ -153,7 +154,8 @@ def main() -> None:
     lines = [f"# GGUF converter: throughput and peak memory ({date:%Y-%m-%d %H:%M} UTC)", "",
              hardware.to_markdown(hardware.describe()), "",
              "## Per quant type (one core, in process)", "",
-             "`convert.gguf_quants.to_affine` on 32 MiB of GGUF blocks (rows of 4096 weights), best "
+             f"`convert.gguf_quants.to_affine` on {args.megabytes} MiB of GGUF blocks (rows of "
+             "4096 weights), best "
              "of 3. MB/s counts GGUF bytes (1e6). *gguf dequant* is gguf-py's numpy decoder on the "
              "same bytes (what `--dequantize` runs). Added error = relative RMS against the "
              "GGUF values on these random blocks.", "",

@@ -57,8 +57,8 @@ def source_tokenizer(vocab_size: int = 512):
 
 def fixture_config(tokenizer, **overrides) -> dict:
     """tiny_config at widths K-quants accept (inputs a multiple of 256), with ds4's extra keys."""
-    config = tiny_config(vocab_size=tokenizer.get_vocab_size(), hidden_size=256,
-                         moe_intermediate_size=256, **overrides)
+    config = tiny_config(vocab_size=tokenizer.get_vocab_size(),
+                         **{"hidden_size": 256, "moe_intermediate_size": 256, **overrides})
     text = config["text_config"]
     text.update(hidden_act="silu", topk_method="noaux_tc", norm_topk_prob=True)
     token_map, count = ds4_token_map(tokenizer)
