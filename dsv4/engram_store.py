@@ -18,8 +18,11 @@ Reads run on one persistent thread pool shared by all tables. A call is sorted b
 de-duplicated, then split into contiguous partitions, one per worker; each worker writes only
 its own slice of the call's buffer, and its error stays with its own future. `wait()` joins
 every worker before it raises the first error (in partition order) or returns. A call of at
-most `BATCH_ROWS` distinct rows (a decode step) uses `engram_decode_workers` workers, or one
-when `engram_parallel_decode` is off; a larger call (prefill) uses `engram_prefill_workers`.
+most `BATCH_ROWS` distinct rows (a decode step) uses `engram_decode_workers` workers, or, when
+`engram_parallel_decode` is off, the one serial reader thread that every table shares (one
+pread per row, one after another); a larger call (prefill) uses `engram_prefill_workers`.
+With `engram_readahead` a worker first hands all its rows to the kernel (posix_fadvise
+WILLNEED), so their disk reads are in flight together before its preads wait for them.
 Errors name the table, the row and the file offset. A short read is an error, never zeros.
 NaN codes (e4m3 0x7F/0xFF, e8m0 0xFF) are rejected with the row that holds them.
 
@@ -112,9 +115,6 @@ class RowRequest:
         self._futures = list(futures)
         self._finish = finish
         self._result = None
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
 
     def wait(self):
         if self._result is None:

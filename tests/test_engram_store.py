@@ -437,3 +437,25 @@ def test_io_hints_do_not_change_rows(tmp_path, rng, hints, readahead):
         np.testing.assert_array_equal(split.read_raw(ids), raw[ids])
     table.close()
     split.close()
+
+
+def test_tables_of_a_tiny_official_checkpoint(tmp_path, rng):
+    """The references the official layout yields open as tables that return the stored rows."""
+    from dsv4.config import ModelArgs
+    from dsv4.layout import engram_table_refs
+    from dsv4.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt", shards=3)
+    ckpt = sf.Checkpoint(path)
+    args = ModelArgs.from_dict(json.loads((path / "config.json").read_text()))
+    refs = json.loads(json.dumps(engram_table_refs(ckpt, args)))
+    assert sorted(refs) == sorted(str(layer) for layer in args.engram_layer_ids)
+    for layer, ref in refs.items():
+        table = es.open_table(ref, path, name=f"layers.{layer}.engram")
+        weight = sf.view(ckpt[f"layers.{layer}.engram.embed.weight"])
+        scale = sf.view(ckpt[f"layers.{layer}.engram.embed.scale"])
+        assert table.rows == len(weight)
+        ids = rng.integers(0, table.rows, (1, 5, 24))
+        raw = np.concatenate([weight[ids], scale[ids]], axis=-1)
+        np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(raw))
+        table.close()
