@@ -11,7 +11,8 @@ name the `.part1` and the others are found next to it.
 - Tokenizer: tokenizer.json rebuilt from `tokenizer.ggml.*` (convert/gguf_tokenizer.py).
 - Engram: the hashing metadata (token map, primes, multipliers) must equal dsv4's; the tables
   stay in the GGUF and are referenced in place (264-byte rows at their absolute offset), or
-  copied with --copy-engram. A table must lie within one part of a split file.
+  copied with --copy-engram. A table referenced in place must lie within one part of a split
+  file (the store reads one file); --copy-engram also copies one that spans two parts.
 - Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
   IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
   tensor kind; --dequantize bf16|f32 writes every quantized tensor as plain floats instead
@@ -48,7 +49,7 @@ from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_
 from dsv4.layout import expected_tensors
 
 from . import gguf_quants, gguf_tokenizer
-from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
+from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Progress, Unit
 
 ENGRAM_ENCODING = "e4m3_e8m0_32_row264"
 ENGRAM_ROW_BYTES = 264
@@ -344,8 +345,10 @@ def engram_references(src: GGUFSource, tables: dict[int, GGUFTensor]) -> dict[st
         if place is None:
             raise ConversionError(
                 f"{src.path}: the Engram table of layer {layer} ({t.name}, bytes {t.offset}.."
-                f"{t.offset + t.nbytes}) spans two parts of the split file; join the parts "
-                f"(cat {Path(src.parts[0][0]).name[:-1]}* > one.gguf) and convert that file")
+                f"{t.offset + t.nbytes}) spans two parts of the split file, and a table is read "
+                f"from one file: convert with --copy-engram (copies the tables into the "
+                f"directory), or join the parts (cat {Path(src.parts[0][0]).name[:-1]}* > "
+                f"one.gguf) and convert that file")
         refs[str(layer)] = interleaved_reference(place[0], place[1], t.dims[1])
     return refs
 
@@ -642,15 +645,35 @@ def _copy_tables(src: GGUFSource, tables: dict[int, GGUFTensor], out: ModelDirWr
     refs = {}
     for layer, t in tables.items():
         name = f"engram-{layer:02d}.bin"
-        place = src.locate(t.offset, t.nbytes)
-        if place is None:
-            raise ConversionError(f"{src.path}: the Engram table of layer {layer} spans two parts "
-                                  f"of the split file; join the parts and convert that file")
         if not out.exists(name):
-            with InterleavedTable(place[0], place[1], t.dims[1], f"layer {layer} table") as table:
-                copy_table(table, out.path(name), progress=progress)
+            place = src.locate(t.offset, t.nbytes)
+            if place is None:  # the store reads one file: copy the bytes of both parts
+                _copy_span(src, t, out.path(name), progress)
+            else:
+                with InterleavedTable(place[0], place[1], t.dims[1], f"layer {layer} table") as table:
+                    copy_table(table, out.path(name), progress=progress)
         refs[str(layer)] = {"layout": "interleaved264", "file": name, "offset": 0, "rows": t.dims[1]}
     return refs
+
+
+def _copy_span(src: GGUFSource, t: GGUFTensor, dst: Path, progress: bool,
+               chunk: int = ENGRAM_ROW_BYTES << 18) -> None:
+    """A tensor's bytes across the parts of a split file into `dst` (atomically)."""
+    partial = dst.with_name(dst.name + ".partial")
+    shown = Progress(f"copying {t.name}", t.nbytes, progress)
+    try:
+        with open(partial, "wb") as f:
+            for start in range(0, t.nbytes, chunk):
+                data = read_bytes(src.parts, t.offset + start, min(chunk, t.nbytes - start))
+                f.write(memoryview(np.ascontiguousarray(data)))
+                shown.advance(len(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, dst)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    shown.finish()
 
 
 def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict, report: dict) -> dict:

@@ -233,12 +233,20 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     with open_table(refs["1"], tmp_path / "out") as table:
         assert np.array_equal(table.read_range(0, table.rows),
                               np.frombuffer(data, np.uint8, table.rows * 264, first_table).reshape(-1, 264))
-    # a cut inside a table: refused with the fix, nothing written
+    # a cut inside a table: it cannot be referenced in place; refused, nothing written ...
     (tmp_path / "n.gguf.part1").write_bytes(data[:first_table + 1000])
     (tmp_path / "n.gguf.part2").write_bytes(data[first_table + 1000:])
-    with pytest.raises(ConversionError, match="spans two parts"):
+    with pytest.raises(ConversionError, match="spans two parts.*--copy-engram"):
         conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out2", workers=1, progress=False)
     assert not (tmp_path / "out2").exists()
+    # ... which --copy-engram copies out of both parts
+    conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out2", workers=1, copy_engram=True,
+                 progress=False)
+    refs = json.loads((tmp_path / "out2" / "config.json").read_text())["dsv4"]["engram"]
+    for layer, ref in refs.items():
+        with open_table(ref, tmp_path / "out2") as table:
+            assert np.array_equal(table.read_range(0, table.rows),
+                                  mixed["tables"][f"blk.{layer}.engram_embd.weight"])
 
 
 @pytest.mark.parametrize("overrides, match", [
