@@ -588,12 +588,16 @@ def _split_region(entry: dict, part: str, dtype: str, width: int, rows: int,
 
 
 def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> Table:
-    """The table a reference describes; a relative file is found under `base_dir`."""
+    """The table a reference describes; a relative file is found under `base_dir`. `name`
+    (e.g. "layers.1.engram") is what errors call the table; by default its file's name."""
     base_dir = Path(base_dir)
-    name = name or "engram table"
-    where = f"{name}: engram table reference"
     if not isinstance(ref, dict):
-        raise EngramError(f"{where} must be a JSON object, got {type(ref).__name__}")
+        raise EngramError(f"{name or 'engram table'}: its reference must be a JSON object, "
+                          f"got {type(ref).__name__}")
+    if name is None:
+        file = ref.get("file") or (ref.get("weight") or {}).get("file", "?")
+        name = f"engram table in {Path(str(file)).name}"
+    where = f"{name}: engram table reference"
     layout = _field(ref, "layout", str, where)
     rows = _field(ref, "rows", int, where)
     if layout == "interleaved264":

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -202,6 +203,27 @@ def test_row_cache_serves_repeats_without_reads(tables, monkeypatch, rng):
         assert counter.calls == 10
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_start_returns_while_the_reads_run(tables, monkeypatch, parallel):
+    raw, by_kind = tables
+    gate = threading.Event()
+    real = os.preadv
+
+    def blocked(fd, buffers, offset):
+        gate.wait(20)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", blocked)
+    ids = np.arange(100, 124)
+    with flags.override(engram_parallel_decode=parallel):
+        started = time.perf_counter()
+        requests = [by_kind[kind].start(ids) for kind in ("interleaved", "split")]
+        assert time.perf_counter() - started < 10     # did not wait for the blocked reads
+        gate.set()
+        for request in requests:
+            np.testing.assert_array_equal(bits(request.wait()), oracle_bits(raw[ids]))
+
+
 # --- bad input and bad data -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["interleaved", "split", "resident"])
@@ -375,6 +397,9 @@ def test_references_round_trip_through_json(tables, tmp_path):
     assert ref == {"layout": "interleaved264", "file": "t.bin", "offset": 777, "rows": len(raw)}
     assert es.interleaved_reference(tmp_path / "t.bin", 0, 1, "/elsewhere")["file"] == \
         str((tmp_path / "t.bin").resolve())
+    with pytest.raises(es.EngramError, match=r"engram table in t.bin: 10 rows of 264 bytes"):
+        es.open_table({"layout": "interleaved264", "file": "t.bin", "offset": 2**20, "rows": 10},
+                      tmp_path)                     # no name given: errors name the file
 
 
 @pytest.mark.parametrize("change, expected", [
