@@ -103,8 +103,12 @@ def download(repo: str, revision: Optional[str]) -> Source:
     Every shard is fetched, MTP/vision ones too: `Checkpoint` needs all that the index lists."""
     from huggingface_hub import snapshot_download
 
-    path = Path(snapshot_download(repo, revision=revision,
-                                  allow_patterns=[*_NEEDED, *TOKENIZER_FILES]))
+    try:
+        path = Path(snapshot_download(repo, revision=revision,
+                                      allow_patterns=[*_NEEDED, *TOKENIZER_FILES]))
+    except Exception as e:  # offline, unknown repo, gated, bad revision: the hub says which
+        raise ConversionError(f"{repo}: not a local directory, and fetching it from the Hugging "
+                              f"Face Hub failed: {type(e).__name__}: {e}") from e
     found = _HF_SNAPSHOT.search(path.as_posix())
     return Source(path, repo, found[3] if found else revision)
 

@@ -475,6 +475,18 @@ def test_repo_id_downloads_only_the_needed_files(source, tmp_path, monkeypatch):
                                         "revision": revision, "path": str(snapshot)}
 
 
+def test_repo_that_cannot_be_fetched(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, **kw):
+        raise OSError("Network is unreachable")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ConversionError, match="org/missing: not a local directory, and fetching "
+                                              "it .* failed: OSError: Network is unreachable"):
+        convert("org/missing", tmp_path / "out", progress=False)
+    _only(tmp_path)
+
+
 def test_source_that_is_neither_directory_nor_repo(tmp_path):
     with pytest.raises(ConversionError, match="no such directory, and not a Hugging Face repo id"):
         convert(str(tmp_path / "nope" / "deeper" / "x"), tmp_path / "out", progress=False)
@@ -553,7 +565,6 @@ def test_requantized_modules_deviate_by_the_reported_error(source, tmp_path):
     """For Gaussian inputs x, E|dW x|^2 / E|W x|^2 = |dW|_F^2 / |W|_F^2: the loaded modules'
     outputs must deviate from the lossless ones by the relative error the converter reported."""
     import dsv4
-    from mlx.utils import tree_flatten
 
     lossless, tokenizer = dsv4.load(source, dtype=mx.float32)
     dsts = {}
