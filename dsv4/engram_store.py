@@ -262,8 +262,6 @@ def _open_fd(path: Path) -> int:
 class FileTable:
     """A table over regions of existing files, read with pread on the shared pool."""
 
-    layout = ""
-
     def __init__(self, name: str, rows: int, regions: Sequence[tuple[Path, int, int, int]]):
         """regions: (file, offset of row 0, bytes per row in the file, position in the row)."""
         self.name = name
@@ -340,7 +338,12 @@ class FileTable:
         out = np.empty((count, ROW_BYTES), np.uint8)
         for seg in self._segments:
             part = out if seg.width == ROW_BYTES else np.empty((count, seg.width), np.uint8)
-            got = _pread_exact(seg.fd, memoryview(part).cast("B"), seg.at(first))
+            try:
+                got = _pread_exact(seg.fd, memoryview(part).cast("B"), seg.at(first))
+            except OSError as e:
+                raise EngramReadError(
+                    e.errno, f"{self.name}: reading rows [{first}, {first + count}) from byte "
+                             f"{seg.at(first)} of {seg.path} failed: {e.strerror or e}") from e
             if got < part.nbytes:
                 row = first + got // seg.width
                 raise EngramReadError(
@@ -435,16 +438,12 @@ def _check_out(out: Optional[np.ndarray], shape: tuple[int, ...], name: str) -> 
 class InterleavedTable(FileTable):
     """264-byte rows (256 e4m3 codes, then 8 e8m0 scales) from byte `offset` of `path`."""
 
-    layout = "interleaved264"
-
     def __init__(self, path: Path | str, offset: int, rows: int, name: str):
         super().__init__(name, rows, [(Path(path), int(offset), ROW_BYTES, 0)])
 
 
 class SplitTable(FileTable):
     """Weight rows [rows, 256] and scale rows [rows, 8] at their own offsets, maybe in two files."""
-
-    layout = "split"
 
     def __init__(self, weight_path: Path | str, weight_offset: int,
                  scale_path: Path | str, scale_offset: int, rows: int, name: str):

@@ -298,6 +298,10 @@ def test_error_in_each_partition_reaches_caller(tmp_path, monkeypatch, rng, work
                     request.wait()
             monkeypatch.undo()
     np.testing.assert_array_equal(table.read_raw(ids), raw[ids])
+    CountingPread(monkeypatch, fail_at=[64 + ROW * 500])
+    with pytest.raises(es.EngramReadError, match=r"layers.14.engram: reading rows \[500, 600\) "
+                                                 rf"from byte {64 + ROW * 500} of .*t.bin failed"):
+        table.read_range(500, 100)
     table.close()
 
 
