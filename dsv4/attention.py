@@ -20,6 +20,7 @@ import numpy as np
 from . import flags
 from .cache import Cache, LayerCache
 from .config import ModelArgs
+from .linear import Linear, QuantizedLinear, dequant_matmul
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
 
 
@@ -67,21 +68,19 @@ def rope_frequencies(args: ModelArgs, ratio: int) -> np.ndarray:
     return omega.astype(np.float32)
 
 
-def rope(x: mx.array, positions: mx.array, omega: mx.array, inverse: bool = False) -> mx.array:
-    """Rotate adjacent pairs of the last len(omega)*2 dims of x [B, S, ..., D] by
-    positions [S] * omega; `inverse` rotates back."""
-    dims = omega.shape[0] * 2
-    angle = positions.astype(mx.float32)[:, None] * omega[None, :]  # [S, dims/2]
-    for _ in range(x.ndim - 3):
-        angle = angle[:, None, :]
-    cos, sin = mx.cos(angle), mx.sin(angle)
-    if inverse:
-        sin = -sin
-    tail = x[..., -dims:].astype(mx.float32)
-    tail = tail.reshape(*tail.shape[:-1], dims // 2, 2)
-    a, b = tail[..., 0], tail[..., 1]
-    rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(*x.shape[:-1], dims)
-    return mx.concatenate([x[..., :-dims], rotated.astype(x.dtype)], axis=-1)
+def rope(x: mx.array, offset: int, freqs: mx.array, scale: float = 1.0,
+         inverse: bool = False) -> mx.array:
+    """Rotate adjacent pairs of the last 2*len(freqs) dims of x [B, S, (H,) D] at positions
+    scale * (offset + s); freqs are the wavelengths 1/omega. `inverse` rotates back."""
+    dims = freqs.shape[0] * 2
+    tail = x[..., -dims:]
+    if x.ndim == 4:
+        tail = tail.swapaxes(1, 2)
+    tail = mx.fast.rope(tail, dims, traditional=True, base=None, scale=scale, offset=offset,
+                        freqs=-freqs if inverse else freqs)
+    if x.ndim == 4:
+        tail = tail.swapaxes(1, 2)
+    return mx.concatenate([x[..., :-dims], tail.astype(x.dtype)], axis=-1)
 
 
 # --- selection ------------------------------------------------------------------------------
@@ -163,9 +162,9 @@ class Compressor(nn.Module):
     def __init__(self, args: ModelArgs, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = nn.Linear(args.hidden_size, args.head_dim, bias=False)
+        self.wkv = Linear(args.hidden_size, args.head_dim, bias=False)
         if ratio > 1:
-            self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False)
+            self.wgate = Linear(args.hidden_size, args.head_dim, bias=False)
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def __call__(self, x: mx.array, state: ForwardState, lc: LayerCache) -> tuple[Optional[mx.array], int]:
@@ -197,22 +196,22 @@ class Indexer(nn.Module):
         self.args = args
         self.layer = layer
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = Linear(args.hidden_size, self.n_heads, bias=False)
         if layer in args.kv_source_layer_ids:
-            self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
+            self.wk = Linear(args.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def keys(self, latents: mx.array, first: int, ratio: int, omega: mx.array) -> mx.array:
+    def keys(self, latents: mx.array, first: int, ratio: int, freqs: mx.array) -> mx.array:
         k = self.k_norm(self.wk(latents))
-        k = rope(k, (first + mx.arange(latents.shape[1])) * ratio, omega)
+        k = rope(k, first, freqs, scale=ratio)
         return qdq_fp4_pow2(k) if flags.get("kv_qdq") else k
 
     def __call__(self, x: mx.array, qr: mx.array, keys: mx.array, state: ForwardState,
-                 omega: mx.array, ratio: int) -> mx.array:
+                 freqs: mx.array, ratio: int) -> mx.array:
         b, s, _ = x.shape
         q = self.wq_b(fp8_input(qr)).reshape(b, s, self.n_heads, self.head_dim)
-        q = rope(q, state.positions, omega)
+        q = rope(q, state.start, freqs)
         if flags.get("kv_qdq"):
             q = qdq_fp4_pow2(q)
         w = self.weights_proj(x).astype(mx.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
@@ -253,20 +252,20 @@ class Attention(nn.Module):
         self.layer = layer
         self.ratio = args.ratio(layer)
         self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
-        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.wq_a = Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = Linear(args.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         group_in = self.n_heads * self.head_dim // args.o_groups
-        self.wo_a = nn.Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = mx.zeros((self.n_heads,), mx.float32)
         if self.ratio and layer in args.kv_source_layer_ids:
             self.compressor = Compressor(args, self.ratio)
         if self.ratio and layer in args.index_source_layer_ids:
             self.indexer = Indexer(args, layer)
-        self._omega = mx.array(rope_frequencies(args, self.ratio))
+        self._freqs = mx.array(1.0 / rope_frequencies(args, self.ratio))
 
     def __call__(self, x: mx.array, state: ForwardState) -> mx.array:
         b, s, _ = x.shape
@@ -274,8 +273,8 @@ class Attention(nn.Module):
         lc = cache[self.layer]
         qr = self.q_norm(self.wq_a(fp8_input(x)))
         q = self.wq_b(fp8_input(qr)).reshape(b, s, self.n_heads, self.head_dim)
-        q = rope(q, state.positions, self._omega)
-        kv = rope(self.kv_norm(self.wkv(fp8_input(x))), state.positions, self._omega)
+        q = rope(q, state.start, self._freqs)
+        kv = rope(self.kv_norm(self.wkv(fp8_input(x))), state.start, self._freqs)
         if flags.get("kv_qdq"):
             kv = qdq_fp8(kv)
         held_start = lc.window_start
@@ -287,12 +286,12 @@ class Attention(nn.Module):
             if "indexer" in self:
                 keys = self._index_keys(state)
                 state.topk = (mx.zeros((b, s, 0), mx.int32) if keys is None or keys.shape[1] == 0
-                              else self.indexer(x, qr, keys, state, self._omega, self.ratio))
+                              else self.indexer(x, qr, keys, state, self._freqs, self.ratio))
             compressed = cache[self.args.kv_source(self.layer)].compressed
             if compressed is not None and state.topk is not None and state.topk.shape[-1]:
                 sets.append((compressed, state.topk))
         o = sparse_attention(q, sets, self.attn_sink, self.head_dim ** -0.5)
-        o = rope(o, state.positions, self._omega, inverse=True)
+        o = rope(o, state.start, self._freqs, inverse=True)
         return self.wo_b(fp8_input(self._grouped_wo_a(o.reshape(b, s, -1))))
 
     def _compress(self, x: mx.array, state: ForwardState, lc: LayerCache) -> None:
@@ -301,13 +300,12 @@ class Attention(nn.Module):
             state.emitted[self.layer] = False
             return
         state.emitted[self.layer] = True
-        positions = (first + mx.arange(latents.shape[1])) * self.ratio
-        row = rope(latents, positions, self._omega)
+        row = rope(latents, first, self._freqs, scale=self.ratio)
         if flags.get("kv_qdq"):
             row = qdq_fp4_e4m3(row)
         lc.compressed = row if lc.compressed is None else mx.concatenate([lc.compressed, row], axis=1)
         if "indexer" in self and "wk" in self.indexer:
-            k = self.indexer.keys(latents, first, self.ratio, self._omega)
+            k = self.indexer.keys(latents, first, self.ratio, self._freqs)
             lc.index_keys = k if lc.index_keys is None else mx.concatenate([lc.index_keys, k], axis=1)
             state.cache.key_publisher = self.layer
 
@@ -327,13 +325,16 @@ class Attention(nn.Module):
         x = o.reshape(b * s, g, 1, -1)
         rows = self.args.o_lora_rank
         idx = mx.arange(g)[None]
-        if isinstance(self.wo_a, nn.QuantizedLinear):
-            w = self.wo_a
+        w = self.wo_a
+        if isinstance(w, QuantizedLinear) and not dequant_matmul():
             out = mx.gather_qmm(x, w.weight.reshape(g, rows, -1), w.scales.reshape(g, rows, -1),
                                 None if w.get("biases") is None else w.biases.reshape(g, rows, -1),
                                 rhs_indices=idx, transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
         else:
-            out = mx.gather_mm(x, self.wo_a.weight.reshape(g, rows, -1).swapaxes(-1, -2), rhs_indices=idx)
+            # Each group is a plain product with its block of rows.
+            weight = w.dequantized(o.dtype) if isinstance(w, QuantizedLinear) else w.weight
+            weight = weight.reshape(g, rows, -1)
+            out = mx.stack([x[:, j, 0] @ weight[j].T for j in range(g)], axis=1)
         return out.reshape(b, s, g * rows)
 

@@ -47,8 +47,9 @@ class LayerCache:
 class Cache:
     """All layers' state plus the token ids seen so far (for Engram and prefix reuse)."""
 
-    def __init__(self, num_layers: int, window: int, reserve: int = 256):
-        self.layers = [LayerCache() for _ in range(num_layers)]
+    def __init__(self, ratios: list[int], window: int, reserve: int = 256):
+        self.ratios = [int(r) for r in ratios]
+        self.layers = [LayerCache() for _ in self.ratios]
         self.window = window
         self.reserve = reserve
         self.tokens = np.zeros((1, 0), np.int64)
@@ -103,7 +104,7 @@ class Cache:
                 limit = min(limit, self.offset - layer.comp_start - 1)
         return max(limit, 0)
 
-    def trim(self, n: int, ratios: Optional[list[int]] = None) -> int:
+    def trim(self, n: int) -> int:
         """Remove the last n tokens exactly; returns n. Raises if n > max_trim()."""
         if n <= 0:
             return 0
@@ -116,7 +117,7 @@ class Cache:
         for i, layer in enumerate(self.layers):
             if layer.window is not None:
                 layer.window = layer.window[:, : max(end - layer.window_start, 0)]
-            r = ratios[i] if ratios else 0
+            r = self.ratios[i]
             if r and layer.compressed is not None:
                 layer.compressed = layer.compressed[:, : end // r]
                 if layer.index_keys is not None:
@@ -126,6 +127,15 @@ class Cache:
                 layer.comp_kv, layer.comp_gate = layer.comp_kv[:, :keep], layer.comp_gate[:, :keep]
         self.tokens = self.tokens[:, :end]
         return n
+
+    def copy(self) -> "Cache":
+        """A snapshot: later updates of either cache leave the other as it was (MLX arrays
+        are immutable, so this copies references only)."""
+        new = Cache(self.ratios, self.window, self.reserve)
+        new.tokens, new.key_publisher = self.tokens.copy(), self.key_publisher
+        for mine, theirs in zip(self.layers, new.layers):
+            theirs.__dict__.update(mine.__dict__)
+        return new
 
     # --- persistence -----------------------------------------------------------------
 
@@ -139,7 +149,8 @@ class Cache:
         return out
 
     def meta(self) -> dict:
-        return {"window": self.window, "reserve": self.reserve, "key_publisher": self.key_publisher,
+        return {"ratios": self.ratios, "window": self.window, "reserve": self.reserve,
+                "key_publisher": self.key_publisher,
                 "window_start": [l.window_start for l in self.layers],
                 "comp_start": [l.comp_start for l in self.layers]}
 
@@ -151,16 +162,16 @@ class Cache:
         mx.save_safetensors(str(path), self.state(), metadata=meta)
 
 
-def load_cache(path: Path | str, model=None, num_layers: Optional[int] = None):
+def load_cache(path: Path | str, model=None):
     """Read a cache written by `Cache.save`; returns (cache, metadata)."""
     arrays, meta = mx.load(str(path), return_metadata=True)
     if "dsv4_cache" not in meta:
         raise ValueError(f"{path}: not a dsv4 cache file (no dsv4_cache metadata)")
     info = json.loads(meta["dsv4_cache"])
-    n = len(info["window_start"])
-    if model is not None and n != model.args.num_hidden_layers:
-        raise ValueError(f"{path}: cache has {n} layers, the model {model.args.num_hidden_layers}")
-    cache = Cache(n, info["window"], info["reserve"])
+    ratios = info["ratios"]
+    if model is not None and ratios != list(model.args.compress_ratios[:model.args.num_hidden_layers]):
+        raise ValueError(f"{path}: the cache's layers (compress ratios {ratios}) are not this model's")
+    cache = Cache(info["ratios"], info["window"], info["reserve"])
     cache.key_publisher = info["key_publisher"]
     cache.tokens = np.array(arrays["tokens"]).astype(np.int64)
     for i, layer in enumerate(cache.layers):

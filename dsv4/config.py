@@ -10,7 +10,7 @@ numbers written in code.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 # official inference/config.json name -> our (HF) name

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import flags
 from .config import ModelArgs
+from .linear import Linear
 from .quant import qdq_fp8
 
 DEAD = -1  # a position no n-gram may span (image tokens)
@@ -148,7 +149,7 @@ class Engram(nn.Module):
         self.dim = args.hidden_size
         self.eps = args.rms_norm_eps
         width = args.engram_rows_per_token * args.engram_head_dim
-        self.wkv = nn.Linear(width, args.hidden_size * (args.hc_mult + 1), bias=False)
+        self.wkv = Linear(width, args.hidden_size * (args.hc_mult + 1), bias=False)
         self.q_weight = mx.zeros((args.hc_mult, args.hidden_size), mx.bfloat16)
         self.k_weight = mx.zeros((args.hc_mult, args.hidden_size), mx.bfloat16)
 

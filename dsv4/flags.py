@@ -98,6 +98,9 @@ define("act_quant", True,
 define("index_key_quirk", False,
        "decode: ratio-2 index sources score against the last published keys, as the "
        "reference code does (model-spec 3.9); off uses each layer's own owner keys")
+define("dequant_matmul", "auto",
+       "quantized layers dequantize their weights and use a plain matmul: auto (on for the "
+       "CPU device, whose quantized matmul is slow), on, off")
 
 # --- Engram store (on-disk tables) -----------------------------------------------------
 # Defaults from benchmarks/results/2026-11-29-142127-engram-reads.md (python -m
@@ -134,6 +137,9 @@ define("kernel_mhc", True,
        "the plain-MLX reference")
 
 # --- decode loop ----------------------------------------------------------------------------
+define("compile", True,
+       "mx.compile the small fixed-shape pieces (mHC mixes with their Sinkhorn rounds); "
+       "off runs them op by op")
 
 # --- profiling ----------------------------------------------------------------------------
 define("stage_profile", False,

@@ -9,8 +9,11 @@ previous site and hands its own `pre` to the next one. All mixes are fp32.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
+from . import flags
 from .config import ModelArgs
 
 
@@ -24,17 +27,31 @@ def sinkhorn(comb: mx.array, iters: int, eps: float) -> mx.array:
     return c
 
 
+def _mixes(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, *, hc: int,
+           norm_eps: float, hc_eps: float, iters: int) -> tuple[mx.array, mx.array, mx.array]:
+    flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
+    r = mx.rsqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
+    m = (flat @ fn.T) * r
+    pre = mx.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2.0 * mx.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
+    return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_mixes(hc: int, norm_eps: float, hc_eps: float, iters: int):
+    # ~90 tiny element-wise ops per site (20 Sinkhorn rounds): one compiled graph.
+    return mx.compile(functools.partial(_mixes, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters))
+
+
 def hc_mixes(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
              args: ModelArgs) -> tuple[mx.array, mx.array, mx.array]:
     """streams [B, S, hc, D] -> pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc] (fp32)."""
-    hc = args.hc_mult
-    flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
-    r = mx.rsqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + args.rms_norm_eps)
-    m = (flat @ fn.T) * r
-    pre = mx.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + args.hc_eps
-    post = 2.0 * mx.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-    return pre, post, sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
+    config = dict(hc=args.hc_mult, norm_eps=args.rms_norm_eps, hc_eps=args.hc_eps,
+                  iters=args.hc_sinkhorn_iters)
+    if flags.get("compile"):
+        return _compiled_mixes(**config)(streams, fn, scale, base)
+    return _mixes(streams, fn, scale, base, **config)
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:

@@ -18,6 +18,7 @@ from .attention import Attention, ForwardState, RMSNorm
 from .cache import Cache
 from .config import ModelArgs
 from .engram import Engram, NgramHasher
+from .linear import Linear
 from .hyper import collapse, expand, hc_mixes
 from .moe import MoE
 
@@ -62,7 +63,7 @@ class Model(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # Set by the loader: Engram tables by layer id and the n-gram hasher.
         self._engram_tables: dict[int, object] = {}
         self._hasher: Optional[NgramHasher] = None
@@ -78,7 +79,8 @@ class Model(nn.Module):
         self._hasher, self._engram_tables = hasher, dict(tables)
 
     def make_cache(self, reserve: int = 256) -> Cache:
-        return Cache(self.args.num_hidden_layers, self.args.sliding_window, reserve)
+        ratios = self.args.compress_ratios[: self.args.num_hidden_layers]
+        return Cache(list(ratios), self.args.sliding_window, reserve)
 
     def start_engram_reads(self, ids: np.ndarray, cache: Cache) -> dict[int, object]:
         """Hash the new tokens and start every Engram table's reads; returns the requests."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear
 
 from .attention import fp8_input, topk_indices
 from .config import ModelArgs
+from .linear import ExpertLinear, Linear, dequant_matmul, experts_used
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -44,36 +44,43 @@ class RoutedExperts(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, inter, e = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
-        self.w1 = SwitchLinear(d, inter, e, bias=False)
-        self.w3 = SwitchLinear(d, inter, e, bias=False)
-        self.w2 = SwitchLinear(inter, d, e, bias=False)
+        self.w1 = ExpertLinear(d, inter, e)
+        self.w3 = ExpertLinear(d, inter, e)
+        self.w2 = ExpertLinear(inter, d, e)
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]."""
         n, k = ids.shape
-        # Sorting the (token, expert) pairs by expert lets each expert's rows go together.
+        used = experts_used(ids) if dequant_matmul() else None
+        if n * k < 64:
+            # Few rows: every token's k experts straight from the indices.
+            xs = fp8_input(x)[:, None, None, :]                              # [N, 1, 1, D]
+            h = clamped_swiglu(self.w1(xs, ids, used=used), self.w3(xs, ids, used=used), self.limit)
+            h = h * weights[..., None, None]
+            y = self.w2(fp8_input(h.astype(x.dtype)), ids, used=used)        # [N, k, 1, D]
+            return mx.sum(y[:, :, 0].astype(mx.float32), axis=1)
+        # Many rows: sort the (token, expert) pairs so each expert's rows go together.
         flat = ids.reshape(-1)
         order = mx.argsort(flat)
         inv = mx.argsort(order)
-        xs = fp8_input(x)[order // k][:, None, :]                    # [N*k, 1, D]
+        xs = fp8_input(x)[order // k][:, None, :]                            # [N*k, 1, D]
         e = flat[order]
-        big = n * k >= 64
-        h = clamped_swiglu(self.w1(xs, e, sorted_indices=big), self.w3(xs, e, sorted_indices=big),
+        sorted_used = None if used is None else (used[0], used[1].reshape(-1)[order])
+        h = clamped_swiglu(self.w1(xs, e, True, sorted_used), self.w3(xs, e, True, sorted_used),
                            self.limit)
         h = h * weights.reshape(-1)[order][:, None, None]
-        y = self.w2(fp8_input(h.astype(x.dtype)), e, sorted_indices=big)
-        y = y[inv].reshape(n, k, -1).astype(mx.float32)
-        return mx.sum(y, axis=1)
+        y = self.w2(fp8_input(h.astype(x.dtype)), e, True, sorted_used)
+        return mx.sum(y[inv].reshape(n, k, -1).astype(mx.float32), axis=1)
 
 
 class SharedExpert(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, inter = args.hidden_size, args.moe_intermediate_size
-        self.w1 = nn.Linear(d, inter, bias=False)
-        self.w3 = nn.Linear(d, inter, bias=False)
-        self.w2 = nn.Linear(inter, d, bias=False)
+        self.w1 = Linear(d, inter, bias=False)
+        self.w3 = Linear(d, inter, bias=False)
+        self.w2 = Linear(inter, d, bias=False)
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -57,8 +57,7 @@ class PromptCache:
         if keep == 0 or (max_trim is not None and drop > max_trim()):
             self.cache, keep = self.model.make_cache(), 0
         elif drop:
-            # The compressed rows are trimmed only when the cache is told each layer's ratio.
-            self.cache.trim(drop, self.model.args.compress_ratios)
+            self.cache.trim(drop)
         self.tokens = list(prompt[:keep])
         return Reuse(self.cache, list(prompt[keep:]), keep)
 
