@@ -224,6 +224,32 @@ def test_start_returns_while_the_reads_run(tables, monkeypatch, parallel):
             np.testing.assert_array_equal(bits(request.wait()), oracle_bits(raw[ids]))
 
 
+def test_reader_threads_are_persistent_and_reused(tables, monkeypatch, rng):
+    raw, by_kind = tables
+    readers = set()
+    real = os.preadv
+
+    def recording(fd, buffers, offset):
+        readers.add(threading.current_thread().name)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording)
+    with flags.override(engram_decode_workers=4, engram_prefill_workers=16):
+        for _ in range(3):
+            by_kind["interleaved"].read_raw(rng.integers(0, len(raw), 1000))   # grows the pool
+        with flags.override(engram_parallel_decode=False):
+            by_kind["interleaved"].read_raw(np.arange(24))                    # the serial reader
+        threads = threading.active_count()
+        for parallel in (True, False, True):
+            with flags.override(engram_parallel_decode=parallel):
+                for _ in range(100):
+                    ids = rng.integers(0, len(raw), 24)
+                    np.testing.assert_array_equal(by_kind["split"].read_raw(ids), raw[ids])
+        assert threading.active_count() == threads
+    assert all(name.startswith("engram-") for name in readers)
+    assert len(readers) <= 16 + 1                  # the pool's threads and the serial reader
+
+
 # --- bad input and bad data -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["interleaved", "split", "resident"])
