@@ -30,7 +30,8 @@ from dsv4.config import ModelArgs
 from dsv4.layout import MXFP4, MXFP8, Item, engram_table_refs, plan
 from dsv4.safetensors_file import Checkpoint, view
 
-from .writer import FORMAT_VERSION, MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
+from .writer import (FORMAT_VERSION, MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit,
+                     pick_rows)
 
 AFFINE_BITS = (2, 3, 4, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
@@ -165,7 +166,18 @@ def requantized_unit(item: Item, spec: Requant) -> Unit:
 
     def metadata():
         return {_ERROR_KEY + item.name: stats["value"]}
-    return Unit(item.name, nbytes, produce, metadata)
+
+    def sample(rows, rng):
+        # affine groups lie along a row, so requantizing some rows gives exactly their output
+        packed = item.produce()
+        weight, scales = packed[f"{item.name}.weight"][1], packed[f"{item.name}.scales"][1]
+        w_rows = weight.reshape(-1, weight.shape[-1])
+        picks = pick_rows(w_rows.shape[0], rows, rng)
+        out, _, _ = _requantize(w_rows[picks], scales.reshape(-1, scales.shape[-1])[picks],
+                                item.quantization, spec)
+        return {f"{item.name}.{k}": (dtype, (*weight.shape[:-1], a.shape[-1]), picks, a)
+                for k, (dtype, a) in out.items()}
+    return Unit(item.name, nbytes, produce, metadata, sample)
 
 
 def _requantize(weight: np.ndarray, scales: np.ndarray, source: dict, spec: Requant):

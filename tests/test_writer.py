@@ -222,3 +222,34 @@ def test_progress_shows_bytes_rate_and_time_left(tmp_path, capsys):
     last = capsys.readouterr().err.strip().split("\r")[-1]
     assert last.startswith(f"writing weights: {total / 1e6:.1f} MB of {total / 1e6:.1f} MB (100%), ")
     assert "MB/s" in last and last.endswith("left")
+
+
+def test_verify_uses_a_units_row_sampler_instead_of_producing_again(tmp_path):
+    rng = np.random.default_rng(7)
+    full = rng.integers(0, 2**32, (3, 10, 4), dtype=np.uint32)
+    produced = []
+
+    def produce():
+        produced.append(1)
+        return {"m.weight": ("U32", full)}
+
+    def sample(rows, gen, bad=False):
+        from dsv4_convert.writer import pick_rows
+        picks = pick_rows(30, rows, gen)
+        data = full.reshape(30, 4)[picks].copy()
+        if bad:
+            data[-1, 0] ^= 1
+        return {"m.weight": ("U32", full.shape, picks, data)}
+
+    unit = Unit("m", full.nbytes, produce, sample=sample)
+    with ModelDirWriter(tmp_path / "out", {}, progress=False) as out:
+        out.write_weights({"model": [unit]})
+        assert out.verify({"model": [unit]}, rows=5) == 1
+        assert produced == [1]  # only the write produced the unit
+        bad = Unit("m", full.nbytes, produce, sample=lambda r, g: sample(r, g, bad=True))
+        with pytest.raises(ConversionError, match="tensor m.weight row 29 differs"):
+            out.verify({"model": [bad]}, rows=5)
+        wrong_shape = Unit("m", full.nbytes, produce, sample=lambda r, g: {
+            "m.weight": ("U32", (30, 4), np.array([0]), full.reshape(30, 4)[:1])})
+        with pytest.raises(ConversionError, match=r"m.weight is U32\[3, 10, 4\], expected U32\[30, 4\]"):
+            out.verify({"model": [wrong_shape]})
