@@ -92,24 +92,11 @@ def synthetic_tokens(model: SyntheticDecoder, prompt: list[int], max_tokens: int
         yield token.item()
 
 
-class _IgnoreEos:
-    """The tokenizer as the generate loop sees it, without end-of-sequence ids: a benchmark run
-    generates exactly the tokens it asked for (as llama-bench's --ignore-eos)."""
-
-    eos_token_ids = frozenset()
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
 def model_tokens(model, tokenizer, prompt: list[int], max_tokens: int):
     """Greedy token ids from dsv4's own generate loop, exactly `max_tokens` of them."""
     from dsv4.generate import stream_generate
 
-    stream = stream_generate(model, _IgnoreEos(tokenizer), prompt, max_tokens=max_tokens)
+    stream = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, ignore_eos=True)
     return (response.token for response in stream)
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import flags
+from . import flags, profiler
 from .cache import Cache, LayerCache
 from .config import ModelArgs
 from .linear import Linear, QuantizedLinear, dequant_matmul
@@ -287,6 +287,7 @@ class Attention(nn.Module):
                 keys = self._index_keys(state)
                 state.topk = (mx.zeros((b, s, 0), mx.int32) if keys is None or keys.shape[1] == 0
                               else self.indexer(x, qr, keys, state, self._freqs, self.ratio))
+                state.topk = profiler.mark("indexer", state.topk)
             compressed = cache[self.args.kv_source(self.layer)].compressed
             if compressed is not None and state.topk is not None and state.topk.shape[-1]:
                 sets.append((compressed, state.topk))

@@ -51,9 +51,10 @@ def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK) ->
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_tokens: int = 256,
                     temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
-                    cache: Optional[Cache] = None) -> Iterator[GenerationResponse]:
+                    cache: Optional[Cache] = None, ignore_eos: bool = False) -> Iterator[GenerationResponse]:
     """Yield one response per generated token. A str prompt is encoded as is (no chat
-    template); with `cache`, the prompt continues what the cache already holds."""
+    template); with `cache`, the prompt continues what the cache already holds.
+    `ignore_eos` generates exactly max_tokens (benchmarks)."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
@@ -69,7 +70,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     prompt_tps = len(ids) / prompt_time
     gen_start = time.perf_counter()
     for n in range(1, max_tokens + 1):
-        stop = token in tokenizer.eos_token_ids
+        stop = token in tokenizer.eos_token_ids and not ignore_eos
         if not stop:
             detok.add_token(token)
         finish = "stop" if stop else ("length" if n == max_tokens else None)

@@ -116,7 +116,7 @@ class Model(nn.Module):
         start = cache.offset
         state = ForwardState(start=start, length=s, cache=cache,
                              positions=mx.arange(start, start + s, dtype=mx.int32))
-        h = self.embed(mx.array(ids))
+        h = profiler.mark("embed", self.embed(mx.array(ids)))
         streams = mx.broadcast_to(h[:, :, None, :], (b, s, self.args.hc_mult, self.args.hidden_size))
         pre = mx.zeros((b, s, self.args.hc_mult), mx.float32)
         pre[..., 0] = 1.0
