@@ -501,6 +501,12 @@ class ResidentTable:
     def close(self) -> None:
         pass
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
 
 Table = Union[InterleavedTable, SplitTable, ResidentTable]
 

@@ -473,7 +473,8 @@ def test_resident_mode_loads_tables_into_memory(tables, tmp_path, rng):
     raw, _ = tables
     ref = write_split(tmp_path, raw)
     with flags.override(engram_resident=True):
-        table = es.open_table(ref, tmp_path, name="layers.1.engram")
+        with es.open_table(ref, tmp_path, name="layers.1.engram") as table:
+            pass                                     # a context manager like the file tables
     assert isinstance(table, es.ResidentTable) and table.rows == len(raw)
     ids = rng.integers(0, len(raw), (3, 24))
     np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(raw[ids]))
