@@ -29,10 +29,12 @@ def official(
     dst: Path = typer.Argument(..., help="dsv4 model directory to create"),
     revision: Optional[str] = typer.Option(None, help="branch, tag or commit of a repo id"),
     experts_bits: Optional[int] = typer.Option(
-        None, help="requantize the routed experts to MLX affine 2/3/4/8 bits (default: keep mxfp4)"),
+        None, help="requantize the routed experts to MLX affine 2/3/4/8 bits "
+                   "(default: keep mxfp4)"),
     experts_group_size: int = typer.Option(64, help="group size of the experts' requantization"),
     dense_bits: Optional[int] = typer.Option(
-        None, help="requantize the dense fp8 projections to affine 2/3/4/8 bits (default: keep mxfp8)"),
+        None, help="requantize the dense fp8 projections to affine 2/3/4/8 bits "
+                   "(default: keep mxfp8)"),
     dense_group_size: int = typer.Option(64, help="group size of the dense requantization"),
     drop_mtp: bool = typer.Option(False, help="leave out the MTP (DSpark) tensors"),
     drop_vision: bool = typer.Option(False, help="leave out the vision tensors"),
@@ -47,6 +49,7 @@ def official(
 ) -> None:
     """Convert the official FP8/FP4 checkpoint (lossless unless asked to requantize)."""
     from dsv4_convert.official import Requant, convert
+    from dsv4_convert.writer import format_bytes
 
     try:
         experts = Requant(experts_bits, experts_group_size) if experts_bits else None
@@ -59,8 +62,8 @@ def official(
     except ValueError as e:  # bad input: the message names the file and tensor
         _fail(str(e))
     checked = f", verified {result.verified_tensors} tensors" if verify else ""
-    typer.echo(f"wrote {result.dst}: {result.shards} weight file(s), "
-               f"{result.bytes_written / 1e9:.2f} GB{checked}")
+    typer.echo(f"wrote {result.dst}: {result.shards} model weight file(s), "
+               f"{format_bytes(result.bytes_written)} of weights{checked}")
 
 
 def _delegate(module: str, function: str, ctx: typer.Context) -> None:

@@ -55,7 +55,8 @@ class Requant:
 
     def __post_init__(self):
         if self.bits not in AFFINE_BITS:
-            raise ConversionError(f"requantization bits must be one of {AFFINE_BITS}, got {self.bits}")
+            raise ConversionError(f"requantization bits must be one of {AFFINE_BITS}, "
+                                  f"got {self.bits}")
         if self.group_size not in AFFINE_GROUP_SIZES:
             raise ConversionError(f"requantization group size must be one of {AFFINE_GROUP_SIZES}, "
                                   f"got {self.group_size}")
@@ -153,8 +154,10 @@ def requantized_unit(item: Item, spec: Requant) -> Unit:
     in_dim = item.sources[0].shape[-1] * 8 // item.quantization["bits"]
     if in_dim % spec.group_size:
         raise ConversionError(f"{item.sources[0].file.name}: tensor {item.sources[0].name} has "
-                              f"{in_dim} inputs, not a multiple of the group size {spec.group_size}")
-    nbytes = elements * spec.bits // 8 + 2 * 2 * (elements // spec.group_size)  # bf16 scales, biases
+                              f"{in_dim} inputs, not a multiple of the group size "
+                              f"{spec.group_size}")
+    # packed weight, then bf16 scales and biases (2 bytes each per group)
+    nbytes = elements * spec.bits // 8 + 2 * 2 * (elements // spec.group_size)
     stats = {}
 
     def produce():
@@ -300,8 +303,10 @@ def convert(src: str | Path, dst: str | Path, *, revision: Optional[str] = None,
 
     fingerprint = {
         "source": str(source.path),
-        "source_files": {p.name: p.stat().st_size for p in sorted(source.path.glob("*.safetensors"))},
-        "options": {"experts": experts and experts.quantization, "dense": dense and dense.quantization,
+        "source_files": {p.name: p.stat().st_size
+                         for p in sorted(source.path.glob("*.safetensors"))},
+        "options": {"experts": experts and experts.quantization,
+                    "dense": dense and dense.quantization,
                     "drop_mtp": drop_mtp, "drop_vision": drop_vision, "copy_engram": copy_engram},
     }
     verified = 0

@@ -166,7 +166,8 @@ class Progress:
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = "--:--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
         pct = 100 * self.done / max(self.total, 1)
-        print(f"\r{self.what}: {_size(self.done)} of {_size(self.total)} ({pct:3.0f}%), "
+        done, total = format_bytes(self.done), format_bytes(self.total)
+        print(f"\r{self.what}: {done} of {total} ({pct:3.0f}%), "
               f"{rate / 1e6:.0f} MB/s, {eta} left ", end="\n" if final else "",
               file=sys.stderr, flush=True)
 
@@ -174,7 +175,8 @@ class Progress:
         self.show(final=True)
 
 
-def _size(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
+    """1.5 MB / 2.31 GB (powers of ten, as disk sizes are sold)."""
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
