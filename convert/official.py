@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4.config import ModelArgs
+from dsv4.engram_store import ROW_BYTES, copy_table, interleaved_reference, open_table
 from dsv4.layout import MXFP4, MXFP8, Item, engram_table_refs, plan
 from dsv4.safetensors_file import Checkpoint, view
 
@@ -312,7 +313,8 @@ def convert(src: str | Path, dst: str | Path, *, revision: Optional[str] = None,
     verified = 0
     with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
                         max_shard_bytes=max_shard_bytes, progress=progress) as out:
-        shards = out.write_weights(groups)
+        engram_bytes = sum(r["rows"] for r in engram.values()) * ROW_BYTES if copy_engram else 0
+        shards = out.write_weights(groups, other_bytes=engram_bytes)
         errors = requant_errors(out.metadata("model"))
         if verify:
             verified = out.verify(groups, rows=verify_rows)
@@ -340,8 +342,6 @@ def _is_kind(kind: str, what: str) -> bool:
 
 def _copy_engram(refs: dict, src_dir: Path, out: ModelDirWriter, progress: bool) -> dict:
     """Each table to `engram-LL.bin` in the model directory (skipped when a resumed run has it)."""
-    from dsv4.engram_store import copy_table, interleaved_reference, open_table
-
     copied = {}
     for layer, ref in refs.items():
         name = f"engram-{int(layer):02d}.bin"

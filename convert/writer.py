@@ -361,8 +361,11 @@ class ModelDirWriter:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def write_weights(self, groups: Mapping[str, Sequence[Unit]]) -> list[Shard]:
-        """Write every group's shards that are not finished yet, then each group's index."""
+    def write_weights(self, groups: Mapping[str, Sequence[Unit]],
+                      other_bytes: int = 0) -> list[Shard]:
+        """Write every group's shards that are not finished yet, then each group's index.
+        First checks that the disk has room for them plus `other_bytes` (files the caller
+        writes after the weights, e.g. copied Engram tables)."""
         shards = assign_shards(groups, self.max_shard_bytes)
         if self._resumed:
             recorded = self._read_plan()["shards"]
@@ -374,6 +377,11 @@ class ModelDirWriter:
         self._shards = shards
         units = {(g, u.key): u for g, us in groups.items() for u in us}
         todo = [s for s in shards if not self._shard_finished(s)]
+        needed = sum(s.nbytes for s in todo) + other_bytes
+        free = shutil.disk_usage(self.tmp).free
+        if needed > free:
+            raise ConversionError(f"{self.tmp}: the conversion needs {format_bytes(needed)} more, "
+                                  f"the disk has {format_bytes(free)} free")
         total = sum(s.nbytes for s in shards)
         progress = Progress("writing weights", total, self.progress,
                             done=total - sum(s.nbytes for s in todo))

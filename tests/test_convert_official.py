@@ -601,3 +601,20 @@ def test_requantized_modules_deviate_by_the_reported_error(source, tmp_path):
         assert np.isfinite(logits).all()
         moved[bits] = np.linalg.norm(logits - base) / np.linalg.norm(base)
     assert 0 < moved[8] < moved[4]
+
+
+def test_copy_engram_counts_the_tables_in_the_space_check(source, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    probe = tmp_path / "probe"
+    convert(source, probe, progress=False)
+    weights = sum(p.stat().st_size for p in probe.glob("*.safetensors"))
+    tables = sum(r["rows"] for r in json.loads((probe / "config.json").read_text())
+                 ["dsv4"]["engram"].values()) * 264
+    shutil.rmtree(probe)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, weights + tables // 2))
+    convert(source, tmp_path / "fits", progress=False)  # referenced tables need no room
+    with pytest.raises(ConversionError, match="the disk has"):
+        convert(source, tmp_path / "out", copy_engram=True, progress=False)
+    _only(tmp_path, "fits")

@@ -253,3 +253,20 @@ def test_verify_uses_a_units_row_sampler_instead_of_producing_again(tmp_path):
             "m.weight": ("U32", (30, 4), np.array([0]), full.reshape(30, 4)[:1])})
         with pytest.raises(ConversionError, match=r"m.weight is U32\[3, 10, 4\], expected U32\[30, 4\]"):
             out.verify({"model": [wrong_shape]})
+
+
+def test_not_enough_disk_space_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    modules = _tensors(0, 3)
+    need = sum(a.nbytes for a in _all(modules).values())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, need + 99))
+    with pytest.raises(ConversionError, match=r"needs 0\.0 MB more, the disk has 0\.0 MB free"):
+        with ModelDirWriter(tmp_path / "out", {}, progress=False) as out:
+            out.write_weights({"model": _units(modules)}, other_bytes=100)
+    assert list(tmp_path.iterdir()) == []
+    with ModelDirWriter(tmp_path / "out", {}, progress=False) as out:
+        out.write_weights({"model": _units(modules)}, other_bytes=99)
+    assert (tmp_path / "out" / "model-00001-of-00001.safetensors").is_file()
