@@ -1,0 +1,69 @@
+"""Count the MLX primitives of one decode step (the launches a GPU pays for).
+
+    python -m benchmarks.graph_ops --model DIR [--prompt-tokens 64] [--report]
+
+Prefills a prompt, then builds one decode step's logits lazily and walks its graph
+(`mx.export_to_dot`): each primitive node is one kernel launch on Metal/CUDA (a compiled
+function counts as one). Quantized layers use MLX's quantized kernels here (as on a GPU),
+whatever the device. Prints the total, per layer, and the most frequent primitives; with
+--report writes a dated Markdown report to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+
+def count_step(model_dir: str | None, prompt_tokens: int) -> tuple[collections.Counter, int]:
+    import mlx.core as mx
+
+    import dsv4
+    from dsv4 import flags
+
+    model, _ = dsv4.load(model_dir)
+    ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
+    with flags.override(dequant_matmul="off"):
+        cache = model.make_cache()
+        mx.eval(model(ids[:, :-1], cache))
+        logits = model(ids[:, -1:], cache)
+        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+            mx.export_to_dot(f.name, logits)
+            text = Path(f.name).read_text()
+    labels = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', text)
+    return collections.Counter(labels), model.args.num_hidden_layers
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="model directory (default: the bundled demo)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--report", action="store_true", help="write a dated report to benchmarks/results/")
+    p.add_argument("--label", default="decode-step-primitives")
+    a = p.parse_args(argv)
+    counts, layers = count_step(a.model, a.prompt_tokens)
+    total = sum(counts.values())
+    lines = [f"primitives in one decode step: {total} ({total / layers:.1f} per layer, {layers} layers)",
+             "", "| primitive | count | per layer |", "|---|---|---|"]
+    lines += [f"| {name} | {n} | {n / layers:.1f} |" for name, n in counts.most_common(25)]
+    print("\n".join(lines))
+    if a.report:
+        from benchmarks.hardware import describe, to_markdown
+
+        when = datetime.now()
+        out = Path(__file__).parent / "results" / f"{when:%Y-%m-%d-%H%M%S}-{a.label}.md"
+        out.write_text(f"# Primitives of one decode step\n\n{when:%Y-%m-%d %H:%M}; model "
+                       f"`{a.model or 'demo'}`, prompt {a.prompt_tokens} tokens.\n\n"
+                       + "\n".join(lines) + "\n\n" + to_markdown(describe()) + "\n")
+        print(f"report: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
