@@ -171,6 +171,8 @@ def _experts_item(module: str, parts: list[dict[str, TensorInfo]]) -> Item:
 
 def engram_table_refs(ckpt: Checkpoint, args: ModelArgs) -> dict[str, dict]:
     """Where each Engram table lies in the official shards (split layout), by layer id."""
+    from .engram_store import split_reference
+
     refs = {}
     for layer, rows in zip(args.engram_layer_ids, _engram_rows(ckpt, args)):
         w = ckpt[f"layers.{layer}.engram.embed.weight"]
@@ -182,9 +184,7 @@ def engram_table_refs(ckpt: Checkpoint, args: ModelArgs) -> dict[str, dict]:
         if s.dtype != "F8_E8M0" or s.shape != (rows, width // 32):
             raise CheckpointError(f"{s.file.name}: tensor {s.name} is {s.dtype}{list(s.shape)}, "
                                   f"expected F8_E8M0[{rows}, {width // 32}]")
-        refs[str(layer)] = {"layout": "split", "rows": rows,
-                            "weight": {"file": str(w.file), "offset": w.offset},
-                            "scale": {"file": str(s.file), "offset": s.offset}}
+        refs[str(layer)] = split_reference(w, s)
     return refs
 
 

@@ -140,7 +140,7 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
             ref = refs.get(str(layer))
             if ref is None:
                 raise CheckpointError(f"{path}: no Engram table reference for layer {layer}")
-            tables[layer] = engram_store.open_table(ref, path)
+            tables[layer] = engram_store.open_table(ref, path, name=f"layers.{layer}.engram")
         model.set_engram(hasher, tables)
     if dtype is not None:
         model.set_dtype(dtype)

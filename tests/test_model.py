@@ -267,3 +267,22 @@ def test_token_out_of_range_is_named(tiny_dir):
     model, _ = dsv4.load(tiny_dir)
     with pytest.raises(ValueError, match=r"token id 100000 at position \(0, 2\)"):
         model(np.array([[5, 6, 100000]]))
+
+
+def test_index_key_quirk_only_changes_steps_without_ratio2_emission(tiny_dir):
+    """Reference quirk (model-spec 3.9): on a decode step where a ratio-2 kv source emits no
+    latent, its indexer scores against the last published keys (the ratio-1 source's).
+    Steps where it emits, and prefill, are unaffected."""
+    model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
+    ids = ids_for(40, 9)
+    outs = {}
+    for quirk in (False, True):
+        with flags.override(kv_qdq=False, act_quant=False, index_key_quirk=quirk):
+            cache = model.make_cache()
+            steps = [model(ids[:, :20], cache)]
+            steps += [model(ids[:, t:t + 1], cache) for t in range(20, 30)]
+            outs[quirk] = steps
+    assert mx.array_equal(outs[False][0], outs[True][0]).item()          # prefill
+    # t = 20: position 20 is the first of a ratio-2 group, so nothing is emitted at layer 2
+    differs = [not mx.allclose(a, b, atol=0, rtol=0).item() for a, b in zip(outs[False][1:], outs[True][1:])]
+    assert differs[0], "the quirk must change the first step that emits no ratio-2 latent"
