@@ -214,9 +214,9 @@ def _requantize(weight: np.ndarray, scales: np.ndarray, source: dict, spec: Requ
         q_biases[rows] = np.array(qb.view(mx.uint16))
         err2 += float(e2)
         ref2 += float(r2)
-    shape = lambda a: a.reshape(*lead, a.shape[-1])  # noqa: E731
-    return ({"weight": ("U32", shape(q_weight)), "scales": ("BF16", shape(q_scales)),
-             "biases": ("BF16", shape(q_biases))}, err2, ref2)
+    out = {"weight": ("U32", q_weight), "scales": ("BF16", q_scales), "biases": ("BF16", q_biases)}
+    return ({k: (dtype, a.reshape(*lead, a.shape[-1])) for k, (dtype, a) in out.items()},
+            err2, ref2)
 
 
 def side_units(ckpt: Checkpoint, pattern: re.Pattern) -> list[Unit]:
