@@ -173,7 +173,9 @@ def iq2_xxs(raw: np.ndarray, bits: int = 3) -> Affine:
     scales = (db * np.float32(_IQ2_SLOPE)).astype(np.float16)
     biases = (db * np.float32(-2.5 * _IQ2_SLOPE)).astype(np.float16)
     # error from the level counts: level k of a group lands on s*k + b instead of db*L_k
-    count = counts[entry].sum(-1, dtype=np.uint64).view(np.uint8).reshape(n, 8, 8)[..., :6]
+    per_entry = counts[entry]
+    count = per_entry[..., 0] + per_entry[..., 1] + per_entry[..., 2] + per_entry[..., 3]
+    count = count.view(np.uint8).reshape(n, 8, 8)[..., :6]
     k = np.arange(6, dtype=np.float64)
     got = scales.astype(np.float64)[..., None] * k + biases.astype(np.float64)[..., None]
     ref = db.astype(np.float64)[..., None] * _IQ2_LEVELS
