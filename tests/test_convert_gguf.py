@@ -339,3 +339,21 @@ def test_command_line(mixed, tmp_path):
     assert q.get("layers.0.ffn.experts.w1", q)["bits"] == 8   # 8-bit is now the default
     assert "added_relative_rms_error" not in config["dsv4"]["conversion"][
         "layers.*.ffn.experts.w1 (IQ2_XXS)"]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"pre": "llama-bpe"}, "tokenizer.ggml.pre is 'llama-bpe'"),
+    ({"merges": ["a b c"]}, r"merges\[0\] = 'a b c' is not two symbols"),
+    ({"merges": ["a zz"]}, "merge 'a' 'zz' uses 'zz'"),
+    ({"token_types": [1]}, "token_type has 1 entries for 5 tokens"),
+    ({"bos_id": 9}, "bos_token_id 9 is outside the 5 tokens"),
+])
+def test_tokenizer_metadata_errors(change, match):
+    from convert.gguf_tokenizer import TokenizerMetadataError, build
+
+    meta = {"tokens": ["<s>", "a", "b", "ab", "x"], "token_types": [3, 1, 1, 1, 1],
+            "merges": ["a b"], "pre": "joyai-llm", "bos_id": 0, "eos_id": 0, "add_bos": True,
+            "add_eos": False}
+    meta.update(change)
+    with pytest.raises(TokenizerMetadataError, match=match):
+        build(**meta, source="t.gguf")
