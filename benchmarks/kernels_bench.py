@@ -28,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsv4.kernels import experts as ex  # noqa: E402
 from dsv4.kernels import mhc  # noqa: E402
 from dsv4.kernels import sparse_attention as sa  # noqa: E402
-from dsv4.kernels.dialect import backend  # noqa: E402
+from dsv4.kernels.dialect import Kernel, backend  # noqa: E402
+
+NOOP = Kernel(name="dsv4_bench_noop", input_names=("a",), output_names=("b",),
+              body="  if (tid == 0 && group_x == 0) b[0] = a[0];\n")
 
 ROUNDS = 8
 CALLS = 20
@@ -101,7 +104,7 @@ def bench_attention(lines):
     lines += ["## Sparse attention with sink (H=64, D=512, window 128 + 512 selected of 8192)", "",
               "| case | kernel µs | reference µs | mlx_lm µs | reference/kernel | max |kernel-ref| |",
               "|---|---|---|---|---|---|"]
-    for S, rope in [(1, False), (1, True), (4, False), (64, False)]:
+    for S, rope in [(1, False), (1, True), (4, False), (16, False), (64, False)]:
         B, H, D, W, N = 1, 64, 512, 128, 8192
         q = mx.random.normal((B, S, H, D)).astype(mx.bfloat16)
         wkv = mx.random.normal((B, W, D)).astype(mx.bfloat16)
@@ -173,6 +176,18 @@ def bench_experts(lines, bandwidth):
         gbs = (unique * per_expert + shared_bytes) / t["kernel"]
         lines.append(row(f"T={T}{' act_quant' if act_quant else ''} ({unique} experts)", t, "mlx_lm",
                          f"{gbs / 1e9:.0f} GB/s, {100 * gbs / bandwidth:.0f}%; {diff:.2e}"))
+    # The FFN site's mHC expand fused into the down kernel ("sum6 + HC4") vs a separate expand.
+    x = (mx.random.normal((1, D)) * 2).astype(mx.bfloat16)
+    idx = mx.random.permutation(E)[:K].reshape(1, K).astype(mx.int32)
+    w = mx.random.uniform(0.1, 1.0, (1, K))
+    residual = mx.random.normal((1, 4, D)).astype(mx.bfloat16)
+    post, comb = mx.random.uniform(0, 2, (1, 4)), mx.random.uniform(0, 1, (1, 4, 4))
+    site = (residual, post, comb)
+    import mlx_lm.models.deepseek_v41 as ml
+    t = compare({"kernel": lambda: ex.experts_kernel(x, idx, w, gate, up, down, shared, 10.0, False, site),
+                 "reference": lambda: mhc.hc_expand(ex.experts_kernel(x, idx, w, gate, up, down, shared), *site),
+                 "mlx_lm": lambda: ml._expand(mlx_lm_moe(x, idx, w, gate, up, down, shared, 10.0), *site)})
+    lines.append(row("T=1 + mHC expand fused (reference column: kernel then expand kernel)", t, "mlx_lm", ""))
     lines.append("")
 
 
@@ -205,6 +220,18 @@ def bench_mhc(lines):
     lines.append("")
 
 
+def overhead(lines):
+    """Per-call cost of launching an empty custom kernel and of one tiny MLX op: the floor
+    under every timing below (CPU-side graph building and launch, not GPU work)."""
+    a = mx.zeros((8,), mx.float32)
+    mx.eval(a)
+    t = compare({"kernel": lambda: NOOP(inputs=[a], output_shapes=[(8,)], output_dtypes=[mx.float32],
+                                        grid=(32, 1, 1), threadgroup=(32, 1, 1))[0],
+                 "reference": lambda: a + 1})
+    lines += [f"Launch floor: empty custom kernel {t['kernel'] * 1e6:.1f} µs per call, one tiny MLX op "
+              f"{t['reference'] * 1e6:.1f} µs per call.", ""]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Markdown report to write")
@@ -215,6 +242,7 @@ def main():
     now = datetime.datetime.now(datetime.timezone.utc)
     lines = [f"# Custom kernels vs references — {now:%Y-%m-%d %H:%M} UTC", "", hardware(), "",
              f"Medians of {ROUNDS} interleaved rounds of {CALLS} calls per variant (µs per call).", ""]
+    overhead(lines)
     todo = args.only or ["attention", "experts", "mhc"]
     steps = {"attention": lambda: bench_attention(lines),
              "experts": lambda: bench_experts(lines, copy_bandwidth()),

@@ -41,6 +41,10 @@ def dequantize_np(m: ex.QuantizedMatrix):
     return scale * (E2M1[c] if m.mode == "mxfp4" else e4m3_value(c))
 
 
+def f64(a):
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
 def bf16(a):
     """Round float64/32 to bf16 (nearest, ties to even), returned as float64."""
     u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
@@ -147,3 +151,18 @@ def test_dispatch(monkeypatch):
     assert isinstance(ex.experts(x.astype(mx.float32), idx, rw, gate, up, down), mx.array)
     mixed = ex.QuantizedMatrix(**{**down.__dict__, "mode": "affine", "bits": 5, "biases": down.scales})
     assert not ex.kernel_supports(x, gate, up, mixed, None)
+
+
+def test_expand_option_equals_expand_of_the_output():
+    rng = np.random.default_rng()
+    q = lambda shape: quantized(rng, shape, "mxfp4", 4, 32)
+    gate, up, down = q((3, 32, 64)), q((3, 32, 64)), q((3, 64, 32))
+    x = mx.array(rng.standard_normal((2, 64)).astype(np.float32)).astype(mx.bfloat16)
+    idx, rw = mx.array([[0, 2], [1, 2]], mx.int32), mx.array(rng.uniform(0, 1, (2, 2)).astype(np.float32))
+    residual = mx.array(rng.standard_normal((2, 4, 64)).astype(np.float32)).astype(mx.bfloat16)
+    post = mx.array(rng.uniform(0, 2, (2, 4)).astype(np.float32))
+    comb = mx.array(rng.uniform(0, 1, (2, 4, 4)).astype(np.float32))
+    y = ex.experts(x, idx, rw, gate, up, down)
+    got = ex.experts(x, idx, rw, gate, up, down, expand=(residual, post, comb))
+    want = np.array(post)[..., None] * f64(y)[:, None, :] + np.einsum("tij,tid->tjd", np.array(comb), f64(residual))
+    np.testing.assert_allclose(f64(got), want, rtol=2.0 ** -8, atol=1e-5)   # one bf16 rounding

@@ -80,9 +80,14 @@ def metal_source(kernel: Kernel, check) -> str:
         kinds = ["typename" if not isinstance(v, int) else ("bool" if isinstance(v, bool) else "int")
                  for _, v in template]
         lines.append("template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, template)) + ">")
-    params = [f"  const device {METAL_TYPES[t]}* {n} [[buffer({i})]]"
-              for i, (n, t) in enumerate(zip(kernel.input_names, in_types))]
-    params += [f"  device {METAL_TYPES[t]}* {n} [[buffer({len(in_types) + i})]]"
+    params = []
+    for n, t in zip(kernel.input_names, in_types):
+        params.append(f"  const device {METAL_TYPES[t]}* {n} [[buffer({len(params)})]]")
+        for suffix, kind in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
+                             ("_ndim", "const constant int&")):
+            if n + suffix in body:
+                params.append(f"  {kind} {n}{suffix} [[buffer({len(params)})]]")
+    params += [f"  device {METAL_TYPES[t]}* {n} [[buffer({len(params) + i})]]"
                for i, (n, t) in enumerate(zip(kernel.output_names, out_types))]
     params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in body]
     lines.append(f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {")
@@ -100,9 +105,17 @@ def cuda_source(kernel: Kernel, check) -> str:
     in_types, out_types, template = check
     header, body = kernel.source("cuda")
     lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
-             "#include <cooperative_groups.h>", header, "namespace mlx::core::cu {",
+             "#include <cooperative_groups.h>", "#include <cuda/std/array>",
+             # MLX's device utils define these (mlx/backend/cuda/device/utils.cuh).
+             "using Shape = cuda::std::array<int32_t, 10>;", "using Strides = cuda::std::array<int64_t, 10>;",
+             header, "namespace mlx::core::cu {",
              "namespace cg = cooperative_groups;"]
-    params = [f"    const {CUDA_TYPES[t]}* {n}" for n, t in zip(kernel.input_names, in_types)]
+    params = []
+    for n, t in zip(kernel.input_names, in_types):
+        params.append(f"    const {CUDA_TYPES[t]}* {n}")
+        for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+            if n + suffix in body:
+                params.append(f"    const __grid_constant__ {kind} {n}{suffix}")
     params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in zip(kernel.output_names, out_types)]
     lines.append(f"__global__ void custom_kernel_{kernel.name}(\n" + ",\n".join(params) + ") {")
     for n, v in template:

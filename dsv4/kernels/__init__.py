@@ -1,0 +1,8 @@
+"""Custom GPU ops, each a plain-MLX reference plus one Metal/CUDA kernel body (see dialect.py).
+
+Dispatchers the model calls (kernel or reference by backend and by flags.py's kernel_* switches):
+  sparse_attention.sparse_attention   window + selected compressed rows, one softmax with sink
+  experts.experts                     routed + shared experts for 1-8 tokens (optionally + mHC expand)
+  mhc.hc_mixes / hc_collapse_norm / hc_expand
+  selection.indexer_can_be_skipped / select_all_visible   skip indexer scoring when k >= rows
+"""

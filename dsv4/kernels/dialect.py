@@ -8,6 +8,7 @@ SIMD group (Metal) is a warp (CUDA), 32 lanes on every GPU MLX supports.
 
 Vocabulary available to bodies:
   tid, lane, warp            thread index in its threadgroup, lane in its SIMD group, SIMD group index
+  <input>_shape[i]           dimension i of an input (MLX passes it when the body names it)
   group_x, group_y, group_z  threadgroup position in the grid
   group_threads              threads per threadgroup
   KFN                        qualifier of helper functions defined in a kernel's header
@@ -138,6 +139,13 @@ def backend() -> str | None:
     if mx.cuda.is_available():
         return "cuda"
     return None
+
+
+@lru_cache(maxsize=256)
+def constant(values: tuple, dtype=mx.float32) -> mx.array:
+    """A small parameter array, made once per value: creating host arrays on every call costs
+    more than the kernels they feed (tens of µs each on CUDA)."""
+    return mx.array(list(values), dtype)
 
 
 @dataclass(frozen=True)

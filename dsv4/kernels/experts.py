@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend
+from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.mhc import hc_expand
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
@@ -178,22 +179,22 @@ KFN void load_words(P w, LOCAL uint32_t* out) {
 template <int MODE, int BITS>
 KFN void unpack32(LOCAL const uint32_t* w, LOCAL float* v) {
   if (MODE == 1) {
+    // Nibbles k and k+4 of a word sit 16 bits apart: one mask-and-shift makes both fp16s.
     for (int j = 0; j < 4; ++j)
-      for (int p = 0; p < 4; ++p) {
-        const uint32_t q = w[j] >> (8 * p);
-        const float2 f = half2_bits_to_float2(((q & 0x7u) << 9) | ((q & 0x8u) << 12) |
-                                              ((q & 0x70u) << 21) | ((q & 0x80u) << 24));
-        v[8 * j + 2 * p] = f.x;
-        v[8 * j + 2 * p + 1] = f.y;
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t q = w[j] >> (4 * k);
+        const float2 f = half2_bits_to_float2(((q & 0x00070007u) << 9) | ((q & 0x00080008u) << 12));
+        v[8 * j + k] = f.x;
+        v[8 * j + k + 4] = f.y;
       }
   } else if (MODE == 2) {
+    // Bytes k and k+2 likewise.
     for (int j = 0; j < 8; ++j)
-      for (int p = 0; p < 2; ++p) {
-        const uint32_t q = w[j] >> (16 * p);
-        const float2 f = half2_bits_to_float2(((q & 0x7fu) << 7) | ((q & 0x80u) << 8) |
-                                              ((q & 0x7f00u) << 15) | ((q & 0x8000u) << 16));
-        v[4 * j + 2 * p] = f.x;
-        v[4 * j + 2 * p + 1] = f.y;
+      for (int k = 0; k < 2; ++k) {
+        const uint32_t q = w[j] >> (8 * k);
+        const float2 f = half2_bits_to_float2(((q & 0x007f007fu) << 7) | ((q & 0x00800080u) << 8));
+        v[4 * j + k] = f.x;
+        v[4 * j + k + 2] = f.y;
       }
   } else {
     for (int i = 0; i < 32; ++i) {
@@ -310,14 +311,30 @@ _DOWN_BODY = r"""
     // Each expert's output is rounded to the activation dtype, as its own matmul would be.
     for (int r = 0; r < ROWS; ++r) total[r] += float(static_cast<T>(acc[r]));
   }
-  if (lane == 0)
-    for (int r = 0; r < ROWS && row0 + r < DO; ++r) y[(size_t)t * DO + row0 + r] = static_cast<T>(total[r]);
+  if (lane == 0) {
+    for (int r = 0; r < ROWS && row0 + r < DO; ++r) {
+      const int o = row0 + r;
+      if (HC == 0) {
+        y[(size_t)t * DO + o] = static_cast<T>(total[r]);
+      } else {
+        // mHC expand fused: y becomes the HC new streams [tokens, HC, DO], in hc_expand's order.
+        const float yv = float(static_cast<T>(total[r]));
+        for (int j = 0; j < HC; ++j) {
+          float v = post[t * HC + j] * yv;
+          for (int i = 0; i < HC; ++i)
+            v += comb[(t * HC + i) * HC + j] * float(residual[((size_t)t * HC + i) * DO + o]);
+          y[((size_t)t * HC + j) * DO + o] = static_cast<T>(v);
+        }
+      }
+    }
+  }
 """
 
 _GATE_UP_INPUTS = ("x", "idx", "route_w", "params",
                    "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                    "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b")
-_DOWN_INPUTS = ("h", "idx", "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b")
+_DOWN_INPUTS = ("h", "idx", "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b",
+                "residual", "post", "comb")
 
 
 def _check_instances(stage):
@@ -336,8 +353,9 @@ def _check_instances(stage):
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
             out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("D", 5120)])))
         else:
-            ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt)
-            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("DO", 5120)])))
+            for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
+                ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
+                out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("DO", 5120), ("HC", hc)])))
     return tuple(out)
 
 
@@ -371,15 +389,9 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
         same(shared[0], shared[1]) and same(shared[0], shared[2])))
 
 
-_PLACEHOLDER = None
-
-
 def _placeholder():
     """An 8-word input standing for an absent matrix/bias (8+ elements keep Metal's device space)."""
-    global _PLACEHOLDER
-    if _PLACEHOLDER is None:
-        _PLACEHOLDER = mx.zeros((8,), mx.uint32)
-    return _PLACEHOLDER
+    return constant((0,) * 8, mx.uint32)
 
 
 def _operands(m: QuantizedMatrix | None):
@@ -394,10 +406,12 @@ def _mode_template(prefix, m: QuantizedMatrix | None, like: QuantizedMatrix):
 
 
 def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
-                   act_quant=False):
+                   act_quant=False, expand=None):
     """The fused GPU path; same contract as `experts` (call that instead)."""
     T, D = x.shape
     K = indices.shape[-1]
+    indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
+    weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
     HS = 0 if shared is None else 1
     I = gate.out_features
     DO = down.out_features
@@ -405,24 +419,31 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     common = [("T", x.dtype)] + _mode_template("", gate, gate) + _mode_template("S", s_gate, gate) + [
         ("HS", HS), ("K", K)]
     (h,) = GATE_UP_KERNEL(
-        inputs=[x, indices.astype(mx.int32), weights.astype(mx.float32),
-                mx.array([swiglu_limit], mx.float32)]
+        inputs=[x, indices, weights, constant((float(swiglu_limit),))]
         + _operands(gate) + _operands(up) + _operands(s_gate) + _operands(s_up),
         output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype],
         grid=(32 * GATE_UP_WARPS, I // 32, T * (K + HS)), threadgroup=(32 * GATE_UP_WARPS, 1, 1),
         template=common + [("ACTQ", bool(act_quant)), ("ROWS", ROWS_GATE_UP), ("I", I), ("D", D)])
+    if expand is None:
+        streams, out_shape, hc = [_placeholder()] * 3, (T, DO), 0
+    else:
+        residual, post, comb = expand
+        hc = residual.shape[-2]
+        streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
+        out_shape = (T, hc, DO)
     (y,) = DOWN_KERNEL(
-        inputs=[h, indices.astype(mx.int32)] + _operands(down) + _operands(s_down),
-        output_shapes=[(T, DO)], output_dtypes=[x.dtype],
+        inputs=[h, indices] + _operands(down) + _operands(s_down) + streams,
+        output_shapes=[out_shape], output_dtypes=[x.dtype],
         grid=(32 * DOWN_WARPS, math.ceil(DO / (DOWN_WARPS * ROWS_DOWN)), T),
         threadgroup=(32 * DOWN_WARPS, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no ACTQ here.
-        template=common + [("ACTQ", False), ("ROWS", ROWS_DOWN), ("I", I), ("DO", DO)])
+        template=common + [("ACTQ", False), ("ROWS", ROWS_DOWN), ("I", I), ("DO", DO), ("HC", hc)])
     return y
 
 
-def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0, act_quant=False):
-    """Routed experts (+ shared expert) of a MoE layer, summed.
+def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0, act_quant=False,
+            expand=None):
+    """Routed experts (+ shared expert) of a MoE layer, summed; optionally mHC-expanded.
 
     x        [T, D] activations (bf16)
     indices  [T, k] int: selected experts per token (all valid: the router always picks k)
@@ -431,12 +452,17 @@ def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
     shared   optional (gate, up, down) QuantizedMatrix of the shared expert: [I, D], [I, D], [D, I]
     swiglu_limit    L in min(g, L) and clip(u, -L, L)
     act_quant       round x and h to fp8 per 32 values before their matmuls (official numerics)
-    returns  [T, D] in x's dtype
+    expand   optional (residual [T, hc, D], post [T, hc], comb [T, hc, hc]) of the FFN site:
+             return hc_expand(y, residual, post, comb) [T, hc, D] instead of y (fused into the
+             down kernel's epilogue on the kernel path)
+    returns  [T, D] (or [T, hc, D] with expand) in x's dtype
 
     The fused kernel runs for 1-8 bf16 tokens when the backend has one and flag `kernel_moe`
     is on; otherwise (and for prefill) `experts_reference`, MLX's gather_qmm path.
     """
     if (flags.get("kernel_moe") and backend() is not None
-            and kernel_supports(x, gate, up, down, shared)):
-        return experts_kernel(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
-    return experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
+            and kernel_supports(x, gate, up, down, shared)
+            and (expand is None or expand[0].dtype == x.dtype)):
+        return experts_kernel(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant, expand)
+    y = experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
+    return y if expand is None else hc_expand(y, *expand)

@@ -16,7 +16,7 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend
+from dsv4.kernels.dialect import Kernel, backend, constant
 
 PROJECT_THREADS = 256
 PROJECT_TARGET_THREADGROUPS = 128
@@ -57,7 +57,6 @@ _PROJECT_BODY = r"""
   // grid (THREADS, splits, tokens): partial sums of the NM projections and of x^2 over one chunk.
   constexpr int K = HC * D;
   constexpr int NM = HC * (2 + HC);
-  const int SPLITS = sizes[0], CHUNK = sizes[1];
   const int qi = group_z, split = group_y;
   const int k_end = min(K, (split + 1) * CHUNK);
   float acc[NM + 1];
@@ -84,7 +83,6 @@ _SINKHORN_BODY = r"""
   // grid (32, 1, tokens): one SIMD group per token; lane 0 runs the 4x4 Sinkhorn in registers.
   constexpr int K = HC * D;
   constexpr int NM = HC * (2 + HC);
-  const int SPLITS = sizes[0];
   const int qi = group_z;
   const float norm_eps = params[0], hc_eps = params[1];
   SHARED float mv[NM + 1];
@@ -178,14 +176,14 @@ _EXPAND_BODY = r"""
 
 _F = mx.float32
 PROJECT_KERNEL = Kernel(
-    name="dsv4_hc_project", input_names=("streams", "fn", "sizes"), output_names=("partial",),
+    name="dsv4_hc_project", input_names=("streams", "fn"), output_names=("partial",),
     body=_PROJECT_BODY,
-    checks=(((mx.bfloat16, _F, mx.int32), (_F,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
-            ((_F, _F, mx.int32), (_F,), (("T", _F), ("HC", 4), ("D", 96)))))
+    checks=(((mx.bfloat16, _F), (_F,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 20), ("CHUNK", 1024))),
+            ((_F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 96), ("SPLITS", 1), ("CHUNK", 384)))))
 SINKHORN_KERNEL = Kernel(
-    name="dsv4_hc_sinkhorn", input_names=("partial", "scale", "base", "sizes", "params"),
+    name="dsv4_hc_sinkhorn", input_names=("partial", "scale", "base", "params"),
     output_names=("pre", "post", "comb"), body=_SINKHORN_BODY,
-    checks=(((_F, _F, _F, mx.int32, _F), (_F, _F, _F), (("HC", 4), ("D", 5120), ("ITERS", 20))),))
+    checks=(((_F, _F, _F, _F), (_F, _F, _F), (("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 20))),))
 COLLAPSE_NORM_KERNEL = Kernel(
     name="dsv4_hc_collapse_norm", input_names=("streams", "pre", "weight", "params"),
     output_names=("out",), body=_COLLAPSE_NORM_BODY,
@@ -196,6 +194,10 @@ EXPAND_KERNEL = Kernel(
     body=_EXPAND_BODY,
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((_F, _F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 100)))))
+
+
+def _float32(a):
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
 def _use_kernel(dtype) -> bool:
@@ -216,19 +218,19 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     tokens = math.prod(lead)
     K = hc * D
     splits = max(1, min(math.ceil(PROJECT_TARGET_THREADGROUPS / tokens), K // PROJECT_MIN_CHUNK))
+    splits = 1 << (splits.bit_length() - 1)   # a power of two: few compiled variants
     chunk = math.ceil(K / splits)
-    sizes = mx.array([splits, chunk], mx.int32)
     nm = hc * (2 + hc)
     (partial,) = PROJECT_KERNEL(
-        inputs=[streams, fn.astype(mx.float32), sizes], output_shapes=[(tokens * splits * (nm + 1),)],
+        inputs=[streams, _float32(fn)], output_shapes=[(tokens * splits * (nm + 1),)],
         output_dtypes=[mx.float32], grid=(PROJECT_THREADS, splits, tokens),
-        threadgroup=(PROJECT_THREADS, 1, 1), template=[("T", streams.dtype), ("HC", hc), ("D", D)])
+        threadgroup=(PROJECT_THREADS, 1, 1),
+        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits), ("CHUNK", chunk)])
     pre, post, comb = SINKHORN_KERNEL(
-        inputs=[partial, scale.astype(mx.float32), base.astype(mx.float32), sizes,
-                mx.array([norm_eps, hc_eps], mx.float32)],
+        inputs=[partial, _float32(scale), _float32(base), constant((float(norm_eps), float(hc_eps)))],
         output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc)], output_dtypes=[mx.float32] * 3,
         grid=(32, 1, tokens), threadgroup=(32, 1, 1),
-        template=[("HC", hc), ("D", D), ("ITERS", iterations)])
+        template=[("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
     return pre, post, comb
 
 
@@ -243,7 +245,7 @@ def hc_collapse_norm(streams, pre, weight, eps):
     *lead, hc, D = streams.shape
     tokens = math.prod(lead)
     (out,) = COLLAPSE_NORM_KERNEL(
-        inputs=[streams, pre.astype(mx.float32), weight, mx.array([eps], mx.float32)],
+        inputs=[streams, _float32(pre), weight, constant((float(eps),))],
         output_shapes=[(*lead, D)], output_dtypes=[streams.dtype],
         grid=(ROW_THREADS, tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D)])
@@ -261,7 +263,7 @@ def hc_expand(y, residual, post, comb):
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
     (out,) = EXPAND_KERNEL(
-        inputs=[y, residual, post.astype(mx.float32), comb.astype(mx.float32)],
+        inputs=[y, residual, _float32(post), _float32(comb)],
         output_shapes=[residual.shape], output_dtypes=[residual.dtype],
         grid=(math.ceil(D / ROW_THREADS) * ROW_THREADS, tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
         template=[("T", residual.dtype), ("HC", hc), ("D", D)])

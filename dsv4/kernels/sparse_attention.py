@@ -24,11 +24,14 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend
+from dsv4.kernels.dialect import Kernel, backend, constant
 
 HEADS_PER_GROUP = 8
 TARGET_THREADGROUPS = 256  # enough to fill a large GPU at decode; more only adds merge work
 MIN_ROWS_PER_SPLIT = 8
+# Beyond this many queries per call (prefill), the reference's tensor-core matmuls win: at
+# S = 64 the kernel measured 3.6x slower on the H200 (benchmarks/results/*kernels*).
+MAX_KERNEL_QUERIES = 16
 
 
 def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
@@ -81,8 +84,9 @@ def _gather(kv, idx, B, S):
 _PARTIAL_BODY = r"""
   // grid (32*G, n_head_groups*splits, B*S); one SIMD group per head.
   constexpr int DPL = D / 32;
-  const int S = sizes[0], W = sizes[1], N = sizes[2], NW = sizes[3], NK = sizes[4];
-  const int SPLITS = sizes[5], RPS = sizes[6];
+  const int S = q_shape[1], W = window_kv_shape[1], N = compressed_kv_shape[1];
+  const int NW = window_idx_shape[2], NK = topk_idx_shape[2];
+  const int RPS = (NW + NK + SPLITS - 1) / SPLITS;
   const int qi = group_z;
   const int b = qi / S;
   const int split = group_y % SPLITS;
@@ -163,7 +167,6 @@ _PARTIAL_BODY = r"""
 _MERGE_BODY = r"""
   // grid (32, H, B*S): one SIMD group merges one (query, head).
   constexpr int DPL = D / 32;
-  const int SPLITS = sizes[5];
   const int qi = group_z;
   const int h = group_y;
   const size_t first = ((size_t)qi * H + h) * SPLITS;
@@ -201,23 +204,23 @@ _CHECK_TYPES = ((mx.bfloat16, 512, 64, 32), (mx.float32, 64, 3, 8))
 
 PARTIAL_KERNEL = Kernel(
     name="dsv4_sparse_attention_partial",
-    input_names=("q", "window_kv", "window_idx", "compressed_kv", "topk_idx", "sizes", "params"),
+    input_names=("q", "window_kv", "window_idx", "compressed_kv", "topk_idx", "params"),
     output_names=("part_acc", "part_ml"),
     body=_PARTIAL_BODY,
     checks=tuple(
-        ((t, t, mx.int32, t, mx.int32, mx.int32, mx.float32), (mx.float32, mx.float32),
-         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP))))
+        ((t, t, mx.int32, t, mx.int32, mx.float32), (mx.float32, mx.float32),
+         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", 32)))
         for t, d, h, _ in _CHECK_TYPES),
 )
 
 MERGE_KERNEL = Kernel(
     name="dsv4_sparse_attention_merge",
-    input_names=("part_acc", "part_ml", "sinks", "sizes", "rope_cos", "rope_sin"),
+    input_names=("part_acc", "part_ml", "sinks", "rope_cos", "rope_sin"),
     output_names=("out",),
     body=_MERGE_BODY,
     checks=tuple(
-        ((mx.float32, mx.float32, mx.float32, mx.int32, mx.float32, mx.float32), (t,),
-         (("T", t), ("D", d), ("H", h), ("ROPE_HALF", r)))
+        ((mx.float32, mx.float32, mx.float32, mx.float32, mx.float32), (t,),
+         (("T", t), ("D", d), ("H", h), ("ROPE_HALF", r), ("SPLITS", 5)))
         for t, d, h, r in _CHECK_TYPES),
 )
 
@@ -225,6 +228,8 @@ MERGE_KERNEL = Kernel(
 def kernel_supports(q, window_kv, compressed_kv, rope_cos) -> bool:
     """The shapes and dtypes the kernel handles; anything else runs the reference."""
     D = q.shape[-1]
+    if q.shape[0] * q.shape[1] > MAX_KERNEL_QUERIES:
+        return False
     if D % 32 or D // 32 > 32 or q.dtype not in (mx.bfloat16, mx.float16, mx.float32):
         return False
     if window_kv.dtype != q.dtype or (compressed_kv is not None and compressed_kv.dtype != q.dtype):
@@ -234,41 +239,44 @@ def kernel_supports(q, window_kv, compressed_kv, rope_cos) -> bool:
     return True
 
 
+def _int32(a):
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)
+
+
+def _float32(a):
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+
 def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
                             rope_cos=None, rope_sin=None):
     """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""
     B, S, H, D = q.shape
-    W = window_kv.shape[1]
-    if compressed_kv is None:
-        compressed_kv = mx.zeros((B, 1, D), q.dtype)
-        topk_idx = mx.full((B, S, 1), -1, mx.int32)
-    N = compressed_kv.shape[1]
-    NW, NK = window_idx.shape[-1], topk_idx.shape[-1]
+    if compressed_kv is None:   # one never-selected row stands for the missing cache
+        compressed_kv = constant((0.0,) * D, q.dtype).reshape(1, 1, D)
+        topk_idx = constant((-1,) * (B * S), mx.int32).reshape(B, S, 1)
     groups = math.ceil(H / HEADS_PER_GROUP)
     G = min(H, HEADS_PER_GROUP)
-    rows = NW + NK
+    rows = window_idx.shape[-1] + topk_idx.shape[-1]
+    # Splits depend only on the batch and head counts and a coarse row count, so few variants
+    # get compiled; a split past the last row writes an empty partial.
     splits = max(1, min(math.ceil(TARGET_THREADGROUPS / (B * S * groups)),
                         math.ceil(rows / MIN_ROWS_PER_SPLIT)))
-    rows_per_split = max(1, math.ceil(rows / splits))
-    splits = max(1, math.ceil(rows / rows_per_split))
-    sizes = mx.array([S, W, N, NW, NK, splits, rows_per_split, 0], mx.int32)
-    params = mx.array([scale], mx.float32)
+    splits = 1 << (splits - 1).bit_length()
     part_acc, part_ml = PARTIAL_KERNEL(
-        inputs=[q, window_kv, window_idx.astype(mx.int32), compressed_kv, topk_idx.astype(mx.int32),
-                sizes, params],
+        inputs=[q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx),
+                constant((float(scale),))],
         output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
         output_dtypes=[mx.float32, mx.float32],
         grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
-        template=[("T", q.dtype), ("D", D), ("H", H), ("G", G)])
+        template=[("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits)])
     rope_half = 0 if rope_cos is None else rope_cos.shape[-1]
     if rope_cos is None:
-        rope_cos = rope_sin = mx.zeros((8,), mx.float32)
+        rope_cos = rope_sin = constant((0.0,) * 8)
     (out,) = MERGE_KERNEL(
-        inputs=[part_acc, part_ml, sinks.astype(mx.float32), sizes,
-                rope_cos.astype(mx.float32), rope_sin.astype(mx.float32)],
+        inputs=[part_acc, part_ml, _float32(sinks), _float32(rope_cos), _float32(rope_sin)],
         output_shapes=[q.shape], output_dtypes=[q.dtype],
         grid=(32, H, B * S), threadgroup=(32, 1, 1),
-        template=[("T", q.dtype), ("D", D), ("H", H), ("ROPE_HALF", rope_half)])
+        template=[("T", q.dtype), ("D", D), ("H", H), ("ROPE_HALF", rope_half), ("SPLITS", splits)])
     return out
 
 
@@ -287,8 +295,8 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
                                 2R dims of the output are de-rotated (interleaved pairs)
     returns       [B, S, H, D]  in q's dtype; zeros for a query with no valid row
 
-    Uses the GPU kernel when the backend has one and flag `kernel_sparse_attention` is on,
-    else `sparse_attention_reference`.
+    Uses the GPU kernel when the backend has one, flag `kernel_sparse_attention` is on and
+    B*S <= MAX_KERNEL_QUERIES (decode, draft verification), else `sparse_attention_reference`.
     """
     if topk_idx is not None and topk_idx.shape[-1] == 0:
         compressed_kv = topk_idx = None   # nothing selected yet (e.g. the first tokens)
