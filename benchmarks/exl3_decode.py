@@ -125,7 +125,7 @@ def main() -> None:
     others = [json.loads(path.read_text()) for path in args.merge]
     text = report(result, others)
     if args.exllamav3.is_file():
-        text += "\n".join(exllamav3_section(json.loads(args.exllamav3.read_text())))
+        text += "\n" + "\n".join(exllamav3_section(json.loads(args.exllamav3.read_text())))
     text += "".join(f"\n{note}\n" for note in args.note)
     out = Path(__file__).parent / "results" / f"{result['date']}-exl3-decode.md"
     out.write_text(text)
