@@ -154,6 +154,7 @@ def test_converted_directory_loads_and_runs(converted):
     assert logits.shape[:2] == ids.shape and np.all(np.isfinite(np.array(logits)))
 
 
+@pytest.mark.slow
 def test_bits_override_and_parallel_workers_give_the_same_bytes(converted, tmp_path):
     root, _, _ = converted
     exl3.convert(root / "pack", tmp_path / "w2", bits=8, workers=2, progress=False)
@@ -233,6 +234,7 @@ def test_resumed_conversion_reports_every_module(converted, tmp_path, monkeypatc
     assert 0 < len(again) < len(errors) * 8  # finished shards were not decoded again
 
 
+@pytest.mark.slow
 def test_cli_subcommand(converted, tmp_path):
     import subprocess
     import sys

@@ -1,6 +1,8 @@
 #!/bin/bash
 # On the GPU machine, from the repository root, with exllamav3's source tree carried in
-# .exl3src/ (git archive of turboderp-org/exllamav3, folder exllamav3/):
+# .exl3src/ (an ignored folder: add /.exl3src/ to .git/info/exclude), made here with
+#   mkdir .exl3src && git -C <exllamav3 clone> archive HEAD exllamav3 | tar -x -C .exl3src
+# (2026-11-29: commit 4f8ad01, v1.4.1). Then, there:
 #   bash tools/exl3_groundtruth/run.sh
 # Writes the test vectors and a log to $OUT; copy the npz files to tests/fixtures/exl3/.
 set -o pipefail
