@@ -150,7 +150,15 @@ def _parts_of(path: Path) -> list[Path]:
     return parts
 
 
-_MAPS: dict[str, np.memmap] = {}
+_MAPS: dict[tuple, np.memmap] = {}  # per process: (path, size, mtime) -> the mapped file
+
+
+def _mapped(path: str) -> np.memmap:
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns)  # a file written again is mapped again
+    if key not in _MAPS:
+        _MAPS[key] = np.memmap(path, np.uint8, mode="r")
+    return _MAPS[key]
 
 
 def read_bytes(parts: tuple[tuple[str, int], ...], offset: int, nbytes: int) -> np.ndarray:
@@ -160,9 +168,7 @@ def read_bytes(parts: tuple[tuple[str, int], ...], offset: int, nbytes: int) -> 
     for path, size in parts:
         lo, hi = max(offset, start), min(offset + nbytes, start + size)
         if lo < hi:
-            if path not in _MAPS:
-                _MAPS[path] = np.memmap(path, np.uint8, mode="r")
-            pieces.append(_MAPS[path][lo - start: hi - start])
+            pieces.append(_mapped(path)[lo - start: hi - start])
         start += size
     got = sum(len(p) for p in pieces)
     if got != nbytes:
@@ -187,6 +193,13 @@ class GGUFSource:
         self.fields = reader.fields
         self.tensors = {t.name: t for t in reader.tensor_infos}
         del reader
+        size = sum(n for _, n in self.parts)
+        for t in self.tensors.values():
+            if t.offset + t.nbytes > size:
+                raise ConversionError(
+                    f"{path}: tensor {t.name} ends at byte {t.offset + t.nbytes}, but the file"
+                    f"{' parts have' if len(self.parts) > 1 else ' has'} {size} bytes (truncated "
+                    f"download{', or a missing part' if path.name.endswith('.part1') else ''}?)")
 
     def has(self, key: str) -> bool:
         return key in self.fields

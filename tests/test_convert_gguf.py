@@ -233,6 +233,11 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     with open_table(refs["1"], tmp_path / "out") as table:
         assert np.array_equal(table.read_range(0, table.rows),
                               np.frombuffer(data, np.uint8, table.rows * 264, first_table).reshape(-1, 264))
+    # a missing last part: the tensor that ends past the data is named
+    with pytest.raises(ConversionError, match=r"tensor blk\.\d+\.\w+\.weight ends at byte \d+, "
+                                              r"but the file has \d+ bytes .*a missing part"):
+        (tmp_path / "m.gguf.part2").rename(tmp_path / "m.gguf.partX")
+        conv.GGUFSource(tmp_path / "m.gguf.part1")
     # a cut inside a table: it cannot be referenced in place; refused, nothing written ...
     (tmp_path / "n.gguf.part1").write_bytes(data[:first_table + 1000])
     (tmp_path / "n.gguf.part2").write_bytes(data[first_table + 1000:])
