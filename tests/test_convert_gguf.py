@@ -181,6 +181,7 @@ def test_engram_rows_through_the_store(mixed):
     config = json.loads((mixed["out"] / "config.json").read_text())
     refs = config["dsv4"]["engram"]
     assert sorted(refs) == ["1", "3"]
+    assert all(ref["offset"] % 16384 == 0 for ref in refs.values())  # as ds4 aligns them
     for layer, ref in refs.items():
         with open_table(ref, mixed["out"]) as table:
             rows = table.read_range(0, table.rows)
