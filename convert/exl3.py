@@ -24,13 +24,15 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Optional
 
+import mlx.core as mx
 import numpy as np
 
-from dsv4.config import ModelArgs
 from dsv4 import layout
-from dsv4.safetensors_file import Checkpoint, CheckpointError, TensorInfo
+from dsv4.config import ModelArgs
+from dsv4.safetensors_file import Checkpoint, CheckpointError, TensorInfo, view
 
 from . import exl3_pack, official
+from .exl3_decode import linear_weight
 from .exl3_pack import Exl3Linear
 from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
 
@@ -147,9 +149,9 @@ def plan_pack(ckpt: Checkpoint, args: ModelArgs,
     targets = list(singles)
     for name, by_index in sorted(experts.items()):
         if len(by_index) != args.n_routed_experts:
-            official = sorted(set(range(args.n_routed_experts)) - set(by_index))
+            others = sorted(set(range(args.n_routed_experts)) - set(by_index))
             raise ConversionError(f"{name}: experts {sorted(by_index)[:8]}... are EXL3 but "
-                                  f"{official[:8]}... are not; a mixed stack is not supported")
+                                  f"{others[:8]}... are not; a mixed stack is not supported")
         first = by_index[0].module
         out, inp = exl3_pack.linear_shape(*expected[f"{first}.weight"])
         targets.append(Target(name, tuple(by_index[e] for e in sorted(by_index)), out, inp, True))
@@ -176,12 +178,6 @@ def decode_requantize(lin: Exl3Linear, out: int, inp: int, bits: Optional[int], 
     """One EXL3 Linear -> MLX affine (weight uint32, scales/biases bf16 bits), or bf16 weight
     bits when `bits` is None, + the squared error this adds and the squared norm of the
     decoded weight."""
-    import mlx.core as mx
-
-    from dsv4.safetensors_file import view
-
-    from .exl3_decode import linear_weight
-
     weight = linear_weight(np.asarray(view(lin.trellis)), exl3_pack.scales(lin.input_scales),
                            exl3_pack.scales(lin.output_scales), lin.codebook)[:out, :inp]
     if bits is None:
