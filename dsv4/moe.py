@@ -52,7 +52,7 @@ class RoutedExperts(nn.Module):
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]."""
         n, k = ids.shape
-        used = experts_used(ids) if dequant_matmul() else None
+        used = experts_used(ids) if dequant_matmul(ids.size) else None
         if n * k < 64:
             # Few rows: every token's k experts straight from the indices.
             xs = fp8_input(x)[:, None, None, :]                              # [N, 1, 1, D]
