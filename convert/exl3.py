@@ -245,16 +245,20 @@ class Decoder:
     def produce(self, target: Target):
         jobs = [(lin, target.out, target.inp, self.bits(target), self.group_size)
                 for lin in target.linears]
-        results, shown = [], 0.0
-        for result in (self._pool.map(_decode_job, jobs) if self._pool else map(_decode_job, jobs)):
-            results.append(result)
+        parts, err2, ref2, shown = None, 0.0, 0.0, 0.0
+        results = self._pool.map(_decode_job, jobs) if self._pool else map(_decode_job, jobs)
+        for i, (*arrays, e2, r2) in enumerate(results):
+            if parts is None:  # one output array per part, filled as experts arrive
+                parts = [np.empty((len(jobs), *a.shape), a.dtype) for a in arrays]
+            for part, a in zip(parts, arrays):
+                part[i] = a
+            err2, ref2 = err2 + e2, ref2 + r2
             if self.progress and time.monotonic() - shown > 0.5:  # a stack takes minutes
                 shown = time.monotonic()
-                print(f"\rdecoding {target.name}: {len(results)}/{len(jobs)} ", end="",
+                print(f"\rdecoding {target.name}: {i + 1}/{len(jobs)} ", end="",
                       file=sys.stderr, flush=True)
-        parts = [np.stack(arrays) if target.stacked else arrays[0]
-                 for arrays in zip(*(r[:-2] for r in results))]
-        err2, ref2 = sum(r[-2] for r in results), sum(r[-1] for r in results)
+        if not target.stacked:
+            parts = [p[0] for p in parts]
         if len(parts) == 1:
             tensors = {f"{target.name}.weight": ("BF16", parts[0])}
         else:
