@@ -22,10 +22,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import mlx.core as mx
 import numpy as np
+import typer
 
 from dsv4 import layout
 from dsv4.config import ModelArgs
@@ -379,29 +380,29 @@ def errors_by_k(errors: dict[str, float], targets: list[Target]) -> dict[tuple, 
 
 
 def exl3_command(
-    src: str,
-    dst: Path,
-    revision: Optional[str] = None,
-    bits: Optional[int] = None,
-    group_size: int = 64,
-    workers: Optional[int] = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    verify: bool = False,
-    quiet: bool = False,
+    src: Annotated[str, typer.Argument(help="EXL3 pack directory or Hugging Face repo id")],
+    dst: Annotated[Path, typer.Argument(help="dsv4 model directory to create")],
+    revision: Annotated[Optional[str], typer.Option(help="branch, tag or commit of a repo id")] = None,
+    bits: Annotated[Optional[int], typer.Option(
+        help="affine width of the routed experts, 2/3/4/5/6/8 (default from each stack's K: "
+             "K1->3, K2->4, K3->5, K4->6, K5+->8)")] = None,
+    group_size: Annotated[int, typer.Option(help="values per affine scale: 32/64/128")] = 64,
+    workers: Annotated[Optional[int], typer.Option(
+        help="decoding processes (default min(4, cores))")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace DST (and any unfinished conversion)")] = False,
+    resume: Annotated[bool, typer.Option(help="continue an interrupted conversion into DST")] = False,
+    verify: Annotated[bool, typer.Option(help="re-read sampled rows of every official tensor "
+                                              "written and compare them with the source")] = False,
+    shard_gb: Annotated[float, typer.Option(help="largest weight file, in GB (1e9 bytes)")] = 5.0,
+    quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
-    """Convert an EXL3 (exllamav3) pack of DeepSeek V4.1 Flash (directory or Hugging Face
-    repo id) into a dsv4 model directory.
-
-    EXL3 routed experts are decoded and requantised to MLX affine: --bits for all of them, by
-    default from each module's K (K1->3, K2->4, K3->5, K4->6, K5+->8 bits), --group-size values
-    per scale; other EXL3 Linears (head, attention in native exllamav3 conversions) become bf16. Official tensors are packed as by `official`. --workers decode processes (default
-    min(4, cores)).
-    """
+    """Convert an EXL3 (exllamav3) pack: routed experts decoded and requantised to MLX affine
+    (the added error is reported), other EXL3 Linears to bf16, official tensors as `official`."""
     try:
         result = convert(src, dst, revision=revision, bits=bits, group_size=group_size,
                          workers=workers, overwrite=overwrite, resume=resume, verify=verify,
-                         progress=not quiet, log=lambda line: print(line, file=sys.stderr))
+                         max_shard_bytes=int(shard_gb * 1e9), progress=not quiet,
+                         log=lambda line: print(line, file=sys.stderr))
     except ValueError as e:  # bad input: the message names the file and tensor
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
