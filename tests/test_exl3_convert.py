@@ -9,6 +9,7 @@ packing (`dsv4.layout`) of the checkpoint the pack was made from.
 import json
 import re
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ from dsv4.config import ModelArgs
 from dsv4.safetensors_file import Checkpoint, CheckpointError, view
 from dsv4.testing import write_sharded, write_tiny_checkpoint
 
+FIXTURES = Path(__file__).parent / "fixtures" / "exl3"
 EXPERT = re.compile(r"^(layers\.(\d+)\.ffn\.experts\.\d+\.w[123])\.(weight|scale)$")
 KS = [1, 2, 3, 4, 5, 6, 7, 8]  # layer i uses K = KS[i], codebook CODEBOOKS[i % 3]
 
@@ -30,7 +32,8 @@ def pad128(x):
     return -(-x // 128) * 128
 
 
-def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=None, singles=()):
+def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=None, singles=(),
+              inject=None):
     """Turn the official checkpoint into an EXL3 pack (routed experts, and the Linears named in
     `singles`, EXL3-coded); returns {module: (K, codebook)}."""
     rng = np.random.default_rng(seed)
@@ -58,6 +61,9 @@ def make_pack(official, pack, seed=0, skip=(), marker_value=None, config_edit=No
         sign = rng.choice([-1.0, 1.0], kp + np_)
         tensors[f"{module}.suh"] = ("F16", (sign[:kp] * rng.uniform(0.05, 0.1, kp)).astype(np.float16))
         tensors[f"{module}.svh"] = ("F16", (sign[kp:] * rng.uniform(0.5, 1.0, np_)).astype(np.float16))
+        if inject and module in inject:  # given trellis, suh, svh
+            for part, array in zip(("trellis", "suh", "svh"), inject[module]):
+                tensors[f"{module}.{part}"] = (tensors[f"{module}.{part}"][0], array)
         if codebook != "3inst":
             value = marker_value if marker_value is not None else \
                 exl3_pack.LOCKED_MULTIPLIERS[codebook]
@@ -282,3 +288,21 @@ def test_group_major_reindexed_pack_is_refused(converted, tmp_path):
     (pack / "permute_g8_manifest.json").write_text("{}")
     with pytest.raises(ConversionError, match="PF-G8 pack"):
         exl3.convert(pack, tmp_path / "out", workers=1, progress=False)
+
+
+def test_expert_matches_exllamav3_itself(official, tmp_path):
+    # exllamav3's own full weight (get_weight_tensor on an H200) of a 128x128 K=1 3INST tensor,
+    # placed as expert 0 of layer 0 (K=1, 3INST in this pack); 8-bit so requantising adds ~0.7%
+    with np.load(FIXTURES / "exl3_3inst.npz") as z:
+        trellis, suh, svh, w_exl = (z[f"K1_{k}"] for k in ("trellis", "suh", "svh", "w_torch"))
+    module = "layers.0.ffn.experts.0.w1"
+    make_pack(official, tmp_path / "pack", inject={module: (trellis, suh, svh)})
+    exl3.convert(tmp_path / "pack", tmp_path / "out", bits=8, workers=1, progress=False)
+    out = Checkpoint(tmp_path / "out")
+    name = "layers.0.ffn.experts.w1"
+    scales, biases = (mx.array(np.array(view(out[f"{name}.{part}"]))[0]).view(mx.bfloat16)
+                      .astype(mx.float32) for part in ("scales", "biases"))
+    w = np.array(mx.dequantize(mx.array(np.array(view(out[f"{name}.weight"]))[0]), scales, biases,
+                               group_size=64, bits=8))
+    expect = w_exl[: w.shape[1], : w.shape[0]].T.astype(np.float64)  # exllamav3 is [in, out]
+    assert np.sqrt(np.sum((w - expect) ** 2) / np.sum(expect**2)) < 0.01
