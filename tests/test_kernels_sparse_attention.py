@@ -125,6 +125,8 @@ def test_dispatch_cpu_uses_reference_and_switch_selects_kernel(monkeypatch):
     odd = dict(case, q=case["q"][..., :16], window_kv=case["window_kv"][..., :16],
                compressed_kv=case["compressed_kv"][..., :16])
     assert isinstance(sa.sparse_attention(**odd), mx.array)   # D=16 is not a kernel shape
+    prefill = random_case(rng, 1, sa.MAX_KERNEL_QUERIES + 1, 2, 32, 4, 4, 2, 2, mx.float32)
+    assert isinstance(sa.sparse_attention(**prefill), mx.array)   # prefill: the reference
     assert called == [1]
 
 

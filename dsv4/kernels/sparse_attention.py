@@ -29,9 +29,10 @@ from dsv4.kernels.dialect import Kernel, backend, constant
 HEADS_PER_GROUP = 8
 TARGET_THREADGROUPS = 256  # enough to fill a large GPU at decode; more only adds merge work
 MIN_ROWS_PER_SPLIT = 8
-# Beyond this many queries per call (prefill), the reference's tensor-core matmuls win: at
-# S = 64 the kernel measured 3.6x slower on the H200 (benchmarks/results/*kernels*).
-MAX_KERNEL_QUERIES = 16
+# Beyond this many queries per call (prefill), the reference's tensor-core matmuls win. On the
+# H200 the kernel was 3.3x faster at S = 1, 1.6x at S = 4, 0.83x at S = 16 and 0.35x at S = 64
+# (benchmarks/results/2026-11-29-1444-kernels-h200.md); the crossover lies near S = 12.
+MAX_KERNEL_QUERIES = 8
 
 
 def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
