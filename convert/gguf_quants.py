@@ -190,22 +190,26 @@ def fit_affine(values: np.ndarray, bits: int, steps: int = 2, weights: np.ndarra
     improved by `steps` Lloyd steps (nearest codes <-> least-squares line); per row the better
     of the two after rounding to f16, so never worse than min/max."""
     top = (1 << bits) - 1
-    v = values.astype(np.float32)
-    w = np.ones_like(v) if weights is None else weights.astype(np.float32)
+    # transposed to [k, g]: sums over k become k - 1 adds of contiguous rows, which numpy
+    # does far faster than reductions over a short last axis
+    v = np.ascontiguousarray(values.T, np.float32)
+    w = np.ones_like(v) if weights is None else np.ascontiguousarray(weights.T, np.float32)
     present = w > 0
-    lo = np.where(present, v, np.inf).min(-1)
-    hi = np.where(present, v, -np.inf).max(-1)
+    lo = np.where(present, v, np.inf).min(0)
+    hi = np.where(present, v, -np.inf).max(0)
     s = np.where(hi > lo, (hi - lo) / top, 1.0).astype(np.float32)
     b = lo.astype(np.float32)
     start = (s, b)
-    total = w.sum(-1)
+    total = w.sum(0)
+    wv = w * v
+    sv = wv.sum(0)
     for _ in range(steps):
-        c = np.clip(np.rint((v - b[:, None]) / s[:, None]), 0, top)
+        c = np.clip(np.rint((v - b) / s), 0, top)
         wc = w * c
-        sc, sv = wc.sum(-1), (w * v).sum(-1)
-        den = total * (wc * c).sum(-1) - sc * sc
+        sc = wc.sum(0)
+        den = total * (wc * c).sum(0) - sc * sc
         ok = den > 0
-        new_s = np.where(ok, (total * (wc * v).sum(-1) - sc * sv) / np.where(ok, den, 1), s)
+        new_s = np.where(ok, (total * (wc * v).sum(0) - sc * sv) / np.where(ok, den, 1), s)
         ok &= new_s > 0
         s = np.where(ok, new_s, s).astype(np.float32)
         b = np.where(ok, (sv - s * sc) / total, b).astype(np.float32)
@@ -216,18 +220,18 @@ def fit_affine(values: np.ndarray, bits: int, steps: int = 2, weights: np.ndarra
         bad = ~(np.isfinite(s16) & np.isfinite(b16))
         if bad.any():
             raise QuantError(f"group {int(np.argmax(bad))}: values up to "
-                             f"{float(np.abs(v[bad]).max())} do not fit an f16 scale and bias")
+                             f"{float(np.abs(v[:, bad]).max())} do not fit an f16 scale and bias")
         s32, b32 = s16.astype(np.float32), b16.astype(np.float32)
         safe = np.where(s32 == 0, np.float32(1), s32)
-        c = np.clip(np.rint((v - b32[:, None]) / safe[:, None]), 0, top).astype(np.uint8)
-        err = (w * np.square(s32[:, None] * c + b32[:, None] - v)).sum(-1)
+        c = np.clip(np.rint((v - b32) / safe), 0, top).astype(np.uint8)
+        err = (w * np.square(s32 * c + b32 - v)).sum(0)
         if best is None:
             best = [s16, b16, c, err]
         else:
             better = err < best[3]
             best = [np.where(better, s16, best[0]), np.where(better, b16, best[1]),
-                    np.where(better[:, None], c, best[2]), np.minimum(err, best[3])]
-    return best[0], best[1], best[2]
+                    np.where(better, c, best[2]), np.minimum(err, best[3])]
+    return best[0], best[1], np.ascontiguousarray(best[2].T)
 
 
 def q2_k(raw: np.ndarray, bits: int = 4, steps: int = 2) -> Affine:
@@ -239,16 +243,23 @@ def q2_k(raw: np.ndarray, bits: int = 4, steps: int = 2) -> Affine:
     dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
     step = d * (blocks[:, :16] & 0xF).astype(np.float32)                     # [n, 16]
     low = dmin * (blocks[:, :16] >> 4).astype(np.float32)
-    # byte l of each 32-byte half holds elements 32j + l (j = 0..3) of that half of 128
-    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = q.reshape(n * 16, 16).astype(np.int64)                               # per sub-block
-    counts = np.bincount((np.arange(n * 16)[:, None] * 4 + q).ravel(), minlength=n * 64)
+    # Byte l of half h holds, at bits 2j, element 128h + 32j + l: sub-block 8h + 2j + l // 16.
+    # Count each q per sub-block with one byte lane per q value (1 << 8q), summing the 16
+    # bytes of a sub-block as contiguous rows.
+    by_l = np.ascontiguousarray(blocks[:, 16:80].reshape(n, 2, 2, 16).transpose(3, 0, 1, 2))
+    lanes = np.array([1, 1 << 8, 1 << 16, 1 << 24], np.uint32)
+    counts = np.stack([lanes[(by_l >> (2 * j)) & 3].sum(0, dtype=np.uint32) for j in range(4)],
+                      axis=2)                                                # [n, h, j, l//16]
+    counts = counts.view(np.uint8).reshape(n * 8, 8)                         # per group
     values = (step.reshape(-1, 1) * np.arange(4, dtype=np.float32) - low.reshape(-1, 1))
-    values, counts = values.reshape(n * 8, 8), counts.reshape(n * 8, 8)      # per group
+    values = values.reshape(n * 8, 8)
     s, b, c = fit_affine(values, bits, steps, counts)
-    codes = np.take_along_axis(c.reshape(n * 16, 4), q, axis=1)
+    # each element's code: byte q of its sub-block's four codes packed in a uint32
+    table = np.ascontiguousarray(c).view("<u4").reshape(n, 2, 4, 2, 1)   # [n, h, j, l//16, .]
+    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    codes = (table >> (q.reshape(n, 2, 4, 2, 16).astype(np.uint32) * 8)) & 0xFF
     got = s.astype(np.float64)[:, None] * c + b.astype(np.float64)[:, None]
-    return Affine(pack_codes(codes.reshape(*lead, -1), bits), s.reshape(*lead, -1),
+    return Affine(pack_codes(codes.astype(np.uint8).reshape(*lead, -1), bits), s.reshape(*lead, -1),
                   b.reshape(*lead, -1), bits, False,
                   float(np.sum(counts * np.square(got - values))),
                   float(np.sum(counts * np.square(values.astype(np.float64)))))
