@@ -145,3 +145,22 @@ def test_select_all_visible_equals_topk_when_everything_fits(start_pos, length, 
             picked = np.sort(np.argsort(-masked)[:topk])
             picked = picked[np.isfinite(masked[picked])]
             assert sorted(got[b, s][got[b, s] >= 0]) == list(picked)
+
+
+def test_reference_in_query_blocks_equals_one_block(monkeypatch):
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 7, 2, 32, 9, 9, 4, 3, mx.float32)
+    theta = rng.uniform(-3, 3, (1, 7, 4)).astype(np.float32)
+    case.update(rope_cos=mx.array(np.cos(theta)), rope_sin=mx.array(np.sin(theta)))
+    whole = np.array(sa.sparse_attention_reference(**case))
+    monkeypatch.setattr(sa, "QUERY_BLOCK", 3)
+    np.testing.assert_array_equal(np.array(sa.sparse_attention_reference(**case)), whole)
+
+
+def test_batch_one_indices_broadcast_over_the_batch():
+    rng = np.random.default_rng()
+    case = random_case(rng, 2, 3, 2, 32, 5, 6, 4, 2, mx.float32)
+    shared_w, shared_t = case["window_idx"][:1], case["topk_idx"][:1]
+    got = np.array(sa.sparse_attention(**dict(case, window_idx=shared_w, topk_idx=shared_t)))
+    full = dict(case, window_idx=mx.broadcast_to(shared_w, (2, 3, 4)), topk_idx=mx.broadcast_to(shared_t, (2, 3, 2)))
+    np.testing.assert_allclose(got, oracle(*as_np(full)), rtol=1e-4, atol=1e-5)

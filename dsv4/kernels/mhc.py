@@ -44,7 +44,9 @@ def hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations=20
 def hc_collapse_norm_reference(streams, pre, weight, eps):
     """Plain-MLX definition; see `hc_collapse_norm`."""
     collapsed = mx.sum(pre[..., None] * streams.astype(mx.float32), axis=-2).astype(streams.dtype)
-    return mx.fast.rms_norm(collapsed, weight, eps)
+    h = collapsed.astype(mx.float32)
+    h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + eps)
+    return (h * weight.astype(mx.float32)).astype(streams.dtype)
 
 
 def hc_expand_reference(y, residual, post, comb):
@@ -129,7 +131,7 @@ _SINKHORN_BODY = r"""
 """
 
 _COLLAPSE_NORM_BODY = r"""
-  // grid (256, tokens, 1): h = round(sum_c pre_c X_c); out = w * round(h * rsqrt(mean(h^2) + eps)).
+  // grid (256, tokens, 1): h = round(sum_c pre_c X_c); out = round(w * h * rsqrt(mean(h^2) + eps)).
   constexpr int EPT = (D + 255) / 256;
   const int qi = group_y;
   float p[HC];
@@ -155,7 +157,7 @@ _COLLAPSE_NORM_BODY = r"""
   const float n = RSQRT(total / (float)D + params[0]);
   for (int e = 0; e < EPT; ++e) {
     const int d = (int)tid + 256 * e;
-    if (d < D) out[(size_t)qi * D + d] = static_cast<T>(float(weight[d]) * float(static_cast<T>(h[e] * n)));
+    if (d < D) out[(size_t)qi * D + d] = static_cast<T>(float(weight[d]) * (h[e] * n));
   }
 """
 
@@ -188,6 +190,7 @@ COLLAPSE_NORM_KERNEL = Kernel(
     name="dsv4_hc_collapse_norm", input_names=("streams", "pre", "weight", "params"),
     output_names=("out",), body=_COLLAPSE_NORM_BODY,
     checks=(((mx.bfloat16, _F, mx.bfloat16, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
+            ((mx.bfloat16, _F, _F, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((_F, _F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 100)))))
 EXPAND_KERNEL = Kernel(
     name="dsv4_hc_expand", input_names=("y", "residual", "post", "comb"), output_names=("out",),
@@ -237,10 +240,11 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
 def hc_collapse_norm(streams, pre, weight, eps):
     """RMSNorm of the collapse sum_c pre_c X_c (fp32 sum rounded to the streams' dtype).
 
-    streams [B, S, hc, D]; pre [B, S, hc] fp32; weight [D]. Returns [B, S, D] in the streams'
-    dtype, equal to `mx.fast.rms_norm(collapse, weight, eps)`.
+    streams [B, S, hc, D]; pre [B, S, hc] fp32; weight [D] (any float dtype). Returns
+    [B, S, D] in the streams' dtype: w * h * rsqrt(mean(h^2) + eps) in fp32, rounded once
+    (dsv4.attention.RMSNorm's formula, the official one).
     """
-    if not _use_kernel(streams.dtype) or weight.dtype != streams.dtype:
+    if not _use_kernel(streams.dtype) or weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
         return hc_collapse_norm_reference(streams, pre, weight, eps)
     *lead, hc, D = streams.shape
     tokens = math.prod(lead)

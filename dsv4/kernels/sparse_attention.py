@@ -35,9 +35,20 @@ MIN_ROWS_PER_SPLIT = 8
 MAX_KERNEL_QUERIES = 8
 
 
+QUERY_BLOCK = 128   # the reference gathers rows per query: bound its memory in prefill
+
+
 def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
                                rope_cos=None, rope_sin=None):
     """Plain-MLX definition of the op; see `sparse_attention` for the contract."""
+    S = q.shape[1]
+    if S > QUERY_BLOCK:
+        part = lambda a, lo: None if a is None else a[:, lo:lo + QUERY_BLOCK]
+        return mx.concatenate([
+            sparse_attention_reference(part(q, lo), window_kv, part(window_idx, lo), compressed_kv,
+                                       part(topk_idx, lo), sinks, scale, part(rope_cos, lo),
+                                       part(rope_sin, lo))
+            for lo in range(0, S, QUERY_BLOCK)], axis=1)
     B, S, H, D = q.shape
     rows, valid = _gather(window_kv, window_idx, B, S)
     if compressed_kv is not None:
@@ -252,6 +263,9 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
                             rope_cos=None, rope_sin=None):
     """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""
     B, S, H, D = q.shape
+    window_idx = mx.broadcast_to(window_idx, (B, S, window_idx.shape[-1]))   # [1, S, w] -> [B, S, w]
+    if compressed_kv is not None:
+        topk_idx = mx.broadcast_to(topk_idx, (B, S, topk_idx.shape[-1]))
     if compressed_kv is None:   # one never-selected row stands for the missing cache
         compressed_kv = constant((0.0,) * D, q.dtype).reshape(1, 1, D)
         topk_idx = constant((-1,) * (B * S), mx.int32).reshape(B, S, 1)
@@ -287,9 +301,9 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
 
     q             [B, S, H, D]  queries (bf16 in the model; fp16/fp32 also accepted)
     window_kv     [B, W, D]     window rows (K = V), same dtype as q
-    window_idx    [B, S, w]     int: rows of window_kv each query sees; -1 (or >= W) = none
+    window_idx    [B|1, S, w]   int: rows of window_kv each query sees; -1 (or >= W) = none
     compressed_kv [B, N, D]     compressed rows, or None (layers without compression)
-    topk_idx      [B, S, k]     int: rows of compressed_kv each query sees; -1 = none
+    topk_idx      [B|1, S, k]   int: rows of compressed_kv each query sees; -1 = none
     sinks         [H]           fp32 sink logits (denominator only)
     scale         float         softmax scale (512**-0.5 in V4.1)
     rope_cos/sin  [B, S, R]     optional fp32 cos/sin of each query's RoPE angles: the last
