@@ -327,7 +327,7 @@ class Attention(nn.Module):
         rows = self.args.o_lora_rank
         idx = mx.arange(g)[None]
         w = self.wo_a
-        if isinstance(w, QuantizedLinear) and not dequant_matmul(b * s):
+        if isinstance(w, QuantizedLinear) and not dequant_matmul():
             out = mx.gather_qmm(x, w.weight.reshape(g, rows, -1), w.scales.reshape(g, rows, -1),
                                 None if w.get("biases") is None else w.biases.reshape(g, rows, -1),
                                 rhs_indices=idx, transpose=True, group_size=w.group_size,

@@ -99,8 +99,9 @@ define("index_key_quirk", False,
        "decode: ratio-2 index sources score against the last published keys, as the "
        "reference code does (model-spec 3.9); off uses each layer's own owner keys")
 define("dequant_matmul", "auto",
-       "quantized layers dequantize their weights and use a plain matmul: auto (on the "
-       "CPU device for 16+ rows, where MLX's quantized matmul is slow), on, off")
+       "quantized layers keep a dequantized copy of their weight (once, on first use) and "
+       "use plain matmuls: auto (on for the CPU device, where MLX's quantized matmul is "
+       "slow; costs the memory of the dense copy), on, off")
 
 # --- Engram store (on-disk tables) -----------------------------------------------------
 # Defaults from benchmarks/results/2026-11-29-142127-engram-reads.md (python -m

@@ -1,35 +1,41 @@
 """Linear layers: dense, quantized, and stacked experts, with a CPU-friendly path.
 
-MLX's CPU backend multiplies mxfp8/mxfp4 weights an order of magnitude slower than it
-dequantizes them (measured: a 128x512 @ 512x1024 mxfp8 product 2.2 s vs 58 ms in bf16),
-so with DSV4_DEQUANT_MATMUL (default "auto": on the CPU device, for products of 16 rows
-or more, i.e. prefill) quantized layers dequantize their weights (exactly: every
-mxfp8/mxfp4 value is a bf16) and use a plain matmul. GPUs keep MLX's quantized kernels.
+MLX's CPU backend multiplies mxfp8/mxfp4 weights an order of magnitude slower than a
+plain matmul (measured: a 128x512 @ 512x1024 mxfp8 product 2.2 s vs 58 ms in bf16).
+With DSV4_DEQUANT_MATMUL (default "auto": on for the CPU device) a quantized layer
+dequantizes its weight once, on first use, keeps the dense copy and multiplies with
+plain matmuls. The values are exact (every mxfp8/mxfp4 value is a bf16), every row
+count takes the same kernel, so prefill chunking and prompt reuse give bit-identical
+results, and the price is memory: the dense copy (bf16; float32 for the experts,
+whose CPU gather_mm takes float32 only). GPUs keep MLX's quantized kernels.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from . import flags
 
 
-# Below this many rows the CPU's quantized matvec beats dequantize + matmul (measured
-# on the medium benchmark config: 188 vs 272 ms per decode step).
-_DEQUANT_MIN_ROWS = 16
-
-
-def dequant_matmul(rows: int) -> bool:
-    """Whether a product with `rows` input rows should dequantize the weight first."""
+def dequant_matmul() -> bool:
     mode = flags.get("dequant_matmul")
     if mode == "auto":
-        return mx.default_device() == mx.cpu and rows >= _DEQUANT_MIN_ROWS
+        return mx.default_device() == mx.cpu
     return mode in ("1", "on", "true")
+
+
+def _dense(module: nn.Module, dtype: mx.Dtype) -> mx.array:
+    """The module's weight dequantized to `dtype`, made once and kept."""
+    cache = module.__dict__.setdefault("_dense_weights", {})
+    if dtype not in cache:
+        cache[dtype] = mx.dequantize(module["weight"], module["scales"], module.get("biases"),
+                                     group_size=module.group_size, bits=module.bits,
+                                     mode=module.mode, dtype=dtype)
+        mx.eval(cache[dtype])
+    return cache[dtype]
 
 
 class Linear(nn.Linear):
@@ -39,11 +45,10 @@ class Linear(nn.Linear):
 
 class QuantizedLinear(nn.QuantizedLinear):
     def dequantized(self, dtype) -> mx.array:
-        return mx.dequantize(self["weight"], self["scales"], self.get("biases"),
-                             group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=dtype)
+        return _dense(self, dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if dequant_matmul(x.size // x.shape[-1]):
+        if dequant_matmul():
             return x @ self.dequantized(x.dtype).T
         return super().__call__(x)
 
@@ -56,8 +61,7 @@ class ExpertLinear(nn.Module):
         scale = math.sqrt(1 / input_dims)
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
-                 used=None) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices,
                             sorted_indices=sorted_indices)
 
@@ -74,27 +78,12 @@ class QuantizedExpertLinear(nn.Module):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
-                 used: Optional[tuple[np.ndarray, mx.array]] = None) -> mx.array:
-        """`used` = (the distinct expert ids, indices into them), from `experts_used`."""
-        if dequant_matmul(indices.size):
-            experts, local = used if used is not None else experts_used(indices)
-            pick = mx.array(experts)
-            w = mx.dequantize(self["weight"][pick], self["scales"][pick],
-                              None if self.get("biases") is None else self["biases"][pick],
-                              group_size=self.group_size, bits=self.bits, mode=self.mode,
-                              dtype=mx.float32)
-            # The CPU gather_mm takes float32 only; products of bf16 values are exact in it.
-            out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=local,
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if dequant_matmul():
+            w = _dense(self, mx.float32)
+            out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=indices,
                                sorted_indices=sorted_indices)
             return out.astype(x.dtype)
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size,
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)
-
-
-def experts_used(indices: mx.array) -> tuple[np.ndarray, mx.array]:
-    """The distinct experts of a call and each index's position among them (one host sync,
-    shared by the three projections of the dequantizing path)."""
-    experts, local = np.unique(np.array(indices), return_inverse=True)
-    return experts, mx.array(local.reshape(indices.shape).astype(np.uint32))

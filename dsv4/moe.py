@@ -8,7 +8,7 @@ import mlx.nn as nn
 
 from .attention import fp8_input, topk_indices
 from .config import ModelArgs
-from .linear import ExpertLinear, Linear, dequant_matmul, experts_used
+from .linear import ExpertLinear, Linear
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -52,13 +52,12 @@ class RoutedExperts(nn.Module):
     def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
         """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]."""
         n, k = ids.shape
-        used = experts_used(ids) if dequant_matmul(ids.size) else None
         if n * k < 64:
             # Few rows: every token's k experts straight from the indices.
             xs = fp8_input(x)[:, None, None, :]                              # [N, 1, 1, D]
-            h = clamped_swiglu(self.w1(xs, ids, used=used), self.w3(xs, ids, used=used), self.limit)
+            h = clamped_swiglu(self.w1(xs, ids), self.w3(xs, ids), self.limit)
             h = h * weights[..., None, None]
-            y = self.w2(fp8_input(h.astype(x.dtype)), ids, used=used)        # [N, k, 1, D]
+            y = self.w2(fp8_input(h.astype(x.dtype)), ids)                   # [N, k, 1, D]
             return mx.sum(y[:, :, 0].astype(mx.float32), axis=1)
         # Many rows: sort the (token, expert) pairs so each expert's rows go together.
         flat = ids.reshape(-1)
@@ -66,11 +65,9 @@ class RoutedExperts(nn.Module):
         inv = mx.argsort(order)
         xs = fp8_input(x)[order // k][:, None, :]                            # [N*k, 1, D]
         e = flat[order]
-        sorted_used = None if used is None else (used[0], used[1].reshape(-1)[order])
-        h = clamped_swiglu(self.w1(xs, e, True, sorted_used), self.w3(xs, e, True, sorted_used),
-                           self.limit)
+        h = clamped_swiglu(self.w1(xs, e, True), self.w3(xs, e, True), self.limit)
         h = h * weights.reshape(-1)[order][:, None, None]
-        y = self.w2(fp8_input(h.astype(x.dtype)), e, True, sorted_used)
+        y = self.w2(fp8_input(h.astype(x.dtype)), e, True)
         return mx.sum(y[inv].reshape(n, k, -1).astype(mx.float32), axis=1)
 
 
