@@ -610,7 +610,8 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
     tables = check_engram(src, args, tokenizer)
     refs = {} if copy_engram else engram_references(src, tables)
     jobs, sizes, stats, per_module = plan(src, args, options)
-    workers = workers or os.cpu_count() or 1
+    # the main process assembles and writes: leave it a core (on 2 cores, in-process was faster)
+    workers = workers or max(1, (os.cpu_count() or 2) - 1)
     order = list(jobs)
     ahead = _Ahead(jobs, workers)
     recorded: set[str] = set()
@@ -728,7 +729,8 @@ def gguf_command(
         help="Q2_K -> affine 2, 3, 4, 5, 6 or 8 bits (lossy fit; ~3-5% added error at 4)")] = 4,
     dequantize: Annotated[Optional[str], typer.Option(
         help="bf16 or f32: write quantized tensors as plain floats (gguf's own dequantisation)")] = None,
-    workers: Annotated[int, typer.Option(help="worker processes; 0 = one per core")] = 0,
+    workers: Annotated[int, typer.Option(
+        help="worker processes; 0 = one per core but one (1 = no pool, all in this process)")] = 0,
     copy_engram: Annotated[bool, typer.Option(
         help="copy the Engram tables into DST instead of reading them in the GGUF")] = False,
     overwrite: Annotated[bool, typer.Option(help="replace DST or an unfinished conversion")] = False,
