@@ -19,6 +19,8 @@ import numpy as np
 
 from . import flags, profiler
 from .cache import Cache, LayerCache
+from .kernels.selection import indexer_can_be_skipped, select_all_visible
+from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
 from .linear import Linear, QuantizedLinear, dequant_matmul
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
@@ -100,45 +102,6 @@ def window_indices(start: int, length: int, held_start: int, window: int) -> mx.
     t = start + np.arange(length)[:, None]
     u = t - window + 1 + np.arange(window)[None, :]
     return mx.array(np.where(u >= max(held_start, 0), u - held_start, -1).astype(np.int32))
-
-
-# --- sparse attention (reference) -------------------------------------------------------------
-
-def _gather(kv: mx.array, idx: mx.array) -> mx.array:
-    b, n, d = kv.shape
-    base = (mx.arange(b, dtype=mx.int32) * n).reshape(b, 1, 1)
-    flat = (mx.maximum(idx, 0) + base).reshape(-1)
-    return kv.reshape(b * n, d)[flat].reshape(*idx.shape, d)
-
-
-def sparse_attention(q: mx.array, sets: list[tuple[mx.array, mx.array]], sinks: mx.array,
-                     scale: float, block: int = 128) -> mx.array:
-    """One softmax over the rows each query picks from each KV set, plus a per-head sink.
-
-    q is [B, S, H, D]; each set is (kv [B, N, D], idx [B or 1, S, k]) with -1 = none.
-    Scores in fp32; the probabilities are rounded to kv's dtype before PV (as the
-    official kernel does with bf16); the sink only adds exp(sink) to the denominator.
-    A query with no valid row gives zeros. Returns [B, S, H, D] in q's dtype.
-    """
-    b, s = q.shape[:2]
-    outs = []
-    for lo in range(0, s, block):
-        hi = min(s, lo + block)
-        keys, valid = [], []
-        for kv, idx in sets:
-            idx = mx.broadcast_to(idx[:, lo:hi], (b, hi - lo, idx.shape[-1]))
-            keys.append(_gather(kv, idx))
-            valid.append(idx >= 0)
-        keys = mx.concatenate(keys, axis=2).astype(mx.float32)      # [B, s, K, D]
-        valid = mx.concatenate(valid, axis=-1)[:, :, None, :]        # [B, s, 1, K]
-        logits = (q[:, lo:hi].astype(mx.float32) @ keys.swapaxes(-1, -2)) * scale
-        logits = mx.where(valid, logits, -mx.inf)
-        m = mx.maximum(mx.max(logits, axis=-1, keepdims=True), -1e30)
-        p = mx.exp(logits - m)
-        denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks.astype(mx.float32)[:, None] - m)
-        p = p.astype(sets[0][0].dtype).astype(mx.float32)
-        outs.append(((p @ keys) / denom).astype(q.dtype))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
 
 # --- per-forward shared state ------------------------------------------------------------------
@@ -279,19 +242,18 @@ class Attention(nn.Module):
             kv = qdq_fp8(kv)
         held_start = lc.window_start
         held = cache.append_window(lc, kv)
-        sets = [(held, window_indices(state.start, s, held_start, self.args.sliding_window)[None])]
+        window_idx = window_indices(state.start, s, held_start, self.args.sliding_window)[None]
+        compressed = topk = None
         if self.ratio:
             if "compressor" in self:
                 self._compress(x, state, lc)
             if "indexer" in self:
-                keys = self._index_keys(state)
-                state.topk = (mx.zeros((b, s, 0), mx.int32) if keys is None or keys.shape[1] == 0
-                              else self.indexer(x, qr, keys, state, self._freqs, self.ratio))
-                state.topk = profiler.mark("indexer", state.topk)
+                state.topk = profiler.mark("indexer", self._select(x, qr, state))
             compressed = cache[self.args.kv_source(self.layer)].compressed
-            if compressed is not None and state.topk is not None and state.topk.shape[-1]:
-                sets.append((compressed, state.topk))
-        o = sparse_attention(q, sets, self.attn_sink, self.head_dim ** -0.5)
+            topk = state.topk
+            if compressed is None or topk is None or topk.shape[-1] == 0:
+                compressed = topk = None
+        o = sparse_attention(q, held, window_idx, compressed, topk, self.attn_sink, self.head_dim ** -0.5)
         o = rope(o, state.start, self._freqs, inverse=True)
         return self.wo_b(fp8_input(self._grouped_wo_a(o.reshape(b, s, -1))))
 
@@ -309,6 +271,20 @@ class Attention(nn.Module):
             k = self.indexer.keys(latents, first, self.ratio, self._freqs)
             lc.index_keys = k if lc.index_keys is None else mx.concatenate([lc.index_keys, k], axis=1)
             state.cache.key_publisher = self.layer
+
+    def _select(self, x: mx.array, qr: mx.array, state: ForwardState) -> mx.array:
+        """This index source's top-k [B, S, k] (k may be 0 before any row exists)."""
+        b, s = x.shape[:2]
+        keys = self._index_keys(state)
+        n = 0 if keys is None else keys.shape[1]
+        if n == 0:
+            return mx.zeros((b, s, 0), mx.int32)
+        # While every visible row makes the top-k, scores cannot change the selection. The
+        # candidate source still scores: re-index layers read its candidate mask.
+        if (flags.get("indexer_skip") and indexer_can_be_skipped(n, self.args.index_topk)
+                and not self.args.is_candidate_source(self.layer)):
+            return select_all_visible(state.start, b, s, self.ratio, n)
+        return self.indexer(x, qr, keys, state, self._freqs, self.ratio)
 
     def _index_keys(self, state: ForwardState) -> Optional[mx.array]:
         source = self.args.kv_source(self.layer)

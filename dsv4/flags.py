@@ -98,6 +98,9 @@ define("act_quant", True,
 define("index_key_quirk", False,
        "decode: ratio-2 index sources score against the last published keys, as the "
        "reference code does (model-spec 3.9); off uses each layer's own owner keys")
+define("indexer_skip", True,
+       "skip the indexer's scoring while every visible compressed row makes its top-k "
+       "(the selection is then known); exact")
 define("dequant_matmul", "auto",
        "quantized layers keep a dequantized copy of their weight (once, on first use) and "
        "use plain matmuls: auto (on for the CPU device, where MLX's quantized matmul is "

@@ -19,7 +19,7 @@ from .cache import Cache
 from .config import ModelArgs
 from .engram import Engram, NgramHasher
 from .linear import Linear
-from .hyper import collapse, expand, hc_mixes
+from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes
 from .moe import MoE
 
 
@@ -43,16 +43,17 @@ class Block(nn.Module):
             self.engram = Engram(args)
 
     def __call__(self, streams: mx.array, pre: mx.array, state: ForwardState) -> tuple[mx.array, mx.array]:
+        a = self.args
+        mixes = (a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
         a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale,
-                                         self.hc_attn_base, self.args)
-        x = self.attn_norm(collapse(streams, pre))
+                                         self.hc_attn_base, *mixes)
+        x = hc_collapse_norm(streams, pre, self.attn_norm.weight, self.attn_norm.eps)
         x = profiler.mark("attention", self.attn(x, state))
-        streams = profiler.mark("mhc", expand(x, streams, a_post, a_comb))
+        streams = profiler.mark("mhc", hc_expand(x, streams, a_post, a_comb))
         f_pre, f_post, f_comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale,
-                                         self.hc_ffn_base, self.args)
-        x = self.ffn_norm(collapse(streams, a_pre))
-        x = profiler.mark("moe", self.ffn(x))
-        streams = profiler.mark("mhc", expand(x, streams, f_post, f_comb))
+                                         self.hc_ffn_base, *mixes)
+        x = hc_collapse_norm(streams, a_pre, self.ffn_norm.weight, self.ffn_norm.eps)
+        streams = profiler.mark("moe", self.ffn(x, expand=(streams, f_post, f_comb)))
         return streams, f_pre
 
 
@@ -126,5 +127,5 @@ class Model(nn.Module):
                 streams = profiler.mark("engram", block.engram(streams, rows))
             streams, pre = block(streams, pre, state)
         cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
-        x = self.norm(collapse(streams, pre))
+        x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps)
         return profiler.mark("head", x.astype(mx.float32) @ self.head.weight.astype(mx.float32).T)

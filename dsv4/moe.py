@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from .attention import fp8_input, topk_indices
 from .config import ModelArgs
-from .linear import ExpertLinear, Linear
+from . import flags
+from .kernels.dialect import backend
+from .kernels.experts import QuantizedMatrix, experts
+from .kernels.experts import kernel_supports as experts_kernel_supports
+from .kernels.mhc import hc_expand
+from .linear import ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -92,10 +99,34 @@ class MoE(nn.Module):
         self.gate = Router(args)
         self.experts = RoutedExperts(args)
         self.shared_experts = SharedExpert(args)
+        self.limit = args.swiglu_limit
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, expand: Optional[tuple[mx.array, mx.array, mx.array]] = None) -> mx.array:
+        """x [B, S, D] -> [B, S, D]; with expand = (streams, post, comb) of the FFN site, the
+        expanded streams [B, S, hc, D] (fused into the experts kernel where it runs)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self.gate(flat)
+        fused = self._fused(flat, ids, weights, expand)
+        if fused is not None:
+            return fused.reshape(expand[0].shape if expand is not None else shape)
         y = self.experts(flat, ids, weights) + self.shared_experts(flat).astype(mx.float32)
-        return y.reshape(shape).astype(x.dtype)
+        y = y.reshape(shape).astype(x.dtype)
+        return y if expand is None else hc_expand(y, *expand)
+
+    def _fused(self, flat, ids, weights, expand) -> Optional[mx.array]:
+        """The fused experts kernel's result, or None where it does not run."""
+        e, sh = self.experts, self.shared_experts
+        mods = (e.w1, e.w3, e.w2, sh.w1, sh.w3, sh.w2)
+        if not (flags.get("kernel_moe") and backend() is not None
+                and all(isinstance(m, (QuantizedExpertLinear, QuantizedLinear)) for m in mods)):
+            return None
+        q = [QuantizedMatrix.of(m) for m in mods]
+        if not experts_kernel_supports(flat, q[0], q[1], q[2], q[3:]):
+            return None
+        if expand is not None:
+            streams, post, comb = expand
+            hc, d = streams.shape[-2:]
+            expand = (streams.reshape(-1, hc, d), post.reshape(-1, hc), comb.reshape(-1, hc, hc))
+        return experts(flat, ids, weights, q[0], q[1], q[2], tuple(q[3:]), self.limit,
+                       bool(flags.get("act_quant")), expand)

@@ -11,6 +11,7 @@ token); expand is one elementwise kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -208,6 +209,13 @@ def _use_kernel(dtype) -> bool:
         mx.bfloat16, mx.float16, mx.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_mixes_reference(norm_eps: float, hc_eps: float, iterations: int):
+    # ~90 tiny element-wise ops per site (20 Sinkhorn rounds) as one compiled graph.
+    return mx.compile(functools.partial(hc_mixes_reference, norm_eps=norm_eps, hc_eps=hc_eps,
+                                        iterations=iterations))
+
+
 def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     """The three mixes of one mHC site from the streams entering it.
 
@@ -216,6 +224,9 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     post = 2 sigmoid, comb = Sinkhorn(softmax) with `iterations` column normalisations.
     """
     if not _use_kernel(streams.dtype):
+        if flags.get("compile"):
+            return _compiled_mixes_reference(float(norm_eps), float(hc_eps), int(iterations))(
+                streams, fn, scale, base)
         return hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations)
     *lead, hc, D = streams.shape
     tokens = math.prod(lead)
