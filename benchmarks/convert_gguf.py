@@ -173,7 +173,8 @@ def main() -> None:
               f"({', '.join(f'{r}/{w}' for r, w in order)}); the source is in the page cache. "
               f"Load average at the end: {load[0]:.1f} on {os.cpu_count()} cores (shared machine).",
               "",
-              "| file | workers | runs | median wall s | median MB/s | peak RSS main MB | peak RSS worker MB |",
+              "| file | workers | runs | median wall s | median MB/s | peak RSS main MB "
+              "| peak RSS worker MB |",
               "|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         recipe, workers = name.split(" workers=")

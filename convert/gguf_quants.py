@@ -256,7 +256,8 @@ def q2_k(raw: np.ndarray, bits: int = 4, steps: int = 2) -> Affine:
     s, b, c = fit_affine(values, bits, steps, counts)
     # each element's code: byte q of its sub-block's four codes packed in a uint32
     table = np.ascontiguousarray(c).view("<u4").reshape(n, 2, 4, 2, 1)   # [n, h, j, l//16, .]
-    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3
     codes = (table >> (q.reshape(n, 2, 4, 2, 16).astype(np.uint32) * 8)) & 0xFF
     got = s.astype(np.float64)[:, None] * c + b.astype(np.float64)[:, None]
     return Affine(pack_codes(codes.astype(np.uint8).reshape(*lead, -1), bits), s.reshape(*lead, -1),

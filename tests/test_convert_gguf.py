@@ -32,7 +32,8 @@ CORPUS = [
     "深度求索 数字 こんにちは カタカナ 한국어 文字列。",
     "emoji 🙂🚀 👩\u200d👩\u200d👧 flags 🇫🇷 done",
     "   leading\t\ttabs,  runs    of   spaces \n\n\n\r\n trailing   ",
-    "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>ok</think>" + NON_SPECIAL_ADDED + "{}",
+    "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜><think>ok</think>"
+    + NON_SPECIAL_ADDED + "{}",
     "Café naïve résumé — ÉCOLE école, 3.14159e-10, 1,234,567.89, x86_64",
     "",
 ]
@@ -205,7 +206,8 @@ def test_tokenizer_round_trips(mixed):
     for text in CORPUS:
         ids = source.encode(text, add_special_tokens=False).ids
         assert rebuilt.encode(text, add_special_tokens=False).ids == ids, text
-        assert rebuilt.decode(ids, skip_special_tokens=False) == source.decode(ids, skip_special_tokens=False)
+        decoded = source.decode(ids, skip_special_tokens=False)
+        assert rebuilt.decode(ids, skip_special_tokens=False) == decoded
         assert rebuilt.decode(ids, skip_special_tokens=False) == text
     assert rebuilt.encode("hi").ids[0] == 0   # add_bos_token: BOS first
     assert rebuilt.token_to_id(NON_SPECIAL_ADDED) == source.token_to_id(NON_SPECIAL_ADDED)
@@ -232,8 +234,8 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     assert refs["1"]["file"] == str(tmp_path / "m.gguf.part2")
     assert refs["1"]["offset"] == first_table - cut
     with open_table(refs["1"], tmp_path / "out") as table:
-        assert np.array_equal(table.read_range(0, table.rows),
-                              np.frombuffer(data, np.uint8, table.rows * 264, first_table).reshape(-1, 264))
+        in_file = np.frombuffer(data, np.uint8, table.rows * 264, first_table).reshape(-1, 264)
+        assert np.array_equal(table.read_range(0, table.rows), in_file)
     # a missing last part: the tensor that ends past the data is named
     with pytest.raises(ConversionError, match=r"tensor blk\.\d+\.\w+\.weight ends at byte \d+, "
                                               r"but the file has \d+ bytes .*a missing part"):

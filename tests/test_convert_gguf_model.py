@@ -19,7 +19,8 @@ from convert import gguf as conv
 from dsv4 import flags
 from tests.gguf_fixtures import write_ds4_gguf
 
-TOKENS = [0, 5, 17, 3, 99, 100, 101, 7, 250, 251, 252, 64, 65, 66, 67, 300, 12, 13, 14, 2, 40, 41, 42, 43]
+TOKENS = [0, 5, 17, 3, 99, 100, 101, 7, 250, 251, 252, 64, 65, 66, 67, 300, 12, 13, 14, 2,
+          40, 41, 42, 43]
 
 
 @pytest.fixture(scope="module")
