@@ -21,23 +21,27 @@ from pathlib import Path
 import numpy as np
 
 
-def count_step(model_dir: str | None, prompt_tokens: int) -> tuple[collections.Counter, int]:
+def count_graph(model, prompt_tokens: int) -> collections.Counter:
+    """Primitive counts of one decode step after a prompt of `prompt_tokens`."""
     import mlx.core as mx
 
+    ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
+    cache = model.make_cache()
+    mx.eval(model(ids[:, :-1], cache))
+    logits = model(ids[:, -1:], cache)
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, logits)
+        text = Path(f.name).read_text()
+    return collections.Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', text))
+
+
+def count_step(model_dir: str | None, prompt_tokens: int) -> tuple[collections.Counter, int]:
     import dsv4
     from dsv4 import flags
 
     model, _ = dsv4.load(model_dir)
-    ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
     with flags.override(dequant_matmul="off"):
-        cache = model.make_cache()
-        mx.eval(model(ids[:, :-1], cache))
-        logits = model(ids[:, -1:], cache)
-        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
-            mx.export_to_dot(f.name, logits)
-            text = Path(f.name).read_text()
-    labels = re.findall(r'\[label ="([^"]+)", shape=rectangle\]', text)
-    return collections.Counter(labels), model.args.num_hidden_layers
+        return count_graph(model, prompt_tokens), model.args.num_hidden_layers
 
 
 def main(argv=None) -> int:

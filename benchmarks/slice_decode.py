@@ -1,0 +1,193 @@
+"""Decode speed on a shape-true slice of V4.1 Flash: dsv4 (kernels on / off) vs mlx-lm.
+
+    python -m benchmarks.slice_decode [--contexts 512,8192] [--steps 32] [--small]
+
+The slice has the real widths (hidden 5120, 64 heads x 512, q-LoRA 1280, 384 experts of
+2304 in mxfp4, top-6 + shared, window 128, indexer 32 x 128 top-512, vocab 129280, bf16
+head) and 7 layers covering every role: window-only (0, 1), ratio-2 kv+index source (2),
+ratio-2 reuse (3), ratio-1 kv+index+candidate source (4), re-index inside the candidates
+(5), ratio-1 reuse (6). No Engram (mlx-lm has none). Random weights, built in memory on the
+device: dense projections mxfp8 (quantized from random normals), experts random mxfp4
+codes with e8m0 scales 2^-7..2^-4. Both models get the same arrays.
+
+Each variant prefills the context, then decodes `--steps` greedy tokens (one host sync per
+token, as a chat loop does); variants are interleaved within one process and repeated.
+Reports ms/token, tokens/s extrapolated to 40 layers, effective weight bandwidth (bytes of
+the weights one step reads / time) and primitives per layer. `--small` runs the same at
+toy widths (for the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+ROLES = dict(num_hidden_layers=7, compress_ratios=[0, 0, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 4],
+             index_source_layer_ids=[2, 4, 5], candidate_source_layer_id=4, engram_layer_ids=[])
+REAL = dict(vocab_size=129280, hidden_size=5120, num_attention_heads=64, head_dim=512, q_lora_rank=1280,
+            qk_rope_head_dim=64, o_groups=8, o_lora_rank=1024, moe_intermediate_size=2304,
+            n_routed_experts=384, num_experts_per_tok=6, sliding_window=128, index_n_heads=32,
+            index_head_dim=128, index_topk=512, candidate_topk_blocks=2048, candidate_block_size=8,
+            rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                          "beta_fast": 32, "beta_slow": 1})
+SMALL = dict(REAL, vocab_size=4096, hidden_size=512, num_attention_heads=8, head_dim=128,
+             q_lora_rank=256, o_groups=4, o_lora_rank=128, moe_intermediate_size=256,
+             n_routed_experts=32, index_n_heads=8, index_head_dim=64, index_topk=64,
+             candidate_topk_blocks=16)
+FP32 = ("hc_attn_", "hc_ffn_", "attn_sink", "gate.bias")
+DENSE_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts")
+
+
+def build(config: dict):
+    """dsv4 and mlx-lm models sharing the same random quantized weights."""
+    from mlx_lm.models import deepseek_v41 as ref
+
+    from dsv4.config import ModelArgs
+    from dsv4.model import Model
+
+    args = ModelArgs.from_dict(config)
+    model = Model(args)
+
+    def dense(path, m):
+        return (hasattr(m, "to_quantized") and "experts" not in path.split(".")[-2:]
+                and any(f".{n}" in f".{path}" for n in DENSE_FP8) and "compressor" not in path)
+
+    nn.quantize(model, class_predicate=lambda p, m: dict(group_size=32, bits=8, mode="mxfp8")
+                if dense(p, m) else (dict(group_size=32, bits=4, mode="mxfp4")
+                                     if p.endswith(("experts.w1", "experts.w2", "experts.w3")) else False))
+    params = {}
+    for name, p in tree_flatten(model.parameters()):
+        if ".experts.w" in name and name.endswith(".weight"):
+            p = mx.random.randint(-2**31, 2**31 - 1, p.shape).view(mx.uint32)  # any nibble is valid e2m1
+        elif ".experts.w" in name and name.endswith(".scales"):
+            p = mx.random.randint(120, 124, p.shape).astype(mx.uint8)
+        elif p.dtype == mx.float32 and not any(k in name for k in FP32):
+            p = p.astype(mx.bfloat16)
+        mx.eval(p)
+        params[name] = p
+    model.update(tree_unflatten(list(params.items())))
+
+    rargs = ref.ModelArgs.from_dict({**config, "model_type": "deepseek_v41"})
+    rmodel = ref.Model(rargs)
+    rweights = {}
+    for name, p in params.items():
+        if ".experts.w" in name:
+            layer, _, _, w, kind = name.split(".")[1:]
+            proj = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[w]
+            rweights[f"model.layers.{layer}.mlp.experts.switch_mlp.{proj}.{kind}"] = p
+            continue
+        key = ref._rename(name)
+        if ".o_a_proj." in key:
+            p = p.reshape(args.o_groups, -1, p.shape[-1])
+        rweights[key] = p
+    nn.quantize(rmodel, class_predicate=lambda p, m: (
+        dict(group_size=32, bits=4 if "switch_mlp" in p else 8, mode="mxfp4" if "switch_mlp" in p else "mxfp8")
+        if f"{p}.scales" in rweights else False))
+    rmodel.load_weights(list(rweights.items()))
+    return model, rmodel, params
+
+
+def step_bytes(params: dict, args) -> int:
+    """Bytes of weights one decode step reads: everything but the embedding table and the
+    experts not picked (6 of E routed)."""
+    total = 0
+    for name, p in params.items():
+        if name.startswith("embed."):
+            continue
+        n = p.nbytes
+        if ".experts.w" in name:
+            n = n * args.num_experts_per_tok // args.n_routed_experts
+        total += n
+    return total
+
+
+def decode(forward, make_cache, context: int, steps: int, vocab: int) -> tuple[float, list[int]]:
+    ids = np.random.default_rng(context).integers(7, vocab, (1, context))
+    cache = make_cache()
+    for lo in range(0, context, 512):
+        logits = forward(ids[:, lo:lo + 512], cache)[0, -1]
+        mx.eval(logits)
+    token = int(mx.argmax(logits).item())
+    tokens = [token]
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = int(mx.argmax(forward(np.array([[token]]), cache)[0, -1]).item())
+        tokens.append(token)
+    return (time.perf_counter() - start) / steps * 1e3, tokens
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="512,8192")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    a = p.parse_args(argv)
+    from benchmarks.graph_ops import count_graph
+    from benchmarks.hardware import describe, to_markdown
+    from dsv4 import flags
+
+    config = {**(SMALL if a.small else REAL), **ROLES}
+    t0 = time.perf_counter()
+    model, rmodel, params = build(config)
+    args = model.args
+    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    nbytes = step_bytes(params, args)
+    off = dict(kernel_sparse_attention=False, kernel_moe=False, kernel_mhc=False)
+    variants = {
+        "mlx-lm": (lambda ids, c: rmodel(mx.array(ids), cache=c), rmodel.make_cache, {}),
+        "dsv4 kernels off": (lambda ids, c: model(ids, c), model.make_cache, off),
+        "dsv4": (lambda ids, c: model(ids, c), model.make_cache, {}),
+    }
+    rows, results = [], {}
+    for context in [int(c) for c in a.contexts.split(",")]:
+        times = {name: [] for name in variants}
+        for r in range(a.repeats):
+            order = list(variants) if r % 2 == 0 else list(reversed(variants))
+            for name in order:
+                forward, make_cache, fl = variants[name]
+                with flags.override(**fl):
+                    ms, _ = decode(forward, make_cache, context, a.steps, args.vocab_size)
+                times[name].append(ms)
+                print(f"context {context} {name}: {ms:.2f} ms/token", flush=True)
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            layers40 = ms * 40 / args.num_hidden_layers  # upper bound: head and embed scaled too
+            gbs = nbytes / (ms / 1e3) / 1e9
+            results[f"{context}/{name}"] = dict(ms=ms, runs=ts, tps40=1e3 / layers40, gbs=gbs)
+            rows.append(f"| {context} | {name} | {ms:.2f} [{min(ts):.2f}-{max(ts):.2f}] | "
+                        f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} |")
+    with flags.override(dequant_matmul="off"):
+        counts = count_graph(model, 64)
+    prims = sum(counts.values()) / args.num_hidden_layers
+    when = datetime.now()
+    lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice: dsv4 vs mlx-lm", "",
+             f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}), "
+             f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats.",
+             f"Weights read per step: {nbytes / 1e9:.3f} GB. dsv4 primitives per layer (one decode "
+             f"step, `benchmarks/graph_ops.py`): {prims:.0f}.", "",
+             "| context | variant | ms/token [min-max] | tok/s (slice) | tok/s (40 layers, est.) | weight GB/s |",
+             "|---|---|---|---|---|---|", *rows, "",
+             "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
+             "tokens/s).", "", to_markdown(describe())]
+    a.out.mkdir(parents=True, exist_ok=True)
+    out = a.out / f"{when:%Y-%m-%d-%H%M}-slice-decode{'-small' if a.small else ''}.md"
+    out.write_text("\n".join(lines) + "\n")
+    (out.with_suffix(".json")).write_text(json.dumps(results, indent=1))
+    print("\n".join(lines[:12 + len(rows)]))
+    print(f"report: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
