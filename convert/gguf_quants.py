@@ -86,19 +86,6 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(words.T).reshape(*lead, n * bits // 32)
 
 
-def dequantize(a: Affine) -> np.ndarray:
-    """The values an `Affine` stands for, f32 [..., out, in] (numpy, for error checks)."""
-    words = a.weight.view(np.uint8)
-    stream = np.unpackbits(words, axis=-1, bitorder="little")
-    n = stream.shape[-1] // a.bits
-    codes = (stream.reshape(*stream.shape[:-1], n, a.bits)
-             << np.arange(a.bits, dtype=np.uint8)).sum(-1, dtype=np.uint32)
-    groups = codes.reshape(*codes.shape[:-1], n // GROUP, GROUP).astype(np.float32)
-    s = a.scales.astype(np.float32)[..., None]
-    b = a.biases.astype(np.float32)[..., None]
-    return (s * groups + b).reshape(*codes.shape)
-
-
 def q8_0(raw: np.ndarray) -> Affine:
     blocks, lead = _blocks(raw, T.Q8_0)
     d = blocks[:, :2].copy().view(np.float16)                      # [n, 1]
