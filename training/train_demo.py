@@ -23,6 +23,7 @@ Deterministic given --seed (numpy and MLX seeds; same MLX version and machine ty
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -102,14 +103,18 @@ def token_stream(tokenizer, texts: list[str]) -> np.ndarray:
 
 # --- the model under training ----------------------------------------------------------------
 
-def _selection_without_gradient(original):
-    """Top-k picks indices; its scores get no gradient (MLX cannot differentiate a gather
-    with respect to its indices). Training-only stand-in for dsv4.attention.topk_indices."""
-    return lambda scores, k: original(mx.stop_gradient(scores), k)
-
-
-dsv4.attention.topk_indices = dsv4.moe.topk_indices = _selection_without_gradient(
-    dsv4.attention.topk_indices)
+@contextlib.contextmanager
+def selection_without_gradient():
+    """While training, top-k selection passes no gradient to its scores: MLX cannot
+    differentiate a gather with respect to its indices, and dsv4.attention.topk_indices
+    (also imported by dsv4.moe) does not stop it itself."""
+    original = dsv4.attention.topk_indices
+    patched = lambda scores, k: original(mx.stop_gradient(scores), k)  # noqa: E731
+    dsv4.attention.topk_indices = dsv4.moe.topk_indices = patched
+    try:
+        yield
+    finally:
+        dsv4.attention.topk_indices = dsv4.moe.topk_indices = original
 
 
 class Trainee(nn.Module):
@@ -176,7 +181,7 @@ def train(trainee: Trainee, stream: np.ndarray, steps: int, batch: int, seq: int
     opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
     step_fn = nn.value_and_grad(trainee, lambda ids: next_token_loss(trainee, ids))
     history, recent, start = [], [], time.time()
-    with flags.override(kv_qdq=False, act_quant=False):
+    with flags.override(kv_qdq=False, act_quant=False), selection_without_gradient():
         for step in range(1, steps + 1):
             starts = rng.integers(0, len(stream) - seq - 1, batch)
             ids = np.stack([stream[s:s + seq + 1] for s in starts])
@@ -285,7 +290,7 @@ def demo_config(tokenizer) -> dict:
 
 # --- evaluation -------------------------------------------------------------------------------
 
-def held_out_loss(model, stream: np.ndarray, seq: int, batch: int = 16) -> float:
+def held_out_loss(model, stream: np.ndarray, seq: int, batch: int = 1) -> float:
     """Mean next-token loss over the non-overlapping windows of seq+1 tokens."""
     n = (len(stream) - 1) // seq
     windows = np.stack([stream[i * seq: i * seq + seq + 1] for i in range(n)])
