@@ -312,6 +312,7 @@ class Attention(nn.Module):
             # Each group is a plain product with its block of rows.
             weight = w.dequantized(o.dtype) if isinstance(w, QuantizedLinear) else w.weight
             weight = weight.reshape(g, rows, -1)
-            out = mx.stack([x[:, j, 0] @ weight[j].T for j in range(g)], axis=1)
+            out = mx.stack([x[:, j, 0].astype(weight.dtype) @ weight[j].T for j in range(g)], axis=1)
+            out = out.astype(o.dtype)
         return out.reshape(b, s, g * rows)
 

@@ -45,12 +45,15 @@ class Linear(nn.Linear):
 
 class QuantizedLinear(nn.QuantizedLinear):
     def dequantized(self, dtype) -> mx.array:
-        return _dense(self, dtype)
+        # mxfp8/mxfp4 values are bf16-exact; affine weights (float scales) are exact in fp32 only.
+        return _dense(self, dtype if self.mode in ("mxfp4", "mxfp8") else mx.float32)
 
     def __call__(self, x: mx.array) -> mx.array:
         if dequant_matmul():
-            return x @ self.dequantized(x.dtype).T
-        return super().__call__(x)
+            w = self.dequantized(x.dtype)
+            return (x.astype(w.dtype) @ w.T).astype(x.dtype)
+        # With float scales MLX returns float32 for bf16 inputs: keep the activations' dtype.
+        return super().__call__(x).astype(x.dtype)
 
 
 class ExpertLinear(nn.Module):

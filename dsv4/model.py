@@ -128,4 +128,5 @@ class Model(nn.Module):
             streams, pre = block(streams, pre, state)
         cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
         x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps)
-        return profiler.mark("head", x.astype(mx.float32) @ self.head.weight.astype(mx.float32).T)
+        # fp32 logits; the head may be plain bf16 (official) or quantized (GGUF Q8_0, EXL3).
+        return profiler.mark("head", self.head(x.astype(mx.float32)).astype(mx.float32))

@@ -1,4 +1,11 @@
-"""The whole model with kernels on vs off, on a GPU backend (run on the H200: pytest -m gpu)."""
+"""The whole model with kernels on vs off, on a GPU backend (run on the H200: pytest -m gpu).
+
+In float32 with the fp8/fp4 roundings off, the kernels differ from the reference ops only by
+summation order (~1e-7 relative per op), so the greedy tokens must agree over 64 steps. In
+bf16 with the roundings on, a random tiny model is chaotic: measured on the H200, the mHC
+kernels' 1e-7 differences moved teacher-forced logits by a median 30% (bf16 stream roundings
+and fp8/fp4 KV roundings flip and persist in the cache), so no bf16 bound is asserted.
+"""
 
 import mlx.core as mx
 import numpy as np
@@ -24,19 +31,21 @@ def greedy(model, prompt, steps):
     return tokens, mx.stack(all_logits)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_kernels_on_equal_kernels_off_over_64_greedy_steps(tmp_path, seed):
-    """Same greedy tokens over 64 decode steps; logits within bf16 accumulation noise
-    (the kernels sum in another order than MLX's ops: relative 2e-2 of the largest logit)."""
-    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
     from dsv4.testing import write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=seed)
-    model, _ = dsv4.load(path)
-    prompt = np.random.default_rng(seed).integers(7, 500, (1, 24))
-    on_tokens, on_logits = greedy(model, prompt, 64)
-    with flags.override(**KERNELS_OFF):
-        off_tokens, off_logits = greedy(model, prompt, 64)
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu") / "ckpt", seed=0)
+
+
+def test_fp32_kernels_on_equal_off_over_64_greedy_steps(ckpt):
+    model, _ = dsv4.load(ckpt, dtype=mx.float32)
+    prompt = np.random.default_rng(0).integers(7, 500, (1, 24))
+    with flags.override(kv_qdq=False, act_quant=False):
+        on_tokens, on_logits = greedy(model, prompt, 64)
+        with flags.override(**KERNELS_OFF):
+            off_tokens, off_logits = greedy(model, prompt, 64)
     assert on_tokens == off_tokens
     err = float(mx.max(mx.abs(on_logits - off_logits)) / mx.max(mx.abs(off_logits)))
-    assert err < 2e-2, err
+    assert err < 1e-4, err
