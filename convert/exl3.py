@@ -43,7 +43,7 @@ BITS_FOR_K = {1: 3, 2: 4, 3: 5, 4: 6, 5: 8, 6: 8, 7: 8, 8: 8}
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 _EXPERT_MODULE = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])$")
-ERROR_KEY = official._ERROR_KEY  # shard metadata: "<err2>,<ref2>" per requantised module
+ERROR_KEY = official.ERROR_KEY  # shard metadata: "<err2>,<ref2>" per requantised module
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def plan_pack(ckpt: Checkpoint, args: ModelArgs,
     stand_ins, hidden = {}, set()
     singles, experts = [], {}
     for module, lin in linears.items():
-        if layout._UNUSED.search(f"{module}.weight"):  # e.g. MTP experts: copied verbatim
+        if layout.is_unused(f"{module}.weight"):  # e.g. MTP experts: copied verbatim
             continue
         weight = expected.get(f"{module}.weight")
         shape = weight and exl3_pack.linear_shape(*weight)
@@ -327,7 +327,7 @@ def convert(src: Path | str, dst: Path | str, *, revision: Optional[str] = None,
     }
     with Decoder(bits, group_size, workers, progress) as decoder:
         lossless = [official.lossless_unit(it) for it in items]
-        side = {name: units for name, pattern in (("mtp", official._MTP), ("vision", official._VISION))
+        side = {name: units for name, pattern in (("mtp", official.MTP), ("vision", official.VISION))
                 if (units := official.side_units(ckpt, pattern))}
         model = sorted(lossless + [decoder.unit(t) for t in targets], key=lambda u: u.key)
         modules = {it.name: dict(it.quantization) for it in items if it.quantization}

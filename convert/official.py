@@ -40,12 +40,12 @@ AFFINE_GROUP_SIZES = (32, 64, 128)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "*.model", "*.tiktoken")
 _NEEDED = ("config.json", "model.safetensors.index.json", "*.safetensors")
-_MTP = re.compile(r"^mtp\.")
-_VISION = re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$")
+MTP = re.compile(r"^mtp\.")
+VISION = re.compile(r"^(vision\.|aligner\.|image_)|\.gate\.bias_vl$")
 _HF_SNAPSHOT = re.compile(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]{40})$")
 # Rows dequantized and requantized at once (bounds the float copies to ~64 MB).
 _REQUANT_ELEMENTS = 1 << 24
-_ERROR_KEY = "dsv4.requant_error."
+ERROR_KEY = "dsv4.requant_error."
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def requantized_unit(item: Item, spec: Requant) -> Unit:
         return {f"{item.name}.{k}": v for k, v in out.items()}
 
     def metadata():
-        return {_ERROR_KEY + item.name: stats["value"]}
+        return {ERROR_KEY + item.name: stats["value"]}
 
     def sample(rows, rng):
         # affine groups lie along a row, so requantizing some rows gives exactly their output
@@ -241,9 +241,9 @@ def requant_errors(metadata: dict[str, str]) -> dict[str, float]:
     """Relative error per tensor kind from the units' recorded squared error and norm."""
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for key, value in metadata.items():
-        if key.startswith(_ERROR_KEY):
+        if key.startswith(ERROR_KEY):
             err2, ref2 = (float(v) for v in value.split(","))
-            kind = sums[tensor_kind(key[len(_ERROR_KEY):])]
+            kind = sums[tensor_kind(key[len(ERROR_KEY):])]
             kind[0] += err2
             kind[1] += ref2
     return {k: (e / r) ** 0.5 if r > 0 else 0.0 for k, (e, r) in sorted(sums.items())}
@@ -297,9 +297,9 @@ def convert(src: str | Path, dst: str | Path, *, revision: Optional[str] = None,
             if item.quantization is not None:
                 modules[item.name] = dict(item.quantization)
     groups = {"model": units}
-    if not drop_mtp and (mtp := side_units(ckpt, _MTP)):
+    if not drop_mtp and (mtp := side_units(ckpt, MTP)):
         groups["mtp"] = mtp
-    if not drop_vision and (vision := side_units(ckpt, _VISION)):
+    if not drop_vision and (vision := side_units(ckpt, VISION)):
         groups["vision"] = vision
 
     fingerprint = {

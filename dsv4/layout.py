@@ -31,6 +31,13 @@ MXFP8 = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
 _UNUSED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.gate\.bias_vl$|\.engram\.embed\.")
+
+
+def is_unused(name: str) -> bool:
+    """A tensor the text model does not load (MTP, vision, image routing, Engram rows)."""
+    return bool(_UNUSED.search(name))
+
+
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
@@ -119,7 +126,7 @@ def check(ckpt: Checkpoint, args: ModelArgs) -> None:
         elif info.dtype != dtype or info.shape != shape:
             problems.append(f"{info.file.name}: tensor {name} is {info.dtype}{list(info.shape)}, "
                             f"expected {dtype}{list(shape)}")
-    extra = [n for n in ckpt.names() if n not in expected and not _UNUSED.search(n)]
+    extra = [n for n in ckpt.names() if n not in expected and not is_unused(n)]
     problems += [f"{ckpt[n].file.name}: unexpected tensor {n}" for n in sorted(extra)[:20]]
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
