@@ -79,12 +79,7 @@ class ChatSession:
 
         def take(deltas):
             for delta in deltas:
-                if delta.kind == "tool_call":
-                    message.tool_calls.append(delta.tool_call)
-                elif delta.kind == "reasoning":
-                    message.reasoning += delta.text
-                else:
-                    message.content += delta.text
+                message.add(delta)
                 on_delta(delta)
 
         try:

@@ -325,6 +325,15 @@ class AssistantMessage:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 
+    def add(self, delta: "Delta") -> None:
+        """Append one parser delta to the field it belongs to."""
+        if delta.kind == "tool_call":
+            self.tool_calls.append(delta.tool_call)
+        elif delta.kind == "reasoning":
+            self.reasoning += delta.text
+        else:
+            self.content += delta.text
+
 
 _INVOKE_HEAD = re.compile(r'\s*name="([^"]+)"\s*>')
 _PARAMETER_HEAD = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)"\s*>')
@@ -478,10 +487,5 @@ def parse_completion(text: str, thinking_mode: str = "chat") -> AssistantMessage
     parser = StreamParser(thinking_mode)
     message = AssistantMessage()
     for delta in parser.feed(text) + parser.close():
-        if delta.kind == "tool_call":
-            message.tool_calls.append(delta.tool_call)
-        elif delta.kind == "reasoning":
-            message.reasoning += delta.text
-        else:
-            message.content += delta.text
+        message.add(delta)
     return message
