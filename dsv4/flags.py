@@ -106,6 +106,11 @@ define("dequant_matmul", "auto",
        "use plain matmuls: auto (on for the CPU device, where MLX's quantized matmul is "
        "slow; costs the memory of the dense copy), on, off")
 
+define("head_quant", "off",
+       "keep the output head quantized: off (as loaded, bf16 officially), mxfp8 or affine8 "
+       "(group 32); saves ~40% of a decode step's bytes on GPUs, adds the logit error "
+       "reported by benchmarks/head_quant.py")
+
 # --- Engram store (on-disk tables) -----------------------------------------------------
 # Defaults from benchmarks/results/2026-11-29-142127-engram-reads.md (python -m
 # benchmarks.engram_reads: 2 x 2.95 GiB tables, page cache dropped before every pass).

@@ -20,8 +20,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import flags
 from .config import ModelArgs
 from .engram import NgramHasher, build_token_map
+from .linear import QuantizedLinear
 from .model import Model
 from .safetensors_file import Checkpoint, CheckpointError, to_mx, view
 from .tokenizer import Tokenizer
@@ -144,8 +146,20 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
         model.set_engram(hasher, tables)
     if dtype is not None:
         model.set_dtype(dtype)
+    quantize_head(model, flags.get("head_quant"))
     model.eval()
     return model
+
+
+def quantize_head(model: Model, mode: str) -> None:
+    """Keep the bf16 head quantized (DSV4_HEAD_QUANT): it is the largest single read of a
+    decode step. 'mxfp8' or 'affine8' (group 32); 'off' keeps it as loaded."""
+    if mode == "off" or isinstance(model.head, nn.QuantizedLinear):
+        return
+    if mode not in ("mxfp8", "affine8"):
+        raise ValueError(f"DSV4_HEAD_QUANT={mode!r}: expected off, mxfp8 or affine8")
+    model.head = QuantizedLinear.from_linear(model.head, 32, 8, "mxfp8" if mode == "mxfp8" else "affine")
+    mx.eval(model.head.parameters())
 
 
 def load(path_or_repo: Optional[str | Path] = None, *, dtype: Optional[mx.Dtype] = None):

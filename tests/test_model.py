@@ -287,3 +287,23 @@ def test_index_key_quirk_only_changes_steps_without_ratio2_emission(tiny_dir):
     # t = 20: position 20 is the first of a ratio-2 group, so nothing is emitted at layer 2
     differs = [not mx.allclose(a, b, atol=0, rtol=0).item() for a, b in zip(outs[False][1:], outs[True][1:])]
     assert differs[0], "the quirk must change the first step that emits no ratio-2 latent"
+
+
+@pytest.mark.parametrize("mode,bound", [("mxfp8", 0.1), ("affine8", 0.02)])
+def test_quantized_head_error_is_bounded_by_its_weight_error(tiny_dir, mode, bound):
+    """DSV4_HEAD_QUANT: the logits move by about the head weight's own quantization error."""
+    with flags.override(head_quant=mode):
+        model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
+    ref_model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
+    from dsv4.linear import QuantizedLinear
+
+    assert isinstance(model.head, QuantizedLinear) and not isinstance(ref_model.head, QuantizedLinear)
+    w = ref_model.head.weight
+    wq = model.head.dequantized(mx.float32)
+    weight_err = float(mx.sqrt(mx.mean((wq - w) ** 2)) / mx.sqrt(mx.mean(w * w)))
+    ids = ids_for(20, 10)
+    a = ref_model(ids, ref_model.make_cache())
+    b = model(ids, model.make_cache())
+    logit_err = float(mx.sqrt(mx.mean((a - b) ** 2)) / mx.sqrt(mx.mean(a * a)))
+    assert 0 < weight_err < bound
+    assert logit_err < 3 * weight_err
