@@ -94,7 +94,7 @@ def synthetic_tokens(model: SyntheticDecoder, prompt: list[int], max_tokens: int
 
 def model_tokens(model, tokenizer, prompt: list[int], max_tokens: int):
     """Greedy token ids from dsv4's own generate loop, exactly `max_tokens` of them."""
-    from dsv4.generate import stream_generate
+    from dsv4.generation import stream_generate
 
     stream = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, ignore_eos=True)
     return (response.token for response in stream)

@@ -1,14 +1,14 @@
 """dsv4: DeepSeek V4.1 Flash in MLX."""
 
-from .loader import load
-
 __all__ = ["load", "generate", "stream_generate"]
 
 
 def __getattr__(name):
-    # generate pulls in sampling code; import it only when asked for.
-    if name in ("generate", "stream_generate"):
-        from . import generate as _generate
+    # Imported on first use, so `python -m dsv4.<module>` finds its module not yet imported.
+    if name in __all__:
+        from . import generation, loader
 
-        return getattr(_generate, name)
+        globals().update(load=loader.load, generate=generation.generate,
+                         stream_generate=generation.stream_generate)
+        return globals()[name]
     raise AttributeError(name)

@@ -69,7 +69,7 @@ class ChatSession:
 
     def ask(self, text: str, on_delta: Callable[[Delta], None] = lambda delta: None) -> tuple[AssistantMessage, TurnStats]:
         """Add a user message, generate the answer (streamed to on_delta), add it too."""
-        from .generate import stream_generate
+        from .generation import stream_generate
 
         self.messages.append({"role": "user", "content": text})
         tokens = self.tokenizer.encode(encode_messages(self.messages, self.mode), add_special_tokens=False)

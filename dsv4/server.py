@@ -69,7 +69,7 @@ class Worker(threading.Thread):
     def __init__(self, load: Callable[[], tuple], max_context: int, prompt_cache: bool = True,
                  generate: Optional[Callable] = None):
         """load() -> (model, tokenizer) runs in this thread; generate defaults to
-        dsv4.generate.stream_generate (tests pass a scripted one)."""
+        dsv4.generation.stream_generate (tests pass a scripted one)."""
         super().__init__(name="dsv4-generation", daemon=True)
         self._load = load
         self._generate = generate
@@ -86,7 +86,7 @@ class Worker(threading.Thread):
     def run(self) -> None:
         try:
             if self._generate is None:
-                from .generate import stream_generate
+                from .generation import stream_generate
             else:
                 stream_generate = self._generate
             model, self.tokenizer = self._load()

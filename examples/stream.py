@@ -2,7 +2,7 @@
 import sys
 
 from dsv4 import load, stream_generate
-from dsv4.generate import chat_prompt
+from dsv4.generation import chat_prompt
 
 model, tokenizer = load(sys.argv[1] if len(sys.argv) > 1 else None)
 prompt = chat_prompt("Tell me a short story.")

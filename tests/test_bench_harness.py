@@ -241,7 +241,7 @@ def test_synthetic_workload_prints_a_result_line_with_the_stage_profile(capsys):
 
 def test_model_workload_is_greedy_and_ignores_end_of_sequence(tmp_path):
     from dsv4 import load
-    from dsv4.generate import stream_generate
+    from dsv4.generation import stream_generate
     from dsv4.testing import write_tiny_checkpoint
 
     model, tokenizer = load(write_tiny_checkpoint(tmp_path / "tiny", seed=0))

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from dsv4.encoding import encode_messages, parse_completion
-from dsv4.generate import stream_generate
+from dsv4.generation import stream_generate
 from dsv4.prompt_cache import common_prefix
 
 MAX_TOKENS = 4

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 import dsv4
-from dsv4.generate import stream_generate
+from dsv4.generation import stream_generate
 
 
 def test_greedy_stream_equals_manual_argmax(tiny_dir):

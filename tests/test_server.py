@@ -25,7 +25,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from dsv4.encoding import encode_messages, parse_completion  # noqa: E402
-from dsv4.generate import GenerationResponse, stream_generate  # noqa: E402
+from dsv4.generation import GenerationResponse, stream_generate  # noqa: E402
 from dsv4.prompt_cache import common_prefix  # noqa: E402
 from dsv4.server import Service, Worker, make_server  # noqa: E402
 

@@ -1,0 +1,172 @@
+"""Text generation: `stream_generate` / `generate` (mlx-lm style) and the CLI behind
+`python -m dsv4.generate`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from . import flags, profiler
+from .cache import Cache
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class GenerationResponse:
+    text: str                     # the text completed by this token
+    token: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float            # GB
+    finish_reason: Optional[str]  # None, "length" or "stop"
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0):
+    """logits [1, V] -> token [1]: argmax at temp 0, else nucleus sampling."""
+    if temp == 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+    sample = mlx_lm_sampler(temp=temp, top_p=top_p)
+    return lambda logits: sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Feed ids [1, S] in chunks; returns the logits of the last position [1, V]."""
+    logits = None
+    for lo in range(0, ids.shape[1], chunk):
+        logits = model(ids[:, lo:lo + chunk], cache)[:, -1]
+        mx.eval(logits)
+    return logits
+
+
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_tokens: int = 256,
+                    temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                    cache: Optional[Cache] = None, ignore_eos: bool = False) -> Iterator[GenerationResponse]:
+    """Yield one response per generated token. A str prompt is encoded as is (no chat
+    template); with `cache`, the prompt continues what the cache already holds.
+    `ignore_eos` generates exactly max_tokens (benchmarks)."""
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if seed is not None:
+        mx.random.seed(seed)
+    cache = cache if cache is not None else model.make_cache()
+    sampler = make_sampler(temp, top_p)
+    detok = tokenizer.detokenizer
+    start = time.perf_counter()
+    logits = prefill(model, np.array([ids], np.int64), cache)
+    token = int(sampler(logits).item())
+    prompt_time = time.perf_counter() - start
+    prompt_tps = len(ids) / prompt_time
+    gen_start = time.perf_counter()
+    for n in range(1, max_tokens + 1):
+        stop = token in tokenizer.eos_token_ids and not ignore_eos
+        if not stop:
+            detok.add_token(token)
+        finish = "stop" if stop else ("length" if n == max_tokens else None)
+        if finish:
+            detok.finalize()
+        elapsed = time.perf_counter() - gen_start
+        yield GenerationResponse(detok.last_segment, token, len(ids), prompt_tps, n,
+                                 (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+                                 mx.get_peak_memory() / 1e9, finish)
+        if finish:
+            return
+        profiler.step_begin()
+        logits = model(np.array([[token]], np.int64), cache)[:, -1]
+        token = int(profiler.mark("sampling", sampler(logits)).item())
+        profiler.step_end()
+
+
+def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, verbose: bool = False,
+             **kwargs) -> str:
+    """The whole completion as text; `verbose` streams it and prints the stats line."""
+    text, last = [], None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        text.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print()
+        print_stats(last)
+    return "".join(text)
+
+
+def print_stats(r: GenerationResponse, file=sys.stdout) -> None:
+    print("=" * 10, file=file)
+    print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=file)
+    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec", file=file)
+    print(f"Peak memory: {r.peak_memory:.3f} GB", file=file)
+
+
+def chat_prompt(prompt: str, system: Optional[str] = None, think: bool = False) -> str:
+    from .encoding import encode_messages
+
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": prompt}]
+    return encode_messages(messages, "thinking" if think else "chat")
+
+
+def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: float) -> str:
+    tokens = [r.token for r in responses]
+    last = responses[-1]
+    return "DSV4_RESULT " + json.dumps({
+        "prompt_tokens": prompt_tokens, "prompt_tps": last.prompt_tps, "ttft_s": ttft,
+        "generation_tokens": len(tokens), "generation_tps": last.generation_tps,
+        "peak_memory_gb": last.peak_memory, "tokens": tokens,
+        "tokens_md5": hashlib.md5(",".join(map(str, tokens)).encode()).hexdigest()})
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import typer
+
+    app = typer.Typer(add_completion=False, help=(
+        "Generate text with DeepSeek V4.1 Flash.\n\nRuntime switches (environment):\n\n"
+        + "\n\n".join(f"{f.env} (default {f.default}): {f.doc}" for f in flags.FLAGS.values())))
+
+    @app.command()
+    def run(model: Optional[str] = typer.Option(None, help="model directory or Hugging Face repo id "
+                                                     "(default: the bundled demo checkpoint)"),
+            prompt: str = typer.Option("Once upon a time", "--prompt", "-p", help="the prompt ('-' reads stdin)"),
+            max_tokens: int = typer.Option(100, "--max-tokens", "-m", help="tokens to generate"),
+            temp: float = typer.Option(0.0, help="sampling temperature (0: greedy)"),
+            top_p: float = typer.Option(1.0, help="nucleus sampling mass"),
+            seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
+            raw: bool = typer.Option(False, help="feed the prompt as is, without the chat encoding"),
+            system: Optional[str] = typer.Option(None, help="system prompt (chat encoding only)"),
+            think: bool = typer.Option(False, help="thinking mode of the chat encoding"),
+            bench_json: bool = typer.Option(False, help="print a DSV4_RESULT line for benchmarks/ab.py")):
+        from .loader import load
+
+        if prompt == "-":
+            prompt = sys.stdin.read()
+        net, tokenizer = load(model)
+        text = prompt if raw else chat_prompt(prompt, system, think)
+        ids = tokenizer.encode(text)
+        responses = []
+        start = time.perf_counter()
+        ttft = None
+        for r in stream_generate(net, tokenizer, ids, max_tokens=max_tokens, temp=temp,
+                                 top_p=top_p, seed=seed):
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            responses.append(r)
+            print(r.text, end="", flush=True)
+        print()
+        print_stats(responses[-1])
+        if profiler.enabled():
+            print(profiler.report())
+        if bench_json:
+            print(bench_line(len(ids), responses, ttft))
+
+    app(argv)
