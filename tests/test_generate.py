@@ -45,3 +45,17 @@ def test_cli_streams_and_reports(tiny_dir):
     line = [l for l in out.stdout.splitlines() if l.startswith("DSV4_RESULT ")][-1]
     result = json.loads(line.removeprefix("DSV4_RESULT "))
     assert result["generation_tokens"] == len(result["tokens"]) <= 6
+
+
+def test_package_exports_the_functions_and_examples_run():
+    import dsv4 as package
+
+    assert callable(package.generate) and callable(package.stream_generate) and callable(package.load)
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    for script in ("generate.py", "stream.py", "greedy_vs_sampled.py"):
+        out = subprocess.run([sys.executable, str(root / "examples" / script)], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, f"{script}: {out.stderr[-2000:]}"
+        assert out.stdout.strip(), script
