@@ -172,18 +172,6 @@ class Engram(nn.Module):
         return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
 
 
-def history_width(args: ModelArgs) -> int:
-    return args.engram_max_ngram_size - 1
-
-
-def update_history(history: np.ndarray, compressed: np.ndarray) -> np.ndarray:
-    return np.concatenate([history, compressed], axis=1)[:, -history.shape[1]:]
-
-
-def empty_history(batch: int, args: ModelArgs) -> np.ndarray:
-    return np.full((batch, history_width(args)), DEAD, np.int64)
-
-
 def table_sizes(args: ModelArgs) -> Sequence[int]:
     primes = layer_primes(args)
     return [int(primes[l].sum()) for l in args.engram_layer_ids]

@@ -17,7 +17,7 @@ from . import profiler
 from .attention import Attention, ForwardState, RMSNorm
 from .cache import Cache
 from .config import ModelArgs
-from .engram import Engram, NgramHasher
+from .engram import DEAD, Engram, NgramHasher
 from .linear import Linear
 from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes
 from .moe import MoE
@@ -92,7 +92,7 @@ class Model(nn.Module):
         h = self._hasher
         width = self.args.engram_max_ngram_size - 1
         past = cache.tokens[:, -width:] if cache.offset else np.zeros((ids.shape[0], 0), np.int64)
-        history = np.full((ids.shape[0], width), -1, np.int64)
+        history = np.full((ids.shape[0], width), DEAD, np.int64)
         if past.shape[1]:
             history[:, width - past.shape[1]:] = h.compress(past)
         rows = h.hash(h.compress(ids), history, cache.offset)

@@ -100,12 +100,3 @@ def pack_fp4(weight: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndar
     if weight.shape[-1] * 2 != scale.shape[-1] * 32 or weight.shape[:-1] != scale.shape[:-1]:
         raise ValueError(f"fp4 weight {weight.shape} does not match its scales {scale.shape}")
     return np.ascontiguousarray(weight).view(np.uint32), np.ascontiguousarray(scale)
-
-
-def dequantize_rows(codes: mx.array, scales: mx.array, dtype=mx.bfloat16) -> mx.array:
-    """e4m3 codes uint8 [..., 32k] with e8m0 scales uint8 [..., k] -> values (mxfp8, exact)."""
-    shape = codes.shape
-    flat = codes.reshape(-1, shape[-1]).view(mx.uint32)
-    out = mx.dequantize(flat, scales.reshape(-1, scales.shape[-1]), group_size=32, bits=8,
-                        mode="mxfp8", dtype=dtype)
-    return out.reshape(shape)
