@@ -217,32 +217,33 @@ def broken_copy(src, tmp_path):
     return dst
 
 
-def test_missing_tensor_is_named(tiny_dir, tmp_path):
-    dst = broken_copy(tiny_dir, tmp_path)
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    name = "layers.3.attn.wq_b.weight"
-    file = index["weight_map"][name]
+def rewrite_tensor(ckpt, name, replacement=None):
+    """Rewrite the shard holding `name` with the tensor replaced by (dtype, array), or removed."""
     from dsv4 import safetensors_file as sf
 
-    infos, _ = sf.read_header(dst / file)
-    sf.write(dst / file, {n: (i.dtype, np.array(sf.view(i))) for n, i in infos.items() if n != name})
-    del index["weight_map"][name]
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    index_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    file = index["weight_map"][name]
+    infos, _ = sf.read_header(ckpt / file)
+    tensors = {n: (i.dtype, np.array(sf.view(i))) for n, i in infos.items()}
+    if replacement is None:
+        del tensors[name], index["weight_map"][name]
+        index_file.write_text(json.dumps(index))
+    else:
+        tensors[name] = replacement
+    sf.write(ckpt / file, tensors)
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    dst = broken_copy(tiny_dir, tmp_path)
+    rewrite_tensor(dst, "layers.3.attn.wq_b.weight")
     with pytest.raises(CheckpointError, match=r"layers\.3\.attn\.wq_b\.weight is missing"):
         dsv4.load(dst)
 
 
 def test_wrong_shape_is_named(tiny_dir, tmp_path):
     dst = broken_copy(tiny_dir, tmp_path)
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    name = "layers.2.attn_norm.weight"
-    file = index["weight_map"][name]
-    from dsv4 import safetensors_file as sf
-
-    infos, _ = sf.read_header(dst / file)
-    tensors = {n: (i.dtype, np.array(sf.view(i))) for n, i in infos.items()}
-    tensors[name] = ("F32", np.zeros(7, np.float32))
-    sf.write(dst / file, tensors)
+    rewrite_tensor(dst, "layers.2.attn_norm.weight", ("F32", np.zeros(7, np.float32)))
     with pytest.raises(CheckpointError, match=r"layers\.2\.attn_norm\.weight is F32\[7\], expected BF16\[64\]"):
         dsv4.load(dst)
 
