@@ -131,11 +131,11 @@ def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: fl
 def main(argv: Optional[list[str]] = None) -> None:
     import typer
 
-    app = typer.Typer(add_completion=False, help=(
-        "Generate text with DeepSeek V4.1 Flash.\n\nRuntime switches (environment):\n\n"
-        + "\n\n".join(f"{f.env} (default {f.default}): {f.doc}" for f in flags.FLAGS.values())))
+    app = typer.Typer(add_completion=False)
+    switches = "\n\n".join(f"{f.env} (default {f.default}): {f.doc}" for f in flags.FLAGS.values())
 
-    @app.command()
+    @app.command(help="Generate text with DeepSeek V4.1 Flash.",
+                 epilog="Runtime switches (environment variables):\n\n" + switches)
     def run(model: Optional[str] = typer.Option(None, help="model directory or Hugging Face repo id "
                                                      "(default: the bundled demo checkpoint)"),
             prompt: str = typer.Option("Once upon a time", "--prompt", "-p", help="the prompt ('-' reads stdin)"),

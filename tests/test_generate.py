@@ -59,3 +59,13 @@ def test_package_exports_the_functions_and_examples_run():
                              text=True, timeout=300)
         assert out.returncode == 0, f"{script}: {out.stderr[-2000:]}"
         assert out.stdout.strip(), script
+
+
+def test_help_lists_every_switch():
+    from dsv4 import flags
+
+    out = subprocess.run([sys.executable, "-m", "dsv4.generate", "--help"], capture_output=True,
+                         text=True, timeout=120, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert out.returncode == 0
+    missing = [f.env for f in flags.FLAGS.values() if f.env not in out.stdout]
+    assert not missing, missing
