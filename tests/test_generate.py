@@ -1,6 +1,7 @@
 """generate / stream_generate and the CLI on a tiny checkpoint."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def test_help_lists_every_switch():
     from dsv4 import flags
 
     out = subprocess.run([sys.executable, "-m", "dsv4.generate", "--help"], capture_output=True,
-                         text=True, timeout=120, env={**__import__("os").environ, "COLUMNS": "200"})
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0
     missing = [f.env for f in flags.FLAGS.values() if f.env not in out.stdout]
     assert not missing, missing
