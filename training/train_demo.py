@@ -320,9 +320,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "dsv4" / "demo")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
+    # One long window per step: 512 tokens reach the compressed rows (256 at ratio 2) and
+    # the indexers' top-k, which 64-token windows barely do.
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens scored")
     p.add_argument("--metrics", type=Path, help="write the numbers as JSON here")
