@@ -89,8 +89,9 @@ def rope(x: mx.array, offset: int, freqs: mx.array, scale: float = 1.0,
 
 def topk_indices(scores: mx.array, k: int) -> mx.array:
     """Indices of the k largest fp32 scores along the last axis; ties go to the lower
-    index (scores and indices are packed into one unique int64 key)."""
-    bits = scores.astype(mx.float32).view(mx.int32)
+    index (scores and indices are packed into one unique int64 key). A selection has no
+    gradient, so the scores are cut from the graph (training runs through this too)."""
+    bits = mx.stop_gradient(scores).astype(mx.float32).view(mx.int32)
     ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
     index = mx.arange(scores.shape[-1], dtype=mx.int64)
     key = ordered * (1 << 32) + ((1 << 32) - 1 - index)

@@ -308,3 +308,16 @@ def test_quantized_head_error_is_bounded_by_its_weight_error(tiny_dir, mode, bou
     logit_err = float(mx.sqrt(mx.mean((a - b) ** 2)) / mx.sqrt(mx.mean(a * a)))
     assert 0 < weight_err < bound
     assert logit_err < 3 * weight_err
+
+
+def test_batch_rows_equal_single_sequences(tiny_dir):
+    """A batch of two sequences gives each row what that sequence gives alone."""
+    model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
+    ids = np.concatenate([ids_for(30, 11), ids_for(30, 12)])
+    with flags.override(kv_qdq=False, act_quant=False):
+        cache = model.make_cache()
+        batched = mx.concatenate([model(ids[:, :20], cache), model(ids[:, 20:], cache)], axis=1)
+        for row in range(2):
+            alone = model(ids[row:row + 1], model.make_cache())[0]
+            err = float(mx.max(mx.abs(batched[row] - alone)) / mx.max(mx.abs(alone)))
+            assert err < 1e-5, (row, err)

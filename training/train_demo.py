@@ -23,7 +23,6 @@ Deterministic given --seed (numpy and MLX seeds; same MLX version and machine ty
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
@@ -103,20 +102,6 @@ def token_stream(tokenizer, texts: list[str]) -> np.ndarray:
 
 # --- the model under training ----------------------------------------------------------------
 
-@contextlib.contextmanager
-def selection_without_gradient():
-    """While training, top-k selection passes no gradient to its scores: MLX cannot
-    differentiate a gather with respect to its indices, and dsv4.attention.topk_indices
-    (also imported by dsv4.moe) does not stop it itself."""
-    original = dsv4.attention.topk_indices
-    patched = lambda scores, k: original(mx.stop_gradient(scores), k)  # noqa: E731
-    dsv4.attention.topk_indices = dsv4.moe.topk_indices = patched
-    try:
-        yield
-    finally:
-        dsv4.attention.topk_indices = dsv4.moe.topk_indices = original
-
-
 class Trainee(nn.Module):
     """The model plus its Engram tables as trainable float rows [rows, 256] by layer."""
 
@@ -181,7 +166,7 @@ def train(trainee: Trainee, stream: np.ndarray, steps: int, batch: int, seq: int
     opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
     step_fn = nn.value_and_grad(trainee, lambda ids: next_token_loss(trainee, ids))
     history, recent, start = [], [], time.time()
-    with flags.override(kv_qdq=False, act_quant=False), selection_without_gradient():
+    with flags.override(kv_qdq=False, act_quant=False):
         for step in range(1, steps + 1):
             starts = rng.integers(0, len(stream) - seq - 1, batch)
             ids = np.stack([stream[s:s + seq + 1] for s in starts])

@@ -86,6 +86,7 @@ def inverse_rope_reference(x, cos, sin):
 def _gather(kv, idx, B, S):
     """Rows kv[b, idx[b, s, j]] as [B, S, k, D] and their validity [B, S, k]."""
     n = kv.shape[1]
+    idx = mx.broadcast_to(idx, (B, S, idx.shape[-1]))   # [1, S, k] is shared by the batch
     valid = (idx >= 0) & (idx < n)
     safe = mx.where(valid, idx, 0).astype(mx.int32)
     flat = safe + (mx.arange(B, dtype=mx.int32) * n)[:, None, None]
