@@ -11,8 +11,8 @@ name the `.part1` and the others are found next to it.
 - Tokenizer: tokenizer.json rebuilt from `tokenizer.ggml.*` (convert/gguf_tokenizer.py).
 - Engram: the hashing metadata (token map, primes, multipliers) must equal dsv4's; the tables
   stay in the GGUF and are referenced in place (264-byte rows at their absolute offset), or
-  copied with --copy-engram. A table referenced in place must lie within one part of a split
-  file (the store reads one file); --copy-engram also copies one that spans two parts.
+  copied with --copy-engram. A table that straddles two parts of a byte-split file is
+  referenced by all the parts (the store reads across them).
 - Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
   IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
   tensor kind; --dequantize bf16|f32 writes every quantized tensor as plain floats instead
@@ -356,14 +356,10 @@ def engram_references(src: GGUFSource, tables: dict[int, GGUFTensor]) -> dict[st
     refs = {}
     for layer, t in tables.items():
         place = src.locate(t.offset, t.nbytes)
-        if place is None:
-            raise ConversionError(
-                f"{src.path}: the Engram table of layer {layer} ({t.name}, bytes {t.offset}.."
-                f"{t.offset + t.nbytes}) spans two parts of the split file, and a table is read "
-                f"from one file: convert with --copy-engram (copies the tables into the "
-                f"directory), or join the parts (cat {Path(src.parts[0][0]).name[:-1]}* > "
-                f"one.gguf) and convert that file")
-        refs[str(layer)] = interleaved_reference(place[0], place[1], t.dims[1])
+        if place is None:  # it straddles parts: the store reads the concatenation
+            refs[str(layer)] = interleaved_reference([p for p, _ in src.parts], t.offset, t.dims[1])
+        else:
+            refs[str(layer)] = interleaved_reference(place[0], place[1], t.dims[1])
     return refs
 
 

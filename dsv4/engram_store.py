@@ -31,6 +31,8 @@ layer under `config["dsv4"]["engram"]["<layer id>"]`; a relative "file" is relat
 model directory:
 
     {"layout": "interleaved264", "file": "engram-01.bin", "offset": 0, "rows": 384006168}
+    {"layout": "interleaved264", "parts": ["/q4.gguf.part1", "/q4.gguf.part2"],
+     "offset": 98765432, "rows": 384016682}     # a byte-split file: the offset runs over all parts
 
     {"layout": "split", "rows": 384006168,
      "weight": {"file": "/ckpt/model-00003-of-00048.safetensors",
@@ -47,7 +49,9 @@ must agree with it. `interleaved_reference` and `split_reference` build these di
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import itertools
 import os
 import sys
 import threading
@@ -217,11 +221,56 @@ class _Progress:
 
 # --- file-backed tables ----------------------------------------------------------------------
 
+class _File:
+    """One file, or the byte concatenation of a file's parts (a GGUF split into raw .part1,
+    .part2, ...: a table may straddle two parts). Offsets are into the whole."""
+
+    def __init__(self, parts: Sequence[tuple[Path, int]], fds: dict[Path, int]):
+        self.parts = [(Path(p), fds[Path(p)], int(size)) for p, size in parts]
+        self.starts = list(itertools.accumulate([0] + [size for _, _, size in self.parts]))
+        self.size = self.starts[-1]
+        self.path = self.parts[0][0] if len(self.parts) == 1 else \
+            Path(f"{self.parts[0][0]} (+{len(self.parts) - 1} parts)")
+
+    def _pieces(self, offset: int, length: int):
+        """(fd, offset in that part, start in the request, length) covering the request."""
+        k = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        done = 0
+        while done < length and k < len(self.parts):
+            _, fd, size = self.parts[k]
+            inner = offset + done - self.starts[k]
+            n = min(length - done, size - inner)
+            if n > 0:
+                yield fd, inner, done, n
+                done += n
+            k += 1
+
+    def pread(self, view: memoryview, offset: int) -> int:
+        """Fill `view` from `offset`; the bytes read (fewer only at the end of the data)."""
+        got = 0
+        for fd, inner, start, n in self._pieces(offset, len(view)):
+            part = _pread_exact(fd, view[start:start + n], inner)
+            got += part
+            if part < n:
+                break
+        return got
+
+    def will_need(self, offset: int, length: int) -> None:
+        for fd, inner, _, n in self._pieces(offset, length):
+            os.posix_fadvise(fd, inner, n, os.POSIX_FADV_WILLNEED)
+
+    def where(self, offset: int) -> str:
+        """"byte B of FILE" for an offset into the whole (the part holding it)."""
+        k = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        if len(self.parts) == 1 or k >= len(self.parts):
+            return f"byte {offset} of {self.path}"
+        return f"byte {offset - self.starts[k]} of {self.parts[k][0]} (byte {offset} of the whole)"
+
+
 @dataclass(frozen=True)
 class _Segment:
     """`width` bytes of each row at `offset + stride * row` of a file, stored at `dest` in the row."""
-    path: Path
-    fd: int
+    file: _File
     offset: int
     stride: int
     width: int
@@ -229,6 +278,10 @@ class _Segment:
 
     def at(self, row: int) -> int:
         return self.offset + self.stride * row
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> int:
@@ -262,8 +315,9 @@ def _open_fd(path: Path) -> int:
 class FileTable:
     """A table over regions of existing files, read with pread on the shared pool."""
 
-    def __init__(self, name: str, rows: int, regions: Sequence[tuple[Path, int, int, int]]):
-        """regions: (file, offset of row 0, bytes per row in the file, position in the row)."""
+    def __init__(self, name: str, rows: int, regions: Sequence[tuple]):
+        """regions: (file, offset of row 0, bytes per row in the file, position in the row);
+        `file` is a path or a list of a split file's parts (offsets then run over them all)."""
         self.name = name
         self.rows = int(rows)
         if self.rows <= 0:
@@ -271,19 +325,20 @@ class FileTable:
         fds: dict[Path, int] = {}
         segments = []
         try:
-            for path, offset, width, dest in regions:
-                path = Path(path)
-                if not path.is_file():
-                    raise EngramError(f"{name}: table file {path} not found")
+            for paths, offset, width, dest in regions:
+                paths = [Path(p) for p in (paths if isinstance(paths, (list, tuple)) else [paths])]
+                for path in paths:
+                    if not path.is_file():
+                        raise EngramError(f"{name}: table file {path} not found")
+                    if path not in fds:
+                        fds[path] = _open_fd(path)
+                file = _File([(p, p.stat().st_size) for p in paths], fds)
                 end = offset + width * self.rows
-                size = path.stat().st_size
-                if offset < 0 or end > size:
+                if offset < 0 or end > file.size:
                     raise EngramError(
                         f"{name}: {self.rows} rows of {width} bytes from byte {offset} end at byte "
-                        f"{end}, but {path} has {size} bytes")
-                if path not in fds:
-                    fds[path] = _open_fd(path)
-                segments.append(_Segment(path, fds[path], offset, width, width, dest))
+                        f"{end}, but {file.path} has {file.size} bytes")
+                segments.append(_Segment(file, offset, width, width, dest))
         except BaseException:
             _close_all(list(fds.values()))
             raise
@@ -304,11 +359,11 @@ class FileTable:
         return f"{type(self).__name__}({self.name!r}, rows={self.rows}, files={self.files()})"
 
     def files(self) -> list[str]:
-        return sorted({str(s.path) for s in self._segments})
+        return sorted({str(p) for s in self._segments for p, _, _ in s.file.parts})
 
     def locate(self, row: int) -> str:
         """Where a row lies, for error messages."""
-        return " and ".join(f"byte {s.at(row)} of {s.path}" for s in self._segments)
+        return " and ".join(s.file.where(s.at(row)) for s in self._segments)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -339,16 +394,16 @@ class FileTable:
         for seg in self._segments:
             part = out if seg.width == ROW_BYTES else np.empty((count, seg.width), np.uint8)
             try:
-                got = _pread_exact(seg.fd, memoryview(part).cast("B"), seg.at(first))
+                got = seg.file.pread(memoryview(part).cast("B"), seg.at(first))
             except OSError as e:
                 raise EngramReadError(
-                    e.errno, f"{self.name}: reading rows [{first}, {first + count}) from byte "
-                             f"{seg.at(first)} of {seg.path} failed: {e.strerror or e}") from e
+                    e.errno, f"{self.name}: reading rows [{first}, {first + count}) from "
+                             f"{seg.file.where(seg.at(first))} failed: {e.strerror or e}") from e
             if got < part.nbytes:
                 row = first + got // seg.width
                 raise EngramReadError(
-                    f"{self.name}: short read of row {row} at byte {seg.at(first) + got} of "
-                    f"{seg.path}: the file ends there (truncated?)")
+                    f"{self.name}: short read of row {row} at {seg.file.where(seg.at(first) + got)}: "
+                    f"the file ends there (truncated?)")
             if part is not out:
                 out[:, seg.dest:seg.dest + seg.width] = part
         self._check_codes(np.arange(first, first + count), out)
@@ -394,20 +449,20 @@ class FileTable:
         if readahead:  # the kernel starts every page read now; the preads below then wait less
             for row in row_list:
                 for seg in self._segments:
-                    os.posix_fadvise(seg.fd, seg.at(row), seg.width, os.POSIX_FADV_WILLNEED)
+                    seg.file.will_need(seg.at(row), seg.width)
         for i, row in enumerate(row_list):
             base = i * ROW_BYTES
             for seg in self._segments:
                 offset = seg.at(row)
                 try:
-                    got = _pread_exact(seg.fd, view[base + seg.dest:base + seg.dest + seg.width], offset)
+                    got = seg.file.pread(view[base + seg.dest:base + seg.dest + seg.width], offset)
                 except OSError as e:
                     raise EngramReadError(
-                        e.errno, f"{self.name}: reading row {row} at byte {offset} of {seg.path} "
+                        e.errno, f"{self.name}: reading row {row} at {seg.file.where(offset)} "
                                  f"failed: {e.strerror or e}") from e
                 if got < seg.width:
                     raise EngramReadError(
-                        f"{self.name}: short read of row {row} at byte {offset} of {seg.path}: "
+                        f"{self.name}: short read of row {row} at {seg.file.where(offset)}: "
                         f"got {got} of {seg.width} bytes (file truncated?)")
         self._check_codes(rows, out)
 
@@ -438,8 +493,10 @@ def _check_out(out: Optional[np.ndarray], shape: tuple[int, ...], name: str) -> 
 class InterleavedTable(FileTable):
     """264-byte rows (256 e4m3 codes, then 8 e8m0 scales) from byte `offset` of `path`."""
 
-    def __init__(self, path: Path | str, offset: int, rows: int, name: str):
-        super().__init__(name, rows, [(Path(path), int(offset), ROW_BYTES, 0)])
+    def __init__(self, path: Union[Path, str, Sequence[Union[Path, str]]], offset: int, rows: int,
+                 name: str):
+        """`path` is one file, or the parts of a byte-split file in order (offset into all)."""
+        super().__init__(name, rows, [(path, int(offset), ROW_BYTES, 0)])
 
 
 class SplitTable(FileTable):
@@ -538,10 +595,12 @@ def _recorded_path(path: Path | str, base_dir: Optional[Path | str]) -> str:
     return str(path)
 
 
-def interleaved_reference(file: Path | str, offset: int, rows: int,
+def interleaved_reference(file: Union[Path, str, Sequence[Union[Path, str]]], offset: int, rows: int,
                           base_dir: Optional[Path | str] = None) -> dict:
-    return {"layout": "interleaved264", "file": _recorded_path(file, base_dir),
-            "offset": int(offset), "rows": int(rows)}
+    """`file` is one file, or the parts of a byte-split file in order ("parts" in the reference)."""
+    where = ({"parts": [_recorded_path(p, base_dir) for p in file]}
+             if isinstance(file, (list, tuple)) else {"file": _recorded_path(file, base_dir)})
+    return {"layout": "interleaved264", **where, "offset": int(offset), "rows": int(rows)}
 
 
 def split_reference(weight: TensorInfo, scale: TensorInfo,
@@ -600,13 +659,19 @@ def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> T
         raise EngramError(f"{name or 'engram table'}: its reference must be a JSON object, "
                           f"got {type(ref).__name__}")
     if name is None:
-        file = ref.get("file") or (ref.get("weight") or {}).get("file", "?")
+        file = ref.get("file") or (ref.get("parts") or [None])[0] or (ref.get("weight") or {}).get("file", "?")
         name = f"engram table in {Path(str(file)).name}"
     where = f"{name}: engram table reference"
     layout = _field(ref, "layout", str, where)
     rows = _field(ref, "rows", int, where)
     if layout == "interleaved264":
-        path = base_dir / _field(ref, "file", str, where)
+        if "parts" in ref:
+            parts = _field(ref, "parts", list, where)
+            if not parts or not all(isinstance(p, str) for p in parts):
+                raise EngramError(f"{where}: field 'parts' must be a non-empty list of file names")
+            path = [base_dir / p for p in parts]
+        else:
+            path = base_dir / _field(ref, "file", str, where)
         table: Table = InterleavedTable(path, _field(ref, "offset", int, where), rows, name)
     elif layout == "split":
         weight = _split_region(_field(ref, "weight", dict, where), "weight", "F8_E4M3",

@@ -241,18 +241,23 @@ def test_split_file_reads_as_one(mixed, tmp_path):
                                               r"but the file has \d+ bytes .*a missing part"):
         (tmp_path / "m.gguf.part2").rename(tmp_path / "m.gguf.partX")
         conv.GGUFSource(tmp_path / "m.gguf.part1")
-    # a cut inside a table: it cannot be referenced in place; refused, nothing written ...
+    # a cut inside a table (not at a row boundary): referenced in place across both parts ...
     (tmp_path / "n.gguf.part1").write_bytes(data[:first_table + 1000])
     (tmp_path / "n.gguf.part2").write_bytes(data[first_table + 1000:])
-    with pytest.raises(ConversionError, match="spans two parts.*--copy-engram"):
-        conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out2", workers=1, progress=False)
-    assert not (tmp_path / "out2").exists()
-    # ... which --copy-engram copies out of both parts
-    conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out2", workers=1, copy_engram=True,
-                 progress=False)
+    conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out2", workers=1, progress=False)
     refs = json.loads((tmp_path / "out2" / "config.json").read_text())["dsv4"]["engram"]
+    assert any("parts" in ref for ref in refs.values())
     for layer, ref in refs.items():
         with open_table(ref, tmp_path / "out2") as table:
+            assert np.array_equal(table.read_range(0, table.rows),
+                                  mixed["tables"][f"blk.{layer}.engram_embd.weight"])
+    # ... and --copy-engram copies it out of both parts
+    conv.convert(tmp_path / "n.gguf.part1", tmp_path / "out3", workers=1, copy_engram=True,
+                 progress=False)
+    refs = json.loads((tmp_path / "out3" / "config.json").read_text())["dsv4"]["engram"]
+    for layer, ref in refs.items():
+        assert "parts" not in ref
+        with open_table(ref, tmp_path / "out3") as table:
             assert np.array_equal(table.read_range(0, table.rows),
                                   mixed["tables"][f"blk.{layer}.engram_embd.weight"])
 

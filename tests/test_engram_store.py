@@ -515,3 +515,43 @@ def test_tables_of_a_tiny_official_checkpoint(tmp_path, rng):
         raw = np.concatenate([weight[ids], scale[ids]], axis=-1)
         np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(raw))
         table.close()
+
+
+# --- a byte-split file (GGUF .part1/.part2) ------------------------------------------------------
+
+def split_into_parts(path: Path, cuts: list[int]) -> list[Path]:
+    """Cut a file into raw byte parts at `cuts` (as `split -b` does with a GGUF)."""
+    data = path.read_bytes()
+    bounds = [0, *cuts, len(data)]
+    parts = []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        part = path.with_name(f"{path.name}.part{k + 1}")
+        part.write_bytes(data[a:b])
+        parts.append(part)
+    return parts
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_table_straddling_parts_reads_like_the_whole_file(tmp_path, rng, parallel):
+    raw = random_rows(rng, 300)
+    whole = write_interleaved(tmp_path / "t.gguf", raw, offset=4096)
+    # One cut inside row 100 (not at a row boundary), one at the end of row 250.
+    parts = split_into_parts(whole, [4096 + 100 * ROW + 77, 4096 + 251 * ROW])
+    ref = es.interleaved_reference(parts, 4096, 300)
+    table = es.open_table(json.loads(json.dumps(ref)), tmp_path, "parted")
+    ids = np.concatenate([[99, 100, 101, 250, 251, 0, 299], rng.integers(0, 300, 200)])
+    with flags.override(engram_parallel_decode=parallel):
+        np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(raw[ids]))
+    np.testing.assert_array_equal(table.read_range(95, 160), raw[95:255])
+
+
+def test_a_truncated_last_part_is_a_short_read_naming_the_part(tmp_path, rng):
+    raw = random_rows(rng, 50)
+    whole = write_interleaved(tmp_path / "t.gguf", raw)
+    parts = split_into_parts(whole, [20 * ROW + 5])
+    with pytest.raises(es.EngramError, match="end at byte"):
+        es.open_table(es.interleaved_reference(parts[:1], 0, 50), tmp_path, "cut")
+    table = es.open_table(es.interleaved_reference(parts, 0, 50), tmp_path, "cut")
+    os.truncate(parts[1], parts[1].stat().st_size - 110)  # the 100 padding bytes and 10 of row 49
+    with pytest.raises(es.EngramReadError, match=r"short read of row 49 at byte \d+ of .*part2"):
+        table.read(np.array([49]))
