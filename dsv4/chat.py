@@ -84,7 +84,7 @@ class ChatSession:
 
         try:
             for last in stream_generate(self.model, self.tokenizer, reuse.new_tokens, cache=reuse.cache,
-                                        **self.sampling):
+                                        on_prefilled=reuse.on_prefilled, **self.sampling):
                 produced.append(last.token)
                 take(parser.feed(last.text))
             take(parser.close())

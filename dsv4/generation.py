@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -52,10 +52,12 @@ def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK) ->
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_tokens: int = 256,
                     temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
-                    cache: Optional[Cache] = None, ignore_eos: bool = False) -> Iterator[GenerationResponse]:
+                    cache: Optional[Cache] = None, ignore_eos: bool = False,
+                    on_prefilled: Optional[Callable[[Cache], None]] = None) -> Iterator[GenerationResponse]:
     """Yield one response per generated token. A str prompt is encoded as is (no chat
     template); with `cache`, the prompt continues what the cache already holds.
-    `ignore_eos` generates exactly max_tokens (benchmarks)."""
+    `ignore_eos` generates exactly max_tokens (benchmarks); `on_prefilled(cache)` is called
+    once the prompt is in the cache, before the first generated token is fed back."""
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
@@ -66,6 +68,8 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     detok = tokenizer.detokenizer
     start = time.perf_counter()
     logits = prefill(model, np.array([ids], np.int64), cache)
+    if on_prefilled is not None:
+        on_prefilled(cache)
     token = int(sampler(logits).item())
     prompt_time = time.perf_counter() - start
     prompt_tps = len(ids) / prompt_time

@@ -130,7 +130,8 @@ class Worker(threading.Thread):
         end_tokens = set(self.tokenizer.eos_token_ids)
         responses = stream_generate(model, self.tokenizer, reuse.new_tokens,
                                     max_tokens=min(job.max_tokens, room), temp=job.temperature,
-                                    top_p=job.top_p, seed=job.seed, cache=reuse.cache)
+                                    top_p=job.top_p, seed=job.seed, cache=reuse.cache,
+                                    on_prefilled=reuse.on_prefilled)
         try:
             for response in responses:
                 if job.cancelled.is_set():

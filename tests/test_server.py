@@ -274,7 +274,8 @@ class Script:
     def make_cache(self):
         return ListCache()
 
-    def __call__(self, model, tokenizer, prompt, *, max_tokens, temp, top_p, seed, cache):
+    def __call__(self, model, tokenizer, prompt, *, max_tokens, temp, top_p, seed, cache,
+                 on_prefilled=None):
         cache.tokens.extend(prompt)
         self.prompts.append(bytes(t for t in cache.tokens if t < 256).decode())
         self.active += 1
