@@ -28,21 +28,13 @@ from dsv4_convert import official
 from dsv4_convert.__main__ import app
 from dsv4_convert.official import Requant, convert
 from dsv4_convert.writer import ConversionError
-
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+from tests.formats import e2m1_packed_value, e4m3_value, e8m0_scale
 
 
 def load_file(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a file, parsed by the safetensors library, in numpy storage dtypes."""
     return {name: np.frombuffer(t["data"], sf.STORAGE[t["dtype"]]).reshape(t["shape"])
             for name, t in deserialize(Path(path).read_bytes())}
-
-
-def e4m3_value(code: np.ndarray) -> np.ndarray:
-    code = code.astype(np.int64)
-    sign = np.where(code & 0x80, -1.0, 1.0)
-    exp, man = (code >> 3) & 0xF, code & 7
-    return sign * np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
 
 
 def fp8_source_value(codes, block_scales):
@@ -53,10 +45,7 @@ def fp8_source_value(codes, block_scales):
 
 def fp4_source_value(packed, scales):
     """Official fp4 expert [out, in/2] (low nibble first) with e8m0 per 32 -> float64."""
-    b = packed.view(np.uint8)
-    vals = np.empty((b.shape[0], b.shape[1] * 2))
-    vals[:, 0::2], vals[:, 1::2] = E2M1[b & 15], E2M1[b >> 4]
-    return vals * np.repeat(2.0 ** (scales.astype(np.int64) - 127), 32, 1)
+    return e2m1_packed_value(packed) * np.repeat(e8m0_scale(scales), 32, 1)
 
 
 @pytest.fixture(scope="module")

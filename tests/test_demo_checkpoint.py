@@ -22,6 +22,7 @@ from dsv4.config import ModelArgs
 from dsv4.loader import DEMO_DIR
 from dsv4.safetensors_file import Checkpoint, view
 from dsv4.testing import official_tensors, write_sharded
+from tests.formats import e2m1_packed_value, e4m3_value, e8m0_scale
 
 # Written for this test: not in the training corpus (CPython's pydoc topics).
 HELD_OUT_TEXT = (
@@ -87,27 +88,6 @@ def _train_demo_module():
     return module
 
 
-def decode_e4m3(codes: np.ndarray) -> np.ndarray:
-    """e4m3 (bias 7, no infinities) bit patterns -> float64, from the format's definition."""
-    c = codes.astype(np.int64)
-    sign = np.where(c & 0x80, -1.0, 1.0)
-    exp, man = (c >> 3) & 0xF, c & 0x7
-    mag = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
-    return sign * mag
-
-
-def decode_e2m1_packed(packed: np.ndarray) -> np.ndarray:
-    """Two e2m1 codes per byte, low nibble first -> float64 [..., 2 * n]."""
-    b = packed.view(np.uint8).astype(np.int64)
-    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
-    values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes & 7]
-    return np.where(codes & 8, -values, values)
-
-
-def scale_of(e8m0: np.ndarray) -> np.ndarray:
-    return 2.0 ** (e8m0.astype(np.float64) - 127)
-
-
 def test_export_stores_the_trained_values(tmp_path):
     train_demo = _train_demo_module()
     tokenizer = dsv4.tokenizer.Tokenizer(DEMO_DIR).backend
@@ -128,15 +108,15 @@ def test_export_stores_the_trained_values(tmp_path):
         if expert:
             base, e, w = expert.groups()
             want = params[f"{base}.{w}.weight"][int(e)]
-            scale = np.repeat(scale_of(view(stored[name.replace(".weight", ".scale")])), 32, axis=-1)
-            got = decode_e2m1_packed(data) * scale
+            scale = np.repeat(e8m0_scale(view(stored[name.replace(".weight", ".scale")])), 32, axis=-1)
+            got = e2m1_packed_value(data) * scale
             # e2m1 steps are 0.5 up to 2, 1 up to 4, 2 up to 6 (in units of the scale)
             bound = np.maximum(0.25, np.abs(want) / scale / 4) * scale
         elif info.dtype == "F8_E4M3":
             want = params[name]
-            blocks = scale_of(view(stored[name.replace(".weight", ".scale")]))
+            blocks = e8m0_scale(view(stored[name.replace(".weight", ".scale")]))
             scale = np.repeat(np.repeat(blocks, 32, 0), 32, 1)[:want.shape[0]]
-            got = decode_e4m3(data) * scale
+            got = e4m3_value(data) * scale
             bound = e4m3_step * np.abs(want) + 2.0 ** -10 * scale  # subnormal step 2**-9
         elif info.dtype == "BF16":
             want = params[name]
@@ -148,6 +128,6 @@ def test_export_stores_the_trained_values(tmp_path):
     for layer in args.engram_layer_ids:
         want = np.array(trainee.tables[str(layer)], np.float64)
         codes = view(stored[f"layers.{layer}.engram.embed.weight"])
-        scale = np.repeat(scale_of(view(stored[f"layers.{layer}.engram.embed.scale"])), 32, axis=-1)
-        got = decode_e4m3(codes) * scale
+        scale = np.repeat(e8m0_scale(view(stored[f"layers.{layer}.engram.embed.scale"])), 32, axis=-1)
+        got = e4m3_value(codes) * scale
         assert np.all(np.abs(got - want) <= e4m3_step * np.abs(want) + 2.0 ** -10 * scale), layer

@@ -18,19 +18,12 @@ import pytest
 from dsv4 import engram_store as es
 from dsv4 import flags
 from dsv4 import safetensors_file as sf
+from tests.formats import e4m3_value
 
 ROW = es.ROW_BYTES
 
 
 # --- oracle ---------------------------------------------------------------------------------
-
-def e4m3_value(code: np.ndarray) -> np.ndarray:
-    code = code.astype(np.int64)
-    sign = np.where(code & 0x80, -1.0, 1.0)
-    exp, man = (code >> 3) & 0xF, code & 7
-    mag = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
-    return sign * mag
-
 
 def bf16_bits(value: np.ndarray) -> np.ndarray:
     """Round exact float64 values (no double rounding: e4m3 needs 4 bits) to bf16 bits, RNE."""
@@ -69,7 +62,6 @@ def write_interleaved(path: Path, raw: np.ndarray, offset: int = 0) -> Path:
 
 def write_split(tmp: Path, raw: np.ndarray, name: str = "layers.1.engram") -> dict:
     """Weight and scale tensors in two safetensors shards, among other tensors; the reference."""
-    rows = len(raw)
     sf.write(tmp / "shard-a.safetensors", {
         "a.before": ("F32", np.arange(7, dtype=np.float32)),
         f"{name}.embed.weight": ("F8_E4M3", np.ascontiguousarray(raw[:, :256])),

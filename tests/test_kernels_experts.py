@@ -9,17 +9,10 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels import experts as ex
+from tests.formats import E2M1, e4m3_value
 
 MODES = [("mxfp4", 4, 32), ("mxfp8", 8, 32), ("affine", 2, 32), ("affine", 3, 64),
          ("affine", 4, 128), ("affine", 8, 32)]
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def e4m3_value(code):
-    sign = np.where(code & 0x80, -1.0, 1.0)
-    exp, mant = (code >> 3) & 0xF, code & 0x7
-    mag = np.where(exp == 0, mant / 8 * 2.0 ** -6, (1 + mant / 8) * 2.0 ** (exp.astype(np.int64) - 7))
-    return sign * mag
 
 
 def codes(weight, bits):

@@ -14,6 +14,7 @@ from dsv4.cache import load_cache
 from dsv4.config import ConfigError, ModelArgs
 from dsv4.engram import Engram, NgramHasher, layer_multipliers, layer_primes, table_sizes
 from dsv4.safetensors_file import CheckpointError
+from tests.formats import e4m3_value, e8m0_scale
 
 
 def ids_for(n, seed=0):
@@ -202,10 +203,8 @@ def test_engram_rows_come_from_the_table(tiny_dir):
     ids = np.array([[0, 5, table.rows - 1]])
     got = np.array(table.read(ids).astype(mx.float32))[0]
     codes = view(ckpt[f"layers.{layer}.engram.embed.weight"])[ids[0]]
-    scales = view(ckpt[f"layers.{layer}.engram.embed.scale"])[ids[0]].astype(np.int32)
-    from tests.test_quant import E4M3
-
-    want = np.where(codes & 0x80, -1.0, 1.0) * E4M3[codes & 0x7F] * np.repeat(2.0 ** (scales - 127), 32, -1)
+    scales = view(ckpt[f"layers.{layer}.engram.embed.scale"])[ids[0]]
+    want = e4m3_value(codes) * np.repeat(e8m0_scale(scales), 32, -1)
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 
 from dsv4 import quant
+from tests.formats import E2M1 as E2M1_CODES
+from tests.formats import e2m1_packed_value, e4m3_value, e8m0_scale
 
-# All finite non-negative e4m3 values by code (0x00..0x7E; 0x7F is NaN).
-E4M3 = np.array([(m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-                 for e in range(16) for m in range(8)][:127], np.float64)
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+# The finite non-negative grids, ascending by code (e4m3 0x00..0x7E; 0x7F is NaN).
+E4M3 = e4m3_value(np.arange(127))
+E2M1 = E2M1_CODES[:8]
 
 
 def nearest_even(v, table):
@@ -99,8 +100,7 @@ def test_fp8_packing_is_exact_dequant():
     packed, scales = quant.pack_fp8_block32(w, s)
     got = np.array(mx.dequantize(mx.array(packed), mx.array(scales), group_size=32, bits=8,
                                  mode="mxfp8", dtype=mx.float32))
-    sign = np.where(w & 0x80, -1.0, 1.0)
-    want = sign * E4M3[w & 0x7F] * np.repeat(np.repeat(2.0 ** (s.astype(np.int32) - 127), 32, 0), 32, 1)[:70]
+    want = e4m3_value(w) * np.repeat(np.repeat(e8m0_scale(s), 32, 0), 32, 1)[:70]
     np.testing.assert_array_equal(got, want.astype(np.float32))
 
 
@@ -112,8 +112,5 @@ def test_fp4_packing_is_exact_dequant():
     packed, scales = quant.pack_fp4(w.view(np.uint8), s)
     got = np.array(mx.dequantize(mx.array(packed), mx.array(scales), group_size=32, bits=4,
                                  mode="mxfp4", dtype=mx.float32))
-    b = w.view(np.uint8)
-    codes = np.stack([b & 15, b >> 4], axis=-1).reshape(3, 8, 64)
-    vals = np.where(codes & 8, -1.0, 1.0) * E2M1[codes & 7]
-    want = vals * np.repeat(2.0 ** (s.astype(np.int32) - 127), 32, -1)
+    want = e2m1_packed_value(w) * np.repeat(e8m0_scale(s), 32, -1)
     np.testing.assert_array_equal(got, want.astype(np.float32))
