@@ -114,7 +114,7 @@ class ForwardState:
     length: int
     cache: Cache
     positions: mx.array
-    window_idx: Optional[mx.array] = None
+    window_idx: mx.array                     # [1, S, window] rows of the held window, -1 none
     topk: Optional[mx.array] = None          # [B, S, k] of the latest index source
     candidates: Optional[mx.array] = None    # [B, S, N] bool of the candidate source
     emitted: dict = field(default_factory=dict)  # kv source layer -> latents emitted now
@@ -241,9 +241,7 @@ class Attention(nn.Module):
         kv = rope(self.kv_norm(self.wkv(fp8_input(x))), state.start, self._freqs)
         if flags.get("kv_qdq"):
             kv = qdq_fp8(kv)
-        held_start = lc.window_start
         held = cache.append_window(lc, kv)
-        window_idx = window_indices(state.start, s, held_start, self.args.sliding_window)[None]
         compressed = topk = None
         if self.ratio:
             if "compressor" in self:
@@ -254,7 +252,8 @@ class Attention(nn.Module):
             topk = state.topk
             if compressed is None or topk is None or topk.shape[-1] == 0:
                 compressed = topk = None
-        o = sparse_attention(q, held, window_idx, compressed, topk, self.attn_sink, self.head_dim ** -0.5)
+        o = sparse_attention(q, held, state.window_idx, compressed, topk, self.attn_sink,
+                             self.head_dim ** -0.5)
         o = rope(o, state.start, self._freqs, inverse=True)
         return self.wo_b(fp8_input(self._grouped_wo_a(o.reshape(b, s, -1))))
 

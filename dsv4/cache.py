@@ -39,10 +39,6 @@ class LayerCache:
         self.comp_gate: Optional[mx.array] = None
         self.comp_start = 0
 
-    def rows(self, name: str) -> int:
-        a = getattr(self, name)
-        return 0 if a is None else a.shape[1]
-
 
 class Cache:
     """All layers' state plus the token ids seen so far (for Engram and prefix reuse)."""

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import profiler
-from .attention import Attention, ForwardState, RMSNorm
+from .attention import Attention, ForwardState, RMSNorm, window_indices
 from .cache import Cache
 from .config import ModelArgs
 from .engram import DEAD, Engram, NgramHasher
@@ -115,7 +115,9 @@ class Model(nn.Module):
             cache.tokens = np.zeros((b, 0), np.int64)
         requests = self.start_engram_reads(ids, cache)
         start = cache.offset
-        state = ForwardState(start=start, length=s, cache=cache,
+        # Every layer's window holds the same positions, so one set of indices serves all.
+        window = window_indices(start, s, cache[0].window_start, self.args.sliding_window)[None]
+        state = ForwardState(start=start, length=s, cache=cache, window_idx=window,
                              positions=mx.arange(start, start + s, dtype=mx.int32))
         h = profiler.mark("embed", self.embed(mx.array(ids)))
         streams = mx.broadcast_to(h[:, :, None, :], (b, s, self.args.hc_mult, self.args.hidden_size))
