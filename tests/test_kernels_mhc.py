@@ -94,3 +94,40 @@ def test_dispatch_uses_reference_on_cpu_and_kernels_when_switched(monkeypatch):
     assert len(calls) == 2
     mhc.hc_expand(X[:, :, 0], X, pre, comb)
     assert calls[-1]["grid"] == (256, 1, 1) and len(calls) == 3
+
+
+def test_site_entry_reference_matches_spec():
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, 1, 2, 96)
+    pre_in = mx.array(rng.uniform(0, 1, (1, 2, 4)).astype(np.float32))
+    weight = mx.array(rng.uniform(0.5, 1.5, 96).astype(np.float32)).astype(mx.bfloat16)
+    x, *mixes = mhc.hc_mixes_collapse_norm_reference(X, pre_in, fn, scale, base, weight, 1e-6,
+                                                     1e-20, 1e-6, 20)
+    h = (f64(pre_in)[..., None] * f64(X)).sum(-2)
+    want_x = f64(weight) * h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(f64(x), want_x, rtol=2 * 2.0 ** -8, atol=1e-6)   # as the collapse test
+    want = oracle_mixes(f64(X), f64(fn), f64(scale), f64(base), 1e-20, 1e-6, 20)
+    for g, w in zip(mixes, want):
+        np.testing.assert_allclose(np.array(g), w, rtol=2e-5, atol=1e-6)         # as the mixes test
+
+
+def test_site_entry_dispatch_two_launches(monkeypatch):
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, 1, 3, 32)
+    pre_in = mx.array(rng.uniform(0, 1, (1, 3, 4)).astype(np.float32))
+    weight = mx.ones((32,), mx.bfloat16)
+    args = (X, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    got = mhc.hc_mixes_collapse_norm(*args)             # CPU: the references
+    for a, b in zip(got, mhc.hc_mixes_collapse_norm_reference(*args)):
+        np.testing.assert_array_equal(f64(a), f64(b))
+    calls = []
+    fake = lambda **kw: calls.append(kw) or [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+    monkeypatch.setattr(mhc, "backend", lambda: "cuda")
+    monkeypatch.setattr(mhc.Kernel, "__call__", lambda self, **kw: fake(**kw))
+    x, pre, post, comb = mhc.hc_mixes_collapse_norm(*args)
+    assert len(calls) == 2                              # projection + fused Sinkhorn/collapse
+    assert (x.shape, x.dtype, pre.shape, comb.shape) == ((1, 3, 32), mx.bfloat16, (1, 3, 4), (1, 3, 4, 4))
+    assert calls[1]["grid"] == (288, 3, 1)             # 8 collapse SIMD groups + 1 mixer, per token
+    with flags.override(kernel_mhc=False):
+        mhc.hc_mixes_collapse_norm(*args)
+    assert len(calls) == 2

@@ -1,12 +1,15 @@
 """mHC (manifold-constrained hyper-connections) ops, model-spec §2.2: mixes, collapse + RMSNorm, expand.
 
 Streams are [B, S, hc, D] (bf16 in the model, hc = 4). Each op has a plain-MLX reference and
-a kernel; the dispatchers `hc_mixes`, `hc_collapse_norm` and `hc_expand` pick one.
+a kernel; the dispatchers `hc_mixes`, `hc_collapse_norm`, `hc_mixes_collapse_norm` (both of
+a site's entry ops on the same streams) and `hc_expand` pick one.
 
 Kernels: the mixes are one split-K projection kernel (many threadgroups share the 2 MB fp32
-projection at decode) and one kernel per token for the RMS factor, sigmoids, softmax and all
-Sinkhorn iterations in registers; collapse + RMSNorm is one kernel (one threadgroup per
-token); expand is one elementwise kernel.
+projection at decode) and one SIMD group per token for the RMS factor, sigmoids, softmax and
+all Sinkhorn iterations in registers (one comb entry per lane); collapse + RMSNorm is one
+kernel (one threadgroup per token). A site's collapse + RMSNorm can instead ride along in the
+Sinkhorn kernel (8 more SIMD groups per token): two launches for the site's entry instead of
+three. Expand is one elementwise kernel.
 """
 
 from __future__ import annotations
@@ -82,64 +85,54 @@ _PROJECT_BODY = r"""
   }
 """
 
-_SINKHORN_BODY = r"""
-  // grid (32, 1, tokens): one SIMD group per token; lane 0 runs the 4x4 Sinkhorn in registers.
+_ROW_HEADER = r"""
+KFN float shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
+
+// pre/post/comb of token qi from its HC*(2+HC) projections and sum of squares mv[NM], by one
+// whole SIMD group (HC*HC <= 32): the RMS factor, sigmoids, row softmax and ITERS Sinkhorn
+// column normalisations. Lane i*HC+j holds comb[i][j] (lanes past HC*HC repeat the first
+// ones); each row/column sum gathers its HC entries by shuffles and adds them in index order,
+// as one thread looping over the matrix would.
+template <int HC, int D, int ITERS, typename PM, typename PF, typename PO>
+KFN void mixes_from_projections(PM mv, PF scale, PF base, float norm_eps, float hc_eps, int qi,
+                                uint32_t lane, PO pre, PO post, PO comb) {
   constexpr int K = HC * D;
   constexpr int NM = HC * (2 + HC);
-  const int qi = group_z;
-  const float norm_eps = params[0], hc_eps = params[1];
-  SHARED float mv[NM + 1];
-  for (int o = (int)tid; o <= NM; o += 32) {
-    float v = 0.0f;
-    for (int s = 0; s < SPLITS; ++s) v += partial[((size_t)qi * SPLITS + s) * (NM + 1) + o];
-    mv[o] = v;
+  const float r = RSQRT(mv[NM] / (float)K + norm_eps);
+  if ((int)lane < HC) {
+    const int c = (int)lane;
+    pre[qi * HC + c] = 1.0f / (1.0f + EXP(-(mv[c] * r * scale[0] + base[c]))) + hc_eps;
+    post[qi * HC + c] = 2.0f / (1.0f + EXP(-(mv[HC + c] * r * scale[1] + base[HC + c])));
   }
-  BARRIER();
-  if (tid == 0) {
-    const float r = RSQRT(mv[NM] / (float)K + norm_eps);
-    for (int c = 0; c < HC; ++c) {
-      pre[qi * HC + c] = 1.0f / (1.0f + EXP(-(mv[c] * r * scale[0] + base[c]))) + hc_eps;
-      post[qi * HC + c] = 2.0f / (1.0f + EXP(-(mv[HC + c] * r * scale[1] + base[HC + c])));
+  const int l = (int)lane % (HC * HC), i = l / HC, j = l % HC;
+  float v = mv[2 * HC + l] * r * scale[2] + base[2 * HC + l];
+  float top = -INFINITY;
+  for (int k = 0; k < HC; ++k) top = FMAX(top, shuffle_f(v, i * HC + k));
+  v = EXP(v - top);
+  float sum = 0.0f;
+  for (int k = 0; k < HC; ++k) sum += shuffle_f(v, i * HC + k);
+  v = v / sum + hc_eps;
+  for (int it = 0; it < ITERS; ++it) {
+    if (it > 0) {
+      sum = 0.0f;
+      for (int k = 0; k < HC; ++k) sum += shuffle_f(v, i * HC + k);
+      v = v / (sum + hc_eps);
     }
-    float C[HC][HC];
-    for (int i = 0; i < HC; ++i) {
-      float top = -INFINITY;
-      for (int j = 0; j < HC; ++j) {
-        C[i][j] = mv[2 * HC + HC * i + j] * r * scale[2] + base[2 * HC + HC * i + j];
-        top = FMAX(top, C[i][j]);
-      }
-      float sum = 0.0f;
-      for (int j = 0; j < HC; ++j) { C[i][j] = EXP(C[i][j] - top); sum += C[i][j]; }
-      for (int j = 0; j < HC; ++j) C[i][j] = C[i][j] / sum + hc_eps;
-    }
-    for (int it = 0; it < ITERS; ++it) {
-      if (it > 0) {
-        for (int i = 0; i < HC; ++i) {
-          float sum = 0.0f;
-          for (int j = 0; j < HC; ++j) sum += C[i][j];
-          for (int j = 0; j < HC; ++j) C[i][j] = C[i][j] / (sum + hc_eps);
-        }
-      }
-      for (int j = 0; j < HC; ++j) {
-        float sum = 0.0f;
-        for (int i = 0; i < HC; ++i) sum += C[i][j];
-        for (int i = 0; i < HC; ++i) C[i][j] = C[i][j] / (sum + hc_eps);
-      }
-    }
-    for (int i = 0; i < HC; ++i)
-      for (int j = 0; j < HC; ++j) comb[(qi * HC + i) * HC + j] = C[i][j];
+    sum = 0.0f;
+    for (int k = 0; k < HC; ++k) sum += shuffle_f(v, k * HC + j);
+    v = v / (sum + hc_eps);
   }
-"""
+  if ((int)lane < HC * HC) comb[qi * HC * HC + l] = v;
+}
 
-_COLLAPSE_NORM_BODY = r"""
-  // grid (256, tokens, 1): h = round(sum_c pre_c X_c); out = round(w * h * rsqrt(mean(h^2) + eps)).
-  constexpr int EPT = (D + 255) / 256;
-  const int qi = group_y;
+// Collapse of token qi by 256 threads: h[e] = round(sum_c pre_c X_c) at d = tid + 256 e
+// (0 past D); returns this thread's sum of h^2.
+template <typename T, int HC, int D, typename PX, typename PP>
+KFN float collapse_part(PX streams, PP pre, int qi, uint32_t tid, LOCAL float* h) {
   float p[HC];
   for (int c = 0; c < HC; ++c) p[c] = pre[qi * HC + c];
-  float h[EPT];
   float ss = 0.0f;
-  for (int e = 0; e < EPT; ++e) {
+  for (int e = 0; e < (D + 255) / 256; ++e) {
     const int d = (int)tid + 256 * e;
     h[e] = 0.0f;
     if (d < D) {
@@ -149,17 +142,73 @@ _COLLAPSE_NORM_BODY = r"""
       ss += h[e] * h[e];
     }
   }
-  SHARED float red[8];
-  ss = simd_sum_f(ss);
-  if (lane == 0) red[warp] = ss;
-  BARRIER();
+  return ss;
+}
+
+// out = round(w * h * rsqrt(mean(h^2) + eps)), the sum of h^2 given per SIMD group in red[8].
+template <typename T, int D, typename PR, typename PW, typename PO>
+KFN void norm_part(PR red, float eps, PW weight, int qi, uint32_t tid, LOCAL const float* h,
+                   PO out) {
   float total = 0.0f;
   for (int w = 0; w < 8; ++w) total += red[w];
-  const float n = RSQRT(total / (float)D + params[0]);
-  for (int e = 0; e < EPT; ++e) {
+  const float n = RSQRT(total / (float)D + eps);
+  for (int e = 0; e < (D + 255) / 256; ++e) {
     const int d = (int)tid + 256 * e;
     if (d < D) out[(size_t)qi * D + d] = static_cast<T>(float(weight[d]) * (h[e] * n));
   }
+}
+"""
+
+_SINKHORN_BODY = r"""
+  // grid (32, 1, tokens): one SIMD group per token runs the 4x4 Sinkhorn in registers.
+  constexpr int NM = HC * (2 + HC);
+  const int qi = group_z;
+  SHARED float mv[NM + 1];
+  for (int o = (int)tid; o <= NM; o += 32) {
+    float v = 0.0f;
+    for (int s = 0; s < SPLITS; ++s) v += partial[((size_t)qi * SPLITS + s) * (NM + 1) + o];
+    mv[o] = v;
+  }
+  BARRIER();
+  mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, pre, post, comb);
+"""
+
+_COLLAPSE_NORM_BODY = r"""
+  // grid (256, tokens, 1): h = round(sum_c pre_c X_c); out = round(w * h * rsqrt(mean(h^2) + eps)).
+  const int qi = group_y;
+  float h[(D + 255) / 256];
+  SHARED float red[8];
+  const float ss = simd_sum_f(collapse_part<T, HC, D>(streams, pre, qi, tid, h));
+  if (lane == 0) red[warp] = ss;
+  BARRIER();
+  norm_part<T, D>(red, params[0], weight, qi, tid, h, out);
+"""
+
+_SINKHORN_COLLAPSE_NORM_BODY = r"""
+  // grid (288, tokens, 1): SIMD groups 0-7 collapse token qi with the previous site's pre and
+  // RMS-normalise it (as the collapse kernel); SIMD group 8 meanwhile sums the projection
+  // partials and runs the Sinkhorn (as the Sinkhorn kernel).
+  constexpr int NM = HC * (2 + HC);
+  const int qi = group_y;
+  const bool mixer = warp == 8;
+  float h[(D + 255) / 256];
+  SHARED float red[8];
+  SHARED float mv[NM + 1];
+  if (!mixer) {
+    const float ss = simd_sum_f(collapse_part<T, HC, D>(streams, pre_in, qi, tid, h));
+    if (lane == 0) red[warp] = ss;
+  } else {
+    for (int o = (int)lane; o <= NM; o += 32) {
+      float v = 0.0f;
+      for (int s = 0; s < SPLITS; ++s) v += partial[((size_t)qi * SPLITS + s) * (NM + 1) + o];
+      mv[o] = v;
+    }
+  }
+  BARRIER();
+  if (!mixer)
+    norm_part<T, D>(red, params[2], weight, qi, tid, h, out);
+  else
+    mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, pre, post, comb);
 """
 
 _EXPAND_BODY = r"""
@@ -185,14 +234,21 @@ PROJECT_KERNEL = Kernel(
             ((_F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 96), ("SPLITS", 1), ("CHUNK", 384)))))
 SINKHORN_KERNEL = Kernel(
     name="dsv4_hc_sinkhorn", input_names=("partial", "scale", "base", "params"),
-    output_names=("pre", "post", "comb"), body=_SINKHORN_BODY,
+    output_names=("pre", "post", "comb"), body=_SINKHORN_BODY, header=_ROW_HEADER,
     checks=(((_F, _F, _F, _F), (_F, _F, _F), (("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 20))),))
 COLLAPSE_NORM_KERNEL = Kernel(
     name="dsv4_hc_collapse_norm", input_names=("streams", "pre", "weight", "params"),
-    output_names=("out",), body=_COLLAPSE_NORM_BODY,
+    output_names=("out",), body=_COLLAPSE_NORM_BODY, header=_ROW_HEADER,
     checks=(((mx.bfloat16, _F, mx.bfloat16, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((mx.bfloat16, _F, _F, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((_F, _F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 100)))))
+SINKHORN_COLLAPSE_NORM_KERNEL = Kernel(
+    name="dsv4_hc_sinkhorn_collapse_norm",
+    input_names=("partial", "scale", "base", "params", "streams", "pre_in", "weight"),
+    output_names=("pre", "post", "comb", "out"), body=_SINKHORN_COLLAPSE_NORM_BODY, header=_ROW_HEADER,
+    checks=(((_F, _F, _F, _F, mx.bfloat16, _F, mx.bfloat16), (_F, _F, _F, mx.bfloat16),
+             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 16))),
+            ((_F,) * 7, (_F,) * 4, (("T", _F), ("HC", 4), ("D", 100), ("ITERS", 20), ("SPLITS", 1)))))
 EXPAND_KERNEL = Kernel(
     name="dsv4_hc_expand", input_names=("y", "residual", "post", "comb"), output_names=("out",),
     body=_EXPAND_BODY,
@@ -204,8 +260,9 @@ def _float32(a):
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
-def _use_kernel(dtype) -> bool:
-    return bool(flags.get("kernel_mhc")) and backend() is not None and dtype in (
+def _use_kernel(dtype, hc=4) -> bool:
+    # hc * hc <= 32: the Sinkhorn holds one comb entry per lane of a SIMD group.
+    return bool(flags.get("kernel_mhc")) and backend() is not None and hc * hc <= 32 and dtype in (
         mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -216,6 +273,22 @@ def _compiled_mixes_reference(norm_eps: float, hc_eps: float, iterations: int):
                                         iterations=iterations))
 
 
+def _project(streams, fn):
+    """Launch the split-K projection kernel; returns (partial sums, splits)."""
+    *lead, hc, D = streams.shape
+    tokens = math.prod(lead)
+    splits = max(1, min(math.ceil(PROJECT_TARGET_THREADGROUPS / tokens), hc * D // PROJECT_MIN_CHUNK))
+    splits = 1 << (splits.bit_length() - 1)   # a power of two: few compiled variants
+    nm = hc * (2 + hc)
+    (partial,) = PROJECT_KERNEL(
+        inputs=[streams, _float32(fn)], output_shapes=[(tokens * splits * (nm + 1),)],
+        output_dtypes=[mx.float32], grid=(PROJECT_THREADS, splits, tokens),
+        threadgroup=(PROJECT_THREADS, 1, 1),
+        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits),
+                  ("CHUNK", math.ceil(hc * D / splits))])
+    return partial, splits
+
+
 def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     """The three mixes of one mHC site from the streams entering it.
 
@@ -223,27 +296,17 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     Returns pre [B, S, hc], post [B, S, hc], comb [B, S, hc, hc], all fp32: pre = sigmoid + eps,
     post = 2 sigmoid, comb = Sinkhorn(softmax) with `iterations` column normalisations.
     """
-    if not _use_kernel(streams.dtype):
+    if not _use_kernel(streams.dtype, streams.shape[-2]):
         if flags.get("compile"):
             return _compiled_mixes_reference(float(norm_eps), float(hc_eps), int(iterations))(
                 streams, fn, scale, base)
         return hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations)
     *lead, hc, D = streams.shape
-    tokens = math.prod(lead)
-    K = hc * D
-    splits = max(1, min(math.ceil(PROJECT_TARGET_THREADGROUPS / tokens), K // PROJECT_MIN_CHUNK))
-    splits = 1 << (splits.bit_length() - 1)   # a power of two: few compiled variants
-    chunk = math.ceil(K / splits)
-    nm = hc * (2 + hc)
-    (partial,) = PROJECT_KERNEL(
-        inputs=[streams, _float32(fn)], output_shapes=[(tokens * splits * (nm + 1),)],
-        output_dtypes=[mx.float32], grid=(PROJECT_THREADS, splits, tokens),
-        threadgroup=(PROJECT_THREADS, 1, 1),
-        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits), ("CHUNK", chunk)])
+    partial, splits = _project(streams, fn)
     pre, post, comb = SINKHORN_KERNEL(
         inputs=[partial, _float32(scale), _float32(base), constant((float(norm_eps), float(hc_eps)))],
         output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc)], output_dtypes=[mx.float32] * 3,
-        grid=(32, 1, tokens), threadgroup=(32, 1, 1),
+        grid=(32, 1, math.prod(lead)), threadgroup=(32, 1, 1),
         template=[("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
     return pre, post, comb
 
@@ -265,6 +328,39 @@ def hc_collapse_norm(streams, pre, weight, eps):
         grid=(ROW_THREADS, tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D)])
     return out
+
+
+def hc_mixes_collapse_norm_reference(streams, pre_in, fn, scale, base, norm_weight, rms_eps,
+                                     norm_eps, hc_eps, iterations=20):
+    """Plain-MLX definition; see `hc_mixes_collapse_norm`."""
+    x = hc_collapse_norm_reference(streams, pre_in, norm_weight, rms_eps)
+    return (x, *hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations))
+
+
+def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_eps, norm_eps,
+                           hc_eps, iterations=20):
+    """One mHC site's entry: the sublayer input and this site's mixes, from the same streams.
+
+    x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps), where pre_in is the previous
+    site's pre; (pre, post, comb) = hc_mixes(streams, fn, scale, base, norm_eps, hc_eps,
+    iterations). Returns (x, pre, post, comb), shapes and dtypes as those two give them.
+    On the kernel path two launches instead of three: the projection, then one kernel that
+    collapses and normalises while one of its SIMD groups finishes the mixes.
+    """
+    if not _use_kernel(streams.dtype, streams.shape[-2]) or norm_weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps)
+        return (x, *hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations))
+    *lead, hc, D = streams.shape
+    partial, splits = _project(streams, fn)
+    pre, post, comb, x = SINKHORN_COLLAPSE_NORM_KERNEL(
+        inputs=[partial, _float32(scale), _float32(base),
+                constant((float(norm_eps), float(hc_eps), float(rms_eps))), streams,
+                _float32(pre_in), norm_weight],
+        output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), (*lead, D)],
+        output_dtypes=[mx.float32] * 3 + [streams.dtype],
+        grid=(ROW_THREADS + 32, math.prod(lead), 1), threadgroup=(ROW_THREADS + 32, 1, 1),
+        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
+    return x, pre, post, comb
 
 
 def hc_expand(y, residual, post, comb):
