@@ -218,6 +218,31 @@ def bench_mhc(lines):
             lines.append(f"| T={T} {name} | {t['kernel'] * 1e6:.1f} | {t['reference'] * 1e6:.1f} | "
                          f"{t['reference'] / t['kernel']:.2f}x | {diff:.2e} |")
     lines.append("")
+    bench_site_entry(lines, D)
+
+
+def bench_site_entry(lines, D):
+    """One mHC site's entry (collapse + RMSNorm with the previous pre, and this site's mixes):
+    the fused dispatcher (2 launches) vs the two separate dispatchers (3) vs the references."""
+    lines += ["### mHC site entry: hc_mixes_collapse_norm", "",
+              "| case | fused µs (2 launches) | mixes + collapse kernels µs (3) | reference µs | "
+              "separate/fused | reference/fused | max |fused-ref| |", "|---|---|---|---|---|---|---|"]
+    for T in (1, 8):
+        X = mx.random.normal((1, T, 4, D)).astype(mx.bfloat16)
+        fn = mx.random.normal((24, 4 * D)) * 0.01
+        scale, base = mx.random.uniform(0.5, 2, (3,)), mx.random.normal((24,))
+        pre_in = mx.random.uniform(0, 1, (1, T, 4))
+        weight = mx.random.uniform(0.5, 1.5, (D,)).astype(mx.bfloat16)
+        args = (X, pre_in, fn, scale, base, weight, 1e-6, 1e-6, 1e-6, 20)
+        variants = {"kernel": lambda: mhc.hc_mixes_collapse_norm(*args),
+                    "separate": lambda: (mhc.hc_collapse_norm(X, pre_in, weight, 1e-6),
+                                         *mhc.hc_mixes(X, fn, scale, base, 1e-6, 1e-6, 20)),
+                    "reference": lambda: mhc.hc_mixes_collapse_norm_reference(*args)}
+        t = compare(variants)
+        diff = max(max_diff(a, b) for a, b in zip(variants["kernel"](), variants["reference"]()))
+        lines.append(f"| T={T} | {t['kernel'] * 1e6:.1f} | {t['separate'] * 1e6:.1f} | {t['reference'] * 1e6:.1f} | "
+                     f"{t['separate'] / t['kernel']:.2f}x | {t['reference'] / t['kernel']:.2f}x | {diff:.2e} |")
+    lines.append("")
 
 
 def overhead(lines):

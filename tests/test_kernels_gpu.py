@@ -145,6 +145,27 @@ def test_hc_collapse_norm_and_expand(tokens, D, dtype):
     np.testing.assert_allclose(f32(got_e), f32(want_e), rtol=2 * ulp, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (6, 100, mx.float32), (3, 5120, mx.bfloat16)])
+def test_hc_site_entry_fused(tokens, D, dtype):
+    X = arr(RNG.standard_normal((1, tokens, 4, D)), dtype)
+    fn = arr(RNG.standard_normal((24, 4 * D)) / np.sqrt(4 * D))
+    scale, base = arr(RNG.uniform(0.5, 2, 3)), arr(RNG.standard_normal(24))
+    pre_in = arr(RNG.uniform(0, 1, (1, tokens, 4)))
+    weight = arr(RNG.uniform(0.5, 1.5, D), dtype)
+    args = (X, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    got = mhc.hc_mixes_collapse_norm(*args)
+    want = mhc.hc_mixes_collapse_norm_reference(*args)
+    ulp = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -20
+    # x: as test_hc_collapse_norm_and_expand; the mixes: as test_hc_mixes.
+    np.testing.assert_allclose(f32(got[0]), f32(want[0]), rtol=2 * ulp, atol=1e-6)
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(f32(g), f32(w), rtol=1e-4, atol=1e-5)
+    # The fused kernel runs the separate kernels' code on the same partial sums: same results.
+    separate = (mhc.hc_collapse_norm(X, pre_in, weight, 1e-6), *mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6, 20))
+    for g, s in zip(got, separate):
+        np.testing.assert_array_equal(f32(g), f32(s))
+
+
 # --- fused experts ------------------------------------------------------------------------------
 
 def quantized(shape, mode, bits, gs, scale_dtype=mx.bfloat16):

@@ -15,7 +15,8 @@ exactly as `mx.quantize` packs them: little-endian bit stream in uint32 words, v
 row at bit i*bits (3-bit values may straddle words), fp4 e2m1 nibbles low first, fp8 e4m3 bytes.
 
 The kernel is two launches: gate+up matvecs with the clamped SwiGLU and the router weight
-fused (one SIMD group per 4 rows of one token-expert pair, lanes split the input), then the
+fused (a threadgroup per 32 rows of one token-expert pair holds the token's x in threadgroup
+memory; each SIMD group makes ROWS_GATE_UP rows, its lanes split the input), then the
 down matvecs of all of a token's experts with the bf16 rounding per expert and the sum
 fused. Each lane works on packs of 32 consecutive values (`bits` words, one scale group for
 mx modes), decoded in registers; fp4/fp8 codes become fp16 bit patterns, whose fixed
@@ -35,8 +36,9 @@ from dsv4.kernels.mhc import hc_expand
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
-GATE_UP_WARPS = 8   # x ROWS_GATE_UP = 32 rows of h per threadgroup: one fp8 block of h
-ROWS_GATE_UP = 4
+ROWS_GATE_UP = 2    # rows per SIMD group; a threadgroup makes 32 rows of h (one fp8 block)
+X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
+SHARED_BYTES = 48 * 1024   # static threadgroup memory every backend allows
 DOWN_WARPS = 4
 ROWS_DOWN = 2
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
@@ -149,16 +151,14 @@ KFN void qdq_fp8_32(LOCAL float* v) {
   for (int i = 0; i < 32; ++i) v[i] = e4m3_round(FMIN(FMAX(v[i] * inv, -448.0f), 448.0f)) * s;
 }
 
-// 32 bf16 values starting at element 32*p of row (16-byte aligned).
+// 8 bf16 values: chunk c (< 4) of pack p of row, i.e. elements 32p+8c.. (16-byte aligned).
 template <typename P>
-KFN void load_bf16_pack(P row, int p, LOCAL float* v) {
-  for (int k = 0; k < 4; ++k) {
-    const uint4 q = LOAD_U4(row + 32 * p, k);
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    for (int j = 0; j < 4; ++j) {
-      v[8 * k + 2 * j] = AS_FLOAT(w[j] << 16);
-      v[8 * k + 2 * j + 1] = AS_FLOAT(w[j] & 0xffff0000u);
-    }
+KFN void load_bf16_8(P row, int p, int c, LOCAL float* v) {
+  const uint4 q = LOAD_U4(row + 32 * p, c);
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = AS_FLOAT(w[j] << 16);
+    v[2 * j + 1] = AS_FLOAT(w[j] & 0xffff0000u);
   }
 }
 
@@ -174,31 +174,30 @@ KFN void load_words(P w, LOCAL uint32_t* out) {
   }
 }
 
-// Decode one pack. mxfp4 values come out scaled by 2^-14 and mxfp8 by 2^-8 (fp16 exponent
-// bias); pack_dot folds the factor back into the block scale.
+// Decode chunk c (values 8c..8c+7) of one pack. mxfp4 values come out scaled by 2^-14 and
+// mxfp8 by 2^-8 (fp16 exponent bias); load_pack folds the factor back into the block scale.
 template <int MODE, int BITS>
-KFN void unpack32(LOCAL const uint32_t* w, LOCAL float* v) {
+KFN void unpack8(LOCAL const uint32_t* w, int c, LOCAL float* v) {
   if (MODE == 1) {
     // Nibbles k and k+4 of a word sit 16 bits apart: one mask-and-shift makes both fp16s.
-    for (int j = 0; j < 4; ++j)
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t q = w[j] >> (4 * k);
-        const float2 f = half2_bits_to_float2(((q & 0x00070007u) << 9) | ((q & 0x00080008u) << 12));
-        v[8 * j + k] = f.x;
-        v[8 * j + k + 4] = f.y;
-      }
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t q = w[c] >> (4 * k);
+      const float2 f = half2_bits_to_float2(((q & 0x00070007u) << 9) | ((q & 0x00080008u) << 12));
+      v[k] = f.x;
+      v[k + 4] = f.y;
+    }
   } else if (MODE == 2) {
     // Bytes k and k+2 likewise.
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 2; ++j)
       for (int k = 0; k < 2; ++k) {
-        const uint32_t q = w[j] >> (8 * k);
+        const uint32_t q = w[2 * c + j] >> (8 * k);
         const float2 f = half2_bits_to_float2(((q & 0x007f007fu) << 7) | ((q & 0x00800080u) << 8));
         v[4 * j + k] = f.x;
         v[4 * j + k + 2] = f.y;
       }
   } else {
-    for (int i = 0; i < 32; ++i) {
-      const int bit = i * BITS, word = bit / 32, off = bit % 32;
+    for (int i = 0; i < 8; ++i) {
+      const int bit = (8 * c + i) * BITS, word = bit / 32, off = bit % 32;
       uint32_t q = w[word] >> off;
       if (off + BITS > 32) q |= w[word + 1] << (32 - off);
       v[i] = (float)(q & ((1u << BITS) - 1u));
@@ -206,44 +205,83 @@ KFN void unpack32(LOCAL const uint32_t* w, LOCAL float* v) {
   }
 }
 
+// One pack's words and its scale (and bias, affine) for pack p of a row. The mx scales carry
+// the 2^14 (fp4) / 2^8 (fp8) that unpack32's fp16 trick takes out.
 template <int MODE, int BITS, int GS, typename PW, typename PS, typename PB>
-KFN float pack_dot(PW w_row, PS s_row, PB b_row, int p, LOCAL const float* x, float x_sum) {
-  uint32_t words[BITS];
+KFN void load_pack(PW w_row, PS s_row, PB b_row, int p, LOCAL uint32_t* words, LOCAL float* scale,
+                   LOCAL float* bias) {
   load_words<BITS>(w_row + p * BITS, words);
-  float v[32];
-  unpack32<MODE, BITS>(words, v);
-  float d = 0.0f;
-  for (int i = 0; i < 32; ++i) d += v[i] * x[i];
-  if (MODE == 1) return e8m0_scale((uint32_t)s_row[p]) * 16384.0f * d;
-  if (MODE == 2) return e8m0_scale((uint32_t)s_row[p]) * 256.0f * d;
-  const int g = (p * 32) / GS;
-  return float(s_row[g]) * d + float(b_row[g]) * x_sum;
+  if (MODE == 1) {
+    *scale = e8m0_scale((uint32_t)s_row[p]) * 16384.0f;
+  } else if (MODE == 2) {
+    *scale = e8m0_scale((uint32_t)s_row[p]) * 256.0f;
+  } else {
+    const int g = (p * 32) / GS;
+    *scale = float(s_row[g]);
+    *bias = float(b_row[g]);
+  }
 }
 
-// ROWS consecutive output rows (from row0, clamped to the last row) of expert e, for one
-// input row x of K_in values: acc0 from matrix 0 and, if TWO, acc1 from matrix 1. Summed
-// over the lanes on return.
-template <int MODE, int BITS, int GS, int ROWS, bool ACTQ, bool TWO, typename PX, typename PW,
-          typename PS, typename PB>
-KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, int e, int row0, int rows_out,
-                  int K_in, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
-  const int words_per_row = K_in / 32 * BITS;
-  const int scales_per_row = K_in / GS;
+// Chunk c of pack p of the input row: XS == 0 reads a row of bf16 in device memory; XS > 0
+// reads the threadgroup's fp32 copy, 4 floats (as bits) per uint4 and XS uint4s per pack
+// (XS = 9 puts the 16-byte reads of 8 consecutive lanes on distinct banks).
+template <int XS> struct XChunk {
+  template <typename P> static KFN void load(P x4, int p, int c, LOCAL float* v) {
+    const uint4 a = x4[p * XS + 2 * c], b = x4[p * XS + 2 * c + 1];
+    v[0] = AS_FLOAT(a.x); v[1] = AS_FLOAT(a.y); v[2] = AS_FLOAT(a.z); v[3] = AS_FLOAT(a.w);
+    v[4] = AS_FLOAT(b.x); v[5] = AS_FLOAT(b.y); v[6] = AS_FLOAT(b.z); v[7] = AS_FLOAT(b.w);
+  }
+};
+template <> struct XChunk<0> {
+  template <typename P> static KFN void load(P x, int p, int c, LOCAL float* v) { load_bf16_8(x, p, c, v); }
+};
+
+// ROWS consecutive output rows (from row0, clamped to the last row) of the matrices at w0 (and
+// w1 if TWO) starting at row `first` (expert e's first row), for one input row x of K_IN
+// values (see XChunk for XS): acc0 (acc1) summed over the lanes on return. Lanes take packs
+// p = lane + 32 i; each step first issues the loads of every row's pack, then walks the pack
+// in chunks of 8 values (few registers for x and the decoded weights: more resident warps).
+template <int MODE, int BITS, int GS, int ROWS, int K_IN, int XS, bool TWO, typename PX,
+          typename PW, typename PS, typename PB>
+KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
+                  int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
+  constexpr int PACKS = K_IN / 32;
+  constexpr int WORDS_PER_ROW = PACKS * BITS;
+  constexpr int SCALES_PER_ROW = K_IN / GS;
+  constexpr int MATS = TWO ? 2 : 1;
   for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
-  for (int p = (int)lane; p < K_in / 32; p += 32) {
-    float xv[32];
-    load_bf16_pack(x, p, xv);
-    if (ACTQ) qdq_fp8_32(xv);
-    float x_sum = 0.0f;
-    if (MODE == 0)
-      for (int i = 0; i < 32; ++i) x_sum += xv[i];
+  for (int p = (int)lane; p < PACKS; p += 32) {
+    uint32_t words[ROWS * MATS][BITS];
+    float scale[ROWS * MATS], bias[ROWS * MATS] = {};
     for (int r = 0; r < ROWS; ++r) {
-      const size_t row = (size_t)e * rows_out + min(row0 + r, rows_out - 1);
-      acc0[r] += pack_dot<MODE, BITS, GS>(w0 + row * words_per_row, s0 + row * scales_per_row,
-                                          b0 + row * scales_per_row, p, xv, x_sum);
+      const size_t row = first + (size_t)min(row0 + r, rows_out - 1);
+      load_pack<MODE, BITS, GS>(w0 + row * WORDS_PER_ROW, s0 + row * SCALES_PER_ROW,
+                                b0 + row * SCALES_PER_ROW, p, words[r * MATS], &scale[r * MATS],
+                                &bias[r * MATS]);
       if (TWO)
-        acc1[r] += pack_dot<MODE, BITS, GS>(w1 + row * words_per_row, s1 + row * scales_per_row,
-                                            b1 + row * scales_per_row, p, xv, x_sum);
+        load_pack<MODE, BITS, GS>(w1 + row * WORDS_PER_ROW, s1 + row * SCALES_PER_ROW,
+                                  b1 + row * SCALES_PER_ROW, p, words[r * MATS + 1],
+                                  &scale[r * MATS + 1], &bias[r * MATS + 1]);
+    }
+    float d[ROWS * MATS] = {};
+    float x_sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float xv[8];
+      XChunk<XS>::load(x, p, c, xv);
+      if (MODE == 0)
+        for (int i = 0; i < 8; ++i) x_sum += xv[i];
+      for (int m = 0; m < ROWS * MATS; ++m) {
+        float v[8];
+        unpack8<MODE, BITS>(words[m], c, v);
+        for (int i = 0; i < 8; ++i) d[m] += v[i] * xv[i];
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const int m = r * MATS;
+      acc0[r] += MODE == 0 ? scale[m] * d[m] + bias[m] * x_sum : scale[m] * d[m];
+      if (TWO)
+        acc1[r] += MODE == 0 ? scale[m + 1] * d[m + 1] + bias[m + 1] * x_sum : scale[m + 1] * d[m + 1];
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -254,22 +292,36 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, int e, int row
 """
 
 _GATE_UP_BODY = r"""
-  // grid (32*8, I/32, tokens*(K+HS)): a threadgroup makes 32 consecutive rows of h (one fp8
-  // block when ACTQ), each SIMD group ROWS of them. h is [tokens, K+HS, I]; I % 32 == 0.
+  // grid (32 * 32/ROWS, I/32, tokens*(K+HS)): a threadgroup makes 32 consecutive rows of h (one
+  // fp8 block when ACTQ), each SIMD group ROWS of them. h is [tokens, K+HS, I]; I % 32 == 0.
   const int pair = group_z;
   const int t = pair / (K + HS), slot = pair % (K + HS);
-  const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
+  const int row0 = (int)group_y * 32 + (int)warp * ROWS;
   const float limit = params[0];
+  // The token's x, fp8-rounded when ACTQ, once per threadgroup in fp32 (XS uint4s per pack),
+  // read by every SIMD group from there.
+  SHARED uint4 xs[D / 32 * XS];
+  for (int p = (int)tid; p < D / 32; p += (int)group_threads) {
+    float v[32];
+    for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
+    if (ACTQ) qdq_fp8_32(v);
+    for (int k = 0; k < 8; ++k) {
+      uint4 q;
+      q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
+      q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
+      xs[p * XS + k] = q;
+    }
+  }
+  BARRIER();
   float g[ROWS], u[ROWS];
-  GLOBAL T* xrow = x + (size_t)t * D;
   float route = 1.0f;
   if (slot < K) {
     route = route_w[t * K + slot];
-    rows_dot<MODE, BITS, GS, ROWS, ACTQ, true>(xrow, gate_w, gate_s, gate_b, up_w, up_s, up_b,
-                                               idx[t * K + slot], row0, I, D, g, u, lane);
+    rows_dot<MODE, BITS, GS, ROWS, D, XS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
+                                                (size_t)idx[t * K + slot] * I, row0, I, g, u, lane);
   } else {
-    rows_dot<SMODE, SBITS, SGS, ROWS, ACTQ, true>(xrow, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
-                                                  sup_b, 0, row0, I, D, g, u, lane);
+    rows_dot<SMODE, SBITS, SGS, ROWS, D, XS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
+                                                   sup_b, 0, row0, I, g, u, lane);
   }
   SHARED float block_h[32];
   if (lane == 0) {
@@ -295,17 +347,18 @@ _DOWN_BODY = r"""
   const int t = group_z;
   const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
   if (row0 >= DO) return;
-  float total[ROWS], acc[ROWS], unused[ROWS];
+  float total[ROWS];
   for (int r = 0; r < ROWS; ++r) total[r] = 0.0f;
   for (int slot = 0; slot < K + HS; ++slot) {
     GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;
+    float acc[ROWS], unused[ROWS];
     if (slot < K) {
-      rows_dot<MODE, BITS, GS, ROWS, ACTQ, false>(hrow, down_w, down_s, down_b, down_w, down_s,
-                                                  down_b, idx[t * K + slot], row0, DO, I, acc,
-                                                  unused, lane);
+      rows_dot<MODE, BITS, GS, ROWS, I, 0, false>(hrow, down_w, down_s, down_b, down_w, down_s,
+                                                  down_b, (size_t)idx[t * K + slot] * DO, row0, DO,
+                                                  acc, unused, lane);
     } else {
-      rows_dot<SMODE, SBITS, SGS, ROWS, ACTQ, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
-                                                     sdown_s, sdown_b, 0, row0, DO, I, acc, unused,
+      rows_dot<SMODE, SBITS, SGS, ROWS, I, 0, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
+                                                     sdown_s, sdown_b, 0, row0, DO, acc, unused,
                                                      lane);
     }
     // Each expert's output is rounded to the activation dtype, as its own matmul would be.
@@ -346,12 +399,13 @@ def _check_instances(stage):
     for (m, b, g, st), (sm, sb, sg, sst) in variants:
         tmpl = [("T", mx.bfloat16), ("MODE", MODE_IDS[m]), ("BITS", b), ("GS", g),
                 ("SMODE", MODE_IDS[sm]), ("SBITS", sb), ("SGS", sg), ("HS", 1), ("K", 6),
-                ("ACTQ", stage == "gate_up"), ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
+                ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
         bt = st if m == "affine" else mx.uint8
         sbt = sst if sm == "affine" else mx.uint8
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
-            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("D", 5120)])))
+            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("ACTQ", True), ("XS", X_STRIDE), ("I", 2304),
+                                                            ("D", 5120)])))
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
@@ -377,6 +431,8 @@ def _kernel_handles(m: QuantizedMatrix) -> bool:
 def kernel_supports(x, gate, up, down, shared) -> bool:
     mats = [gate, up, down] + (list(shared) if shared is not None else [])
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[0] > MAX_KERNEL_TOKENS:
+        return False
+    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > SHARED_BYTES:   # x's copy + block_h
         return False
     if not all(_kernel_handles(m) for m in mats):
         return False
@@ -416,14 +472,16 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     I = gate.out_features
     DO = down.out_features
     s_gate, s_up, s_down = shared if shared is not None else (None, None, None)
+    warps = 32 // ROWS_GATE_UP
     common = [("T", x.dtype)] + _mode_template("", gate, gate) + _mode_template("S", s_gate, gate) + [
         ("HS", HS), ("K", K)]
     (h,) = GATE_UP_KERNEL(
         inputs=[x, indices, weights, constant((float(swiglu_limit),))]
         + _operands(gate) + _operands(up) + _operands(s_gate) + _operands(s_up),
         output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype],
-        grid=(32 * GATE_UP_WARPS, I // 32, T * (K + HS)), threadgroup=(32 * GATE_UP_WARPS, 1, 1),
-        template=common + [("ACTQ", bool(act_quant)), ("ROWS", ROWS_GATE_UP), ("I", I), ("D", D)])
+        grid=(32 * warps, I // 32, T * (K + HS)), threadgroup=(32 * warps, 1, 1),
+        template=common + [("ROWS", ROWS_GATE_UP), ("ACTQ", bool(act_quant)), ("XS", X_STRIDE), ("I", I),
+                           ("D", D)])
     if expand is None:
         streams, out_shape, hc = [_placeholder()] * 3, (T, DO), 0
     else:
@@ -436,8 +494,8 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
         output_shapes=[out_shape], output_dtypes=[x.dtype],
         grid=(32 * DOWN_WARPS, math.ceil(DO / (DOWN_WARPS * ROWS_DOWN)), T),
         threadgroup=(32 * DOWN_WARPS, 1, 1),
-        # h arrives already rounded to fp8 (gate_up kernel), so no ACTQ here.
-        template=common + [("ACTQ", False), ("ROWS", ROWS_DOWN), ("I", I), ("DO", DO), ("HC", hc)])
+        # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
+        template=common + [("ROWS", ROWS_DOWN), ("I", I), ("DO", DO), ("HC", hc)])
     return y
 
 
