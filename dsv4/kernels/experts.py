@@ -36,7 +36,7 @@ from dsv4.kernels.mhc import hc_expand
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
-ROWS_GATE_UP = 2    # rows per SIMD group; a threadgroup makes 32 rows of h (one fp8 block)
+ROWS_GATE_UP = 4    # rows per SIMD group; a threadgroup makes 32 rows of h (one fp8 block)
 X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
 SHARED_BYTES = 48 * 1024   # static threadgroup memory every backend allows
 DOWN_WARPS = 4
