@@ -4,6 +4,8 @@
 
 Shapes: hidden 5120, 64 heads x 512, a 128-row window + 512 selected compressed rows (of 8192),
 384 experts of 2304 x 5120 in mxfp4 with top-6 + a shared expert in mxfp8, hc = 4.
+The mHC section also times one site's entry (`hc_mixes_collapse_norm`, 2 launches) against the
+separate mixes + collapse kernels (3) and the references.
 Variants of one op run interleaved (A B B A ...) in one process, each timing a batch of
 calls ending in one `mx.eval`; the report gives medians, the ratio, and the largest
 difference between the kernel's output and the reference's. Needs a GPU backend.

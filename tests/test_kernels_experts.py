@@ -144,6 +144,11 @@ def test_dispatch(monkeypatch):
     assert isinstance(ex.experts(x.astype(mx.float32), idx, rw, gate, up, down), mx.array)
     mixed = ex.QuantizedMatrix(**{**down.__dict__, "mode": "affine", "bits": 5, "biases": down.scales})
     assert not ex.kernel_supports(x, gate, up, mixed, None)
+    # The gate/up kernel keeps x in 48 KB of threadgroup memory, 144 bytes per 32 values (padded
+    # fp32) plus 128 bytes of h: 340 packs fit (D = 10880), 341 do not (wider x: the reference).
+    for D, ok in ((10880, True), (10912, False)):
+        g, u, d = q((1, 32, D)), q((1, 32, D)), q((1, D, 32))
+        assert ex.kernel_supports(mx.zeros((1, D), mx.bfloat16), g, u, d, None) == ok
 
 
 def test_expand_option_equals_expand_of_the_output():

@@ -206,7 +206,7 @@ KFN void unpack8(LOCAL const uint32_t* w, int c, LOCAL float* v) {
 }
 
 // One pack's words and its scale (and bias, affine) for pack p of a row. The mx scales carry
-// the 2^14 (fp4) / 2^8 (fp8) that unpack32's fp16 trick takes out.
+// the 2^14 (fp4) / 2^8 (fp8) that unpack8's fp16 trick takes out.
 template <int MODE, int BITS, int GS, typename PW, typename PS, typename PB>
 KFN void load_pack(PW w_row, PS s_row, PB b_row, int p, LOCAL uint32_t* words, LOCAL float* scale,
                    LOCAL float* bias) {
