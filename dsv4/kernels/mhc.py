@@ -347,7 +347,8 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     On the kernel path two launches instead of three: the projection, then one kernel that
     collapses and normalises while one of its SIMD groups finishes the mixes.
     """
-    if not _use_kernel(streams.dtype, streams.shape[-2]) or norm_weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+    float_weight = norm_weight.dtype in (mx.bfloat16, mx.float16, mx.float32)
+    if not _use_kernel(streams.dtype, streams.shape[-2]) or not float_weight:
         x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps)
         return (x, *hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations))
     *lead, hc, D = streams.shape
