@@ -1,0 +1,109 @@
+"""The tail of a projection, per row, in one launch: RMSNorm -> RoPE of the last dims -> fp8/fp4
+rounding (each stage optional), for the decode step at fixed shapes (dsv4/step.py).
+
+In plain MLX the window-KV row `qdq_fp8(rope(kv_norm(wkv(x))))` is ~12 primitives (the norm's
+reduction, RoPE's slices, transposes and concatenation, the rounding's reduction and fp8
+conversions); a decode step has several such tails per layer (queries, window KV, indexer
+queries and keys, the q-LoRA latent). Here one threadgroup holds one row in registers and
+each stage ends rounded to the row's dtype, exactly where the reference rounds:
+
+    norm:  h = round(w * (x * rsqrt(sum(x^2) / D + eps)))              (fp32 inside)
+    rope:  (a, b) -> round(a cos - b sin, a sin + b cos) on the last 2R dims, pairs adjacent
+    qdq:   dsv4.kernels.qdq's rounding per 32 values (e4m3 or e2m1, power-of-two scale)
+
+cos/sin are the [R] fp32 values of the row's angles (one position per call: decode). The
+result equals the reference up to fp32 summation order in the norm and the cos/sin values.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.qdq import FP4, FP8, HEADER as QDQ_HEADER
+
+THREADS = 256
+MAX_WIDTH = 2048
+NO_QDQ = -1
+
+_BODY = r"""
+  // grid (256, rows, 1), threadgroup 256: one row per threadgroup; lane values d = tid + 256 e,
+  // so each SIMD group holds whole blocks of 32 and both values of a RoPE pair.
+  constexpr int E = (D + 255) / 256;
+  const size_t row = group_y;
+  float h[E];
+  float ss = 0.0f;
+  for (int e = 0; e < E; ++e) {
+    const int d = (int)tid + 256 * e;
+    h[e] = d < D ? float(x[row * D + d]) : 0.0f;
+    ss += h[e] * h[e];
+  }
+  if (NORM) {
+    SHARED float red[8];
+    const float s = simd_sum_f(ss);
+    if (lane == 0) red[warp] = s;
+    BARRIER();
+    float total = 0.0f;
+    for (int w = 0; w < 8; ++w) total += red[w];
+    const float n = RSQRT(total * (1.0f / (float)D) + params[0]);
+    for (int e = 0; e < E; ++e) {
+      const int d = (int)tid + 256 * e;
+      if (d < D) h[e] = float(static_cast<T>(h[e] * n * float(weight[d])));
+    }
+  }
+  if (R > 0) {
+    for (int e = 0; e < E; ++e) {
+      const int d = (int)tid + 256 * e;
+      const float other = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(h[e]), (int)(lane ^ 1u)));
+      if (d >= D - 2 * R && d < D) {
+        const int k = (d - (D - 2 * R)) >> 1;
+        const float c = cosv[k], sn = sinv[k];
+        h[e] = float(static_cast<T>((d & 1) == 0 ? h[e] * c - other * sn : other * sn + h[e] * c));
+      }
+    }
+  }
+  if (QDQ >= 0) {
+    for (int e = 0; e < E; ++e) h[e] = qdq_pow2_lane<(QDQ >= 0 ? QDQ : 0)>(h[e]);
+  }
+  for (int e = 0; e < E; ++e) {
+    const int d = (int)tid + 256 * e;
+    if (d < D) out[row * D + d] = static_cast<T>(h[e]);
+  }
+"""
+
+_F = mx.float32
+ROW_TAIL_KERNEL = Kernel(
+    name="dsv4_row_tail", input_names=("x", "weight", "cosv", "sinv", "params"), output_names=("out",),
+    body=_BODY, header=QDQ_HEADER,
+    checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F), (mx.bfloat16,),
+             (("T", mx.bfloat16), ("D", 512), ("R", 32), ("NORM", True), ("QDQ", FP8))),
+            ((mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16,),
+             (("T", mx.bfloat16), ("D", 1280), ("R", 0), ("NORM", True), ("QDQ", NO_QDQ))),
+            ((_F, _F, _F, _F, _F), (_F,),
+             (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", FP4)))))
+
+
+def kernel_applies(x: mx.array, qdq: int) -> bool:
+    return (bool(flags.get("kernel_rows")) and backend() is not None
+            and x.dtype in (mx.bfloat16, mx.float16, mx.float32)
+            and x.shape[-1] <= MAX_WIDTH and (qdq == NO_QDQ or x.shape[-1] % 32 == 0))
+
+
+def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ) -> mx.array:
+    """x [..., D] -> the same shape and dtype, through the stages asked for.
+
+    norm: (weight [D], eps) or None; rope: (cos [R], sin [R]) fp32 or None (the last 2R
+    dims are rotated, adjacent pairs); qdq: FP8, FP4 or NO_QDQ. Call only where
+    `kernel_applies(x, qdq)`."""
+    D = x.shape[-1]
+    weight, eps = norm if norm is not None else (constant((0.0,) * 8), 0.0)
+    cos, sin = rope if rope is not None else (constant((0.0,) * 8), constant((0.0,) * 8))
+    rows = x.size // D
+    (out,) = ROW_TAIL_KERNEL(
+        inputs=[x, weight, cos.reshape(-1), sin.reshape(-1), constant((float(eps),))],
+        output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(THREADS, rows, 1),
+        threadgroup=(THREADS, 1, 1),
+        template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.size),
+                  ("NORM", norm is not None), ("QDQ", qdq)])
+    return out

@@ -1,0 +1,57 @@
+"""The fused projection tail (dsv4/kernels/rows.py) against the plain-MLX stages it replaces
+(run on the H200: pytest -m gpu). The rounding stage is checked bit for bit given the same
+input; norm and RoPE to fp32 summation order and the cos/sin values (the kernel gets them
+from the caller, the reference computes them inside mx.fast.rope)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dsv4 import quant
+from dsv4.attention import RMSNorm, rope
+from dsv4.kernels import rows
+from dsv4.kernels.dialect import backend, poisoned_outputs
+
+pytestmark = pytest.mark.gpu
+
+
+def angles(pos, freqs, scale=1.0):
+    theta = (mx.array([pos], mx.float32) * scale)[:, None] * mx.reciprocal(freqs)[None]
+    return mx.cos(theta)[0], mx.sin(theta)[0]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape,norm,rot,qdq", [
+    ((1, 1, 512), True, True, rows.FP8),          # window KV row
+    ((1, 1, 64, 512), False, True, rows.NO_QDQ),  # queries, 64 heads
+    ((1, 1, 1280), True, False, rows.FP8),        # q-LoRA latent as matmul input
+    ((1, 1, 32, 128), False, True, rows.FP4),     # indexer queries
+    ((2, 1, 128), True, True, rows.FP4),          # indexer keys, batch 2
+])
+def test_row_tail_equals_the_stages(shape, norm, rot, qdq, dtype):
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    rng = np.random.default_rng()
+    D = shape[-1]
+    x = mx.array(rng.standard_normal(shape).astype(np.float32) * 3).astype(dtype)
+    module = RMSNorm(D, 1e-6)
+    module.weight = mx.array(rng.uniform(0.5, 1.5, D).astype(np.float32)).astype(dtype)
+    freqs = mx.array((10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32))   # wavelengths
+    pos = int(rng.integers(0, 70000))
+    cs = angles(pos, freqs) if rot else None
+    with poisoned_outputs():
+        unrounded = rows.row_tail(x, (module.weight, module.eps) if norm else None, cs, rows.NO_QDQ)
+        got = rows.row_tail(x, (module.weight, module.eps) if norm else None, cs, qdq)
+    want = module(x) if norm else x
+    want = rope(want, pos, freqs) if rot else want
+    u, w = np.array(unrounded.astype(mx.float32)), np.array(want.astype(mx.float32))
+    if dtype == mx.float32:
+        assert np.max(np.abs(u - w)) <= 1e-5 * np.max(np.abs(w))
+    else:   # one bf16 ulp where an fp32 difference crosses a rounding boundary
+        assert np.all(np.abs(u - w) <= 2.0 ** -7 * np.abs(w) + 1e-30)
+        assert np.mean(u == w) > 0.95
+    if qdq != rows.NO_QDQ:
+        ref = (quant._qdq_fp8 if qdq == rows.FP8 else quant._qdq_fp4_pow2)(unrounded, 32)
+        bits = mx.uint16 if dtype == mx.bfloat16 else mx.uint32
+        assert np.array_equal(np.array(got.view(bits)), np.array(ref.view(bits)))
+    else:
+        assert np.array_equal(np.array(got.astype(mx.float32)), u)
