@@ -2,7 +2,7 @@
 
     python -m benchmarks.graph_ops --model DIR [--prompt-tokens 64] [--report]
 
-Prefills a prompt, then builds one decode step's logits lazily and walks its graph
+Prefills a prompt, then builds one decode step lazily and walks its graph
 (`mx.export_to_dot`): each primitive node is one kernel launch on Metal/CUDA (a compiled
 function counts as one). Quantized layers use MLX's quantized kernels here (as on a GPU),
 whatever the device. Prints the total, per layer, and the most frequent primitives; with
@@ -21,27 +21,37 @@ from pathlib import Path
 import numpy as np
 
 
-def count_graph(model, prompt_tokens: int) -> collections.Counter:
-    """Primitive counts of one decode step after a prompt of `prompt_tokens`."""
+def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.Counter:
+    """Primitive counts of one decode step after a prompt of `prompt_tokens`: the reference
+    forward, or (`fixed`) the fixed-shape step of dsv4.step as the switches have it
+    (compiled: fused element-wise runs count once). The cache writes are counted too."""
     import mlx.core as mx
+
+    from dsv4.step import FixedDecoder
 
     ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
     cache = model.make_cache()
     mx.eval(model(ids[:, :-1], cache))
-    logits = model(ids[:, -1:], cache)
+    if fixed:
+        dec = FixedDecoder(model, cache)
+        mx.eval(dec.buffers)
+        outputs = [dec(mx.array(ids[:, -1])), *dec.buffers.values()]
+    else:
+        outputs = [model(ids[:, -1:], cache)] + [a for lc in cache.layers for a in
+                                                (lc.window, lc.compressed, lc.index_keys) if a is not None]
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
-        mx.export_to_dot(f.name, logits)
+        mx.export_to_dot(f.name, *outputs)
         text = Path(f.name).read_text()
     return collections.Counter(re.findall(r'\[label ="([^"]+)", shape=rectangle\]', text))
 
 
-def count_step(model_dir: str | None, prompt_tokens: int) -> tuple[collections.Counter, int]:
+def count_step(model_dir: str | None, prompt_tokens: int, fixed: bool) -> tuple[collections.Counter, int]:
     import dsv4
     from dsv4 import flags
 
     model, _ = dsv4.load(model_dir)
     with flags.override(dequant_matmul="off"):
-        return count_graph(model, prompt_tokens), model.args.num_hidden_layers
+        return count_graph(model, prompt_tokens, fixed), model.args.num_hidden_layers
 
 
 def main(argv=None) -> int:
@@ -50,8 +60,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--report", action="store_true", help="write a dated report to benchmarks/results/")
     p.add_argument("--label", default="decode-step-primitives")
+    p.add_argument("--path", choices=("fixed", "reference"), default="fixed",
+                   help="the fixed-shape decode step (dsv4/step.py) or the reference forward")
     a = p.parse_args(argv)
-    counts, layers = count_step(a.model, a.prompt_tokens)
+    counts, layers = count_step(a.model, a.prompt_tokens, a.path == "fixed")
     total = sum(counts.values())
     lines = [f"primitives in one decode step: {total} ({total / layers:.1f} per layer, {layers} layers)",
              "", "| primitive | count | per layer |", "|---|---|---|"]

@@ -110,18 +110,34 @@ def step_bytes(params: dict, args) -> int:
     return total
 
 
-def decode(forward, make_cache, context: int, steps: int, vocab: int) -> tuple[float, list[int]]:
-    ids = np.random.default_rng(context).integers(7, vocab, (1, context))
-    cache = make_cache()
-    for lo in range(0, context, 512):
-        logits = forward(ids[:, lo:lo + 512], cache)[0, -1]
-        mx.eval(logits)
-    token = int(mx.argmax(logits).item())
-    tokens = [token]
-    start = time.perf_counter()
-    for _ in range(steps):
-        token = int(mx.argmax(forward(np.array([[token]]), cache)[0, -1]).item())
+def decode_dsv4(model, context: int, steps: int) -> tuple[float, list[int]]:
+    """ms per decoded token after a prefilled context, through dsv4's decode loop (the
+    decoder and the run-ahead the switches pick)."""
+    from dsv4.generation import decode_tokens, prefill
+
+    ids = np.random.default_rng(context).integers(7, model.args.vocab_size, (1, context))
+    cache = model.make_cache()
+    logits = prefill(model, ids, cache)
+    tokens = []
+    for token in decode_tokens(model, cache, mx.argmax(logits, axis=-1), lambda l: mx.argmax(l, axis=-1),
+                               steps + 1):
+        if not tokens:
+            start = time.perf_counter()
         tokens.append(token)
+    return (time.perf_counter() - start) / steps * 1e3, tokens
+
+
+def decode_mlx_lm(rmodel, context: int, steps: int) -> tuple[float, list[int]]:
+    """The same through mlx-lm's own loop (generate_step: one step in flight)."""
+    from mlx_lm.generate import generate_step
+
+    ids = np.random.default_rng(context).integers(7, rmodel.args.vocab_size, (context,))
+    tokens = []
+    for token, _ in generate_step(mx.array(ids), rmodel, max_tokens=steps + 1, prefill_step_size=512,
+                                  prompt_cache=rmodel.make_cache(), sampler=lambda l: mx.argmax(l, axis=-1)):
+        if not tokens:
+            start = time.perf_counter()
+        tokens.append(int(token))
     return (time.perf_counter() - start) / steps * 1e3, tokens
 
 
@@ -131,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--variants", default="mlx-lm,dsv4 reference path,dsv4",
+                   help="comma-separated, from: mlx-lm, dsv4 reference path, dsv4 fixed not compiled, dsv4")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.graph_ops import count_graph
@@ -143,24 +161,33 @@ def main(argv=None) -> int:
     args = model.args
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     nbytes = step_bytes(params, args)
-    off = dict(kernel_sparse_attention=False, kernel_moe=False, kernel_mhc=False)
     variants = {
-        "mlx-lm": (lambda ids, c: rmodel(mx.array(ids), cache=c), rmodel.make_cache, {}),
-        "dsv4 kernels off": (lambda ids, c: model(ids, c), model.make_cache, off),
-        "dsv4": (lambda ids, c: model(ids, c), model.make_cache, {}),
+        "mlx-lm": (lambda c: decode_mlx_lm(rmodel, c, a.steps), {}),
+        "dsv4 reference path": (lambda c: decode_dsv4(model, c, a.steps), dict(fixed_decode="off")),
+        "dsv4 fixed not compiled": (lambda c: decode_dsv4(model, c, a.steps),
+                                    dict(fixed_decode="on", compile=False)),
+        "dsv4": (lambda c: decode_dsv4(model, c, a.steps), dict(fixed_decode="on")),
     }
+    variants = {name: variants[name] for name in a.variants.split(",")}
     rows, results = [], {}
     for context in [int(c) for c in a.contexts.split(",")]:
         times = {name: [] for name in variants}
         for r in range(a.repeats):
             order = list(variants) if r % 2 == 0 else list(reversed(variants))
             for name in order:
-                forward, make_cache, fl = variants[name]
-                with flags.override(**fl):
-                    ms, _ = decode(forward, make_cache, context, a.steps, args.vocab_size)
+                run, fl = variants[name]
+                try:
+                    with flags.override(**fl):
+                        ms, _ = run(context)
+                except Exception as e:   # one broken variant must not cost the others' numbers
+                    print(f"context {context} {name}: FAILED {type(e).__name__}: {e}", flush=True)
+                    continue
                 times[name].append(ms)
                 print(f"context {context} {name}: {ms:.2f} ms/token", flush=True)
         for name, ts in times.items():
+            if not ts:
+                rows.append(f"| {context} | {name} | failed | | | |")
+                continue
             ms = statistics.median(ts)
             layers40 = ms * 40 / args.num_hidden_layers  # upper bound: head and embed scaled too
             gbs = nbytes / (ms / 1e3) / 1e9
@@ -168,14 +195,17 @@ def main(argv=None) -> int:
             rows.append(f"| {context} | {name} | {ms:.2f} [{min(ts):.2f}-{max(ts):.2f}] | "
                         f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} |")
     with flags.override(dequant_matmul="off"):
-        counts = count_graph(model, 64)
-    prims = sum(counts.values()) / args.num_hidden_layers
+        counts = {path: count_graph(model, 64, path == "fixed") for path in ("reference", "fixed")}
+    prims = {path: sum(c.values()) / args.num_hidden_layers for path, c in counts.items()}
+    top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
     when = datetime.now()
     lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice: dsv4 vs mlx-lm", "",
              f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}), "
              f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats.",
              f"Weights read per step: {nbytes / 1e9:.3f} GB. dsv4 primitives per layer (one decode "
-             f"step, `benchmarks/graph_ops.py`): {prims:.0f}.", "",
+             f"step with its cache writes, `benchmarks/graph_ops.py`): reference path "
+             f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
+             f"per layer: {top}).", "",
              "| context | variant | ms/token [min-max] | tok/s (slice) | tok/s (40 layers, est.) | weight GB/s |",
              "|---|---|---|---|---|---|", *rows, "",
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "

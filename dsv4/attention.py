@@ -19,7 +19,9 @@ import numpy as np
 
 from . import flags, profiler
 from .cache import Cache, LayerCache
+from .constants import derived, ramp
 from .kernels.selection import indexer_can_be_skipped, select_all_visible
+from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
 from .linear import Linear, QuantizedLinear, dequant_matmul
@@ -65,8 +67,8 @@ def rope_frequencies(args: ModelArgs, ratio: int) -> np.ndarray:
         high = min(math.ceil(corr(float(scaling.get("beta_slow", 1)))), dims - 1)
         if low == high:
             high += 0.001
-        ramp = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
-        omega = omega / factor * ramp + omega * (1 - ramp)
+        blend = np.clip((np.arange(dims // 2) - low) / (high - low), 0, 1)
+        omega = omega / factor * blend + omega * (1 - blend)
     return omega.astype(np.float32)
 
 
@@ -85,6 +87,33 @@ def rope(x: mx.array, offset: int, freqs: mx.array, scale: float = 1.0,
     return mx.concatenate([x[..., :-dims], tail.astype(x.dtype)], axis=-1)
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """Where RoPE puts a chunk's rows: positions scale * (offset + s), wavelengths freqs.
+    `angles` = (cos, sin) [R] fp32 of a single position, given by the fixed-shape decode step
+    so that a projection's tail can run as one kernel."""
+    offset: object                 # int or int32 array
+    freqs: mx.array
+    scale: float = 1.0
+    angles: Optional[tuple] = None
+
+
+def finish_rows(x: mx.array, norm: Optional[RMSNorm] = None, rot: Optional[Rotation] = None,
+                qdq=None, fused: bool = False) -> mx.array:
+    """A projection's tail: RMSNorm, then RoPE, then one of the QDQ roundings (each optional).
+    `fused` (the fixed-shape step) runs it as one kernel where dsv4/kernels/rows.py can."""
+    fmt = {None: rows.NO_QDQ, qdq_fp8: rows.FP8, qdq_fp4_pow2: rows.FP4}.get(qdq)
+    if (fused and fmt is not None and (rot is None or rot.angles is not None)
+            and rows.kernel_applies(x, fmt)):
+        return rows.row_tail(x, None if norm is None else (norm.weight, norm.eps),
+                             None if rot is None else rot.angles, fmt)
+    if norm is not None:
+        x = norm(x)
+    if rot is not None:
+        x = rope(x, rot.offset, rot.freqs, scale=rot.scale)
+    return x if qdq is None else qdq(x)
+
+
 # --- selection ------------------------------------------------------------------------------
 
 def topk_indices(scores: mx.array, k: int) -> mx.array:
@@ -93,7 +122,7 @@ def topk_indices(scores: mx.array, k: int) -> mx.array:
     gradient, so the scores are cut from the graph (training runs through this too)."""
     bits = mx.stop_gradient(scores).astype(mx.float32).view(mx.int32)
     ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    index = mx.arange(scores.shape[-1], dtype=mx.int64)
+    index = ramp(scores.shape[-1], mx.int64)
     key = ordered * (1 << 32) + ((1 << 32) - 1 - index)
     return mx.argpartition(-key, k - 1, axis=-1)[..., :k].astype(mx.int32)
 
@@ -119,6 +148,16 @@ class ForwardState:
     candidates: Optional[mx.array] = None    # [B, S, N] bool of the candidate source
     emitted: dict = field(default_factory=dict)  # kv source layer -> latents emitted now
 
+    fused = False    # the reference path runs every op on its own
+
+    def attend(self, attn: "Attention", x: mx.array) -> mx.array:
+        """Attention over the growing cache (the reference path; dsv4.step has the fixed-shape one)."""
+        return attn(x, self)
+
+    def rotation(self, freqs: mx.array, offset=None, scale: float = 1.0) -> Rotation:
+        """RoPE placement of this chunk's rows (offset defaults to the chunk's start)."""
+        return Rotation(self.start if offset is None else offset, freqs, scale)
+
 
 class Compressor(nn.Module):
     """Pools groups of `ratio` tokens into one latent (ratio 1: one latent per token)."""
@@ -136,9 +175,7 @@ class Compressor(nn.Module):
         r, start, end = self.ratio, state.start, state.start + state.length
         if r == 1:
             return self.norm(self.wkv(x)), start
-        h = x.astype(mx.float32)
-        state.cache.append_compressor_inputs(
-            lc, h @ self.wkv.weight.astype(mx.float32).T, h @ self.wgate.weight.astype(mx.float32).T)
+        state.cache.append_compressor_inputs(lc, *self.inputs(x))
         first, last = start // r, end // r
         if last == first:
             return None, first
@@ -148,8 +185,18 @@ class Compressor(nn.Module):
         kv = lc.comp_kv[:, lo:hi].reshape(b, last - first, r, d)
         gate = lc.comp_gate[:, lo:hi].reshape(b, last - first, r, d)
         state.cache.evict_compressor_inputs(lc)
+        return self.pool(kv, gate, x.dtype), first
+
+    def inputs(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The fp32 kv and gate inputs of x's tokens [B, S, Dh] (pooled once a group completes)."""
+        h = x.astype(mx.float32)
+        fp32 = lambda m: derived(m, "fp32_t", m.weight, lambda: m.weight.astype(mx.float32).T)
+        return h @ fp32(self.wkv), h @ fp32(self.wgate)
+
+    def pool(self, kv: mx.array, gate: mx.array, dtype: mx.Dtype) -> mx.array:
+        """Groups [B, n, ratio, Dh] of inputs -> their latents [B, n, Dh]."""
         pooled = mx.sum(kv * mx.softmax(gate, axis=2), axis=2)
-        return self.norm(pooled.astype(x.dtype)), first
+        return self.norm(pooled.astype(dtype))
 
 
 class Indexer(nn.Module):
@@ -166,24 +213,23 @@ class Indexer(nn.Module):
             self.wk = Linear(args.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def keys(self, latents: mx.array, first: int, ratio: int, freqs: mx.array) -> mx.array:
-        k = self.k_norm(self.wk(latents))
-        k = rope(k, first, freqs, scale=ratio)
-        return qdq_fp4_pow2(k) if flags.get("kv_qdq") else k
+    def keys(self, latents: mx.array, rot: Rotation, fused: bool = False) -> mx.array:
+        return finish_rows(self.wk(latents), self.k_norm, rot,
+                           qdq_fp4_pow2 if flags.get("kv_qdq") else None, fused)
 
-    def __call__(self, x: mx.array, qr: mx.array, keys: mx.array, state: ForwardState,
+    def __call__(self, x: mx.array, qr_in: mx.array, keys: mx.array, state: ForwardState,
                  freqs: mx.array, ratio: int) -> mx.array:
+        """qr_in: the q-LoRA latent as matmul input (Attention.queries)."""
         b, s, _ = x.shape
-        q = self.wq_b(fp8_input(qr)).reshape(b, s, self.n_heads, self.head_dim)
-        q = rope(q, state.start, freqs)
-        if flags.get("kv_qdq"):
-            q = qdq_fp4_pow2(q)
+        q = self.wq_b(qr_in).reshape(b, s, self.n_heads, self.head_dim)
+        q = finish_rows(q, None, state.rotation(freqs), qdq_fp4_pow2 if flags.get("kv_qdq") else None,
+                        state.fused)
         w = self.weights_proj(x).astype(mx.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B,S,h,N]
         scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
         n = keys.shape[1]
         visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]
-        scores = mx.where(mx.arange(n)[None, :] < visible, scores, -mx.inf)
+        scores = mx.where(ramp(n)[None, :] < visible, scores, -mx.inf)
         if self.args.is_candidate_source(self.layer):
             state.candidates = self._candidates(scores, visible)
         elif self.args.uses_candidates(self.layer) and state.candidates is not None:
@@ -201,7 +247,7 @@ class Indexer(nn.Module):
         blocks = mx.max(padded.reshape(b, s, -1, size), axis=-1)
         nb = blocks.shape[-1]
         newest = mx.where(visible > 0, (visible - 1) // size, -1)                          # [S,1]
-        blocks = mx.where(mx.arange(nb)[None, :] == newest, mx.inf, blocks)
+        blocks = mx.where(ramp(nb)[None, :] == newest, mx.inf, blocks)
         kb = min(self.args.candidate_topk_blocks, nb)
         chosen = topk_indices(blocks, kb)
         keep = mx.take_along_axis(blocks, chosen, axis=-1) > -mx.inf
@@ -232,16 +278,10 @@ class Attention(nn.Module):
         self._freqs = mx.array(1.0 / rope_frequencies(args, self.ratio))
 
     def __call__(self, x: mx.array, state: ForwardState) -> mx.array:
-        b, s, _ = x.shape
         cache = state.cache
         lc = cache[self.layer]
-        qr = self.q_norm(self.wq_a(fp8_input(x)))
-        q = self.wq_b(fp8_input(qr)).reshape(b, s, self.n_heads, self.head_dim)
-        q = rope(q, state.start, self._freqs)
-        kv = rope(self.kv_norm(self.wkv(fp8_input(x))), state.start, self._freqs)
-        if flags.get("kv_qdq"):
-            kv = qdq_fp8(kv)
-        held = cache.append_window(lc, kv)
+        qr, q = self.queries(x, state)
+        held = cache.append_window(lc, self.window_rows(x, state))
         compressed = topk = None
         if self.ratio:
             if "compressor" in self:
@@ -252,10 +292,50 @@ class Attention(nn.Module):
             topk = state.topk
             if compressed is None or topk is None or topk.shape[-1] == 0:
                 compressed = topk = None
-        o = sparse_attention(q, held, state.window_idx, compressed, topk, self.attn_sink,
-                             self.head_dim ** -0.5)
-        o = rope(o, state.start, self._freqs, inverse=True)
+        return self.output(self.attend(q, held, state.window_idx, compressed, topk), state.start)
+
+    # The pieces below are shared with the fixed-shape decode step (dsv4.step), whose state
+    # gives positions as arrays and lets the tails of the projections run fused.
+
+    def queries(self, x: mx.array, state) -> tuple[mx.array, mx.array]:
+        """-> (the q-LoRA latent as matmul input [B, S, q_lora_rank], rotated queries [B, S, H, Dh])."""
+        b, s, _ = x.shape
+        qr_in = finish_rows(self.wq_a(fp8_input(x)), self.q_norm,
+                            qdq=qdq_fp8 if flags.get("act_quant") else None, fused=state.fused)
+        q = self.wq_b(qr_in).reshape(b, s, self.n_heads, self.head_dim)
+        return qr_in, finish_rows(q, rot=state.rotation(self._freqs), fused=state.fused)
+
+    def window_rows(self, x: mx.array, state) -> mx.array:
+        """This chunk's window KV rows [B, S, Dh] as the cache holds them."""
+        return finish_rows(self.wkv(fp8_input(x)), self.kv_norm, state.rotation(self._freqs),
+                           qdq_fp8 if flags.get("kv_qdq") else None, state.fused)
+
+    def attend(self, q, window, window_idx, compressed, topk, rope_cos=None, rope_sin=None) -> mx.array:
+        """Sparse attention with sink; with the cos/sin of the queries' angles the output
+        comes back de-rotated (fused into the kernel)."""
+        return sparse_attention(q, window, window_idx, compressed, topk, self.attn_sink,
+                                self.head_dim ** -0.5, rope_cos, rope_sin)
+
+    def output(self, o: mx.array, offset) -> mx.array:
+        """Attention output [B, S, H, Dh] -> [B, S, hidden]: inverse RoPE, then project_out."""
+        return self.project_out(rope(o, offset, self._freqs, inverse=True))
+
+    def project_out(self, o: mx.array) -> mx.array:
+        """De-rotated attention output [B, S, H, Dh] -> [B, S, hidden]: grouped wo_a, wo_b."""
+        b, s = o.shape[:2]
         return self.wo_b(fp8_input(self._grouped_wo_a(o.reshape(b, s, -1))))
+
+    def compressed_rows(self, latents: mx.array, first, state) -> tuple[mx.array, Optional[mx.array]]:
+        """Latents of groups first.. -> (their compressed KV rows, their index keys or None
+        when this layer's indexer does not publish keys)."""
+        rot = state.rotation(self._freqs, first, self.ratio)
+        row = finish_rows(latents, rot=rot, fused=state.fused)
+        if flags.get("kv_qdq"):
+            row = qdq_fp4_e4m3(row)
+        keys = None
+        if "indexer" in self and "wk" in self.indexer:
+            keys = self.indexer.keys(latents, rot, state.fused)
+        return row, keys
 
     def _compress(self, x: mx.array, state: ForwardState, lc: LayerCache) -> None:
         latents, first = self.compressor(x, state, lc)
@@ -263,13 +343,10 @@ class Attention(nn.Module):
             state.emitted[self.layer] = False
             return
         state.emitted[self.layer] = True
-        row = rope(latents, first, self._freqs, scale=self.ratio)
-        if flags.get("kv_qdq"):
-            row = qdq_fp4_e4m3(row)
+        row, keys = self.compressed_rows(latents, first, state)
         lc.compressed = row if lc.compressed is None else mx.concatenate([lc.compressed, row], axis=1)
-        if "indexer" in self and "wk" in self.indexer:
-            k = self.indexer.keys(latents, first, self.ratio, self._freqs)
-            lc.index_keys = k if lc.index_keys is None else mx.concatenate([lc.index_keys, k], axis=1)
+        if keys is not None:
+            lc.index_keys = keys if lc.index_keys is None else mx.concatenate([lc.index_keys, keys], axis=1)
             state.cache.key_publisher = self.layer
 
     def _select(self, x: mx.array, qr: mx.array, state: ForwardState) -> mx.array:
@@ -283,7 +360,7 @@ class Attention(nn.Module):
         # candidate source still scores: re-index layers read its candidate mask.
         if (flags.get("indexer_skip") and indexer_can_be_skipped(n, self.args.index_topk)
                 and not self.args.is_candidate_source(self.layer)):
-            return select_all_visible(state.start, b, s, self.ratio, n)
+            return select_all_visible(state.positions, b, self.ratio, n)
         return self.indexer(x, qr, keys, state, self._freqs, self.ratio)
 
     def _index_keys(self, state: ForwardState) -> Optional[mx.array]:
@@ -301,11 +378,12 @@ class Attention(nn.Module):
         g, b, s = self.args.o_groups, o.shape[0], o.shape[1]
         x = o.reshape(b * s, g, 1, -1)
         rows = self.args.o_lora_rank
-        idx = mx.arange(g)[None]
+        idx = ramp(g)[None]
         w = self.wo_a
         if isinstance(w, QuantizedLinear) and not dequant_matmul():
-            out = mx.gather_qmm(x, w.weight.reshape(g, rows, -1), w.scales.reshape(g, rows, -1),
-                                None if w.get("biases") is None else w.biases.reshape(g, rows, -1),
+            grouped = lambda name: derived(w, f"grouped_{name}", w[name], lambda: w[name].reshape(g, rows, -1))
+            out = mx.gather_qmm(x, grouped("weight"), grouped("scales"),
+                                None if w.get("biases") is None else grouped("biases"),
                                 rhs_indices=idx, transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
         else:

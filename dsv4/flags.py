@@ -141,14 +141,29 @@ define("kernel_sparse_attention", True,
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
+define("kernel_qdq", True,
+       "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
+       "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")
+define("kernel_rows", True,
+       "fixed-shape decode: each projection's tail (RMSNorm, RoPE of the last dims, fp8/fp4 "
+       "rounding) in one GPU launch per row set; off runs the plain-MLX ops")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
 
 # --- decode loop ----------------------------------------------------------------------------
+define("fixed_decode", "auto",
+       "decode one token per step at fixed shapes (dsv4/step.py): window and compressor inputs "
+       "in rings, compressed rows in buffers of doubling capacity, positions as device arrays, "
+       "so one graph (compiled with DSV4_COMPILE) serves every step: auto (on for GPU "
+       "backends; the CPU keeps the reference path, whose results do not depend on chunking), "
+       "on, off")
+define("async_decode", True,
+       "build and queue the next decode step before the current token reaches the host "
+       "(one step in flight, as mlx-lm does); off waits for each token first")
 define("compile", True,
-       "mx.compile the small fixed-shape pieces (mHC mixes with their Sinkhorn rounds); "
-       "off runs them op by op")
+       "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
+       "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")
 
 # --- profiling ----------------------------------------------------------------------------
 define("stage_profile", False,

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import flags, profiler
 from .cache import Cache
+from .step import decoder
 
 PREFILL_CHUNK = 512
 
@@ -70,27 +71,60 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     logits = prefill(model, np.array([ids], np.int64), cache)
     if on_prefilled is not None:
         on_prefilled(cache)
-    token = int(sampler(logits).item())
     prompt_time = time.perf_counter() - start
     prompt_tps = len(ids) / prompt_time
-    gen_start = time.perf_counter()
-    for n in range(1, max_tokens + 1):
-        stop = token in tokenizer.eos_token_ids and not ignore_eos
-        if not stop:
-            detok.add_token(token)
-        finish = "stop" if stop else ("length" if n == max_tokens else None)
-        if finish:
-            detok.finalize()
-        elapsed = time.perf_counter() - gen_start
-        yield GenerationResponse(detok.last_segment, token, len(ids), prompt_tps, n,
-                                 (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
-                                 mx.get_peak_memory() / 1e9, finish)
-        if finish:
-            return
-        profiler.step_begin()
-        logits = model(np.array([[token]], np.int64), cache)[:, -1]
-        token = int(profiler.mark("sampling", sampler(logits)).item())
-        profiler.step_end()
+    tokens = decode_tokens(model, cache, sampler(logits), sampler, max_tokens)
+    try:
+        for n, token in enumerate(tokens, 1):
+            if n == 1:
+                gen_start = time.perf_counter()
+            stop = token in tokenizer.eos_token_ids and not ignore_eos
+            if not stop:
+                detok.add_token(token)
+            finish = "stop" if stop else ("length" if n == max_tokens else None)
+            if finish:
+                detok.finalize()
+            elapsed = time.perf_counter() - gen_start
+            yield GenerationResponse(detok.last_segment, token, len(ids), prompt_tps, n,
+                                     (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
+                                     mx.get_peak_memory() / 1e9, finish)
+            if finish:
+                return
+    finally:
+        tokens.close()
+
+
+def decode_tokens(model, cache: Cache, first: mx.array, sampler,
+                  limit: Optional[int] = None) -> Iterator[int]:
+    """Tokens from `first` ([1], sampled from the prompt's last logits) on, each fed back
+    through the decoder the switches pick (dsv4.step); runs until closed or `limit` tokens
+    are out (the last is not fed). Once closed or done, the cache holds everything but the
+    last token handed out, as after a plain loop.
+
+    With DSV4_ASYNC_DECODE the step that feeds a token is queued before the token reaches
+    the host, so the GPU never waits for Python; a step queued for a token the caller
+    stops at is dropped (the decoder's close keeps only the positions handed out)."""
+    run_ahead = flags.get("async_decode") and not profiler.enabled()
+    step = decoder(model, cache)
+    fed = cache.offset
+    y = first
+    try:
+        for n in range(1, (limit or sys.maxsize) + 1):
+            ahead = None
+            if run_ahead and n != limit:
+                ahead = sampler(step(y))
+                mx.async_eval(ahead)
+            yield int(y.item())
+            if n == limit:
+                return
+            fed += 1
+            if ahead is None:
+                profiler.step_begin()
+                ahead = profiler.mark("sampling", sampler(step(y)))
+                profiler.step_end()
+            y = ahead
+    finally:
+        step.close(fed)
 
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, verbose: bool = False,

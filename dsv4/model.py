@@ -7,7 +7,7 @@ Parameter names are the official checkpoint's (see dsv4.layout).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +19,7 @@ from .cache import Cache
 from .config import ModelArgs
 from .engram import DEAD, Engram, NgramHasher
 from .linear import Linear
-from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes
+from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
 
@@ -45,14 +45,15 @@ class Block(nn.Module):
     def __call__(self, streams: mx.array, pre: mx.array, state: ForwardState) -> tuple[mx.array, mx.array]:
         a = self.args
         mixes = (a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
-        a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale,
-                                         self.hc_attn_base, *mixes)
-        x = hc_collapse_norm(streams, pre, self.attn_norm.weight, self.attn_norm.eps)
-        x = profiler.mark("attention", self.attn(x, state))
+        # Each site's input (collapse with the previous site's pre, RMSNorm) and its own mixes.
+        x, a_pre, a_post, a_comb = hc_mixes_collapse_norm(
+            streams, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
+            self.attn_norm.weight, self.attn_norm.eps, *mixes)
+        x = profiler.mark("attention", state.attend(self.attn, x))
         streams = profiler.mark("mhc", hc_expand(x, streams, a_post, a_comb))
-        f_pre, f_post, f_comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale,
-                                         self.hc_ffn_base, *mixes)
-        x = hc_collapse_norm(streams, a_pre, self.ffn_norm.weight, self.ffn_norm.eps)
+        x, f_pre, f_post, f_comb = hc_mixes_collapse_norm(
+            streams, a_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+            self.ffn_norm.weight, self.ffn_norm.eps, *mixes)
         streams = profiler.mark("moe", self.ffn(x, expand=(streams, f_post, f_comb)))
         return streams, f_pre
 
@@ -63,6 +64,11 @@ class Model(nn.Module):
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        # Layers of one RoPE frequency set share one array: a decode step computes the angles
+        # of its position once per set (dsv4/step.py keys them by array).
+        shared = {}
+        for block in self.layers:
+            block.attn._freqs = shared.setdefault(bool(block.attn.ratio), block.attn._freqs)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # Set by the loader: Engram tables by layer id and the n-gram hasher.
@@ -83,19 +89,21 @@ class Model(nn.Module):
         ratios = self.args.compress_ratios[: self.args.num_hidden_layers]
         return Cache(list(ratios), self.args.sliding_window, reserve)
 
-    def start_engram_reads(self, ids: np.ndarray, cache: Cache) -> dict[int, object]:
-        """Hash the new tokens and start every Engram table's reads; returns the requests."""
+    def start_engram_reads(self, ids: np.ndarray, past: np.ndarray, offset: int) -> dict[int, object]:
+        """Hash the new tokens ids [B, S] (after the tokens `past` [B, >= 0], the last of
+        which sits at position offset - 1) and start every Engram table's reads; returns
+        the requests by layer."""
         if not self.args.engram_layer_ids:
             return {}
         if self._hasher is None:
             raise RuntimeError("the model has Engram layers but no tables: load it with dsv4.load")
         h = self._hasher
         width = self.args.engram_max_ngram_size - 1
-        past = cache.tokens[:, -width:] if cache.offset else np.zeros((ids.shape[0], 0), np.int64)
+        past = past[:, -width:] if offset else np.zeros((ids.shape[0], 0), np.int64)
         history = np.full((ids.shape[0], width), DEAD, np.int64)
         if past.shape[1]:
             history[:, width - past.shape[1]:] = h.compress(past)
-        rows = h.hash(h.compress(ids), history, cache.offset)
+        rows = h.hash(h.compress(ids), history, offset)
         return {layer: self._engram_tables[layer].start(rows[layer]) for layer in rows}
 
     def __call__(self, input_ids, cache: Optional[Cache] = None) -> mx.array:
@@ -113,22 +121,30 @@ class Model(nn.Module):
         b, s = ids.shape
         if cache.offset == 0:
             cache.tokens = np.zeros((b, 0), np.int64)
-        requests = self.start_engram_reads(ids, cache)
+        requests = self.start_engram_reads(ids, cache.tokens, cache.offset)
         start = cache.offset
         # Every layer's window holds the same positions, so one set of indices serves all.
         window = window_indices(start, s, cache[0].window_start, self.args.sliding_window)[None]
         state = ForwardState(start=start, length=s, cache=cache, window_idx=window,
                              positions=mx.arange(start, start + s, dtype=mx.int32))
-        h = profiler.mark("embed", self.embed(mx.array(ids)))
+        rows = lambda layer: requests[layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
+        logits = self.forward(mx.array(ids), state, rows)
+        cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
+        return logits
+
+    def forward(self, ids: mx.array, state, engram_rows: Callable[[int], mx.array]) -> mx.array:
+        """The layers over ids [B, S] with a state that knows the cache (ForwardState or the
+        fixed-shape step's); `engram_rows(layer)` gives the table rows [B, S, heads, dim]
+        (called when that layer is reached, so reads overlap the earlier layers)."""
+        b, s = ids.shape
+        h = profiler.mark("embed", self.embed(ids))
         streams = mx.broadcast_to(h[:, :, None, :], (b, s, self.args.hc_mult, self.args.hidden_size))
         pre = mx.zeros((b, s, self.args.hc_mult), mx.float32)
         pre[..., 0] = 1.0
         for block in self.layers:
-            if block.layer in requests:
-                rows = requests[block.layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
-                streams = profiler.mark("engram", block.engram(streams, rows))
+            if "engram" in block:
+                streams = profiler.mark("engram", block.engram(streams, engram_rows(block.layer)))
             streams, pre = block(streams, pre, state)
-        cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
         x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps)
         # fp32 logits; the head may be plain bf16 (official) or quantized (GGUF Q8_0, EXL3).
         return profiler.mark("head", self.head(x.astype(mx.float32)).astype(mx.float32))

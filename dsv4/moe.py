@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from .attention import fp8_input, topk_indices
 from .config import ModelArgs
+from .constants import derived
 from . import flags
 from .kernels.dialect import backend
 from .kernels.experts import QuantizedMatrix, experts
@@ -36,7 +37,8 @@ class Router(nn.Module):
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, D] -> (expert ids [N, k], weights [N, k] fp32). The bias only selects."""
         a = self.args
-        logits = (x.astype(mx.float32) @ self.weight.astype(mx.float32).T) / a.gate_temp
+        w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
+        logits = (x.astype(mx.float32) @ w) / a.gate_temp
         scores = mx.sqrt(nn.softplus(logits))
         chosen = topk_indices(scores + self.bias, a.num_experts_per_tok)
         weights = mx.take_along_axis(scores, chosen, axis=-1)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from .kernels import qdq
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -67,12 +69,12 @@ def _compiled(fn):
 
 def qdq_fp8(x: mx.array, block: int = 32) -> mx.array:
     """Window KV / matmul-input rounding: e4m3 with a power-of-two scale per `block` values."""
-    return _qdq_fp8(x, block)
+    return qdq.qdq_pow2_kernel(x, qdq.FP8) if qdq.kernel_applies(x, block) else _qdq_fp8(x, block)
 
 
 def qdq_fp4_pow2(x: mx.array, block: int = 32) -> mx.array:
     """Indexer q/k rounding: e2m1 with a power-of-two (e8m0) scale per `block` values."""
-    return _qdq_fp4_pow2(x, block)
+    return qdq.qdq_pow2_kernel(x, qdq.FP4) if qdq.kernel_applies(x, block) else _qdq_fp4_pow2(x, block)
 
 
 def qdq_fp4_e4m3(x: mx.array, block: int = 16) -> mx.array:

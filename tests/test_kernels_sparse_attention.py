@@ -136,7 +136,9 @@ def test_select_all_visible_equals_topk_when_everything_fits(start_pos, length, 
     n = (start_pos + length) // ratio
     topk = n + 2
     assert indexer_can_be_skipped(n, topk) and not indexer_can_be_skipped(topk + 1, topk)
-    got = np.array(select_all_visible(start_pos, 2, length, ratio, n))
+    positions = mx.arange(start_pos, start_pos + length, dtype=mx.int32)
+    got = np.array(select_all_visible(positions, 2, ratio, n + 3))   # wider than needed: -1 pads
+    assert got.shape == (2, length, n + 3)
     scores = rng.standard_normal((2, length, n))
     for b in range(2):
         for s in range(length):

@@ -49,3 +49,30 @@ def test_fp32_kernels_on_equal_off_over_64_greedy_steps(ckpt):
     assert on_tokens == off_tokens
     err = float(mx.max(mx.abs(on_logits - off_logits)) / mx.max(mx.abs(off_logits)))
     assert err < 1e-4, err
+
+
+def fixed_greedy(model, prompt, steps):
+    """The same through the fixed-shape decoder (dsv4/step.py), compiled, one step queued ahead."""
+    from dsv4.generation import decode_tokens, prefill
+
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    seen = []
+    sampler = lambda l: (seen.append(l[0]), mx.argmax(l, axis=-1))[1]
+    with flags.override(fixed_decode="on", compile=True, async_decode=True):
+        tokens = list(decode_tokens(model, cache, sampler(logits), sampler, steps))
+    return tokens, mx.stack(seen[:steps])
+
+
+def test_fp32_fixed_compiled_kernels_equal_reference_without_kernels_over_64_greedy_steps(ckpt):
+    """Issue 11's check: the lean decode (kernels, fixed shapes, compile, run-ahead) against
+    the plain reference path."""
+    model, _ = dsv4.load(ckpt, dtype=mx.float32)
+    prompt = np.random.default_rng(1).integers(7, 500, (1, 24))
+    with flags.override(kv_qdq=False, act_quant=False):
+        fast_tokens, fast_logits = fixed_greedy(model, prompt, 64)
+        with flags.override(fixed_decode="off", **KERNELS_OFF):
+            ref_tokens, ref_logits = greedy(model, prompt, 64)
+    assert fast_tokens == ref_tokens
+    err = float(mx.max(mx.abs(fast_logits - ref_logits)) / mx.max(mx.abs(ref_logits)))
+    assert err < 1e-4, err

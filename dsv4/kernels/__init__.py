@@ -3,6 +3,7 @@
 Dispatchers the model calls (kernel or reference by backend and by flags.py's kernel_* switches):
   sparse_attention.sparse_attention   window + selected compressed rows, one softmax with sink
   experts.experts                     routed + shared experts for 1-8 tokens (optionally + mHC expand)
-  mhc.hc_mixes / hc_collapse_norm / hc_expand
+  mhc.hc_mixes_collapse_norm / hc_mixes / hc_collapse_norm / hc_expand
+  qdq (through dsv4.quant.qdq_fp8 / qdq_fp4_pow2)   fp8/fp4 rounding, power-of-two scale per 32
   selection.indexer_can_be_skipped / select_all_visible   skip indexer scoring when k >= rows
 """

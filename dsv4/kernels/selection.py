@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from dsv4.constants import ramp
+
 
 def indexer_can_be_skipped(n_compressed: int, topk: int) -> bool:
     """True when all `n_compressed` rows (the most any query sees) fit in the top `topk`."""
     return n_compressed <= topk
 
 
-def select_all_visible(start_pos: int, batch: int, length: int, ratio: int, n_compressed: int) -> mx.array:
-    """The indexer's selection when it keeps everything: [batch, length, n_compressed] int32.
+def select_all_visible(positions: mx.array, batch: int, ratio: int, width: int) -> mx.array:
+    """The indexer's selection when it keeps everything: [batch, S, width] int32.
 
-    Query s sits at absolute position t = start_pos + s and sees compressed rows j < (t+1)//ratio;
-    row j is listed at column j (ascending, as the reference sorts its top-k), -1 past the
-    visible count. Use only when `indexer_can_be_skipped(n_compressed, topk)`.
+    The query at absolute position t (`positions` [S], int32) sees compressed rows
+    j < (t+1)//ratio; row j is listed at column j (ascending, as the reference sorts its
+    top-k), -1 past the visible count. Use only when the visible count is at most `width`
+    and `indexer_can_be_skipped` holds.
     """
-    positions = mx.arange(start_pos, start_pos + length, dtype=mx.int32)
     visible = (positions + 1) // ratio
-    rows = mx.arange(n_compressed, dtype=mx.int32)
+    rows = ramp(width)
     idx = mx.where(rows[None, :] < visible[:, None], rows[None, :], -1)
-    return mx.broadcast_to(idx[None], (batch, length, n_compressed))
+    return mx.broadcast_to(idx[None], (batch, positions.shape[0], width))

@@ -1,0 +1,50 @@
+"""Values a compiled decode step should receive as constants instead of recomputing.
+
+Inside a compiled graph an `mx.arange`, or a cast or reshape of a weight, is a primitive run at
+every call (a launch on a GPU, and for a cast a full copy of the weight). Ramps are made once
+and kept. Derived weights are kept only inside `keeping()`, which the fixed-shape decode step
+enters while it traces: elsewhere (training, where weights change and carry gradients) they
+are computed inline as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import lru_cache
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+_keeping = False
+
+
+@lru_cache(maxsize=512)
+def ramp(n: int, dtype: mx.Dtype = mx.int32) -> mx.array:
+    """mx.arange(n, dtype=dtype), evaluated; treat as read-only."""
+    out = mx.arange(n, dtype=dtype)
+    mx.eval(out)
+    return out
+
+
+@contextlib.contextmanager
+def keeping() -> Iterator[None]:
+    global _keeping
+    saved, _keeping = _keeping, True
+    try:
+        yield
+    finally:
+        _keeping = saved
+
+
+def derived(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> mx.array:
+    """make() (a function of `source`, a weight of `owner`), kept on the owner inside
+    `keeping()` and made again if the weight array was replaced."""
+    if not _keeping:
+        return make()
+    store = owner.__dict__.setdefault("_derived", {})
+    hit = store.get(key)
+    if hit is None or hit[0] is not source:
+        value = make()
+        mx.eval(value)
+        store[key] = (source, value)
+    return store[key][1]

@@ -1,0 +1,318 @@
+"""Decode at fixed shapes: one token per sequence per step, one compiled graph for every step.
+
+The reference forward (`Model.__call__` with a `Cache`) takes any chunk, but its arrays grow
+every step (concatenation) and its window indices and selection are built from Python ints,
+so each decode step is a new graph, rebuilt op by op in Python. Here the state lives in
+buffers whose shapes do not change from step to step:
+
+- window rows and compressor inputs: rings of `ring_size` rows, position p in slot p % ring
+  (more than the window, so the state handed back keeps `reserve` positions for exact trims);
+- compressed rows and index keys: buffers of a capacity that doubles when full (the graph is
+  traced again then, a logarithmic number of times);
+- positions are int32 device arrays; a group's latent is pooled every step and written to
+  its row, which stays invisible (past the visible count) until the group completes.
+
+What differs from step to step only on the host (whether an index source has rows yet and
+whether every row makes its top-k) picks one of a few traced variants. The result equals the
+reference path up to fp32 summation order: top-k rows come out in another order.
+
+`decoder(model, cache)` gives the decoder the switches ask for; `stream_generate` drives it
+with one step in flight (DSV4_ASYNC_DECODE).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import flags
+from .attention import Rotation
+from .cache import Cache
+from .constants import keeping, ramp
+from .kernels.dialect import backend
+from .kernels.selection import indexer_can_be_skipped, select_all_visible
+
+MIN_CAPACITY = 256
+
+
+def ring_size(window: int, reserve: int, ratios: list[int]) -> int:
+    """Rows of the window and compressor-input rings: the window, the trim reserve, and one
+    position for the step the async loop runs ahead; a multiple of every compress ratio so
+    that a group's inputs sit in consecutive slots."""
+    step = math.lcm(*[r for r in ratios if r] or [1])
+    return -(-(window + reserve + 1) // step) * step
+
+
+def capacity_for(rows: int) -> int:
+    return max(MIN_CAPACITY, 1 << (rows - 1).bit_length() if rows > 1 else 1)
+
+
+def use_fixed_decode(model) -> bool:
+    mode = flags.get("fixed_decode")
+    if mode == "auto":
+        on = backend() is not None and mx.default_device() == mx.gpu
+    else:
+        on = mode in ("1", "on", "true")
+    # The reference's shared-key quirk depends on which layer published last: not traced here.
+    return on and not flags.get("index_key_quirk")
+
+
+@dataclass
+class StepState:
+    """What the layers of one fixed-shape step share: positions and the buffers."""
+    args: object
+    pos: mx.array                 # [1] int32, the position of this step's token
+    ring: int
+    buffers: dict                 # "layer.name" -> array, replaced as layers write
+    regimes: dict                 # index source layer -> "none" | "all" | "score"
+    topk: Optional[mx.array] = None
+    candidates: Optional[mx.array] = None
+    angles: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        w = self.args.sliding_window
+        self.start = self.pos                      # the rope offset, as in ForwardState
+        self.positions = self.pos
+        self.slot = self.pos % self.ring
+        # Positions pos-w+1 .. pos, oldest first, as ring slots; -1 before position 0.
+        u = self.pos - w + 1 + ramp(w)
+        self.window_idx = mx.where(u >= 0, mx.maximum(u, 0) % self.ring, -1)[None, None]
+
+    def write(self, name: str, rows: mx.array, at: mx.array) -> mx.array:
+        self.buffers[name] = mx.slice_update(self.buffers[name], rows.astype(self.buffers[name].dtype),
+                                             at, axes=(1,))
+        return self.buffers[name]
+
+    fused = True     # projection tails may run as one kernel (Rotation.angles are given)
+
+    def rotation(self, freqs: mx.array, offset=None, scale: float = 1.0) -> Rotation:
+        """RoPE placement at this step's position (or at `offset`, an int32 array), with the
+        cos/sin [R] of its angles; made once per step for each (freqs, placement)."""
+        offset = self.pos if offset is None else offset
+        key = (id(freqs), id(offset), scale)
+        if key not in self.angles:
+            theta = (offset.astype(mx.float32) * scale)[:, None] * mx.reciprocal(freqs)[None]
+            self.angles[key] = (mx.cos(theta)[0], mx.sin(theta)[0])
+        return Rotation(offset, freqs, scale, self.angles[key])
+
+    def attend(self, attn, x: mx.array) -> mx.array:
+        layer, a = attn.layer, self.args
+        qr, q = attn.queries(x, self)
+        window = self.write(f"{layer}.window", attn.window_rows(x, self), self.slot)
+        compressed = topk = None
+        if attn.ratio:
+            if "compressor" in attn:
+                self._compress(attn, x)
+            if "indexer" in attn:
+                self.topk = self._select(attn, x, qr)
+            compressed = self.buffers.get(f"{a.kv_source(layer)}.compressed")
+            topk = self.topk
+            if compressed is None or topk is None:
+                compressed = topk = None
+        # The inverse RoPE of the output is fused into the attention (cos/sin of this position).
+        cos, sin = self.rotation(attn._freqs).angles
+        return attn.project_out(attn.attend(q, window, self.window_idx, compressed, topk,
+                                            cos[None, None], sin[None, None]))
+
+    def _compress(self, attn, x: mx.array) -> None:
+        layer, r, comp = attn.layer, attn.ratio, attn.compressor
+        if r == 1:
+            latents, first = comp.norm(comp.wkv(x)), self.pos
+        else:
+            kv, gate = comp.inputs(x)
+            kv = self.write(f"{layer}.comp_kv", kv, self.slot)
+            gate = self.write(f"{layer}.comp_gate", gate, self.slot)
+            first = self.pos // r
+            group = (first * r) % self.ring
+            b, _, d = kv.shape
+            take = lambda a: mx.slice(a, group, axes=(1,), slice_size=(b, r, d))[:, None]
+            latents = comp.pool(take(kv), take(gate), x.dtype)
+        row, keys = attn.compressed_rows(latents, first, self)
+        self.write(f"{layer}.compressed", row, first)
+        if keys is not None:
+            self.write(f"{layer}.index_keys", keys, first)
+
+    def _select(self, attn, x: mx.array, qr: mx.array) -> Optional[mx.array]:
+        regime = self.regimes[attn.layer]
+        if regime == "none":
+            return None
+        if regime == "all":
+            return select_all_visible(self.positions, x.shape[0], attn.ratio, self.args.index_topk)
+        keys = self.buffers[f"{self.args.kv_source(attn.layer)}.index_keys"]
+        return attn.indexer(x, qr, keys, self, attn._freqs, attn.ratio)
+
+
+class FixedDecoder:
+    """Runs decode steps on fixed-shape buffers taken from `cache`; `close(keep)` writes the
+    state of the first `keep` positions back into the cache."""
+
+    def __init__(self, model, cache: Cache):
+        a = model.args
+        if cache.offset == 0:
+            raise ValueError("the fixed-shape decoder continues a prefilled cache (offset 0)")
+        self.model, self.cache, self.args = model, cache, a
+        self.ratios = cache.ratios
+        self.ring = ring_size(a.sliding_window, cache.reserve, self.ratios)
+        self.start = self.pos = cache.offset
+        self.batch = cache.tokens.shape[0]
+        self.fed: list[mx.array] = []              # tokens fed, [B] each, not yet on the host
+        self.host_tokens = cache.tokens            # kept current only when Engram needs them
+        dtype = model.embed.weight.dtype
+        self.buffers: dict[str, mx.array] = {}
+        self.valid_from: dict[str, int] = {}       # first position a ring holds correctly
+        for i, lc in enumerate(cache.layers):
+            self._ring(f"{i}.window", lc.window, lc.window_start, a.head_dim, dtype)
+            if lc.comp_kv is not None or "compressor" in model.layers[i].attn and self.ratios[i] > 1:
+                self._ring(f"{i}.comp_kv", lc.comp_kv, lc.comp_start, a.head_dim, mx.float32)
+                self._ring(f"{i}.comp_gate", lc.comp_gate, lc.comp_start, a.head_dim, mx.float32)
+            if "compressor" in model.layers[i].attn:
+                attn = model.layers[i].attn
+                rows = self.pos // self.ratios[i] + 1
+                self._buffer(f"{i}.compressed", lc.compressed, rows, a.head_dim, dtype)
+                if "indexer" in attn and "wk" in attn.indexer:
+                    self._buffer(f"{i}.index_keys", lc.index_keys, rows, a.index_head_dim, dtype)
+        need = max(0, self.pos - a.sliding_window + 1)
+        if self.valid_from["0.window"] > need:
+            raise ValueError(f"the cache holds window rows from position {self.valid_from['0.window']}, "
+                             f"decoding position {self.pos} needs them from {need}")
+        self._compiled: dict = {}
+
+    # --- buffers ----------------------------------------------------------------------------
+
+    def _ring(self, name, rows: Optional[mx.array], first: int, width: int, dtype) -> None:
+        buf = mx.zeros((self.batch, self.ring, width), dtype)
+        lo = first
+        if rows is not None and rows.shape[1]:
+            lo = max(first, first + rows.shape[1] - self.ring + 1)
+            positions = np.arange(lo, first + rows.shape[1])
+            buf[:, mx.array(positions % self.ring)] = rows[:, lo - first:].astype(dtype)
+        self.buffers[name], self.valid_from[name] = buf, lo
+
+    def _buffer(self, name, rows: Optional[mx.array], needed: int, width: int, dtype) -> None:
+        n = 0 if rows is None else rows.shape[1]
+        buf = mx.zeros((self.batch, capacity_for(max(needed, n)), width), dtype)
+        if n:
+            buf[:, :n] = rows.astype(dtype)
+        self.buffers[name] = buf
+
+    def _grow(self) -> None:
+        """Double the buffers the coming step would write past."""
+        for name, buf in list(self.buffers.items()):
+            layer, kind = name.split(".")
+            if kind in ("compressed", "index_keys") and self.pos // self.ratios[int(layer)] >= buf.shape[1]:
+                grown = mx.zeros((buf.shape[0], capacity_for(buf.shape[1] + 1), buf.shape[2]), buf.dtype)
+                grown[:, :buf.shape[1]] = buf
+                self.buffers[name] = grown
+
+    def _regimes(self) -> dict:
+        """How each index source selects at this step (known on the host from the position)."""
+        a, out = self.args, {}
+        for layer in a.index_source_layer_ids:
+            if layer >= len(self.ratios) or not self.ratios[layer]:
+                continue
+            n = (self.pos + 1) // self.ratios[layer]
+            if n == 0:
+                out[layer] = "none"
+            elif (flags.get("indexer_skip") and indexer_can_be_skipped(n, a.index_topk)
+                  and not a.is_candidate_source(layer)):
+                out[layer] = "all"
+            else:
+                out[layer] = "score"
+        return out
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def _function(self, regimes: tuple):
+        """The step for these regimes. Traced graphs live on the model (a server's requests
+        share them); switches are read while tracing, so their values are part of the key."""
+        steps = self.model.__dict__.setdefault("_fixed_steps", {})
+        key = (self.ring, regimes, tuple(flags.get(n) for n in flags.FLAGS))
+        if key not in steps:
+            model, args, ring = self.model, self.args, self.ring
+
+            def step(token, pos, engram, buffers):
+                state = StepState(args, pos, ring, dict(buffers), dict(regimes))
+                with keeping():
+                    logits = model.forward(token, state, lambda layer: engram[str(layer)])
+                return logits[:, -1], state.buffers
+
+            use = flags.get("compile") and not flags.get("stage_profile")
+            steps[key] = mx.compile(step) if use else step
+        return steps[key]
+
+    def __call__(self, token: mx.array) -> mx.array:
+        """Feed token [B] (may be unevaluated) at the next position; -> logits [B, V] fp32."""
+        token = token.reshape(self.batch, 1).astype(mx.int32)
+        engram = self._engram_rows(token)
+        self._grow()
+        regimes = tuple(sorted(self._regimes().items()))
+        logits, self.buffers = self._function(regimes)(token, mx.array([self.pos], mx.int32),
+                                                       engram, self.buffers)
+        self.fed.append(token[:, 0])
+        self.pos += 1
+        return logits
+
+    def _engram_rows(self, token: mx.array) -> dict:
+        if not self.args.engram_layer_ids:
+            return {}
+        ids = np.array(token, dtype=np.int64)          # the one host sync Engram needs
+        requests = self.model.start_engram_reads(ids, self.host_tokens, self.pos)
+        self.host_tokens = np.concatenate([self.host_tokens, ids], axis=1)
+        shape = (self.batch, 1, -1, self.args.engram_head_dim)
+        return {str(layer): req.wait().reshape(shape) for layer, req in requests.items()}
+
+    # --- back to the cache --------------------------------------------------------------------
+
+    def close(self, keep: int) -> None:
+        """Write the state of positions < keep (start <= keep <= pos) back into the cache."""
+        if not self.start <= keep <= self.pos:
+            raise ValueError(f"can keep {self.start}..{self.pos} positions, not {keep}")
+        cache = self.cache
+        for i, lc in enumerate(cache.layers):
+            lc.window, lc.window_start = self._unring(f"{i}.window", keep)
+            if f"{i}.comp_kv" in self.buffers:
+                lc.comp_kv, lc.comp_start = self._unring(f"{i}.comp_kv", keep)
+                lc.comp_gate, _ = self._unring(f"{i}.comp_gate", keep)
+            if f"{i}.compressed" in self.buffers:
+                n = keep // self.ratios[i]
+                lc.compressed = self.buffers[f"{i}.compressed"][:, :n] if n else None
+                if f"{i}.index_keys" in self.buffers:
+                    lc.index_keys = self.buffers[f"{i}.index_keys"][:, :n] if n else None
+                    cache.key_publisher = i
+        fed = keep - self.start
+        if fed:
+            new = np.array(mx.stack(self.fed[:fed], axis=1), dtype=np.int64)
+            cache.tokens = np.concatenate([cache.tokens, new], axis=1)
+        mx.eval([a for lc in cache.layers for a in (lc.window, lc.compressed, lc.index_keys,
+                                                   lc.comp_kv, lc.comp_gate) if a is not None])
+        self.buffers = {}
+
+    def _unring(self, name: str, keep: int) -> tuple[mx.array, int]:
+        """Rows of positions lo..keep-1 held in a ring, oldest first, and lo. The step run
+        ahead may have overwritten position keep - ring, so at most ring - 1 are kept."""
+        lo = max(self.valid_from[name], keep - self.ring + 1, 0)
+        slots = mx.array(np.arange(lo, keep) % self.ring)
+        return self.buffers[name][:, slots], lo
+
+
+class ReferenceDecoder:
+    """The same interface over the reference forward (the token goes to the host first)."""
+
+    def __init__(self, model, cache: Cache):
+        self.model, self.cache = model, cache
+
+    def __call__(self, token: mx.array) -> mx.array:
+        ids = np.array(token, dtype=np.int64).reshape(-1, 1)
+        return self.model(ids, self.cache)[:, -1]
+
+    def close(self, keep: int) -> None:
+        self.cache.trim(self.cache.offset - keep)
+
+
+def decoder(model, cache: Cache):
+    """The decoder the switches ask for (DSV4_FIXED_DECODE)."""
+    return FixedDecoder(model, cache) if use_fixed_decode(model) else ReferenceDecoder(model, cache)

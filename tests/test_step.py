@@ -1,0 +1,180 @@
+"""The fixed-shape decode step (dsv4/step.py) against the reference forward.
+
+Oracle: the reference path (`Model.__call__` over a growing `Cache`), itself checked against
+mlx-lm's deepseek_v41 in test_parity_mlx_lm.py. In float32 the two differ only by the order
+of fp32 sums (the top-k rows come out in another order), so logits agree to ~1e-6 and the
+greedy tokens are identical. Small rings (reserve 4: 14 slots for a window of 8) and a small
+first capacity make the rings wrap and the buffers double many times within 64 steps.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dsv4
+from dsv4 import flags, step
+from dsv4.generation import stream_generate
+
+FP32 = dict(kv_qdq=False, act_quant=False)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir):
+    return dsv4.load(tiny_dir, dtype=mx.float32)
+
+
+@pytest.fixture(scope="module")
+def model(loaded):
+    return loaded[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(loaded):
+    return loaded[1]
+
+
+def prompt(n=24, seed=0):
+    return np.random.default_rng(seed).integers(7, 500, (1, n))
+
+
+def reference_run(model, ids, tokens, reserve=4):
+    """Logits [V] before each fed token, feeding `tokens` one by one after the prompt."""
+    cache = model.make_cache(reserve=reserve)
+    logits = model(ids, cache)[:, -1]
+    out = []
+    for t in tokens:
+        out.append(logits[0])
+        logits = model(np.array([[t]]), cache)[:, -1]
+    out.append(logits[0])
+    return mx.stack(out), cache
+
+
+def greedy_tokens(model, ids, steps):
+    cache = model.make_cache()
+    logits = model(ids, cache)[:, -1]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(mx.argmax(logits[0]).item()))
+        logits = model(np.array([[tokens[-1]]]), cache)[:, -1]
+    return tokens
+
+
+def relative(a, b):
+    return float(mx.max(mx.abs(a - b)) / mx.max(mx.abs(b)))
+
+
+@pytest.mark.parametrize("qdq", [False, True])
+@pytest.mark.parametrize("prompt_len", [3, 24])
+def test_fixed_steps_equal_reference_steps(model, monkeypatch, qdq, prompt_len):
+    """Teacher-forced over 64 steps from a short prompt (the index sources go from no rows to
+    every row kept to scoring) and a longer one (the candidate blocks in play)."""
+    monkeypatch.setattr(step, "MIN_CAPACITY", 4)
+    ids = prompt(prompt_len)
+    with flags.override(kv_qdq=qdq, act_quant=qdq, compile=False):
+        tokens = greedy_tokens(model, ids, 64)
+        want, _ = reference_run(model, ids, tokens)
+        cache = model.make_cache(reserve=4)
+        logits = model(ids, cache)[:, -1]
+        dec = step.FixedDecoder(model, cache)
+        got = [logits[0]]
+        for t in tokens:
+            got.append(dec(mx.array([t]))[0])
+    got = mx.stack(got)
+    assert dec.buffers["2.compressed"].shape[1] > 4   # the buffers grew
+    errs = [relative(g, w) for g, w in zip(got, want)]
+    # fp32 without the roundings: summation order only. With them, an fp8/fp4 rounding of a
+    # value that sits on a boundary can flip; measured max 2e-6 here, bound 1e-3 as in parity.
+    assert max(errs) < (1e-3 if qdq else 1e-5), max(errs)
+    assert np.array_equal(np.argmax(np.array(got), -1), np.argmax(np.array(want), -1))
+
+
+def test_compiled_step_equals_uncompiled(model):
+    ids = prompt()
+    with flags.override(**FP32):
+        tokens = greedy_tokens(model, ids, 16)
+        runs = []
+        for compiled in (False, True):
+            with flags.override(compile=compiled):
+                cache = model.make_cache()
+                model(ids, cache)
+                dec = step.FixedDecoder(model, cache)
+                runs.append(mx.stack([dec(mx.array([t]))[0] for t in tokens]))
+    assert relative(runs[1], runs[0]) < 1e-5
+
+
+@pytest.mark.parametrize("keep_back", [0, 1, 3])
+def test_close_hands_back_the_reference_cache(model, keep_back):
+    """After fixed steps, close(keep) leaves a cache that continues (and trims) exactly as
+    one the reference built over the same tokens."""
+    ids = prompt()
+    with flags.override(compile=False, **FP32):
+        tokens = greedy_tokens(model, ids, 20)
+        cache = model.make_cache(reserve=4)
+        model(ids, cache)
+        dec = step.FixedDecoder(model, cache)
+        for t in tokens:
+            dec(mx.array([t]))
+        keep = ids.shape[1] + len(tokens) - keep_back
+        dec.close(keep)
+        assert cache.offset == keep and cache.tokens[0, ids.shape[1]:].tolist() == tokens[:len(tokens) - keep_back]
+        ref = model.make_cache(reserve=4)
+        model(np.concatenate([ids, [tokens[:len(tokens) - keep_back]]], axis=1), ref)
+        assert cache.max_trim() >= 4
+        nxt = np.array([[11, 12, 13]])
+        assert relative(model(nxt, cache), model(nxt, ref)) < 1e-5
+        cache.trim(4)
+        ref.trim(4)
+        assert relative(model(nxt, cache), model(nxt, ref)) < 1e-5
+
+
+def test_close_refuses_positions_it_does_not_hold(model):
+    cache = model.make_cache()
+    model(prompt(5), cache)
+    dec = step.FixedDecoder(model, cache)
+    with pytest.raises(ValueError, match="can keep 5..5"):
+        dec.close(6)
+
+
+def test_stream_generate_tokens_do_not_depend_on_the_decode_switches(model, tiny_tokenizer):
+    """Greedy tokens over 64 steps: reference path vs fixed steps, compiled or not, with the
+    next step queued ahead or not; the cache is left holding the same tokens each time."""
+    ids = prompt()[0].tolist()
+    runs = {}
+    with flags.override(**FP32):
+        for fixed in ("off", "on"):
+            for run_ahead in (False, True):
+                with flags.override(fixed_decode=fixed, async_decode=run_ahead):
+                    cache = model.make_cache()
+                    out = [r.token for r in stream_generate(model, tiny_tokenizer, ids, max_tokens=64,
+                                                            cache=cache, ignore_eos=True)]
+                    runs[fixed, run_ahead] = out
+                    assert cache.tokens[0].tolist() == ids + out[:-1]
+    first = runs["off", False]
+    assert all(r == first for r in runs.values()), runs
+
+
+def test_stopping_early_drops_the_step_run_ahead(model, tiny_tokenizer):
+    ids = prompt()[0].tolist()
+    with flags.override(fixed_decode="on", async_decode=True, **FP32):
+        cache = model.make_cache()
+        gen = stream_generate(model, tiny_tokenizer, ids, max_tokens=64, cache=cache, ignore_eos=True)
+        got = [next(gen).token for _ in range(5)]
+        gen.close()
+    assert cache.tokens[0].tolist() == ids + got[:-1]
+
+
+def test_quirk_keeps_the_reference_path(model):
+    cache = model.make_cache()
+    model(prompt(5), cache)
+    with flags.override(fixed_decode="on", index_key_quirk=True):
+        assert isinstance(step.decoder(model, cache), step.ReferenceDecoder)
+    with flags.override(fixed_decode="on"):
+        assert isinstance(step.decoder(model, cache), step.FixedDecoder)
+    with flags.override(fixed_decode="auto"):   # this machine's CPU keeps the reference path
+        assert isinstance(step.decoder(model, cache), step.ReferenceDecoder)
+
+
+def test_ring_size_fits_every_ratio():
+    assert step.ring_size(128, 256, [0, 2, 1]) == 386
+    assert step.ring_size(8, 4, [0, 4]) % 4 == 0 and step.ring_size(8, 4, [0, 4]) >= 13
+    assert step.capacity_for(300) == 512 and step.capacity_for(1) == step.MIN_CAPACITY
