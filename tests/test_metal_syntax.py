@@ -43,3 +43,11 @@ def test_wrapper_matches_mlx_signature_rules():
     assert f"[[kernel]] void custom_kernel_{kernel.name}(" in src
     assert "[[buffer(0)]]" in src and "thread_position_in_threadgroup [[thread_position_in_threadgroup]]" in src
     assert "thread_position_in_grid [[" not in src    # only attributes the body names
+
+
+@pytest.mark.parametrize("kernel", gate.all_kernels(), ids=lambda k: k.name)
+def test_template_values_can_name_a_cuda_kernel(kernel):
+    """MLX's CUDA backend names each instantiation after its template values (a C identifier):
+    a negative integer compiles on Metal but not there."""
+    for _, _, template in kernel.checks:
+        assert all(not isinstance(v, int) or v >= 0 for _, v in template), (kernel.name, template)

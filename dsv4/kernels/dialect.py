@@ -175,6 +175,10 @@ class Kernel:
         dialect = backend()
         if dialect is None:
             raise RuntimeError(f"kernel {self.name}: no GPU backend (Metal or CUDA) on the default device")
+        bad = [(k, v) for k, v in template if isinstance(v, int) and not isinstance(v, bool) and v < 0]
+        if bad:
+            # CUDA names the instantiation after its template values: a minus sign breaks the name.
+            raise ValueError(f"kernel {self.name}: template values must be >= 0, got {bad}")
         fn = _compiled(self, dialect)
         return fn(inputs=list(inputs), output_shapes=list(output_shapes),
                   output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,

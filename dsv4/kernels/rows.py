@@ -63,8 +63,8 @@ _BODY = r"""
       }
     }
   }
-  if (QDQ >= 0) {
-    for (int e = 0; e < E; ++e) h[e] = qdq_pow2_lane<(QDQ >= 0 ? QDQ : 0)>(h[e]);
+  if (QDQ > 0) {   // 1 + the rounding's format (template values must be names: no minus sign)
+    for (int e = 0; e < E; ++e) h[e] = qdq_pow2_lane<(QDQ > 0 ? QDQ - 1 : 0)>(h[e]);
   }
   for (int e = 0; e < E; ++e) {
     const int d = (int)tid + 256 * e;
@@ -77,11 +77,11 @@ ROW_TAIL_KERNEL = Kernel(
     name="dsv4_row_tail", input_names=("x", "weight", "cosv", "sinv", "params"), output_names=("out",),
     body=_BODY, header=QDQ_HEADER,
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F), (mx.bfloat16,),
-             (("T", mx.bfloat16), ("D", 512), ("R", 32), ("NORM", True), ("QDQ", FP8))),
+             (("T", mx.bfloat16), ("D", 512), ("R", 32), ("NORM", True), ("QDQ", 1 + FP8))),
             ((mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16,),
-             (("T", mx.bfloat16), ("D", 1280), ("R", 0), ("NORM", True), ("QDQ", NO_QDQ))),
+             (("T", mx.bfloat16), ("D", 1280), ("R", 0), ("NORM", True), ("QDQ", 0))),
             ((_F, _F, _F, _F, _F), (_F,),
-             (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", FP4)))))
+             (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4)))))
 
 
 def kernel_applies(x: mx.array, qdq: int) -> bool:
@@ -105,5 +105,5 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ) -> mx.array:
         output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.size),
-                  ("NORM", norm is not None), ("QDQ", qdq)])
+                  ("NORM", norm is not None), ("QDQ", 1 + qdq)])
     return out
