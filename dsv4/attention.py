@@ -72,19 +72,36 @@ def rope_frequencies(args: ModelArgs, ratio: int) -> np.ndarray:
     return omega.astype(np.float32)
 
 
-def rope(x: mx.array, offset: int, freqs: mx.array, scale: float = 1.0,
+_FULL_WIDTH: dict = {}
+
+
+def _full_width(freqs: mx.array, dims: int) -> mx.array:
+    """freqs preceded by infinite wavelengths for the leading dims: angle 0 rotates nothing,
+    so one mx.fast.rope over the whole row equals rotating its tail (no slice, no concat)."""
+    key = (id(freqs), dims)
+    hit = _FULL_WIDTH.get(key)
+    if hit is None or hit[0] is not freqs:
+        pad = mx.full((dims // 2 - freqs.shape[0],), mx.inf, mx.float32)
+        hit = (freqs, mx.concatenate([pad, freqs.astype(mx.float32)]))
+        mx.eval(hit[1])
+        _FULL_WIDTH[key] = hit
+    return hit[1]
+
+
+def rope(x: mx.array, offset, freqs: mx.array, scale: float = 1.0,
          inverse: bool = False) -> mx.array:
     """Rotate adjacent pairs of the last 2*len(freqs) dims of x [B, S, (H,) D] at positions
-    scale * (offset + s); freqs are the wavelengths 1/omega. `inverse` rotates back."""
-    dims = freqs.shape[0] * 2
-    tail = x[..., -dims:]
-    if x.ndim == 4:
-        tail = tail.swapaxes(1, 2)
-    tail = mx.fast.rope(tail, dims, traditional=True, base=None, scale=scale, offset=offset,
-                        freqs=-freqs if inverse else freqs)
-    if x.ndim == 4:
-        tail = tail.swapaxes(1, 2)
-    return mx.concatenate([x[..., :-dims], tail.astype(x.dtype)], axis=-1)
+    scale * (offset + s) (offset an int or an int32 array); freqs are the wavelengths 1/omega.
+    `inverse` rotates back."""
+    b, s, d = x.shape[0], x.shape[1], x.shape[-1]
+    full = _full_width(freqs, d)
+    if x.ndim == 4:   # mx.fast.rope wants the positions on axis -2
+        x = x.reshape(b, x.shape[2], 1, d) if s == 1 else x.swapaxes(1, 2)
+    out = mx.fast.rope(x, d, traditional=True, base=None, scale=scale, offset=offset,
+                       freqs=-full if inverse else full)
+    if out.ndim == 4:
+        out = out.reshape(b, 1, out.shape[1], d) if s == 1 else out.swapaxes(1, 2)
+    return out
 
 
 @dataclass(frozen=True)

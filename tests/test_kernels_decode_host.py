@@ -57,7 +57,7 @@ void run(int packs) {
     uint32_t w[BITS];
     if (std::fread(w, 4, BITS, stdin) != (size_t)BITS) return;
     float v[32];
-    unpack32<MODE, BITS>(w, v);
+    for (int c = 0; c < 4; ++c) unpack8<MODE, BITS>(w, c, v + 8 * c);   // the kernel's 8-value chunks
     std::fwrite(v, 4, 32, stdout);
   }
 }
