@@ -178,3 +178,20 @@ def test_ring_size_fits_every_ratio():
     assert step.ring_size(128, 256, [0, 2, 1]) == 386
     assert step.ring_size(8, 4, [0, 4]) % 4 == 0 and step.ring_size(8, 4, [0, 4]) >= 13
     assert step.capacity_for(300) == 512 and step.capacity_for(1) == step.MIN_CAPACITY
+
+
+def test_batch_rows_equal_the_reference_batch(model):
+    """Two sequences at once: each row's logits follow the reference path's batch."""
+    ids = np.concatenate([prompt(24, seed=1), prompt(24, seed=2)])
+    tokens = np.random.default_rng(3).integers(7, 500, (12, 2))
+    with flags.override(compile=False, **FP32):
+        ref_cache, cache = model.make_cache(reserve=4), model.make_cache(reserve=4)
+        model(ids, ref_cache)
+        model(ids, cache)
+        dec = step.FixedDecoder(model, cache)
+        for t in tokens:
+            want = model(t[:, None], ref_cache)[:, -1]
+            got = dec(mx.array(t))
+            assert got.shape == want.shape and relative(got, want) < 1e-5
+        dec.close(cache.offset + len(tokens))
+    assert cache.tokens.shape == (2, 24 + len(tokens)) and np.array_equal(cache.tokens[:, 24:], tokens.T)
