@@ -162,13 +162,23 @@ def main(argv=None) -> int:
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     nbytes = step_bytes(params, args)
     variants = {
-        "mlx-lm": (lambda c: decode_mlx_lm(rmodel, c, a.steps), {}),
-        "dsv4 reference path": (lambda c: decode_dsv4(model, c, a.steps), dict(fixed_decode="off")),
-        "dsv4 fixed not compiled": (lambda c: decode_dsv4(model, c, a.steps),
+        "mlx-lm": (lambda c, n: decode_mlx_lm(rmodel, c, n), {}),
+        "dsv4 reference path": (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="off")),
+        "dsv4 fixed not compiled": (lambda c, n: decode_dsv4(model, c, n),
                                     dict(fixed_decode="on", compile=False)),
-        "dsv4": (lambda c: decode_dsv4(model, c, a.steps), dict(fixed_decode="on")),
+        "dsv4": (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="on")),
     }
     variants = {name: variants[name] for name in a.variants.split(",")}
+    # Warm-up: kernel builds and graph traces happen here, not in the measured runs.
+    for name, (run, fl) in variants.items():
+        t = time.perf_counter()
+        try:
+            with flags.override(**fl):
+                run(64, 4)
+        except Exception as e:
+            print(f"warm-up {name}: FAILED {type(e).__name__}: {e}", flush=True)
+            continue
+        print(f"warm-up {name}: {time.perf_counter() - t:.1f} s", flush=True)
     rows, results = [], {}
     for context in [int(c) for c in a.contexts.split(",")]:
         times = {name: [] for name in variants}
@@ -176,14 +186,16 @@ def main(argv=None) -> int:
             order = list(variants) if r % 2 == 0 else list(reversed(variants))
             for name in order:
                 run, fl = variants[name]
+                t = time.perf_counter()
                 try:
                     with flags.override(**fl):
-                        ms, _ = run(context)
+                        ms, _ = run(context, a.steps)
                 except Exception as e:   # one broken variant must not cost the others' numbers
                     print(f"context {context} {name}: FAILED {type(e).__name__}: {e}", flush=True)
                     continue
                 times[name].append(ms)
-                print(f"context {context} {name}: {ms:.2f} ms/token", flush=True)
+                print(f"context {context} {name}: {ms:.2f} ms/token "
+                      f"({time.perf_counter() - t:.1f} s with the prefill)", flush=True)
         for name, ts in times.items():
             if not ts:
                 rows.append(f"| {context} | {name} | failed | | | |")
@@ -201,7 +213,8 @@ def main(argv=None) -> int:
     when = datetime.now()
     lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice: dsv4 vs mlx-lm", "",
              f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}), "
-             f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats.",
+             f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats "
+             "after one warm-up run of each variant.",
              f"Weights read per step: {nbytes / 1e9:.3f} GB. dsv4 primitives per layer (one decode "
              f"step with its cache writes, `benchmarks/graph_ops.py`): reference path "
              f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
