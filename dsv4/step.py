@@ -169,12 +169,12 @@ class FixedDecoder:
         self.buffers: dict[str, mx.array] = {}
         self.valid_from: dict[str, int] = {}       # first position a ring holds correctly
         for i, lc in enumerate(cache.layers):
+            attn = model.layers[i].attn
             self._ring(f"{i}.window", lc.window, lc.window_start, a.head_dim, dtype)
-            if lc.comp_kv is not None or "compressor" in model.layers[i].attn and self.ratios[i] > 1:
+            if "compressor" in attn and self.ratios[i] > 1:   # ratio 1 pools nothing
                 self._ring(f"{i}.comp_kv", lc.comp_kv, lc.comp_start, a.head_dim, mx.float32)
                 self._ring(f"{i}.comp_gate", lc.comp_gate, lc.comp_start, a.head_dim, mx.float32)
-            if "compressor" in model.layers[i].attn:
-                attn = model.layers[i].attn
+            if "compressor" in attn:
                 rows = self.pos // self.ratios[i] + 1
                 self._buffer(f"{i}.compressed", lc.compressed, rows, a.head_dim, dtype)
                 if "indexer" in attn and "wk" in attn.indexer:
@@ -183,7 +183,6 @@ class FixedDecoder:
         if self.valid_from["0.window"] > need:
             raise ValueError(f"the cache holds window rows from position {self.valid_from['0.window']}, "
                              f"decoding position {self.pos} needs them from {need}")
-        self._compiled: dict = {}
 
     # --- buffers ----------------------------------------------------------------------------
 
