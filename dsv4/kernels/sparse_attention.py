@@ -264,9 +264,11 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
                             rope_cos=None, rope_sin=None):
     """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""
     B, S, H, D = q.shape
-    window_idx = mx.broadcast_to(window_idx, (B, S, window_idx.shape[-1]))   # [1, S, w] -> [B, S, w]
+    # [1, S, w] -> [B, S, w] (only where it differs: a broadcast is a graph node even when idle)
+    fit = lambda idx: idx if idx.shape[0] == B else mx.broadcast_to(idx, (B, S, idx.shape[-1]))
+    window_idx = fit(window_idx)
     if compressed_kv is not None:
-        topk_idx = mx.broadcast_to(topk_idx, (B, S, topk_idx.shape[-1]))
+        topk_idx = fit(topk_idx)
     if compressed_kv is None:   # one never-selected row stands for the missing cache
         compressed_kv = constant((0.0,) * D, q.dtype).reshape(1, 1, D)
         topk_idx = constant((-1,) * (B * S), mx.int32).reshape(B, S, 1)
