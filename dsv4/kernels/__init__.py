@@ -5,5 +5,6 @@ Dispatchers the model calls (kernel or reference by backend and by flags.py's ke
   experts.experts                     routed + shared experts for 1-8 tokens (optionally + mHC expand)
   mhc.hc_mixes_collapse_norm / hc_mixes / hc_collapse_norm / hc_expand
   qdq (through dsv4.quant.qdq_fp8 / qdq_fp4_pow2)   fp8/fp4 rounding, power-of-two scale per 32
+  rows.row_tail (through dsv4.attention.finish_rows, fixed-shape step only)   norm -> RoPE -> rounding
   selection.indexer_can_be_skipped / select_all_visible   skip indexer scoring when k >= rows
 """
