@@ -51,6 +51,13 @@ class Cache:
         self.tokens = np.zeros((1, 0), np.int64)
         # The layer whose index keys the reference's shared slot holds (model-spec 3.9).
         self.key_publisher: Optional[int] = None
+        # Set while a fixed-shape decoder (dsv4.step) holds the state in its own buffers.
+        self.checked_out = False
+
+    def require_state(self) -> None:
+        if self.checked_out:
+            raise RuntimeError("this cache's state is out with a fixed-shape decoder (a generation "
+                               "in progress): finish or close that generation first")
 
     def __getitem__(self, i: int) -> LayerCache:
         return self.layers[i]
@@ -102,6 +109,7 @@ class Cache:
 
     def trim(self, n: int) -> int:
         """Remove the last n tokens exactly; returns n. Raises if n > max_trim()."""
+        self.require_state()
         if n <= 0:
             return 0
         if n > self.offset:
@@ -127,6 +135,7 @@ class Cache:
     def copy(self) -> "Cache":
         """A snapshot: later updates of either cache leave the other as it was (MLX arrays
         are immutable, so this copies references only)."""
+        self.require_state()
         new = Cache(self.ratios, self.window, self.reserve)
         new.tokens, new.key_publisher = self.tokens.copy(), self.key_publisher
         for mine, theirs in zip(self.layers, new.layers):
@@ -152,6 +161,7 @@ class Cache:
 
     def save(self, path: Path | str, metadata: Optional[dict] = None) -> None:
         """Write the cache to a safetensors file (bit-exact round trip)."""
+        self.require_state()
         meta = {"dsv4_cache": json.dumps(self.meta())}
         if metadata:
             meta.update({k: str(v) for k, v in metadata.items()})

@@ -116,6 +116,7 @@ class Model(nn.Module):
             raise ValueError(f"token id {int(ids[pos])} at position {pos} is outside the "
                              f"vocabulary [0, {self.args.vocab_size})")
         cache = cache if cache is not None else self.make_cache()
+        cache.require_state()
         if cache.offset and cache.tokens.shape[0] != ids.shape[0]:
             raise ValueError(f"batch {ids.shape[0]} does not match the cache's {cache.tokens.shape[0]}")
         b, s = ids.shape

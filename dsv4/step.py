@@ -152,7 +152,7 @@ class StepState:
 
 class FixedDecoder:
     """Runs decode steps on fixed-shape buffers taken from `cache`; `close(keep)` writes the
-    state of the first `keep` positions back into the cache."""
+    state of the first `keep` positions back into the cache, which holds no arrays until then."""
 
     def __init__(self, model, cache: Cache):
         a = model.args
@@ -183,6 +183,13 @@ class FixedDecoder:
         if self.valid_from["0.window"] > need:
             raise ValueError(f"the cache holds window rows from position {self.valid_from['0.window']}, "
                              f"decoding position {self.pos} needs them from {need}")
+        # The cache's arrays now live in the buffers: drop them, so that a long context is not
+        # held twice while decoding (close() puts the state back).
+        mx.eval(self.buffers)
+        for lc in cache.layers:
+            for name in lc.FIELDS:
+                setattr(lc, name, None)
+        cache.checked_out = True
 
     # --- buffers ----------------------------------------------------------------------------
 
@@ -275,6 +282,7 @@ class FixedDecoder:
         if not self.start <= keep <= self.pos:
             raise ValueError(f"can keep {self.start}..{self.pos} positions, not {keep}")
         cache = self.cache
+        cache.checked_out = False
         for i, lc in enumerate(cache.layers):
             lc.window, lc.window_start = self._unring(f"{i}.window", keep)
             if f"{i}.comp_kv" in self.buffers:

@@ -114,6 +114,12 @@ def test_close_hands_back_the_reference_cache(model, keep_back):
         dec = step.FixedDecoder(model, cache)
         for t in tokens:
             dec(mx.array([t]))
+        # While decoding, the state lives only in the decoder's buffers (not held twice), and
+        # the cache refuses to be used.
+        assert all(getattr(lc, name) is None for lc in cache.layers for name in lc.FIELDS)
+        for use in (lambda: model(np.array([[5]]), cache), lambda: cache.trim(1), cache.copy):
+            with pytest.raises(RuntimeError, match="out with a fixed-shape decoder"):
+                use()
         keep = ids.shape[1] + len(tokens) - keep_back
         dec.close(keep)
         assert cache.offset == keep and cache.tokens[0, ids.shape[1]:].tolist() == tokens[:len(tokens) - keep_back]
