@@ -101,10 +101,12 @@ def test_reference_matches_spec(mode, bits, gs, tokens):
     got = np.array(ex.experts(x, idx, rw, gate, up, down, shared, limit).astype(mx.float32))
     want = oracle(x, idx, rw, gate, up, down, shared, limit)
     # Same roundings, different fp32 summation order: a rounding of g/u/h/y_e may land one bf16
-    # ulp (2^-8 relative at worst) apart; bound by 2^-6 of the largest output, and most agree.
+    # ulp (2^-8 relative at worst) apart; bound by 2^-6 of the largest output. One flipped h
+    # moves every output a little (a count of agreeing elements is then a matter of chance: it
+    # failed once at 230 of 256), but the whole vector by less than a bf16 ulp of its norm.
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 2.0 ** -6 * scale
-    assert np.mean(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 1e-6) > 0.9
+    assert np.linalg.norm(got - want) <= 2.0 ** -8 * np.linalg.norm(want)
 
 
 def test_act_quant_changes_inputs_like_the_official_rounding():
