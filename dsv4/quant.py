@@ -17,8 +17,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .kernels import qdq
-
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -54,27 +52,39 @@ def round_e2m1(x: mx.array) -> mx.array:
     return mx.where(x < 0, -1.0, 1.0) * mx.array(E2M1_VALUES, mx.float32)[code]
 
 
+# The roundings with a power-of-two scale per block: format id -> (largest value, amax floor,
+# rounding to the format's grid). The GPU kernel (dsv4/kernels/qdq.py) builds from this table.
+FP8, FP4 = 0, 1
+POW2_FORMATS = {FP8: (FP8_MAX, 1e-4, round_e4m3), FP4: (FP4_MAX, FP4_MAX * 2.0**-126, round_e2m1)}
+
+
 def _compiled(fn):
     """fn as one compiled graph (a dozen element-wise ops each) when DSV4_COMPILE is on."""
     compiled = mx.compile(fn)
 
-    def call(x: mx.array, block: int) -> mx.array:
+    def call(x: mx.array, *constants) -> mx.array:
         from . import flags
 
-        return compiled(x, block) if flags.get("compile") else fn(x, block)
+        return compiled(x, *constants) if flags.get("compile") else fn(x, *constants)
 
     call.__doc__, call.__name__ = fn.__doc__, fn.__name__
     return call
 
 
+def _qdq_pow2_dispatch(x: mx.array, block: int, fmt: int) -> mx.array:
+    from .kernels import qdq   # imports this module's table: not at the top
+
+    return qdq.qdq_pow2_kernel(x, fmt) if qdq.kernel_applies(x, block) else _qdq_pow2(x, block, fmt)
+
+
 def qdq_fp8(x: mx.array, block: int = 32) -> mx.array:
     """Window KV / matmul-input rounding: e4m3 with a power-of-two scale per `block` values."""
-    return qdq.qdq_pow2_kernel(x, qdq.FP8) if qdq.kernel_applies(x, block) else _qdq_fp8(x, block)
+    return _qdq_pow2_dispatch(x, block, FP8)
 
 
 def qdq_fp4_pow2(x: mx.array, block: int = 32) -> mx.array:
     """Indexer q/k rounding: e2m1 with a power-of-two (e8m0) scale per `block` values."""
-    return qdq.qdq_pow2_kernel(x, qdq.FP4) if qdq.kernel_applies(x, block) else _qdq_fp4_pow2(x, block)
+    return _qdq_pow2_dispatch(x, block, FP4)
 
 
 def qdq_fp4_e4m3(x: mx.array, block: int = 16) -> mx.array:
@@ -83,20 +93,12 @@ def qdq_fp4_e4m3(x: mx.array, block: int = 16) -> mx.array:
 
 
 @_compiled
-def _qdq_fp8(x: mx.array, block: int) -> mx.array:
+def _qdq_pow2(x: mx.array, block: int, fmt: int) -> mx.array:
+    top, floor, to_grid = POW2_FORMATS[fmt]
     b = _blocks(x, block)
-    amax = mx.maximum(mx.max(mx.abs(b), axis=-1, keepdims=True), 1e-4)
-    scale = _pow2_ceil(amax * np.float32(1.0 / FP8_MAX))
-    q = round_e4m3(mx.clip(b / scale, -FP8_MAX, FP8_MAX)) * scale
-    return q.reshape(x.shape).astype(x.dtype)
-
-
-@_compiled
-def _qdq_fp4_pow2(x: mx.array, block: int) -> mx.array:
-    b = _blocks(x, block)
-    amax = mx.maximum(mx.max(mx.abs(b), axis=-1, keepdims=True), FP4_MAX * 2.0**-126)
-    scale = _pow2_ceil(amax * np.float32(1.0 / FP4_MAX))
-    q = round_e2m1(mx.clip(b / scale, -FP4_MAX, FP4_MAX)) * scale
+    amax = mx.maximum(mx.max(mx.abs(b), axis=-1, keepdims=True), floor)
+    scale = _pow2_ceil(amax * np.float32(1.0 / top))
+    q = to_grid(mx.clip(b / scale, -top, top)) * scale
     return q.reshape(x.shape).astype(x.dtype)
 
 

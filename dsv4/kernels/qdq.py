@@ -18,17 +18,15 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend
+from dsv4.quant import FP4, FP8, POW2_FORMATS
 
 BLOCK = 32
-FP8, FP4 = 0, 1
 
 
 def _f32_bits(value: float) -> str:
     return f"0x{struct.unpack('<I', struct.pack('<f', value))[0]:08X}u"
 
 
-# (amax floor, fp32 1/max, max) of each format, as the reference computes them.
-_FORMATS = {FP8: (1e-4, 1.0 / 448.0, 448.0), FP4: (6.0 * 2.0 ** -126, 1.0 / 6.0, 6.0)}
 
 # Shared with other kernels that end in this rounding (dsv4/kernels/rows.py).
 HEADER = r"""
@@ -59,14 +57,16 @@ KFN float qdq_pow2_lane(float v) {
   const float amax = FMAX(simd_max_f(FABS(v)), AS_FLOAT(FMT == 0 ? FP8_FLOOR : FP4_FLOOR));
   const uint32_t t = AS_UINT(amax * AS_FLOAT(FMT == 0 ? FP8_INV_MAX : FP4_INV_MAX));
   const uint32_t e = ((t >> 23) & 0xFFu) + ((t & 0x7FFFFFu) != 0u ? 1u : 0u);
-  const float top = FMT == 0 ? 448.0f : 6.0f;
+  const float top = FMT == 0 ? FP8_TOP : FP4_TOP;
   const float y = FMIN(FMAX(v * pow2_of_biased(254u - e), -top), top);
   return (FMT == 0 ? round_e4m3(y) : round_e2m1(y)) * pow2_of_biased(e);
 }
 """
-for _fmt, _name in ((FP8, "FP8"), (FP4, "FP4")):
-    HEADER = (HEADER.replace(f"{_name}_FLOOR", _f32_bits(_FORMATS[_fmt][0]))
-              .replace(f"{_name}_INV_MAX", _f32_bits(_FORMATS[_fmt][1])))
+for _fmt, _name in ((FP8, "FP8"), (FP4, "FP4")):   # the reference's constants, as fp32 bits
+    _top, _floor, _ = POW2_FORMATS[_fmt]
+    HEADER = (HEADER.replace(f"{_name}_FLOOR", _f32_bits(_floor))
+              .replace(f"{_name}_INV_MAX", _f32_bits(1.0 / _top))
+              .replace(f"{_name}_TOP", f"AS_FLOAT({_f32_bits(_top)})"))
 
 _BODY = r"""
   // grid (elements, 1, 1), threadgroup 32: one SIMD group per block of 32 values.
