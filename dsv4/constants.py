@@ -2,9 +2,10 @@
 
 Inside a compiled graph an `mx.arange`, or a cast or reshape of a weight, is a primitive run at
 every call (a launch on a GPU, and for a cast a full copy of the weight). Ramps are made once
-and kept. Derived weights are kept only inside `keeping()`, which the fixed-shape decode step
-enters while it traces: elsewhere (training, where weights change and carry gradients) they
-are computed inline as before.
+and kept. `kept` keeps a value derived from a weight on its module until the weight is replaced
+(the CPU's dense copies of quantized weights); `derived` does so only inside `keeping()`, which
+the fixed-shape decode step enters while it traces: elsewhere (training, where weights change
+and carry gradients) it computes inline.
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ def keeping() -> Iterator[None]:
         _keeping = saved
 
 
-def derived(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> mx.array:
-    """make() (a function of `source`, a weight of `owner`), kept on the owner inside
-    `keeping()` and made again if the weight array was replaced."""
-    if not _keeping:
-        return make()
+def kept(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> mx.array:
+    """make() (a function of `source`, a weight of `owner`), evaluated once and kept on the
+    owner; made again if the weight array was replaced."""
     store = owner.__dict__.setdefault("_derived", {})
     hit = store.get(key)
     if hit is None or hit[0] is not source:
@@ -48,3 +47,8 @@ def derived(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> 
         mx.eval(value)
         store[key] = (source, value)
     return store[key][1]
+
+
+def derived(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> mx.array:
+    """`kept` inside `keeping()`, else make() inline."""
+    return kept(owner, key, source, make) if _keeping else make()

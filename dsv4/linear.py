@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import flags
+from .constants import kept
 
 
 def dequant_matmul() -> bool:
@@ -29,13 +30,9 @@ def dequant_matmul() -> bool:
 
 def _dense(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     """The module's weight dequantized to `dtype`, made once and kept."""
-    cache = module.__dict__.setdefault("_dense_weights", {})
-    if dtype not in cache:
-        cache[dtype] = mx.dequantize(module["weight"], module["scales"], module.get("biases"),
-                                     group_size=module.group_size, bits=module.bits,
-                                     mode=module.mode, dtype=dtype)
-        mx.eval(cache[dtype])
-    return cache[dtype]
+    return kept(module, f"dense_{dtype}", module["weight"], lambda: mx.dequantize(
+        module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+        bits=module.bits, mode=module.mode, dtype=dtype))
 
 
 class Linear(nn.Linear):
