@@ -44,6 +44,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 
+from dsv4.atomic_file import atomic_file
 from dsv4.config import ModelArgs
 from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_sizes
 from dsv4.layout import expected_tensors
@@ -670,20 +671,12 @@ def _copy_tables(src: GGUFSource, tables: dict[int, GGUFTensor], out: ModelDirWr
 def _copy_span(src: GGUFSource, t: GGUFTensor, dst: Path, progress: bool,
                chunk: int = ENGRAM_ROW_BYTES << 18) -> None:
     """A tensor's bytes across the parts of a split file into `dst` (atomically)."""
-    partial = dst.with_name(dst.name + ".partial")
     shown = Progress(f"copying {t.name}", t.nbytes, progress)
-    try:
-        with open(partial, "wb") as f:
-            for start in range(0, t.nbytes, chunk):
-                data = read_bytes(src.parts, t.offset + start, min(chunk, t.nbytes - start))
-                f.write(memoryview(np.ascontiguousarray(data)))
-                shown.advance(len(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, dst)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    with atomic_file(dst) as f:
+        for start in range(0, t.nbytes, chunk):
+            data = read_bytes(src.parts, t.offset + start, min(chunk, t.nbytes - start))
+            f.write(memoryview(np.ascontiguousarray(data)))
+            shown.advance(len(data))
     shown.finish()
 
 

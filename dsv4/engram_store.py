@@ -66,6 +66,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4 import flags
+from dsv4.atomic_file import atomic_file
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
 
 WEIGHT_BYTES = 256   # e4m3 codes per row
@@ -693,19 +694,11 @@ def copy_table(table: Table, dst_file: Path | str, base_dir: Optional[Path | str
     `base_dir`, by default the file's directory). Written under a temporary name and renamed
     at the end, so a failed copy leaves nothing behind."""
     dst_file = Path(dst_file)
-    partial = dst_file.with_name(dst_file.name + ".partial")
     shown = _Progress(f"copying {table.name} to {dst_file}", table.rows, progress)
-    try:
-        with open(partial, "wb") as f:
-            for first in range(0, table.rows, CHUNK_ROWS):
-                count = min(CHUNK_ROWS, table.rows - first)
-                f.write(table.read_range(first, count).data)
-                shown.update(first + count)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, dst_file)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    with atomic_file(dst_file) as f:
+        for first in range(0, table.rows, CHUNK_ROWS):
+            count = min(CHUNK_ROWS, table.rows - first)
+            f.write(table.read_range(first, count).data)
+            shown.update(first + count)
     return interleaved_reference(dst_file, 0, table.rows,
                                  dst_file.parent if base_dir is None else base_dir)
