@@ -8,6 +8,9 @@ plain matmuls. The values are exact (every mxfp8/mxfp4 value is a bf16), every r
 count takes the same kernel, so prefill chunking and prompt reuse give bit-identical
 results, and the price is memory: the dense copy (bf16; float32 for the experts,
 whose CPU gather_mm takes float32 only). GPUs keep MLX's quantized kernels.
+
+`fp8_linear` is a projection whose input the official model rounds to fp8 (act_quant); on a
+GPU, for 1-8 tokens, it runs as one fused kernel (dsv4/kernels/matvec.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import mlx.nn as nn
 
 from . import flags
 from .constants import kept
+from .kernels.experts import QuantizedMatrix
+from .kernels.matvec import kernel_supports, quantized_matvec
+from .quant import qdq_fp8
 
 
 def dequant_matmul() -> bool:
@@ -87,3 +93,18 @@ class QuantizedExpertLinear(nn.Module):
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size,
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)
+
+
+def fp8_linear(layer: nn.Module, x: mx.array) -> mx.array:
+    """layer(x), with x rounded to fp8 per 32 values first when flag `act_quant` is on (the
+    official fp8/fp4 matmuls' input rounding, model-spec §11).
+
+    A bias-free quantized layer on a GPU with 1-8 tokens takes the fused kernel (rounding and
+    matvec in one launch) when flag `kernel_matvec` is on; everything else, the CPU always,
+    rounds with `qdq_fp8` and calls the layer."""
+    act_quant = bool(flags.get("act_quant"))
+    if flags.get("kernel_matvec") and isinstance(layer, nn.QuantizedLinear) and "bias" not in layer:
+        q = QuantizedMatrix.of(layer)
+        if kernel_supports(x, q):
+            return quantized_matvec(x, q, act_quant)
+    return layer(qdq_fp8(x) if act_quant else x)

@@ -236,6 +236,17 @@ template <> struct XChunk<0> {
   template <typename P> static KFN void load(P x, int p, int c, LOCAL float* v) { load_bf16_8(x, p, c, v); }
 };
 
+// Pack p (the 32 values v) into the threadgroup copy of x that XChunk<XS> reads.
+template <int XS, typename P>
+KFN void store_x_pack(P xs, int p, LOCAL const float* v) {
+  for (int k = 0; k < 8; ++k) {
+    uint4 q;
+    q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
+    q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
+    xs[p * XS + k] = q;
+  }
+}
+
 // ROWS consecutive output rows (from row0, clamped to the last row) of the matrices at w0 (and
 // w1 if TWO) starting at row `first` (expert e's first row), for one input row x of K_IN
 // values (see XChunk for XS): acc0 (acc1) summed over the lanes on return. Lanes take packs
@@ -305,12 +316,7 @@ _GATE_UP_BODY = r"""
     float v[32];
     for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
     if (ACTQ) qdq_fp8_32(v);
-    for (int k = 0; k < 8; ++k) {
-      uint4 q;
-      q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
-      q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
-      xs[p * XS + k] = q;
-    }
+    store_x_pack<XS>(xs, p, v);
   }
   BARRIER();
   float g[ROWS], u[ROWS];
@@ -420,7 +426,8 @@ DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
 
 
-def _kernel_handles(m: QuantizedMatrix) -> bool:
+def matrix_supported(m: QuantizedMatrix) -> bool:
+    """Whether the kernels' packed-matrix decoding (load_pack, unpack8) handles m's layout."""
     if m.mode in ("mxfp4", "mxfp8"):
         ok_bits = m.bits == (4 if m.mode == "mxfp4" else 8) and m.group_size == 32
     else:
@@ -434,7 +441,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
         return False
     if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > SHARED_BYTES:   # x's copy + block_h
         return False
-    if not all(_kernel_handles(m) for m in mats):
+    if not all(matrix_supported(m) for m in mats):
         return False
     dims = [(m_g.in_features, m_g.out_features, m_u.out_features, m_d.in_features)
             for m_g, m_u, m_d in [(gate, up, down)] + ([tuple(shared)] if shared is not None else [])]
@@ -450,7 +457,8 @@ def _placeholder():
     return constant((0,) * 8, mx.uint32)
 
 
-def _operands(m: QuantizedMatrix | None):
+def matrix_operands(m: QuantizedMatrix | None):
+    """weight, scales, biases of m as kernel inputs (placeholders where absent)."""
     if m is None:
         return [_placeholder()] * 3
     return [m.weight, m.scales, m.biases if m.biases is not None else _placeholder()]
@@ -477,7 +485,7 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
         ("HS", HS), ("K", K)]
     (h,) = GATE_UP_KERNEL(
         inputs=[x, indices, weights, constant((float(swiglu_limit),))]
-        + _operands(gate) + _operands(up) + _operands(s_gate) + _operands(s_up),
+        + [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)],
         output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype],
         grid=(32 * warps, I // 32, T * (K + HS)), threadgroup=(32 * warps, 1, 1),
         template=common + [("ROWS", ROWS_GATE_UP), ("ACTQ", bool(act_quant)), ("XS", X_STRIDE), ("I", I),
@@ -490,7 +498,7 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
     (y,) = DOWN_KERNEL(
-        inputs=[h, indices] + _operands(down) + _operands(s_down) + streams,
+        inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
         output_shapes=[out_shape], output_dtypes=[x.dtype],
         grid=(32 * DOWN_WARPS, math.ceil(DO / (DOWN_WARPS * ROWS_DOWN)), T),
         threadgroup=(32 * DOWN_WARPS, 1, 1),
