@@ -1,0 +1,119 @@
+"""The dense quantized matvec kernel (dsv4/kernels/matvec.py) against its plain-MLX reference
+(`matvec_reference`, itself checked against numpy in test_kernels_matvec.py), and
+`fp8_linear`'s GPU dispatch.
+
+Run on the GPU machine: `pytest -m gpu tests/test_kernels_matvec_gpu.py`. Random inputs every
+run, every kernel output filled with NaN first (`poisoned_outputs`), tolerances stated next to
+the comparison. CUDA compiles each template instantiation (x dtype, layout, rows per SIMD
+group, K, act_quant) with NVRTC, seconds each: CASES names 12, token counts are free (grid).
+TF32 is turned off so that the reference's fp32 matmul is exact fp32 math, as in
+test_kernels_gpu.py.
+"""
+
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")   # read by MLX at its first fp32 matmul
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dsv4 import flags  # noqa: E402
+from dsv4.kernels import matvec as mv  # noqa: E402
+from dsv4.kernels.dialect import backend, poisoned_outputs  # noqa: E402
+from dsv4.linear import Linear, fp8_linear  # noqa: E402
+from dsv4.quant import qdq_fp8  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RNG = np.random.default_rng()
+
+# (N, K), (mode, bits, group size, scale dtype of the source weight), x dtype, act_quant.
+# The first rows are dsv4's shapes (wq_a, wkv, the shared expert, the indexer's wq_b); the
+# others are small, odd and one-pack inputs; 1280x5120 and 512x5120 share an instantiation
+# (N is read at run time). Rows per SIMD group: 1, 1, 2, 4, 4, then 1.
+CASES = [
+    ((1280, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
+    ((512, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
+    ((1280, 5120), ("mxfp4", 4, 32, mx.bfloat16), mx.bfloat16, False),
+    ((2304, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
+    ((4096, 1280), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
+    ((4096, 1280), ("mxfp4", 4, 32, mx.bfloat16), mx.float32, True),
+    ((96, 64), ("mxfp8", 8, 32, mx.bfloat16), mx.float32, False),
+    ((96, 64), ("mxfp4", 4, 32, mx.bfloat16), mx.float32, True),
+    ((32, 32), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, False),
+    ((32, 32), ("affine", 3, 32, mx.bfloat16), mx.bfloat16, True),
+    ((96, 128), ("affine", 4, 64, mx.bfloat16), mx.float32, True),
+    ((512, 5120), ("affine", 8, 32, mx.float32), mx.bfloat16, False),
+]
+
+
+@pytest.fixture(autouse=True)
+def on_gpu():
+    if backend() is None:
+        pytest.skip("no Metal/CUDA backend on the default device")
+    with poisoned_outputs():
+        yield
+
+
+def quantized(shape, mode, bits, gs, source_dtype):
+    w = mx.array((RNG.standard_normal(shape) * 0.05).astype(np.float32)).astype(source_dtype)
+    parts = mx.quantize(w, group_size=gs, bits=bits, mode=mode)
+    return mv.QuantizedMatrix(parts[0], parts[1], parts[2] if mode == "affine" else None, gs, bits, mode)
+
+
+def activations(tokens, K, dtype):
+    """Blocks of 32 over many magnitudes (each gets its own fp8 scale) and a zero block."""
+    x = RNG.standard_normal((tokens, K)) * 10.0 ** RNG.integers(-3, 3, (tokens, K // 32)).repeat(32, -1)
+    x[0, :32] = 0.0
+    return mx.array(x.astype(np.float32)).astype(dtype)
+
+
+def dense(q):
+    """W in float64; affine scales go to fp32 first (mx.dequantize rounds scale*q + bias to
+    the scales' dtype)."""
+    f32 = (lambda a: a.astype(mx.float32)) if q.mode == "affine" else (lambda a: a)
+    biases = None if q.biases is None else f32(q.biases)
+    return np.array(mx.dequantize(q.weight, f32(q.scales), biases, dtype=mx.float32, **q.kwargs())).astype(np.float64)
+
+
+def f64(a):
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("shape,layout,dtype,act_quant", CASES,
+                         ids=[f"{n}x{k}-{lay[0]}{lay[1]}-{str(dt).split('.')[-1]}-actq{int(aq)}"
+                              for (n, k), lay, dt, aq in CASES])
+def test_kernel_matches_reference(shape, layout, dtype, act_quant, tokens):
+    (N, K), (mode, bits, gs, source_dtype) = shape, layout
+    q = quantized((N, K), mode, bits, gs, source_dtype)
+    x = activations(tokens, K, dtype)
+    if tokens == 3:
+        x = x.reshape(3, 1, K)      # leading dims are kept
+    assert mv.kernel_supports(x, q)
+    got = mv.quantized_matvec(x, q, act_quant)
+    want = mv.matvec_reference(x, q, act_quant)
+    assert got.shape == want.shape == (*x.shape[:-1], N) and got.dtype == dtype
+    got, want = f64(got).reshape(tokens, N), f64(want).reshape(tokens, N)
+    assert np.isfinite(got).all(), "kernel left outputs unwritten (NaN-poisoned) or non-finite"
+    # Same products, both summed in fp32 in different orders: each sum is within
+    # K * 2^-24 * sum|w x| of the exact one, then rounded once to x's dtype, which may land one
+    # ulp apart (at most 2^-7 relative in bf16). Most outputs are far tighter than that bound.
+    xin = f64(qdq_fp8(x) if act_quant else x).reshape(tokens, K)
+    mag = np.abs(xin) @ np.abs(dense(q)).T
+    ulp = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -23
+    err = np.abs(got - want)
+    assert np.all(err <= ulp * np.abs(want) + 2 * K * 2.0 ** -24 * mag), float(err.max())
+    tight = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -16
+    assert np.mean(err <= tight * np.abs(want) + 1e-30) > 0.9
+
+
+def test_fp8_linear_dispatches_to_the_kernel():
+    layer = Linear(64, 96, bias=False).to_quantized(32, 8, "mxfp8")      # case (96, 64) mxfp8 fp32
+    x = activations(3, 64, mx.float32)
+    q = mv.QuantizedMatrix.of(layer)
+    with flags.override(kernel_matvec=True, act_quant=False):
+        assert mx.array_equal(fp8_linear(layer, x), mv.quantized_matvec(x, q, False)).item()
+    with flags.override(kernel_matvec=False, act_quant=True):
+        assert mx.array_equal(fp8_linear(layer, x), layer(qdq_fp8(x))).item()
