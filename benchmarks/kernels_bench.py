@@ -4,6 +4,9 @@
 
 Shapes: hidden 5120, 64 heads x 512, a 128-row window + 512 selected compressed rows (of 8192),
 384 experts of 2304 x 5120 in mxfp4 with top-6 + a shared expert in mxfp8, hc = 4.
+The matvec section times dsv4's dense mxfp8 projections for one token with the fp8 input
+rounding fused (one launch) against today's path (the rounding kernel, then MLX's
+quantized_matmul) and the quantized_matmul alone.
 The mHC section also times one site's entry (`hc_mixes_collapse_norm`, 2 launches) against the
 separate mixes + collapse kernels (3) and the references.
 Variants of one op run interleaved (A B B A ...) in one process, each timing a batch of
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -28,9 +32,11 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsv4.kernels import experts as ex  # noqa: E402
+from dsv4.kernels import matvec as mv  # noqa: E402
 from dsv4.kernels import mhc  # noqa: E402
 from dsv4.kernels import sparse_attention as sa  # noqa: E402
 from dsv4.kernels.dialect import Kernel, backend  # noqa: E402
+from dsv4.quant import qdq_fp8  # noqa: E402
 
 NOOP = Kernel(name="dsv4_bench_noop", input_names=("a",), output_names=("b",),
               body="  if (tid == 0 && group_x == 0) b[0] = a[0];\n")
@@ -67,6 +73,7 @@ def max_diff(a, b) -> float:
     return mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
 
 
+@functools.lru_cache(maxsize=1)
 def copy_bandwidth() -> float:
     """Bytes read + written per second by an elementwise pass over 2 GiB."""
     a = mx.random.uniform(shape=(2 ** 30,)).astype(mx.bfloat16)
@@ -193,6 +200,30 @@ def bench_experts(lines, bandwidth):
     lines.append("")
 
 
+MATVEC_SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
+                 ("indexer wq_b", 4096, 1280), ("shared expert w1", 2304, 5120)]
+
+
+def bench_matvec(lines, bandwidth):
+    lines += ["## Dense mxfp8 projections, T=1, act_quant (fused rounding + matvec)", "",
+              f"Copy bandwidth measured here: {bandwidth / 1e12:.2f} TB/s (read + write of 2 GiB).", "",
+              "| case | kernel µs | qdq + quantized_matmul µs | quantized_matmul µs | qdq+qmm/kernel | "
+              "kernel weight GB/s, % of copy bw; max |kernel-ref| |", "|---|---|---|---|---|---|"]
+    for name, N, K in MATVEC_SHAPES:
+        q = random_mx((N, K), "mxfp8")
+        x = (mx.random.normal((1, K)) * 2).astype(mx.bfloat16)
+        mx.eval(q.weight, q.scales, x)
+        qmm = lambda a: mx.quantized_matmul(a, q.weight, q.scales, q.biases, transpose=True, **q.kwargs())
+        variants = {"kernel": lambda: mv.quantized_matvec(x, q, True),
+                    "today": lambda: qmm(qdq_fp8(x)),
+                    "qmm": lambda: qmm(x)}
+        t = compare(variants)
+        diff = max_diff(variants["kernel"](), mv.matvec_reference(x, q, True))
+        gbs = (q.weight.nbytes + q.scales.nbytes) / t["kernel"]
+        lines.append(row(f"{name} {N}x{K}", t, "today", f"{gbs / 1e9:.0f} GB/s, {100 * gbs / bandwidth:.0f}%; {diff:.2e}"))
+    lines.append("")
+
+
 def bench_mhc(lines):
     D = 5120
     lines += ["## mHC (hc = 4, D = 5120)", "",
@@ -262,7 +293,7 @@ def overhead(lines):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Markdown report to write")
-    parser.add_argument("--only", choices=["attention", "experts", "mhc"], action="append")
+    parser.add_argument("--only", choices=["attention", "experts", "matvec", "mhc"], action="append")
     args = parser.parse_args()
     if backend() is None:
         sys.exit("kernels_bench needs a GPU backend (Metal or CUDA) on the default device")
@@ -270,9 +301,10 @@ def main():
     lines = [f"# Custom kernels vs references — {now:%Y-%m-%d %H:%M} UTC", "", hardware(), "",
              f"Medians of {ROUNDS} interleaved rounds of {CALLS} calls per variant (µs per call).", ""]
     overhead(lines)
-    todo = args.only or ["attention", "experts", "mhc"]
+    todo = args.only or ["attention", "experts", "matvec", "mhc"]
     steps = {"attention": lambda: bench_attention(lines),
              "experts": lambda: bench_experts(lines, copy_bandwidth()),
+             "matvec": lambda: bench_matvec(lines, copy_bandwidth()),
              "mhc": lambda: bench_mhc(lines)}
     for name in todo:
         print(f"[kernels_bench] {name} ...", flush=True)
