@@ -144,10 +144,15 @@ define("kernel_moe", True,
 define("kernel_qdq", True,
        "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")
-define("kernel_rows", False,
+define("kernel_rows", True,
        "fixed-shape decode: each projection's tail (RMSNorm, RoPE of the last dims, fp8/fp4 "
-       "rounding) in one GPU launch instead of ~12 ops; off by default until its GPU test "
-       "(tests/test_kernels_rows_gpu.py) has passed on CUDA")
+       "rounding) in one GPU launch instead of ~12 ops; off runs the plain-MLX ops")
+define("kernel_router", True,
+       "MoE router for 1-8 tokens: sqrt-softplus scores, biased top-k and the normalized weights "
+       "in one GPU launch after the gate matmul (~8 launches otherwise); off runs the plain-MLX ops")
+define("kernel_matvec", True,
+       "quantized projections of 1-8 tokens (mxfp8/mxfp4/affine) with the fp8 input rounding "
+       "fused, through the custom GPU matvec kernel; off runs MLX's quantized_matmul")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")

@@ -16,6 +16,8 @@ from .kernels.dialect import backend
 from .kernels.experts import QuantizedMatrix, experts
 from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
+from .kernels.router import kernel_applies as router_kernel_applies
+from .kernels.router import route
 from .linear import ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear
 
 
@@ -38,7 +40,11 @@ class Router(nn.Module):
         """x [N, D] -> (expert ids [N, k], weights [N, k] fp32). The bias only selects."""
         a = self.args
         w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
-        logits = (x.astype(mx.float32) @ w) / a.gate_temp
+        logits = x.astype(mx.float32) @ w
+        if router_kernel_applies(logits, a.num_experts_per_tok):
+            return route(logits, self.bias, a.num_experts_per_tok, a.gate_temp, a.routed_scaling_factor,
+                         a.norm_topk_prob and a.num_experts_per_tok > 1)
+        logits = logits / a.gate_temp
         scores = mx.sqrt(nn.softplus(logits))
         chosen = topk_indices(scores + self.bias, a.num_experts_per_tok)
         weights = mx.take_along_axis(scores, chosen, axis=-1)
