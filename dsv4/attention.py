@@ -395,13 +395,14 @@ class Attention(nn.Module):
         g, b, s = self.args.o_groups, o.shape[0], o.shape[1]
         x = o.reshape(b * s, g, 1, -1)
         rows = self.args.o_lora_rank
-        idx = ramp(g)[None]
         w = self.wo_a
         if isinstance(w, QuantizedLinear) and not dequant_matmul():
             grouped = lambda name: derived(w, f"grouped_{name}", w[name], lambda: w[name].reshape(g, rows, -1))
+            # Both index arrays given: left out, MLX makes the left one with an Arange per call.
             out = mx.gather_qmm(x, grouped("weight"), grouped("scales"),
                                 None if w.get("biases") is None else grouped("biases"),
-                                rhs_indices=idx, transpose=True, group_size=w.group_size,
+                                lhs_indices=ramp(b * s * g).reshape(b * s, g), rhs_indices=ramp(g)[None],
+                                transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
         else:
             # Each group is a plain product with its block of rows.

@@ -15,16 +15,19 @@ from functools import lru_cache
 from typing import Callable, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 _keeping = False
 
 
+_NUMPY = {mx.int32: np.int32, mx.int64: np.int64, mx.uint32: np.uint32, mx.float32: np.float32}
+
+
 @lru_cache(maxsize=512)
 def ramp(n: int, dtype: mx.Dtype = mx.int32) -> mx.array:
-    """mx.arange(n, dtype=dtype), evaluated; treat as read-only."""
-    out = mx.arange(n, dtype=dtype)
-    mx.eval(out)
-    return out
+    """0, 1, .., n-1 as an array of host data (so a graph traced by mx.compile takes it as a
+    constant, not an Arange primitive, even on the first call); treat as read-only."""
+    return mx.array(np.arange(n, dtype=_NUMPY[dtype]))
 
 
 @contextlib.contextmanager
