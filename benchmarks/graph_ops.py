@@ -4,7 +4,8 @@
 
 Prefills a prompt, then builds one decode step lazily and walks its graph
 (`mx.export_to_dot`): each primitive node is one kernel launch on Metal/CUDA (a compiled
-function counts as one). Quantized layers use MLX's quantized kernels here (as on a GPU),
+function counts as one), except the view-only ones (reshapes, broadcasts, slices: VIEWS),
+which are counted and also reported apart. Quantized layers use MLX's quantized kernels here (as on a GPU),
 whatever the device. Prints the total, per layer, and the most frequent primitives; with
 --report writes a dated Markdown report to benchmarks/results/.
 """
@@ -20,6 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
+# Primitives that only re-describe memory (or order work) and launch nothing when their input
+# is contiguous, as it is in a decode step: what is left is the work a GPU launches.
+VIEWS = ("Reshape", "ExpandDims", "Squeeze", "Broadcast", "Unflatten", "Flatten", "Transpose",
+         "Slice", "View", "Depends", "StopGradient")
+
+
+def launches(counts: collections.Counter) -> collections.Counter:
+    """The counts without the view-only primitives of VIEWS."""
+    return collections.Counter({name: n for name, n in counts.items()
+                                if not any(name == v or name.startswith(v + " ") for v in VIEWS)})
 
 def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.Counter:
     """Primitive counts of one decode step after a prompt of `prompt_tokens`: the reference
@@ -64,8 +75,9 @@ def main(argv=None) -> int:
                    help="the fixed-shape decode step (dsv4/step.py) or the reference forward")
     a = p.parse_args(argv)
     counts, layers = count_step(a.model, a.prompt_tokens, a.path == "fixed")
-    total = sum(counts.values())
-    lines = [f"primitives in one decode step: {total} ({total / layers:.1f} per layer, {layers} layers)",
+    total, work = sum(counts.values()), sum(launches(counts).values())
+    lines = [f"primitives in one decode step: {total} ({total / layers:.1f} per layer, {layers} layers); "
+             f"without the view-only ones: {work} ({work / layers:.1f} per layer)",
              "", "| primitive | count | per layer |", "|---|---|---|"]
     lines += [f"| {name} | {n} | {n / layers:.1f} |" for name, n in counts.most_common(25)]
     print("\n".join(lines))

@@ -149,9 +149,13 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
     p.add_argument("--variants", default="mlx-lm,dsv4 reference path,dsv4",
                    help="comma-separated, from: mlx-lm, dsv4 reference path, dsv4 fixed not compiled, dsv4")
+    p.add_argument("--stage-profile", action="store_true",
+                   help="also decode once at the first context with DSV4_STAGE_PROFILE (uncompiled "
+                        "step, a sync at every stage) and add the stage table to the report")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
-    from benchmarks.graph_ops import count_graph
+    from benchmarks.graph_ops import count_graph, launches
+    from dsv4 import profiler
     from benchmarks.hardware import describe, to_markdown
     from dsv4 import flags
 
@@ -206,9 +210,19 @@ def main(argv=None) -> int:
             results[f"{context}/{name}"] = dict(ms=ms, runs=ts, tps40=1e3 / layers40, gbs=gbs)
             rows.append(f"| {context} | {name} | {ms:.2f} [{min(ts):.2f}-{max(ts):.2f}] | "
                         f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} |")
+    stages = ""
+    if a.stage_profile:
+        context = int(a.contexts.split(",")[0])
+        with flags.override(fixed_decode="on", stage_profile=True):
+            profiler.reset()
+            decode_dsv4(model, context, a.steps)
+            stages = profiler.report()
+        profiler.reset()
+        print(stages, flush=True)
     with flags.override(dequant_matmul="off"):
         counts = {path: count_graph(model, 64, path == "fixed") for path in ("reference", "fixed")}
     prims = {path: sum(c.values()) / args.num_hidden_layers for path, c in counts.items()}
+    work = {path: sum(launches(c).values()) / args.num_hidden_layers for path, c in counts.items()}
     top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
     when = datetime.now()
     lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice: dsv4 vs mlx-lm", "",
@@ -218,11 +232,15 @@ def main(argv=None) -> int:
              f"Weights read per step: {nbytes / 1e9:.3f} GB. dsv4 primitives per layer (one decode "
              f"step with its cache writes, `benchmarks/graph_ops.py`): reference path "
              f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
-             f"per layer: {top}).", "",
+             f"per layer: {top}); without the view-only primitives (reshapes, broadcasts, slices): "
+             f"reference {work['reference']:.0f}, fixed {work['fixed']:.0f}.", "",
              "| context | variant | ms/token [min-max] | tok/s (slice) | tok/s (40 layers, est.) | weight GB/s |",
              "|---|---|---|---|---|---|", *rows, "",
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
-             "tokens/s).", "", to_markdown(describe())]
+             "tokens/s).", "", *([f"Stage profile of the dsv4 step at context {a.contexts.split(',')[0]} "
+                                 "(DSV4_STAGE_PROFILE=1: not compiled, a sync at every stage):", "",
+                                 "```", stages, "```", ""] if stages else []),
+             to_markdown(describe())]
     a.out.mkdir(parents=True, exist_ok=True)
     out = a.out / f"{when:%Y-%m-%d-%H%M}-slice-decode{'-small' if a.small else ''}.md"
     out.write_text("\n".join(lines) + "\n")
