@@ -3,6 +3,8 @@ can check: the plain-MLX reference against a numpy transcription (the independen
 test_kernels_experts, the fp8 rounding of test_quant), `fp8_linear`'s CPU path, and the
 kernel's dispatch rules. The kernel itself: tests/test_kernels_matvec_gpu.py."""
 
+import shutil
+import subprocess
 from unittest import mock
 
 import mlx.core as mx
@@ -11,8 +13,10 @@ import pytest
 
 from dsv4 import flags
 from dsv4.kernels import matvec as mv
+from dsv4.kernels.experts import _HEADER, MODE_IDS, X_STRIDE
 from dsv4.linear import Linear, fp8_linear
 from dsv4.quant import qdq_fp8
+from tests.test_kernels_decode_host import HOST_PRELUDE
 from tests.test_kernels_experts import bf16, dequantize_np, quantized
 from tests.test_quant import ref_qdq_fp8
 
@@ -96,3 +100,127 @@ def test_kernel_supports_refuses_what_the_kernel_cannot_do():
         affine5 = quantized(rng, (64, 128), "affine", 5, 32)
         assert not mv.kernel_supports(x, affine5), "5-bit packing"
 
+
+
+@pytest.mark.parametrize("n,k,gs", [(1280, 5120, 32), (512, 5120, 32), (32768, 1280, 32), (5120, 8192, 32),
+                                    (96, 64, 32), (96, 128, 64), (96, 128, 128), (32, 32, 32), (200, 96, 32)])
+def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
+    """Slices of K whole packs and whole scale groups, one row per SIMD group when split, rows
+    of a threadgroup within its shared partial sums, enough SIMD groups for small n."""
+    split, rows = mv.work_split(n, k, gs)
+    assert split in (1, 2, 4) and rows in (1, 2, 4)
+    assert k % (split * max(32, gs)) == 0
+    assert split == 1 or rows == 1
+    assert mv.WARPS <= 32
+    if split == 1 and k % (2 * max(32, gs)) == 0:
+        assert n >= mv.IN_FLIGHT_ROWS / 2, "small n with K divisible should split"
+
+
+# --- the kernel body itself, run on the host --------------------------------------------------
+# The body and header are compiled with clang++ under test_kernels_decode_host's host prelude
+# and run as a threadgroup of real threads: SHARED is a static shared by the threads of the
+# threadgroup in flight (threadgroups run one after another), BARRIER a std::barrier, and
+# simd_sum_f a sum over the 32 threads of a SIMD group. This checks the kernel's own indexing
+# (rows per SIMD group, K slices, partial sums, the last threadgroup's clamped rows) for fp32 x;
+# the GPU test runs the same body on the device.
+
+EMULATOR = r"""
+#include <barrier>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+thread_local uint32_t t_lane, t_warp;
+float warp_vals[32][32];
+std::unique_ptr<std::barrier<>> warp_bar[32], group_bar;
+inline float emulated_simd_sum(float v) {
+  warp_vals[t_warp][t_lane] = v;
+  warp_bar[t_warp]->arrive_and_wait();
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += warp_vals[t_warp][i];
+  warp_bar[t_warp]->arrive_and_wait();
+  return s;
+}
+#undef simd_sum_f
+#define simd_sum_f emulated_simd_sum
+#define SHARED static
+#define BARRIER() group_bar->arrive_and_wait()
+struct Shape2 { int v[2]; int operator[](int i) const { return v[i]; } };
+"""
+
+EMULATOR_MAIN = r"""
+void body(const float* x, const uint32_t* w, Shape2 w_shape, const SCALE* s, const SCALE* b, float* y,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  using T = float;
+  const uint32_t lane = tid & 31u, warp = tid >> 5;
+  t_lane = lane; t_warp = warp;
+  BODY
+}
+int main() {
+  int n, tokens;
+  if (std::fread(&n, 4, 1, stdin) != 1 || std::fread(&tokens, 4, 1, stdin) != 1) return 1;
+  std::vector<float> x(tokens * K), y(tokens * n, NAN);
+  std::vector<uint32_t> w((size_t)n * K * BITS / 32);
+  std::vector<SCALE> s((size_t)n * K / GS), b((size_t)n * K / GS);
+  if (std::fread(x.data(), 4, x.size(), stdin) != x.size()) return 1;
+  if (std::fread(w.data(), 4, w.size(), stdin) != w.size()) return 1;
+  if (std::fread(s.data(), sizeof(SCALE), s.size(), stdin) != s.size()) return 1;
+  if (MODE == 0 && std::fread(b.data(), sizeof(SCALE), b.size(), stdin) != b.size()) return 1;
+  const int threads = 32 * WARPS, groups = (n * SPLIT + WARPS * ROWS - 1) / (WARPS * ROWS);
+  for (int i = 0; i < WARPS; ++i) warp_bar[i] = std::make_unique<std::barrier<>>(32);
+  for (int z = 0; z < tokens; ++z)
+    for (int g = 0; g < groups; ++g) {
+      group_bar = std::make_unique<std::barrier<>>(threads);
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back(body, x.data(), w.data(), Shape2{{n, 0}}, s.data(), b.data(), y.data(), t, g, z, threads);
+      for (auto& th : pool) th.join();
+    }
+  std::fwrite(y.data(), 4, y.size(), stdout);
+  return 0;
+}
+"""
+
+
+def emulated_kernel(tmp_path, q, x, act_quant, split, rows):
+    """quantized_matvec's body run on the host for fp32 x [tokens, K] with the given work split."""
+    tokens, K = x.shape
+    N = q.out_features
+    consts = dict(WARPS=mv.WARPS, MODE=MODE_IDS[q.mode], BITS=q.bits, GS=q.group_size, SPLIT=split,
+                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)))
+    scale = "uint8_t" if q.mode != "affine" else "float"
+    src = (HOST_PRELUDE + EMULATOR + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
+           + _HEADER + EMULATOR_MAIN.replace("BODY", mv.MATVEC_KERNEL.body).replace("SCALE", scale))
+    cpp, exe = tmp_path / "matvec.cpp", tmp_path / "matvec"
+    cpp.write_text(src)
+    built = subprocess.run(["clang++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(cpp)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[:3000]
+    scales = np.array(q.scales.astype(mx.float32) if q.mode == "affine" else q.scales)
+    biases = np.array(q.biases.astype(mx.float32)).tobytes() if q.mode == "affine" else b""
+    data = (np.array([N, tokens], np.int32).tobytes() + np.asarray(x, np.float32).tobytes()
+            + np.array(q.weight).tobytes() + scales.tobytes() + biases)
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    return np.frombuffer(out, np.float32).reshape(tokens, N)
+
+
+@pytest.mark.parametrize("n,k,mode,bits,gs,act_quant", [
+    (40, 512, "mxfp8", 8, 32, True),        # K in 4 slices; 10 threadgroups of 2 rows
+    (37, 128, "mxfp4", 4, 32, False),       # 4 slices of one pack; the last threadgroup has 1 row of 2
+    (96, 128, "affine", 4, 64, True),       # 2 slices of one scale group each
+    (2100, 64, "affine", 3, 32, True),      # 2 rows per SIMD group, 3-bit words; last group clamps
+    (4100, 32, "mxfp8", 8, 32, False),      # 4 rows per SIMD group, one pack per row
+])
+def test_kernel_body_on_the_host(tmp_path, n, k, mode, bits, gs, act_quant):
+    if shutil.which("clang++") is None:
+        pytest.fail("clang++ is not installed (apt-get install clang)")
+    rng = np.random.default_rng()
+    q = quantized(rng, (n, k), mode, bits, gs, mx.float32)
+    split, rows = mv.work_split(n, k, gs)
+    x = inputs(rng, 2, k)
+    got = emulated_kernel(tmp_path, q, x, act_quant, split, rows).astype(np.float64)
+    xin = (ref_qdq_fp8(x) if act_quant else x).astype(np.float64)
+    want = xin @ dequantize_np(q).T
+    mag = np.abs(xin) @ np.abs(dequantize_np(q)).T
+    # fp32 sums in some order: within 2 K 2^-24 sum|w x| of the exact float64 product.
+    assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()

@@ -30,12 +30,12 @@ RNG = np.random.default_rng()
 
 # (N, K), (mode, bits, group size, scale dtype of the source weight), x dtype, act_quant.
 # The first rows are dsv4's shapes (wq_a, wkv, the shared expert, the indexer's wq_b); the
-# others are small, odd and one-pack inputs; 1280x5120 and 512x5120 share an instantiation
-# (N is read at run time). Rows per SIMD group: 1, 1, 2, 4, 4, then 1.
+# others are small, odd and one-pack inputs. (SPLIT, ROWS) from matvec.work_split: (2, 1),
+# (4, 1), (4, 1), (1, 2), (1, 4), (1, 4), (2, 1), (2, 1), (1, 1), (1, 1), (2, 1), (4, 1).
 CASES = [
     ((1280, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
     ((512, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
-    ((1280, 5120), ("mxfp4", 4, 32, mx.bfloat16), mx.bfloat16, False),
+    ((512, 5120), ("mxfp4", 4, 32, mx.bfloat16), mx.bfloat16, False),
     ((2304, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
     ((4096, 1280), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
     ((4096, 1280), ("mxfp4", 4, 32, mx.bfloat16), mx.float32, True),

@@ -7,12 +7,15 @@ x is [..., K] with at most MAX_TOKENS rows, in bf16, fp16 or fp32 (T); W is [N, 
 MLX-quantized matrix (`QuantizedMatrix`: mxfp8, mxfp4, affine with 2/3/4/8 bits, packed as
 `mx.quantize` packs it, see experts.py); the matmul accumulates in fp32 and y is [..., N] in T.
 
-One launch instead of two (the rounding, then MLX's quantized matmul): a threadgroup per
-WARPS * ROWS consecutive rows of W and one token holds the token's x in threadgroup memory,
-fp8-rounded once there (experts.py's `qdq_fp8_32`, the gate/up kernel's layout); each SIMD
-group makes ROWS rows with experts.py's `rows_dot` (lanes split the input in packs of 32).
-Rows per SIMD group grow with N so that large matrices use fewer, longer threadgroups while
-small ones still spread over the GPU.
+One launch instead of two (the rounding, then MLX's quantized matmul): a threadgroup of WARPS
+SIMD groups and one token holds the token's x in threadgroup memory, fp8-rounded once there
+(experts.py's `qdq_fp8_32`, the gate/up kernel's layout), and each SIMD group runs
+experts.py's `rows_dot` (lanes split the input in packs of 32, one pack of every row in
+flight per lane). A decode matvec is bound by the bytes in flight, about N packs at a time,
+so a small N splits K: with SPLIT > 1, SPLIT SIMD groups share each row, one slice of K/SPLIT
+each (slice j of row r is row r*SPLIT + j of W seen as [N*SPLIT, K/SPLIT], so `rows_dot`
+takes it as it is), and their partial sums are added in slice order through threadgroup
+memory. A large N instead gives each SIMD group ROWS rows (fewer, longer threadgroups).
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ from dsv4.quant import qdq_fp8
 
 MAX_TOKENS = 8
 WARPS = 8
+MAX_SPLIT = 4
+IN_FLIGHT_ROWS = 2048   # ~16 SIMD groups on each of the H200's 132 SMs
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 _BODY = r"""
-  // grid (32 * WARPS, ceil(N / (WARPS * ROWS)), tokens); y is [tokens, N], x [tokens, K].
+  // grid (32 * warps, ceil(N * SPLIT / (warps * ROWS)), tokens); y is [tokens, N], x [tokens, K].
+  // SPLIT > 1 needs ROWS == 1 and warps <= 32.
   const int N = (int)w_shape[0];
   const int t = group_z;
   // The token's x in fp32, fp8-rounded when ACTQ, once per threadgroup (XS uint4s per pack).
   SHARED uint4 xs[K / 32 * XS];
+  SHARED float part[32];   // SPLIT > 1: each SIMD group's partial sum
   for (int p = (int)tid; p < K / 32; p += (int)group_threads) {
     float v[32];
     for (int i = 0; i < 32; ++i) v[i] = float(x[(size_t)t * K + 32 * p + i]);
@@ -43,27 +50,45 @@ _BODY = r"""
     store_x_pack<XS>(xs, p, v);
   }
   BARRIER();
-  const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
-  if (row0 >= N) return;
+  const int rows_per_group = (int)(group_threads / 32) / SPLIT * ROWS;
   float acc[ROWS], unused[ROWS];
-  rows_dot<MODE, BITS, GS, ROWS, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
-  if (lane == 0) {
-    for (int r = 0; r < ROWS && row0 + r < N; ++r) y[(size_t)t * N + row0 + r] = static_cast<T>(acc[r]);
+  if (SPLIT == 1) {
+    const int row0 = (int)group_y * rows_per_group + (int)warp * ROWS;
+    if (row0 >= N) return;
+    rows_dot<MODE, BITS, GS, ROWS, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
+    if (lane == 0) {
+      for (int r = 0; r < ROWS && row0 + r < N; ++r) y[(size_t)t * N + row0 + r] = static_cast<T>(acc[r]);
+    }
+  } else {
+    constexpr int KS = K / SPLIT;   // slice length; KS % 32 == 0 and KS % GS == 0
+    const int j = (int)warp % SPLIT;
+    const int row = min((int)group_y * rows_per_group + (int)warp / SPLIT, N - 1);
+    rows_dot<MODE, BITS, GS, 1, KS, XS, false>(xs + j * (KS / 32) * XS, w, s, b, w, s, b, 0,
+                                              row * SPLIT + j, N * SPLIT, acc, unused, lane);
+    if (lane == 0) part[warp] = acc[0];
+    BARRIER();
+    const int out_row = (int)group_y * rows_per_group + (int)lane;
+    if (warp == 0 && (int)lane < rows_per_group && out_row < N) {
+      float v = 0.0f;
+      for (int i = 0; i < SPLIT; ++i) v += part[lane * SPLIT + i];
+      y[(size_t)t * N + out_row] = static_cast<T>(v);
+    }
   }
 """
 
 
 def _checks():
-    """Instantiations for the offline compile gates: (x dtype, matrix layout, rows, K, ACTQ)."""
+    """Instantiations for the offline compile gates: (x dtype, matrix layout, split, rows, K, ACTQ)."""
     u32, u8, bf16, f32 = mx.uint32, mx.uint8, mx.bfloat16, mx.float32
     out = []
-    for xt, (mode, bits, gs, st, bt), rows, k, actq in [
-            (bf16, ("mxfp8", 8, 32, u8, u32), 2, 5120, True),
-            (f32, ("mxfp4", 4, 32, u8, u32), 4, 1280, False),
-            (bf16, ("affine", 3, 64, bf16, bf16), 1, 512, True),
-            (f32, ("affine", 8, 32, f32, f32), 1, 8192, True)]:
-        template = (("T", xt), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("GS", gs), ("ROWS", rows),
-                    ("K", k), ("XS", X_STRIDE), ("ACTQ", actq))
+    for xt, (mode, bits, gs, st, bt), split, rows, k, actq in [
+            (bf16, ("mxfp8", 8, 32, u8, u32), 1, 2, 5120, True),
+            (bf16, ("mxfp8", 8, 32, u8, u32), 4, 1, 5120, True),
+            (f32, ("mxfp4", 4, 32, u8, u32), 1, 4, 1280, False),
+            (bf16, ("affine", 3, 64, bf16, bf16), 2, 1, 512, True),
+            (f32, ("affine", 8, 32, f32, f32), 1, 1, 8192, True)]:
+        template = (("T", xt), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("GS", gs), ("SPLIT", split),
+                    ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", actq))
         out.append(((xt, u32, st, bt), (xt,), template))
     return tuple(out)
 
@@ -72,12 +97,19 @@ MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec", input_names=("x", "w", "s",
                        output_names=("y",), body=_BODY, header=_HEADER, checks=_checks())
 
 
-def rows_per_warp(n: int) -> int:
-    """Rows each SIMD group makes: 4 once that still leaves >= 128 threadgroups, else fewer."""
+def work_split(n: int, k: int, group_size: int) -> tuple[int, int]:
+    """(SPLIT, ROWS) for an [n, k] matrix: SIMD groups per row when n is small, so that about
+    IN_FLIGHT_ROWS rows' packs are in flight; rows per SIMD group when n is large, while
+    that still leaves >= 128 threadgroups."""
+    split = MAX_SPLIT
+    while split > 1 and (n * split // 2 >= IN_FLIGHT_ROWS or k % (split * max(32, group_size))):
+        split //= 2
+    if split > 1:
+        return split, 1
     for rows in (4, 2):
         if n >= 128 * WARPS * rows:
-            return rows
-    return 1
+            return 1, rows
+    return 1, 1
 
 
 def kernel_supports(x: mx.array, q: QuantizedMatrix) -> bool:
@@ -106,10 +138,10 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool) -> mx.arr
     contract as `matvec_reference`. Call only where `kernel_supports(x, q)`."""
     K, N = x.shape[-1], q.out_features
     tokens = x.size // K
-    rows = rows_per_warp(N)
+    split, rows = work_split(N, K, q.group_size)
     (y,) = MATVEC_KERNEL(
         inputs=[x] + matrix_operands(q), output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype],
-        grid=(32 * WARPS, math.ceil(N / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
+        grid=(32 * WARPS, math.ceil(N * split / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
         template=[("T", x.dtype), ("MODE", MODE_IDS[q.mode]), ("BITS", q.bits), ("GS", q.group_size),
-                  ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant))])
+                  ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant))])
     return y
