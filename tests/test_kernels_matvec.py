@@ -1,7 +1,8 @@
 """Dense quantized matvec with fused fp8 input rounding (dsv4/kernels/matvec.py), what the CPU
 can check: the plain-MLX reference against a numpy transcription (the independent decoder of
-test_kernels_experts, the fp8 rounding of test_quant), `fp8_linear`'s CPU path, and the
-kernel's dispatch rules. The kernel itself: tests/test_kernels_matvec_gpu.py."""
+test_kernels_experts, the fp8 rounding of test_quant), `fp8_linear`'s CPU path, the kernel's
+dispatch rules and work split, and the kernel body compiled and run on the host (fp32 x)
+against numpy. The kernel on the device: tests/test_kernels_matvec_gpu.py."""
 
 import shutil
 import subprocess
@@ -99,7 +100,6 @@ def test_kernel_supports_refuses_what_the_kernel_cannot_do():
         assert not mv.kernel_supports(mx.ones((1, 16384), mx.bfloat16), wide), "x's copy too large"
         affine5 = quantized(rng, (64, 128), "affine", 5, 32)
         assert not mv.kernel_supports(x, affine5), "5-bit packing"
-
 
 
 @pytest.mark.parametrize("n,k,gs", [(1280, 5120, 32), (512, 5120, 32), (32768, 1280, 32), (5120, 8192, 32),
