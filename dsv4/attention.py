@@ -24,7 +24,7 @@ from .kernels.selection import indexer_can_be_skipped, select_all_visible
 from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
-from .linear import Linear, QuantizedLinear, dequant_matmul
+from .linear import Linear, QuantizedLinear, dequant_matmul, fp8_linear
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
 
 
@@ -317,14 +317,14 @@ class Attention(nn.Module):
     def queries(self, x: mx.array, state) -> tuple[mx.array, mx.array]:
         """-> (the q-LoRA latent as matmul input [B, S, q_lora_rank], rotated queries [B, S, H, Dh])."""
         b, s, _ = x.shape
-        qr_in = finish_rows(self.wq_a(fp8_input(x)), self.q_norm,
+        qr_in = finish_rows(fp8_linear(self.wq_a, x), self.q_norm,
                             qdq=qdq_fp8 if flags.get("act_quant") else None, fused=state.fused)
         q = self.wq_b(qr_in).reshape(b, s, self.n_heads, self.head_dim)
         return qr_in, finish_rows(q, rot=state.rotation(self._freqs), fused=state.fused)
 
     def window_rows(self, x: mx.array, state) -> mx.array:
         """This chunk's window KV rows [B, S, Dh] as the cache holds them."""
-        return finish_rows(self.wkv(fp8_input(x)), self.kv_norm, state.rotation(self._freqs),
+        return finish_rows(fp8_linear(self.wkv, x), self.kv_norm, state.rotation(self._freqs),
                            qdq_fp8 if flags.get("kv_qdq") else None, state.fused)
 
     def attend(self, q, window, window_idx, compressed, topk, rope_cos=None, rope_sin=None) -> mx.array:
@@ -340,7 +340,7 @@ class Attention(nn.Module):
     def project_out(self, o: mx.array) -> mx.array:
         """De-rotated attention output [B, S, H, Dh] -> [B, S, hidden]: grouped wo_a, wo_b."""
         b, s = o.shape[:2]
-        return self.wo_b(fp8_input(self._grouped_wo_a(o.reshape(b, s, -1))))
+        return fp8_linear(self.wo_b, self._grouped_wo_a(o.reshape(b, s, -1)))
 
     def compressed_rows(self, latents: mx.array, first, state) -> tuple[mx.array, Optional[mx.array]]:
         """Latents of groups first.. -> (their compressed KV rows, their index keys or None

@@ -55,6 +55,9 @@ class QuantizedLinear(nn.QuantizedLinear):
         if dequant_matmul():
             w = self.dequantized(x.dtype)
             return (x.astype(w.dtype) @ w.T).astype(x.dtype)
+        q = _matvec_operand(self, x)
+        if q is not None:
+            return quantized_matvec(x, q, act_quant=False)
         # With float scales MLX returns float32 for bf16 inputs: keep the activations' dtype.
         return super().__call__(x).astype(x.dtype)
 
@@ -95,6 +98,16 @@ class QuantizedExpertLinear(nn.Module):
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)
 
 
+def _matvec_operand(layer: nn.Module, x: mx.array):
+    """The layer's weight for the fused matvec kernel, or None where the kernel does not run:
+    flag `kernel_matvec` off, a layer with a bias or not quantized, or what `kernel_supports`
+    refuses (the CPU, more than 8 tokens)."""
+    if not (flags.get("kernel_matvec") and isinstance(layer, nn.QuantizedLinear) and "bias" not in layer):
+        return None
+    q = QuantizedMatrix.of(layer)
+    return q if kernel_supports(x, q) else None
+
+
 def fp8_linear(layer: nn.Module, x: mx.array) -> mx.array:
     """layer(x), with x rounded to fp8 per 32 values first when flag `act_quant` is on (the
     official fp8/fp4 matmuls' input rounding, model-spec §11).
@@ -103,8 +116,7 @@ def fp8_linear(layer: nn.Module, x: mx.array) -> mx.array:
     matvec in one launch) when flag `kernel_matvec` is on; everything else, the CPU always,
     rounds with `qdq_fp8` and calls the layer."""
     act_quant = bool(flags.get("act_quant"))
-    if flags.get("kernel_matvec") and isinstance(layer, nn.QuantizedLinear) and "bias" not in layer:
-        q = QuantizedMatrix.of(layer)
-        if kernel_supports(x, q):
-            return quantized_matvec(x, q, act_quant)
+    q = _matvec_operand(layer, x)
+    if q is not None:
+        return quantized_matvec(x, q, act_quant)
     return layer(qdq_fp8(x) if act_quant else x)

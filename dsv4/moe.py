@@ -18,7 +18,7 @@ from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
 from .kernels.router import kernel_applies as router_kernel_applies
 from .kernels.router import route
-from .linear import ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear
+from .linear import ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear, fp8_linear
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -96,9 +96,8 @@ class SharedExpert(nn.Module):
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array) -> mx.array:
-        xq = fp8_input(x)
-        h = clamped_swiglu(self.w1(xq), self.w3(xq), self.limit)
-        return self.w2(fp8_input(h.astype(x.dtype)))
+        h = clamped_swiglu(fp8_linear(self.w1, x), fp8_linear(self.w3, x), self.limit)
+        return fp8_linear(self.w2, h.astype(x.dtype))
 
 
 class MoE(nn.Module):

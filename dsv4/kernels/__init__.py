@@ -6,5 +6,8 @@ Dispatchers the model calls (kernel or reference by backend and by flags.py's ke
   mhc.hc_mixes_collapse_norm / hc_mixes / hc_collapse_norm / hc_expand
   qdq (through dsv4.quant.qdq_fp8 / qdq_fp4_pow2)   fp8/fp4 rounding, power-of-two scale per 32
   rows.row_tail (through dsv4.attention.finish_rows, fixed-shape step only)   norm -> RoPE -> rounding
+  matvec.quantized_matvec (through dsv4.linear: QuantizedLinear, fp8_linear)   quantized projection
+                                      of 1-8 tokens, with the fp8 input rounding fused
+  router.route (through dsv4.moe.Router)   scores, biased top-k and weights after the gate matmul
   selection.indexer_can_be_skipped / select_all_visible   skip indexer scoring when k >= rows
 """
