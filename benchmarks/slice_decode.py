@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
     p.add_argument("--variants", default="mlx-lm,dsv4 reference path,dsv4",
                    help="comma-separated, from: mlx-lm, dsv4 reference path, dsv4 fixed not compiled, dsv4")
+    p.add_argument("--ab", action="append", default=[], metavar="SWITCH=VALUE[+SWITCH=VALUE]",
+                   help="add a dsv4 variant with these switches (dsv4/flags.py names) changed, "
+                        "e.g. --ab kernel_matvec=off; repeatable")
     p.add_argument("--stage-profile", action="store_true",
                    help="also decode once at the first context with DSV4_STAGE_PROFILE (uncompiled "
                         "step, a sync at every stage) and add the stage table to the report")
@@ -173,6 +176,10 @@ def main(argv=None) -> int:
         "dsv4": (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="on")),
     }
     variants = {name: variants[name] for name in a.variants.split(",")}
+    for spec in a.ab:
+        changed = dict(item.split("=", 1) for item in spec.split("+"))
+        changed = {k: flags.FLAGS[k].parse(v) for k, v in changed.items()}
+        variants[f"dsv4 {spec}"] = (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="on", **changed))
     # Warm-up: kernel builds and graph traces happen here, not in the measured runs.
     for name, (run, fl) in variants.items():
         t = time.perf_counter()
