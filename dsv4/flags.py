@@ -150,9 +150,11 @@ define("kernel_rows", True,
 define("kernel_router", True,
        "MoE router for 1-8 tokens: sqrt-softplus scores, biased top-k and the normalized weights "
        "in one GPU launch after the gate matmul (~8 launches otherwise); off runs the plain-MLX ops")
-define("kernel_matvec", True,
+define("kernel_matvec", False,
        "quantized projections of 1-8 tokens (mxfp8/mxfp4/affine) with the fp8 input rounding "
-       "fused, through the custom GPU matvec kernel; off runs MLX's quantized_matmul")
+       "fused, through the custom GPU matvec kernel; off (default: on the H200 it loses to MLX's "
+       "quantized_matmul below ~5000 rows and the slice decodes no faster with it, "
+       "benchmarks/results/2026-11-29-1817-slice-decode.md) runs quantized_matmul")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
