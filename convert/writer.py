@@ -62,13 +62,13 @@ import os
 import shutil
 import struct
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from dsv4.progress import Progress, format_bytes
 from dsv4.safetensors_file import dtype_name, read_header, view
 
 FORMAT_VERSION = 1
@@ -141,43 +141,6 @@ def assign_shards(groups: Mapping[str, Sequence[Unit]], max_shard_bytes: int) ->
             shards.append(Shard(group, shard_name(group, i, len(bins)),
                                 tuple(u.key for u in members), sum(u.nbytes for u in members)))
     return shards
-
-
-class Progress:
-    """A one-line progress bar on stderr: bytes done, rate and time left, at most twice a second."""
-
-    def __init__(self, what: str, total: int, enabled: bool = True, done: int = 0):
-        self.what, self.total, self.enabled = what, total, enabled
-        self.done = self.start_done = done
-        self.start = time.monotonic()
-        self.last = 0.0
-
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.show()
-
-    def show(self, final: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not final and now - self.last < 0.5):
-            return
-        self.last = now
-        elapsed = max(now - self.start, 1e-9)
-        rate = (self.done - self.start_done) / elapsed
-        left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        eta = "--:--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
-        pct = 100 * self.done / max(self.total, 1)
-        done, total = format_bytes(self.done), format_bytes(self.total)
-        print(f"\r{self.what}: {done} of {total} ({pct:3.0f}%), "
-              f"{rate / 1e6:.0f} MB/s, {eta} left ", end="\n" if final else "",
-              file=sys.stderr, flush=True)
-
-    def finish(self) -> None:
-        self.show(final=True)
-
-
-def format_bytes(nbytes: float) -> str:
-    """1.5 MB / 2.31 GB (powers of ten, as disk sizes are sold)."""
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _header_reserve(units: Sequence[Unit]) -> int:

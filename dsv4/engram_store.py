@@ -55,7 +55,6 @@ import itertools
 import os
 import sys
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ import numpy as np
 
 from dsv4 import flags
 from dsv4.atomic_file import atomic_file
+from dsv4.progress import Progress
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
 
 WEIGHT_BYTES = 256   # e4m3 codes per row
@@ -201,23 +201,6 @@ class _RowCache:
                 self._rows.move_to_end(row)
             while len(self._rows) > capacity:
                 self._rows.popitem(last=False)
-
-
-class _Progress:
-    """One stderr line at most every second, and a last one at the end."""
-
-    def __init__(self, what: str, total: int, enabled: bool):
-        self.what, self.total, self.enabled = what, total, enabled
-        self.start = self.last = time.monotonic()
-
-    def update(self, done: int) -> None:
-        now = time.monotonic()
-        if self.enabled and (now - self.last >= 1.0 or done == self.total):
-            self.last = now
-            rate = done * ROW_BYTES / max(now - self.start, 1e-9) / 2**20
-            print(f"\r{self.what}: {done * ROW_BYTES / 2**30:.2f} / {self.total * ROW_BYTES / 2**30:.2f} "
-                  f"GiB ({100 * done / max(self.total, 1):.0f}%, {rate:.0f} MiB/s)",
-                  end="\n" if done == self.total else "", file=sys.stderr, flush=True)
 
 
 # --- file-backed tables ----------------------------------------------------------------------
@@ -573,13 +556,14 @@ def load_resident(table: Table, progress: bool = True) -> ResidentTable:
     """Read a whole table into memory (transiently twice its size while MLX copies it in)."""
     weight = np.empty((table.rows, WEIGHT_BYTES), np.uint8)
     scale = np.empty((table.rows, SCALE_BYTES), np.uint8)
-    shown = _Progress(f"loading {table.name}", table.rows, progress)
+    shown = Progress(f"loading {table.name}", table.rows * ROW_BYTES, progress)
     for first in range(0, table.rows, CHUNK_ROWS):
         count = min(CHUNK_ROWS, table.rows - first)
         raw = table.read_range(first, count)
         weight[first:first + count] = raw[:, :WEIGHT_BYTES]
         scale[first:first + count] = raw[:, WEIGHT_BYTES:]
-        shown.update(first + count)
+        shown.advance(count * ROW_BYTES)
+    shown.finish()
     return ResidentTable(weight, scale, table.name)
 
 
@@ -694,11 +678,12 @@ def copy_table(table: Table, dst_file: Path | str, base_dir: Optional[Path | str
     `base_dir`, by default the file's directory). Written under a temporary name and renamed
     at the end, so a failed copy leaves nothing behind."""
     dst_file = Path(dst_file)
-    shown = _Progress(f"copying {table.name} to {dst_file}", table.rows, progress)
+    shown = Progress(f"copying {table.name} to {dst_file}", table.rows * ROW_BYTES, progress)
     with atomic_file(dst_file) as f:
         for first in range(0, table.rows, CHUNK_ROWS):
             count = min(CHUNK_ROWS, table.rows - first)
             f.write(table.read_range(first, count).data)
-            shown.update(first + count)
+            shown.advance(count * ROW_BYTES)
+    shown.finish()
     return interleaved_reference(dst_file, 0, table.rows,
                                  dst_file.parent if base_dir is None else base_dir)

@@ -457,7 +457,9 @@ def test_copy_table_writes_a_self_contained_interleaved_file(tables, tmp_path, m
         np.testing.assert_array_equal(bits(copy.read(np.arange(0, 3000, 7))),
                                       oracle_bits(raw[::7]))
         copy.close()
-    assert "copying layers.1.engram" in capsys.readouterr().err
+    size = f"{raw.nbytes / 1e6:.1f} MB"   # the progress line counts bytes, not rows
+    assert (f"copying layers.1.engram to {model_dir / 'engram-split.bin'}: {size} of {size} (100%)"
+            in capsys.readouterr().err)
     assert sorted(p.name for p in model_dir.iterdir()) == ["engram-resident.bin", "engram-split.bin"]
 
 

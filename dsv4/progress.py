@@ -1,0 +1,55 @@
+"""A one-line progress bar on stderr for long byte streams (converting, copying, loading tables).
+
+    shown = Progress("copying layers.1.engram", total_bytes, enabled=not quiet)
+    for chunk in chunks:
+        ...
+        shown.advance(len(chunk))
+    shown.finish()
+
+The line reads `copying layers.1.engram: 1.20 GB of 4.80 GB ( 25%), 310 MB/s, 00:00:11 left`: it
+is redrawn in place (`\\r`) at most twice a second, and `finish()` draws the last one and ends it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+REDRAW_S = 0.5
+
+
+class Progress:
+    """Bytes done of `total`, rate and time left; `done` is where a resumed job starts."""
+
+    def __init__(self, what: str, total: int, enabled: bool = True, done: int = 0):
+        self.what, self.total, self.enabled = what, total, enabled
+        self.done = self.start_done = done
+        self.start = time.monotonic()
+        self.last = 0.0
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.show()
+
+    def show(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < REDRAW_S):
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = (self.done - self.start_done) / elapsed   # this run's bytes, not a resumed job's
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        eta = "--:--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
+        pct = 100 * self.done / max(self.total, 1)
+        done, total = format_bytes(self.done), format_bytes(self.total)
+        print(f"\r{self.what}: {done} of {total} ({pct:3.0f}%), "
+              f"{rate / 1e6:.0f} MB/s, {eta} left ", end="\n" if final else "",
+              file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        self.show(final=True)
+
+
+def format_bytes(nbytes: float) -> str:
+    """1.5 MB / 2.31 GB (powers of ten, as disk sizes are sold)."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
