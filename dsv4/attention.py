@@ -167,13 +167,62 @@ class ForwardState:
 
     fused = False    # the reference path runs every op on its own
 
-    def attend(self, attn: "Attention", x: mx.array) -> mx.array:
-        """Attention over the growing cache (the reference path; dsv4.step has the fixed-shape one)."""
-        return attn(x, self)
+    # What `Attention.__call__` asks of its state, here over the growing `Cache` (the
+    # reference path); dsv4.step.StepState answers the same over fixed-shape buffers.
 
     def rotation(self, freqs: mx.array, offset=None, scale: float = 1.0) -> Rotation:
         """RoPE placement of this chunk's rows (offset defaults to the chunk's start)."""
         return Rotation(self.start if offset is None else offset, freqs, scale)
+
+    def output_angles(self, attn: "Attention") -> None:
+        """The cos/sin to de-rotate the output inside the attention: none here, the output is
+        de-rotated on its own."""
+        return None
+
+    def window(self, attn: "Attention", rows: mx.array) -> tuple[mx.array, mx.array]:
+        """Append this chunk's window rows -> (the held window rows, each query's indices)."""
+        return self.cache.append_window(self.cache[attn.layer], rows), self.window_idx
+
+    def compressed(self, layer: int) -> Optional[mx.array]:
+        return self.cache[layer].compressed
+
+    def compress(self, attn: "Attention", x: mx.array) -> None:
+        """Pool the groups this chunk completes and append their rows (and index keys)."""
+        lc = self.cache[attn.layer]
+        latents, first = attn.compressor(x, self, lc)
+        if latents is None:
+            self.emitted[attn.layer] = False
+            return
+        self.emitted[attn.layer] = True
+        row, keys = attn.compressed_rows(latents, first, self)
+        lc.compressed = row if lc.compressed is None else mx.concatenate([lc.compressed, row], axis=1)
+        if keys is not None:
+            lc.index_keys = keys if lc.index_keys is None else mx.concatenate([lc.index_keys, keys], axis=1)
+            self.cache.key_publisher = attn.layer
+
+    def select(self, attn: "Attention", x: mx.array, qr: mx.array) -> Optional[mx.array]:
+        """This index source's top-k [B, S, k], or None before any compressed row exists."""
+        b = x.shape[0]
+        keys = self._index_keys(attn)
+        n = 0 if keys is None else keys.shape[1]
+        if n == 0:
+            return None
+        # While every visible row makes the top-k, scores cannot change the selection. The
+        # candidate source still scores: re-index layers read its candidate mask.
+        if (flags.get("indexer_skip") and indexer_can_be_skipped(n, attn.args.index_topk)
+                and not attn.args.is_candidate_source(attn.layer)):
+            return select_all_visible(self.positions, b, attn.ratio, n)
+        return attn.indexer(x, qr, keys, self, attn._freqs, attn.ratio)
+
+    def _index_keys(self, attn: "Attention") -> Optional[mx.array]:
+        source = attn.args.kv_source(attn.layer)
+        cache = self.cache
+        if (flags.get("index_key_quirk") and self.emitted.get(source) is False
+                and cache.key_publisher is not None):
+            # The reference scores against the last published keys, cut to this layer's count.
+            end = (self.start + self.length) // attn.ratio
+            return cache[cache.key_publisher].index_keys[:, :end]
+        return cache[source].index_keys
 
 
 class Compressor(nn.Module):
@@ -294,25 +343,28 @@ class Attention(nn.Module):
             self.indexer = Indexer(args, layer)
         self._freqs = mx.array(1.0 / rope_frequencies(args, self.ratio))
 
-    def __call__(self, x: mx.array, state: ForwardState) -> mx.array:
-        cache = state.cache
-        lc = cache[self.layer]
+    def __call__(self, x: mx.array, state) -> mx.array:
+        """One chunk's attention. `state` (ForwardState for the reference path over the growing
+        cache, dsv4.step.StepState for the fixed-shape decode step) holds the cache and answers
+        window / compress / select / compressed / output_angles."""
         qr, q = self.queries(x, state)
-        held = cache.append_window(lc, self.window_rows(x, state))
+        window, window_idx = state.window(self, self.window_rows(x, state))
         compressed = topk = None
         if self.ratio:
             if "compressor" in self:
-                self._compress(x, state, lc)
+                state.compress(self, x)
             if "indexer" in self:
-                state.topk = profiler.mark("indexer", self._select(x, qr, state))
-            compressed = cache[self.args.kv_source(self.layer)].compressed
-            topk = state.topk
-            if compressed is None or topk is None or topk.shape[-1] == 0:
+                state.topk = profiler.mark("indexer", state.select(self, x, qr))
+            compressed, topk = state.compressed(self.args.kv_source(self.layer)), state.topk
+            if compressed is None or topk is None:
                 compressed = topk = None
-        return self.output(self.attend(q, held, state.window_idx, compressed, topk), state.start)
+        angles = state.output_angles(self)
+        if angles is not None:   # the inverse RoPE of the output fused into the attention
+            return self.project_out(self.attend(q, window, window_idx, compressed, topk, *angles))
+        return self.output(self.attend(q, window, window_idx, compressed, topk), state.start)
 
-    # The pieces below are shared with the fixed-shape decode step (dsv4.step), whose state
-    # gives positions as arrays and lets the tails of the projections run fused.
+    # The pieces below are the steps of __call__, written once for both states: positions may
+    # be arrays, and the tails of the projections may run fused (state.fused).
 
     def queries(self, x: mx.array, state) -> tuple[mx.array, mx.array]:
         """-> (the q-LoRA latent as matmul input [B, S, q_lora_rank], rotated queries [B, S, H, Dh])."""
@@ -353,42 +405,6 @@ class Attention(nn.Module):
         if "indexer" in self and "wk" in self.indexer:
             keys = self.indexer.keys(latents, rot, state.fused)
         return row, keys
-
-    def _compress(self, x: mx.array, state: ForwardState, lc: LayerCache) -> None:
-        latents, first = self.compressor(x, state, lc)
-        if latents is None:
-            state.emitted[self.layer] = False
-            return
-        state.emitted[self.layer] = True
-        row, keys = self.compressed_rows(latents, first, state)
-        lc.compressed = row if lc.compressed is None else mx.concatenate([lc.compressed, row], axis=1)
-        if keys is not None:
-            lc.index_keys = keys if lc.index_keys is None else mx.concatenate([lc.index_keys, keys], axis=1)
-            state.cache.key_publisher = self.layer
-
-    def _select(self, x: mx.array, qr: mx.array, state: ForwardState) -> mx.array:
-        """This index source's top-k [B, S, k] (k may be 0 before any row exists)."""
-        b, s = x.shape[:2]
-        keys = self._index_keys(state)
-        n = 0 if keys is None else keys.shape[1]
-        if n == 0:
-            return mx.zeros((b, s, 0), mx.int32)
-        # While every visible row makes the top-k, scores cannot change the selection. The
-        # candidate source still scores: re-index layers read its candidate mask.
-        if (flags.get("indexer_skip") and indexer_can_be_skipped(n, self.args.index_topk)
-                and not self.args.is_candidate_source(self.layer)):
-            return select_all_visible(state.positions, b, self.ratio, n)
-        return self.indexer(x, qr, keys, state, self._freqs, self.ratio)
-
-    def _index_keys(self, state: ForwardState) -> Optional[mx.array]:
-        source = self.args.kv_source(self.layer)
-        cache = state.cache
-        if (flags.get("index_key_quirk") and state.emitted.get(source) is False
-                and cache.key_publisher is not None):
-            # The reference scores against the last published keys, cut to this layer's count.
-            end = (state.start + state.length) // self.ratio
-            return cache[cache.key_publisher].index_keys[:, :end]
-        return cache[source].index_keys
 
     def _grouped_wo_a(self, o: mx.array) -> mx.array:
         """Each group of heads through its own block of wo_a: [B, S, H*Dh] -> [B, S, G*L]."""

@@ -49,7 +49,7 @@ class Block(nn.Module):
         x, a_pre, a_post, a_comb = hc_mixes_collapse_norm(
             streams, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
             self.attn_norm.weight, self.attn_norm.eps, *mixes)
-        x = profiler.mark("attention", state.attend(self.attn, x))
+        x = profiler.mark("attention", self.attn(x, state))
         streams = profiler.mark("mhc", hc_expand(x, streams, a_post, a_comb))
         x, f_pre, f_post, f_comb = hc_mixes_collapse_norm(
             streams, a_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,

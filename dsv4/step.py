@@ -103,26 +103,21 @@ class StepState:
             self.angles[key] = (mx.cos(theta)[0], mx.sin(theta)[0])
         return Rotation(offset, freqs, scale, self.angles[key])
 
-    def attend(self, attn, x: mx.array) -> mx.array:
-        layer, a = attn.layer, self.args
-        qr, q = attn.queries(x, self)
-        window = self.write(f"{layer}.window", attn.window_rows(x, self), self.slot)
-        compressed = topk = None
-        if attn.ratio:
-            if "compressor" in attn:
-                self._compress(attn, x)
-            if "indexer" in attn:
-                self.topk = self._select(attn, x, qr)
-            compressed = self.buffers.get(f"{a.kv_source(layer)}.compressed")
-            topk = self.topk
-            if compressed is None or topk is None:
-                compressed = topk = None
-        # The inverse RoPE of the output is fused into the attention (cos/sin of this position).
-        cos, sin = self.rotation(attn._freqs).angles
-        return attn.project_out(attn.attend(q, window, self.window_idx, compressed, topk,
-                                            cos[None, None], sin[None, None]))
+    # What `Attention.__call__` asks of its state (see attention.ForwardState), here over the
+    # fixed-shape buffers.
 
-    def _compress(self, attn, x: mx.array) -> None:
+    def output_angles(self, attn) -> tuple[mx.array, mx.array]:
+        """cos/sin [1, 1, R] of this position's angles: the attention de-rotates its output."""
+        cos, sin = self.rotation(attn._freqs).angles
+        return cos[None, None], sin[None, None]
+
+    def window(self, attn, rows: mx.array) -> tuple[mx.array, mx.array]:
+        return self.write(f"{attn.layer}.window", rows, self.slot), self.window_idx
+
+    def compressed(self, layer: int) -> Optional[mx.array]:
+        return self.buffers.get(f"{layer}.compressed")
+
+    def compress(self, attn, x: mx.array) -> None:
         layer, r, comp = attn.layer, attn.ratio, attn.compressor
         if r == 1:
             latents, first = comp.norm(comp.wkv(x)), self.pos
@@ -140,7 +135,7 @@ class StepState:
         if keys is not None:
             self.write(f"{layer}.index_keys", keys, first)
 
-    def _select(self, attn, x: mx.array, qr: mx.array) -> Optional[mx.array]:
+    def select(self, attn, x: mx.array, qr: mx.array) -> Optional[mx.array]:
         regime = self.regimes[attn.layer]
         if regime == "none":
             return None
