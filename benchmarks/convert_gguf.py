@@ -15,7 +15,6 @@ Writes `<date>-convert-gguf.md` to benchmarks/results/; the temporary files are 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -26,9 +25,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import hardware
+from benchmarks import ab, hardware
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RUN_TIMEOUT_S = 3600.0   # one conversion; the default sizes take seconds
 
 _MAKE = """
 import sys
@@ -56,7 +56,7 @@ src, dst, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 report = convert(src, dst, workers=workers, progress=False)
 own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-print(json.dumps({"rss_mb": own, "worker_rss_mb": kids, "report": report}))
+print("DSV4_RESULT " + json.dumps({"rss_mb": own, "worker_rss_mb": kids, "report": report}))
 """
 
 
@@ -145,15 +145,6 @@ def metadata_stage(work: Path) -> dict:
             "tokenizer_s": t2 - t1, "token_map_s": t3 - t2}
 
 
-def _run(cmd: list[str]) -> tuple[float, dict]:
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.monotonic() - start
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:3])} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    return wall, json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=32, help="routed experts per layer (size)")
@@ -178,17 +169,16 @@ def main() -> None:
                            check=True, env=env, cwd=root)
             sizes[recipe] = src.stat().st_size
             variants += [(recipe, 1), (recipe, 2)]
-        order = []
-        for r in range(args.runs):
-            order += variants if r % 2 == 0 else variants[::-1]
+        order = [variant for _, variant in ab.schedule(variants, args.runs)]
         for recipe, workers in order:
             dst = work / f"out-{recipe}-{workers}"
-            wall, out = _run([sys.executable, "-c", _CONVERT, str(work / f"{recipe}.gguf"), str(dst),
-                              str(workers)])
-            results.setdefault(f"{recipe} workers={workers}", []).append((wall, out))
+            name = f"{recipe} workers={workers}"
+            cmd = [sys.executable, "-c", _CONVERT, str(work / f"{recipe}.gguf"), str(dst),
+                   str(workers)]
+            wall, _, out = ab.run_once(cmd, ab.Variant(name), RUN_TIMEOUT_S)
+            results.setdefault(name, []).append((wall, out))
             reports[recipe] = out["report"]
-            print(f"{recipe} workers={workers}: {wall:.1f} s, {sizes[recipe] / wall / 1e6:.0f} MB/s",
-                  file=sys.stderr)
+            print(f"{name}: {wall:.1f} s, {sizes[recipe] / wall / 1e6:.0f} MB/s", file=sys.stderr)
             shutil.rmtree(dst)
         load = os.getloadavg()
     finally:

@@ -5,11 +5,11 @@
 Writes an official-layout checkpoint with `dsv4.testing` at wider-than-tiny widths into a
 temporary directory (a fresh process, so its memory is not counted; expert codes are random
 bytes, as `testing.fp4_weight` would take most of an hour here), then runs each variant of
-`python -m dsv4_convert official` as a fresh process, rounds in alternating order, and reads
-the child's peak resident memory (`ru_maxrss` from wait4). Reports source bytes / wall second
-(MB/s, 1e6 bytes) and peak RSS as medians, checks that every run of a variant wrote the same
-bytes, and writes `<date>-convert-official.md` to benchmarks/results/. Everything written
-under the temporary directory is deleted at the end.
+`python -m dsv4_convert official` as a fresh process (`benchmarks.ab.run_once`), rounds in
+alternating order; the child prints its own peak resident memory (`ru_maxrss`) as its result
+line. Reports source bytes / wall second (MB/s, 1e6 bytes) and peak RSS as medians, checks that
+every run of a variant wrote the same bytes, and writes `<date>-convert-official.md` to
+benchmarks/results/. Everything written under the temporary directory is deleted at the end.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import hardware
+from benchmarks import ab, hardware
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RUN_TIMEOUT_S = 3600.0   # one conversion; the slowest default variant takes ~6 min
 
 _MAKE = """
 import sys
@@ -56,27 +57,17 @@ VARIANTS = {
 }
 
 
-def _run(cmd: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in MB, stderr tail) of one fresh process."""
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate()
-    wall = time.monotonic() - start
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
-    # the child is a small wrapper around the converter that prints its own ru_maxrss last
-    return wall, float(out.strip().splitlines()[-1]), (out + err)[-400:]
-
-
+# a small wrapper around the converter that prints its own peak RSS as the result line
 _WRAP = """
-import resource, runpy, sys
+import json, resource, runpy, sys
 sys.argv = ["dsv4_convert", *sys.argv[1:]]
 try:
     runpy.run_module("dsv4_convert", run_name="__main__")
 except SystemExit as e:
     if e.code:
         raise
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("DSV4_RESULT " + json.dumps({"rss_mb": rss_mb}))
 """
 
 
@@ -112,14 +103,13 @@ def main() -> None:
         print(f"synthetic checkpoint: {src_bytes / 1e9:.2f} GB in {make_s:.0f} s", file=sys.stderr)
         rows = {v: [] for v in variants}
         digests = {v: set() for v in variants}
-        order = []
-        for r in range(args.runs):
-            order += variants if r % 2 == 0 else variants[::-1]
+        order = [name for _, name in ab.schedule(variants, args.runs)]
         for name in order:
             dst = work / f"out-{name}"
             cmd = [sys.executable, "-c", _WRAP, "official", str(src), str(dst), "--quiet",
                    *VARIANTS[name]]
-            wall, rss, tail = _run(cmd)
+            wall, _, result = ab.run_once(cmd, ab.Variant(name), RUN_TIMEOUT_S)
+            rss = result["rss_mb"]
             out_bytes = sum(p.stat().st_size for p in dst.iterdir() if p.suffix == ".safetensors")
             digests[name].add(_digest(dst))
             rows[name].append((wall, rss, out_bytes))
