@@ -49,7 +49,7 @@ def official(
 ) -> None:
     """Convert the official FP8/FP4 checkpoint (lossless unless asked to requantize)."""
     from dsv4_convert.official import Requant, convert
-    from dsv4_convert.writer import format_bytes
+    from dsv4.progress import format_bytes
 
     try:
         experts = Requant(experts_bits, experts_group_size) if experts_bits else None

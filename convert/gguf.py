@@ -48,9 +48,10 @@ from dsv4.atomic_file import atomic_file
 from dsv4.config import ModelArgs
 from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_sizes
 from dsv4.layout import expected_tensors
+from dsv4.progress import Progress
 
 from . import gguf_quants, gguf_tokenizer
-from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Progress, Unit
+from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
 
 ENGRAM_ENCODING = "e4m3_e8m0_32_row264"
 ENGRAM_ROW_BYTES = 264
