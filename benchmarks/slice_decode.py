@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     for spec in a.ab:
         changed = dict(item.split("=", 1) for item in spec.split("+"))
         changed = {k: flags.FLAGS[k].parse(v) for k, v in changed.items()}
-        variants[f"dsv4 {spec}"] = (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="on", **changed))
+        variants[f"dsv4 {spec}"] = (lambda c, n: decode_dsv4(model, c, n), {"fixed_decode": "on", **changed})
     # Warm-up: kernel builds and graph traces happen here, not in the measured runs.
     for name, (run, fl) in variants.items():
         t = time.perf_counter()
