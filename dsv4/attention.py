@@ -414,10 +414,12 @@ class Attention(nn.Module):
         w = self.wo_a
         if isinstance(w, QuantizedLinear) and not dequant_matmul():
             grouped = lambda name: derived(w, f"grouped_{name}", w[name], lambda: w[name].reshape(g, rows, -1))
-            # Both index arrays given: left out, MLX makes the left one with an Arange per call.
+            # Both index arrays given (left out, MLX makes the left one with an Arange per call),
+            # as uint32 (other index types cost a cast per call).
             out = mx.gather_qmm(x, grouped("weight"), grouped("scales"),
                                 None if w.get("biases") is None else grouped("biases"),
-                                lhs_indices=ramp(b * s * g).reshape(b * s, g), rhs_indices=ramp(g)[None],
+                                lhs_indices=ramp(b * s * g, mx.uint32).reshape(b * s, g),
+                                rhs_indices=ramp(g, mx.uint32)[None],
                                 transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
         else:
