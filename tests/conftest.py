@@ -1,5 +1,6 @@
 import pytest
 
+from dsv4.kernels.dialect import backend, poisoned_outputs
 from dsv4.testing import write_tiny_checkpoint
 
 
@@ -14,3 +15,12 @@ def tiny_no_engram_dir(tmp_path_factory):
     """The same without Engram, loadable by mlx-lm's deepseek_v41 too."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ne") / "ckpt", seed=1,
                                  config_overrides={"engram_layer_ids": []})
+
+
+@pytest.fixture
+def kernels_poisoned():
+    """GPU kernel tests: skip without a Metal/CUDA backend; every kernel output starts as NaN."""
+    if backend() is None:
+        pytest.skip("no Metal/CUDA backend on the default device")
+    with poisoned_outputs():
+        yield

@@ -20,19 +20,10 @@ from dsv4 import flags  # noqa: E402
 from dsv4.kernels import experts as ex
 from dsv4.kernels import mhc
 from dsv4.kernels import sparse_attention as sa
-from dsv4.kernels.dialect import backend, poisoned_outputs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
 RNG = np.random.default_rng()
-
-
-@pytest.fixture(autouse=True)
-def on_gpu():
-    if backend() is None:
-        pytest.skip("no Metal/CUDA backend on the default device")
-    with poisoned_outputs():
-        yield
 
 
 def f32(a):

@@ -20,11 +20,10 @@ import pytest  # noqa: E402
 
 from dsv4 import flags  # noqa: E402
 from dsv4.kernels import matvec as mv  # noqa: E402
-from dsv4.kernels.dialect import backend, poisoned_outputs  # noqa: E402
 from dsv4.linear import Linear, fp8_linear  # noqa: E402
 from dsv4.quant import qdq_fp8  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
 RNG = np.random.default_rng()
 
@@ -48,12 +47,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def on_gpu():
-    if backend() is None:
-        pytest.skip("no Metal/CUDA backend on the default device")
-    with poisoned_outputs():
-        yield
 
 
 def quantized(shape, mode, bits, gs, source_dtype):
