@@ -42,11 +42,6 @@ class RMSNorm(nn.Module):
         return (h * self.weight.astype(mx.float32)).astype(x.dtype)
 
 
-def fp8_input(x: mx.array) -> mx.array:
-    """The official fp8/fp4 matmuls see their input rounded to fp8 per 32 values."""
-    return qdq_fp8(x) if flags.get("act_quant") else x
-
-
 # --- RoPE ---------------------------------------------------------------------------------
 
 def rope_frequencies(args: ModelArgs, ratio: int) -> np.ndarray:

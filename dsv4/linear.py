@@ -108,15 +108,29 @@ def _matvec_operand(layer: nn.Module, x: mx.array):
     return q if kernel_supports(x, q) else None
 
 
-def fp8_linear(layer: nn.Module, x: mx.array) -> mx.array:
-    """layer(x), with x rounded to fp8 per 32 values first when flag `act_quant` is on (the
-    official fp8/fp4 matmuls' input rounding, model-spec §11).
+def fp8_input(x: mx.array) -> mx.array:
+    """The official fp8/fp4 matmuls see their input rounded to fp8 per 32 values."""
+    return qdq_fp8(x) if flags.get("act_quant") else x
+
+
+def fp8_linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
+    """[layer(fp8_input(x)) for each layer], x rounded at most once (model-spec §11).
 
     A bias-free quantized layer on a GPU with 1-8 tokens takes the fused kernel (rounding and
     matvec in one launch) when flag `kernel_matvec` is on; everything else, the CPU always,
-    rounds with `qdq_fp8` and calls the layer."""
-    act_quant = bool(flags.get("act_quant"))
-    q = _matvec_operand(layer, x)
-    if q is not None:
-        return quantized_matvec(x, q, act_quant)
-    return layer(qdq_fp8(x) if act_quant else x)
+    calls the layer on the rounded x."""
+    rounded, out = None, []
+    for layer in layers:
+        q = _matvec_operand(layer, x)
+        if q is not None:
+            out.append(quantized_matvec(x, q, bool(flags.get("act_quant"))))
+            continue
+        if rounded is None:
+            rounded = fp8_input(x)
+        out.append(layer(rounded))
+    return out
+
+
+def fp8_linear(layer: nn.Module, x: mx.array) -> mx.array:
+    """layer(fp8_input(x)), fused where `fp8_linears` says."""
+    return fp8_linears(x, layer)[0]

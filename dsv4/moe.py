@@ -8,7 +8,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import fp8_input, topk_indices
+from .attention import topk_indices
 from .config import ModelArgs
 from .constants import derived
 from . import flags
@@ -18,7 +18,8 @@ from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
 from .kernels.router import kernel_applies as router_kernel_applies
 from .kernels.router import route
-from .linear import ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear, fp8_linear
+from .linear import (ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear, fp8_input, fp8_linear,
+                     fp8_linears)
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -96,7 +97,7 @@ class SharedExpert(nn.Module):
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = clamped_swiglu(fp8_linear(self.w1, x), fp8_linear(self.w3, x), self.limit)
+        h = clamped_swiglu(*fp8_linears(x, self.w1, self.w3), self.limit)
         return fp8_linear(self.w2, h.astype(x.dtype))
 
 
