@@ -24,7 +24,7 @@ from .kernels.selection import indexer_can_be_skipped, select_all_visible
 from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
-from .linear import Linear, QuantizedLinear, dequant_matmul, fp8_linear
+from .linear import Linear, QuantizedLinear, dequant_matmul, fp8_linear, fp8_linears
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
 
 
@@ -342,8 +342,9 @@ class Attention(nn.Module):
         """One chunk's attention. `state` (ForwardState for the reference path over the growing
         cache, dsv4.step.StepState for the fixed-shape decode step) holds the cache and answers
         window / compress / select / compressed / output_angles."""
-        qr, q = self.queries(x, state)
-        window, window_idx = state.window(self, self.window_rows(x, state))
+        latent, kv = fp8_linears(x, self.wq_a, self.wkv)   # x rounded to fp8 once for both
+        qr, q = self.queries(latent, state)
+        window, window_idx = state.window(self, self.window_rows(kv, state))
         compressed = topk = None
         if self.ratio:
             if "compressor" in self:
@@ -361,17 +362,18 @@ class Attention(nn.Module):
     # The pieces below are the steps of __call__, written once for both states: positions may
     # be arrays, and the tails of the projections may run fused (state.fused).
 
-    def queries(self, x: mx.array, state) -> tuple[mx.array, mx.array]:
-        """-> (the q-LoRA latent as matmul input [B, S, q_lora_rank], rotated queries [B, S, H, Dh])."""
-        b, s, _ = x.shape
-        qr_in = finish_rows(fp8_linear(self.wq_a, x), self.q_norm,
-                            qdq=qdq_fp8 if flags.get("act_quant") else None, fused=state.fused)
+    def queries(self, latent: mx.array, state) -> tuple[mx.array, mx.array]:
+        """wq_a's output [B, S, q_lora_rank] -> (the q-LoRA latent as matmul input [B, S,
+        q_lora_rank], rotated queries [B, S, H, Dh])."""
+        b, s, _ = latent.shape
+        qr_in = finish_rows(latent, self.q_norm, qdq=qdq_fp8 if flags.get("act_quant") else None,
+                            fused=state.fused)
         q = self.wq_b(qr_in).reshape(b, s, self.n_heads, self.head_dim)
         return qr_in, finish_rows(q, rot=state.rotation(self._freqs), fused=state.fused)
 
-    def window_rows(self, x: mx.array, state) -> mx.array:
-        """This chunk's window KV rows [B, S, Dh] as the cache holds them."""
-        return finish_rows(fp8_linear(self.wkv, x), self.kv_norm, state.rotation(self._freqs),
+    def window_rows(self, kv: mx.array, state) -> mx.array:
+        """wkv's output [B, S, Dh] -> this chunk's window KV rows as the cache holds them."""
+        return finish_rows(kv, self.kv_norm, state.rotation(self._freqs),
                            qdq_fp8 if flags.get("kv_qdq") else None, state.fused)
 
     def attend(self, q, window, window_idx, compressed, topk, rope_cos=None, rope_sin=None) -> mx.array:
@@ -386,8 +388,7 @@ class Attention(nn.Module):
 
     def project_out(self, o: mx.array) -> mx.array:
         """De-rotated attention output [B, S, H, Dh] -> [B, S, hidden]: grouped wo_a, wo_b."""
-        b, s = o.shape[:2]
-        return fp8_linear(self.wo_b, self._grouped_wo_a(o.reshape(b, s, -1)))
+        return fp8_linear(self.wo_b, self._grouped_wo_a(o))
 
     def compressed_rows(self, latents: mx.array, first, state) -> tuple[mx.array, Optional[mx.array]]:
         """Latents of groups first.. -> (their compressed KV rows, their index keys or None
@@ -402,7 +403,7 @@ class Attention(nn.Module):
         return row, keys
 
     def _grouped_wo_a(self, o: mx.array) -> mx.array:
-        """Each group of heads through its own block of wo_a: [B, S, H*Dh] -> [B, S, G*L]."""
+        """Each group of heads through its own block of wo_a: [B, S, H, Dh] -> [B, S, G*L]."""
         g, b, s = self.args.o_groups, o.shape[0], o.shape[1]
         x = o.reshape(b * s, g, 1, -1)
         rows = self.args.o_lora_rank
@@ -413,8 +414,8 @@ class Attention(nn.Module):
             # as uint32 (other index types cost a cast per call).
             out = mx.gather_qmm(x, grouped("weight"), grouped("scales"),
                                 None if w.get("biases") is None else grouped("biases"),
-                                lhs_indices=ramp(b * s * g, mx.uint32).reshape(b * s, g),
-                                rhs_indices=ramp(g, mx.uint32)[None],
+                                lhs_indices=ramp(b * s * g, mx.uint32, (b * s, g)),
+                                rhs_indices=ramp(g, mx.uint32, (1, g)),
                                 transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
         else:

@@ -24,10 +24,11 @@ _NUMPY = {mx.int32: np.int32, mx.int64: np.int64, mx.uint32: np.uint32, mx.float
 
 
 @lru_cache(maxsize=512)
-def ramp(n: int, dtype: mx.Dtype = mx.int32) -> mx.array:
+def ramp(n: int, dtype: mx.Dtype = mx.int32, shape: tuple = None) -> mx.array:
     """0, 1, .., n-1 as an array of host data (so a graph traced by mx.compile takes it as a
-    constant, not an Arange primitive, even on the first call); treat as read-only."""
-    return mx.array(np.arange(n, dtype=_NUMPY[dtype]))
+    constant, not an Arange primitive, even on the first call), laid out as `shape` (default
+    [n]; a reshape inside the graph would be a primitive too); treat as read-only."""
+    return mx.array(np.arange(n, dtype=_NUMPY[dtype]).reshape(shape or (n,)))
 
 
 @contextlib.contextmanager

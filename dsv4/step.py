@@ -99,17 +99,17 @@ class StepState:
         offset = self.pos if offset is None else offset
         key = (id(freqs), id(offset), scale)
         if key not in self.angles:
-            theta = (offset.astype(mx.float32) * scale)[:, None] * mx.reciprocal(freqs)[None]
-            self.angles[key] = (mx.cos(theta)[0], mx.sin(theta)[0])
+            # [1] * [R]: the angles come out as [R], no views between the fused ops.
+            theta = offset.astype(mx.float32) * scale * mx.reciprocal(freqs)
+            self.angles[key] = (mx.cos(theta), mx.sin(theta))
         return Rotation(offset, freqs, scale, self.angles[key])
 
     # What `Attention.__call__` asks of its state (see attention.ForwardState), here over the
     # fixed-shape buffers.
 
     def output_angles(self, attn) -> tuple[mx.array, mx.array]:
-        """cos/sin [1, 1, R] of this position's angles: the attention de-rotates its output."""
-        cos, sin = self.rotation(attn._freqs).angles
-        return cos[None, None], sin[None, None]
+        """cos/sin [R] of this position's angles (every query's): the attention de-rotates its output."""
+        return self.rotation(attn._freqs).angles
 
     def window(self, attn, rows: mx.array) -> tuple[mx.array, mx.array]:
         return self.write(f"{attn.layer}.window", rows, self.slot), self.window_idx

@@ -101,7 +101,7 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ) -> mx.array:
     cos, sin = rope if rope is not None else (constant((0.0,) * 8), constant((0.0,) * 8))
     rows = x.size // D
     (out,) = ROW_TAIL_KERNEL(
-        inputs=[x, weight, cos.reshape(-1), sin.reshape(-1), constant((float(eps),))],
+        inputs=[x, weight, cos, sin, constant((float(eps),))],
         output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.size),

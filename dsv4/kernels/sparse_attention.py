@@ -71,14 +71,15 @@ def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx
 def inverse_rope_reference(x, cos, sin):
     """De-rotate the last 2*R dims of x [B, S, H, D] in interleaved pairs (model-spec §3.3).
 
-    cos, sin are [B, S, R] fp32: the angles of each query's position. Pair k = dims
-    (D-2R+2k, D-2R+2k+1); (a, b) -> (a cos + b sin, -a sin + b cos), in fp32.
+    cos, sin are [B, S, R] fp32: the angles of each query's position ([R]: one position for
+    every query). Pair k = dims (D-2R+2k, D-2R+2k+1); (a, b) -> (a cos + b sin, -a sin + b cos),
+    in fp32.
     """
     R = cos.shape[-1]
     D = x.shape[-1]
     rot = x[..., D - 2 * R:].astype(mx.float32).reshape(*x.shape[:-1], R, 2)
     a, b = rot[..., 0], rot[..., 1]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     out = mx.stack([a * c + b * s, b * c - a * s], axis=-1).reshape(*x.shape[:-1], 2 * R)
     return mx.concatenate([x[..., :D - 2 * R], out.astype(x.dtype)], axis=-1)
 
@@ -270,8 +271,8 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     if compressed_kv is not None:
         topk_idx = fit(topk_idx)
     if compressed_kv is None:   # one never-selected row stands for the missing cache
-        compressed_kv = constant((0.0,) * D, q.dtype).reshape(1, 1, D)
-        topk_idx = constant((-1,) * (B * S), mx.int32).reshape(B, S, 1)
+        compressed_kv = constant((((0.0,) * D,),), q.dtype)                  # [1, 1, D]
+        topk_idx = constant((((-1,),) * S,) * B, mx.int32)                   # [B, S, 1]
     groups = math.ceil(H / HEADS_PER_GROUP)
     G = min(H, HEADS_PER_GROUP)
     rows = window_idx.shape[-1] + topk_idx.shape[-1]
@@ -290,6 +291,8 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     rope_half = 0 if rope_cos is None else rope_cos.shape[-1]
     if rope_cos is None:
         rope_cos = rope_sin = constant((0.0,) * 8)
+    elif rope_cos.size != B * S * rope_half:   # [R] shared by several queries: one row each
+        rope_cos, rope_sin = (mx.broadcast_to(a, (B, S, rope_half)) for a in (rope_cos, rope_sin))
     (out,) = MERGE_KERNEL(
         inputs=[part_acc, part_ml, _float32(sinks), _float32(rope_cos), _float32(rope_sin)],
         output_shapes=[q.shape], output_dtypes=[q.dtype],
@@ -309,8 +312,9 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
     topk_idx      [B|1, S, k]   int: rows of compressed_kv each query sees; -1 = none
     sinks         [H]           fp32 sink logits (denominator only)
     scale         float         softmax scale (512**-0.5 in V4.1)
-    rope_cos/sin  [B, S, R]     optional fp32 cos/sin of each query's RoPE angles: the last
-                                2R dims of the output are de-rotated (interleaved pairs)
+    rope_cos/sin  [B, S, R]     optional fp32 cos/sin of each query's RoPE angles ([R]: the
+                                same for every query): the last 2R dims of the output are
+                                de-rotated (interleaved pairs)
     returns       [B, S, H, D]  in q's dtype; zeros for a query with no valid row
 
     Uses the GPU kernel when the backend has one, flag `kernel_sparse_attention` is on and
