@@ -42,13 +42,17 @@ class Block(nn.Module):
         if layer in args.engram_layer_ids:
             self.engram = Engram(args)
 
-    def __call__(self, streams: mx.array, pre: mx.array, state: ForwardState) -> tuple[mx.array, mx.array]:
+    def __call__(self, streams: mx.array, pre: mx.array, state: ForwardState,
+                 lead: tuple[int, int]) -> tuple[mx.array, mx.array]:
+        """streams [B*S, hc, D] (tokens flat: the kernels' and the MoE's layout), pre the
+        previous site's [B*S, hc], lead = (B, S) -> the new streams and this block's pre."""
         a = self.args
         mixes = (a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
-        # Each site's input (collapse with the previous site's pre, RMSNorm) and its own mixes.
+        # Each site's input (collapse with the previous site's pre, RMSNorm) and its own mixes;
+        # the attention takes x as [B, S, D] (written so by the kernel, no reshape).
         x, a_pre, a_post, a_comb = hc_mixes_collapse_norm(
             streams, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-            self.attn_norm.weight, self.attn_norm.eps, *mixes)
+            self.attn_norm.weight, self.attn_norm.eps, *mixes, x_shape=(*lead, streams.shape[-1]))
         x = profiler.mark("attention", self.attn(x, state))
         streams = profiler.mark("mhc", hc_expand(x, streams, a_post, a_comb))
         x, f_pre, f_post, f_comb = hc_mixes_collapse_norm(
@@ -138,14 +142,18 @@ class Model(nn.Module):
         fixed-shape step's); `engram_rows(layer)` gives the table rows [B, S, heads, dim]
         (called when that layer is reached, so reads overlap the earlier layers)."""
         b, s = ids.shape
+        hc, d = self.args.hc_mult, self.args.hidden_size
         h = profiler.mark("embed", self.embed(ids))
-        streams = mx.broadcast_to(h[:, :, None, :], (b, s, self.args.hc_mult, self.args.hidden_size))
-        pre = mx.zeros((b, s, self.args.hc_mult), mx.float32)
-        pre[..., 0] = 1.0
+        # Streams travel with their tokens flat, [B*S, hc, D]; pre starts as copy 0 (host data:
+        # a constant to the compiled step).
+        streams = mx.broadcast_to(h.reshape(b * s, 1, d), (b * s, hc, d))
+        pre = mx.array(np.eye(1, hc, dtype=np.float32).repeat(b * s, axis=0))
         for block in self.layers:
             if "engram" in block:
-                streams = profiler.mark("engram", block.engram(streams, engram_rows(block.layer)))
-            streams, pre = block(streams, pre, state)
-        x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps)
+                rows = engram_rows(block.layer)
+                streams = profiler.mark("engram", block.engram(streams.reshape(b, s, hc, d), rows))
+                streams = streams.reshape(b * s, hc, d)
+            streams, pre = block(streams, pre, state, (b, s))
+        x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps, (b, s, d))
         # fp32 logits; the head may be plain bf16 (official) or quantized (GGUF Q8_0, EXL3).
         return profiler.mark("head", self.head(x.astype(mx.float32)).astype(mx.float32))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import mlx.core as mx
@@ -110,10 +111,11 @@ class MoE(nn.Module):
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array, expand: Optional[tuple[mx.array, mx.array, mx.array]] = None) -> mx.array:
-        """x [B, S, D] -> [B, S, D]; with expand = (streams, post, comb) of the FFN site, the
-        expanded streams [B, S, hc, D] (fused into the experts kernel where it runs)."""
+        """x [..., D] -> [..., D]; with expand = (streams, post, comb) of the FFN site, the
+        expanded streams [..., hc, D] (fused into the experts kernel where it runs). Tokens
+        given flat ([N, D], streams [N, hc, D]) need no reshapes."""
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
+        flat = x.reshape(math.prod(shape[:-1]), shape[-1])   # an explicit shape: no-op when 2D
         ids, weights = self.gate(flat)
         fused = self._fused(flat, ids, weights, expand)
         if fused is not None:
@@ -134,7 +136,7 @@ class MoE(nn.Module):
             return None
         if expand is not None:
             streams, post, comb = expand
-            hc, d = streams.shape[-2:]
-            expand = (streams.reshape(-1, hc, d), post.reshape(-1, hc), comb.reshape(-1, hc, hc))
+            (n, _), (hc, d) = flat.shape, streams.shape[-2:]
+            expand = (streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc))
         return experts(flat, ids, weights, q[0], q[1], q[2], tuple(q[3:]), self.limit,
                        bool(flags.get("act_quant")), expand)

@@ -45,16 +45,19 @@ def hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations=20
     return pre, post, c
 
 
-def hc_collapse_norm_reference(streams, pre, weight, eps):
+def hc_collapse_norm_reference(streams, pre, weight, eps, shape=None):
     """Plain-MLX definition; see `hc_collapse_norm`."""
+    pre = pre.reshape(streams.shape[:-1])   # the same tokens, maybe laid out otherwise
     collapsed = mx.sum(pre[..., None] * streams.astype(mx.float32), axis=-2).astype(streams.dtype)
     h = collapsed.astype(mx.float32)
     h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + eps)
-    return (h * weight.astype(mx.float32)).astype(streams.dtype)
+    out = (h * weight.astype(mx.float32)).astype(streams.dtype)
+    return out if shape is None else out.reshape(shape)
 
 
 def hc_expand_reference(y, residual, post, comb):
     """Plain-MLX definition; see `hc_expand`."""
+    y = y.reshape(*residual.shape[:-2], y.shape[-1])   # the same tokens, maybe laid out otherwise
     mixed = comb.swapaxes(-1, -2) @ residual.astype(mx.float32)
     return (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
 
@@ -311,45 +314,48 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     return pre, post, comb
 
 
-def hc_collapse_norm(streams, pre, weight, eps):
+def hc_collapse_norm(streams, pre, weight, eps, shape=None):
     """RMSNorm of the collapse sum_c pre_c X_c (fp32 sum rounded to the streams' dtype).
 
     streams [B, S, hc, D]; pre [B, S, hc] fp32; weight [D] (any float dtype). Returns
     [B, S, D] in the streams' dtype: w * h * rsqrt(mean(h^2) + eps) in fp32, rounded once
-    (dsv4.attention.RMSNorm's formula, the official one).
+    (dsv4.attention.RMSNorm's formula, the official one). The tokens may be laid out otherwise
+    (flat: streams [B*S, hc, D]), pre's apart from the streams'; the result has the streams'
+    or `shape` (e.g. [B, S, D] from flat streams: the kernel writes it so, no reshape).
     """
     if not _use_kernel(streams.dtype) or weight.dtype not in (mx.bfloat16, mx.float16, mx.float32):
-        return hc_collapse_norm_reference(streams, pre, weight, eps)
+        return hc_collapse_norm_reference(streams, pre, weight, eps, shape)
     *lead, hc, D = streams.shape
     tokens = math.prod(lead)
     (out,) = COLLAPSE_NORM_KERNEL(
         inputs=[streams, _float32(pre), weight, constant((float(eps),))],
-        output_shapes=[(*lead, D)], output_dtypes=[streams.dtype],
+        output_shapes=[shape or (*lead, D)], output_dtypes=[streams.dtype],
         grid=(ROW_THREADS, tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D)])
     return out
 
 
 def hc_mixes_collapse_norm_reference(streams, pre_in, fn, scale, base, norm_weight, rms_eps,
-                                     norm_eps, hc_eps, iterations=20):
+                                     norm_eps, hc_eps, iterations=20, x_shape=None):
     """Plain-MLX definition; see `hc_mixes_collapse_norm`."""
-    x = hc_collapse_norm_reference(streams, pre_in, norm_weight, rms_eps)
+    x = hc_collapse_norm_reference(streams, pre_in, norm_weight, rms_eps, x_shape)
     return (x, *hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations))
 
 
 def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_eps, norm_eps,
-                           hc_eps, iterations=20):
+                           hc_eps, iterations=20, x_shape=None):
     """One mHC site's entry: the sublayer input and this site's mixes, from the same streams.
 
     x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps), where pre_in is the previous
-    site's pre; (pre, post, comb) = hc_mixes(streams, fn, scale, base, norm_eps, hc_eps,
-    iterations). Returns (x, pre, post, comb), shapes and dtypes as those two give them.
-    On the kernel path two launches instead of three: the projection, then one kernel that
-    collapses and normalises while one of its SIMD groups finishes the mixes.
+    site's pre (in any layout of the streams' tokens); (pre, post, comb) = hc_mixes(streams, fn, scale, base, norm_eps, hc_eps,
+    iterations). Returns (x, pre, post, comb), shapes and dtypes as those two give them (x
+    laid out as `x_shape` if given). On the kernel path two launches instead of three: the
+    projection, then one kernel that collapses and normalises while one of its SIMD groups
+    finishes the mixes.
     """
     float_weight = norm_weight.dtype in (mx.bfloat16, mx.float16, mx.float32)
     if not _use_kernel(streams.dtype, streams.shape[-2]) or not float_weight:
-        x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps)
+        x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps, x_shape)
         return (x, *hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations))
     *lead, hc, D = streams.shape
     partial, splits = _project(streams, fn)
@@ -357,7 +363,7 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         inputs=[partial, _float32(scale), _float32(base),
                 constant((float(norm_eps), float(hc_eps), float(rms_eps))), streams,
                 _float32(pre_in), norm_weight],
-        output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), (*lead, D)],
+        output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape or (*lead, D)],
         output_dtypes=[mx.float32] * 3 + [streams.dtype],
         grid=(ROW_THREADS + 32, math.prod(lead), 1), threadgroup=(ROW_THREADS + 32, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
@@ -369,6 +375,8 @@ def hc_expand(y, residual, post, comb):
 
     y [B, S, D] (sublayer output); residual [B, S, hc, D] (streams that entered the site);
     post [B, S, hc], comb [B, S, hc, hc] fp32. Returns [B, S, hc, D] in the residual's dtype.
+    The tokens may be laid out otherwise (flat: residual [B*S, hc, D], post [B*S, hc], ...),
+    y's apart from the others' (e.g. [B, S, D] with flat streams): the result has the residual's.
     """
     if not _use_kernel(residual.dtype) or y.dtype != residual.dtype:
         return hc_expand_reference(y, residual, post, comb)
