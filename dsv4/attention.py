@@ -111,14 +111,18 @@ class Rotation:
 
 
 def finish_rows(x: mx.array, norm: Optional[RMSNorm] = None, rot: Optional[Rotation] = None,
-                qdq=None, fused: bool = False) -> mx.array:
-    """A projection's tail: RMSNorm, then RoPE, then one of the QDQ roundings (each optional).
-    `fused` (the fixed-shape step) runs it as one kernel where dsv4/kernels/rows.py can."""
+                qdq=None, fused: bool = False, shape: Optional[tuple] = None) -> mx.array:
+    """A projection's tail: RMSNorm, then RoPE, then one of the QDQ roundings (each optional),
+    on x reshaped to `shape` first if given (rows of shape[-1], e.g. split into heads).
+    `fused` (the fixed-shape step) runs it as one kernel where dsv4/kernels/rows.py can (which
+    writes its output in that shape: no reshape)."""
     fmt = {None: rows.NO_QDQ, qdq_fp8: rows.FP8, qdq_fp4_pow2: rows.FP4}.get(qdq)
     if (fused and fmt is not None and (rot is None or rot.angles is not None)
-            and rows.kernel_applies(x, fmt)):
+            and rows.kernel_applies(x, fmt, x.shape[-1] if shape is None else shape[-1])):
         return rows.row_tail(x, None if norm is None else (norm.weight, norm.eps),
-                             None if rot is None else rot.angles, fmt)
+                             None if rot is None else rot.angles, fmt, shape)
+    if shape is not None:
+        x = x.reshape(shape)
     if norm is not None:
         x = norm(x)
     if rot is not None:
@@ -254,9 +258,10 @@ class Compressor(nn.Module):
         fp32 = lambda m: derived(m, "fp32_t", m.weight, lambda: m.weight.astype(mx.float32).T)
         return h @ fp32(self.wkv), h @ fp32(self.wgate)
 
-    def pool(self, kv: mx.array, gate: mx.array, dtype: mx.Dtype) -> mx.array:
-        """Groups [B, n, ratio, Dh] of inputs -> their latents [B, n, Dh]."""
-        pooled = mx.sum(kv * mx.softmax(gate, axis=2), axis=2)
+    def pool(self, kv: mx.array, gate: mx.array, dtype: mx.Dtype, keepdims: bool = False) -> mx.array:
+        """Groups [B, n, ratio, Dh] of inputs -> their latents [B, n, Dh]; with keepdims, one
+        group [B, ratio, Dh] -> its latent [B, 1, Dh] (no expand before, no squeeze after)."""
+        pooled = mx.sum(kv * mx.softmax(gate, axis=-2), axis=-2, keepdims=keepdims)
         return self.norm(pooled.astype(dtype))
 
 
@@ -282,15 +287,15 @@ class Indexer(nn.Module):
                  freqs: mx.array, ratio: int) -> mx.array:
         """qr_in: the q-LoRA latent as matmul input (Attention.queries)."""
         b, s, _ = x.shape
-        q = self.wq_b(qr_in).reshape(b, s, self.n_heads, self.head_dim)
-        q = finish_rows(q, None, state.rotation(freqs), qdq_fp4_pow2 if flags.get("kv_qdq") else None,
-                        state.fused)
+        q = finish_rows(self.wq_b(qr_in), None, state.rotation(freqs),
+                        qdq_fp4_pow2 if flags.get("kv_qdq") else None, state.fused,
+                        (b, s, self.n_heads, self.head_dim))
         w = self.weights_proj(x).astype(mx.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B,S,h,N]
         scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
         n = keys.shape[1]
         visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]
-        scores = mx.where(ramp(n)[None, :] < visible, scores, -mx.inf)
+        scores = mx.where(ramp(n) < visible, scores, -mx.inf)
         if self.args.is_candidate_source(self.layer):
             state.candidates = self._candidates(scores, visible)
         elif self.args.uses_candidates(self.layer) and state.candidates is not None:
@@ -308,7 +313,7 @@ class Indexer(nn.Module):
         blocks = mx.max(padded.reshape(b, s, -1, size), axis=-1)
         nb = blocks.shape[-1]
         newest = mx.where(visible > 0, (visible - 1) // size, -1)                          # [S,1]
-        blocks = mx.where(ramp(nb)[None, :] == newest, mx.inf, blocks)
+        blocks = mx.where(ramp(nb) == newest, mx.inf, blocks)
         kb = min(self.args.candidate_topk_blocks, nb)
         chosen = topk_indices(blocks, kb)
         keep = mx.take_along_axis(blocks, chosen, axis=-1) > -mx.inf
@@ -368,8 +373,8 @@ class Attention(nn.Module):
         b, s, _ = latent.shape
         qr_in = finish_rows(latent, self.q_norm, qdq=qdq_fp8 if flags.get("act_quant") else None,
                             fused=state.fused)
-        q = self.wq_b(qr_in).reshape(b, s, self.n_heads, self.head_dim)
-        return qr_in, finish_rows(q, rot=state.rotation(self._freqs), fused=state.fused)
+        return qr_in, finish_rows(self.wq_b(qr_in), rot=state.rotation(self._freqs), fused=state.fused,
+                                  shape=(b, s, self.n_heads, self.head_dim))
 
     def window_rows(self, kv: mx.array, state) -> mx.array:
         """wkv's output [B, S, Dh] -> this chunk's window KV rows as the cache holds them."""

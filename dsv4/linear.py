@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import flags
-from .constants import kept
+from .constants import derived, kept
 from .kernels.experts import QuantizedMatrix
 from .kernels.matvec import kernel_supports, quantized_matvec
 from .quant import qdq_fp8
@@ -42,6 +42,12 @@ def _dense(module: nn.Module, dtype: mx.Dtype) -> mx.array:
 
 
 class Linear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        # nn.Linear's product with the transposed weight kept (a view of the same memory) inside
+        # the fixed-shape decode step: no Transpose primitive per step.
+        w = derived(self, "transposed", self["weight"], lambda: self["weight"].T)
+        return mx.addmm(self["bias"], x, w) if "bias" in self else x @ w
+
     def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 

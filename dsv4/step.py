@@ -128,8 +128,8 @@ class StepState:
             first = self.pos // r
             group = (first * r) % self.ring
             b, _, d = kv.shape
-            take = lambda a: mx.slice(a, group, axes=(1,), slice_size=(b, r, d))[:, None]
-            latents = comp.pool(take(kv), take(gate), x.dtype)
+            take = lambda a: mx.slice(a, group, axes=(1,), slice_size=(b, r, d))
+            latents = comp.pool(take(kv), take(gate), x.dtype, keepdims=True)
         row, keys = attn.compressed_rows(latents, first, self)
         self.write(f"{layer}.compressed", row, first)
         if keys is not None:

@@ -84,25 +84,29 @@ ROW_TAIL_KERNEL = Kernel(
              (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4)))))
 
 
-def kernel_applies(x: mx.array, qdq: int) -> bool:
+def kernel_applies(x: mx.array, qdq: int, width: int = None) -> bool:
+    """Whether `row_tail` takes x's rows of `width` values (default x.shape[-1])."""
+    width = x.shape[-1] if width is None else width
     return (bool(flags.get("kernel_rows")) and backend() is not None
             and x.dtype in (mx.bfloat16, mx.float16, mx.float32)
-            and x.shape[-1] <= MAX_WIDTH and (qdq == NO_QDQ or x.shape[-1] % 32 == 0))
+            and width <= MAX_WIDTH and (qdq == NO_QDQ or width % 32 == 0))
 
 
-def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ) -> mx.array:
+def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple = None) -> mx.array:
     """x [..., D] -> the same shape and dtype, through the stages asked for.
 
     norm: (weight [D], eps) or None; rope: (cos [R], sin [R]) fp32 or None (the last 2R
-    dims are rotated, adjacent pairs); qdq: FP8, FP4 or NO_QDQ. Call only where
-    `kernel_applies(x, qdq)`."""
-    D = x.shape[-1]
+    dims are rotated, adjacent pairs); qdq: FP8, FP4 or NO_QDQ. With `shape` (the same
+    size), x's rows are of shape[-1] values and the result has that shape (a projection's
+    output split into heads without a reshape). Call only where `kernel_applies(x, qdq, D)`."""
+    shape = x.shape if shape is None else tuple(shape)
+    D = shape[-1]
     weight, eps = norm if norm is not None else (constant((0.0,) * 8), 0.0)
     cos, sin = rope if rope is not None else (constant((0.0,) * 8), constant((0.0,) * 8))
     rows = x.size // D
     (out,) = ROW_TAIL_KERNEL(
         inputs=[x, weight, cos, sin, constant((float(eps),))],
-        output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(THREADS, rows, 1),
+        output_shapes=[shape], output_dtypes=[x.dtype], grid=(THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.size),
                   ("NORM", norm is not None), ("QDQ", 1 + qdq)])
