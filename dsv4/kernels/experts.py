@@ -17,10 +17,12 @@ row at bit i*bits (3-bit values may straddle words), fp4 e2m1 nibbles low first,
 The kernel is two launches: gate+up matvecs with the clamped SwiGLU and the router weight
 fused (a threadgroup per 32 rows of one token-expert pair holds the token's x in threadgroup
 memory; each SIMD group makes ROWS_GATE_UP rows, its lanes split the input), then the
-down matvecs of all of a token's experts with the bf16 rounding per expert and the sum
-fused. Each lane works on packs of 32 consecutive values (`bits` words, one scale group for
-mx modes), decoded in registers; fp4/fp8 codes become fp16 bit patterns, whose fixed
-exponent offset is folded into the block scale.
+down matvecs with the bf16 rounding per expert and the sum fused (a threadgroup per
+ROWS_DOWN rows of one token, one SIMD group per expert slot, so that every selected expert's
+rows stream at once; the slots are summed in order afterwards). Each lane works on packs of
+32 consecutive values (`bits` words, one scale group for mx modes), decoded in registers;
+fp4/fp8 codes become fp16 bit patterns, whose fixed exponent offset is folded into the block
+scale.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ MAX_KERNEL_TOKENS = 8
 ROWS_GATE_UP = 4    # rows per SIMD group; a threadgroup makes 32 rows of h (one fp8 block)
 X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
 SHARED_BYTES = 48 * 1024   # static threadgroup memory every backend allows
-DOWN_WARPS = 4
-ROWS_DOWN = 2
+ROWS_DOWN = 4       # rows per threadgroup of the down kernel (one SIMD group per expert slot)
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
 AFFINE_BITS = (2, 3, 4, 8)
 
@@ -349,41 +350,41 @@ _GATE_UP_BODY = r"""
 """
 
 _DOWN_BODY = r"""
-  // grid (32*warps, ceil(DO / (warps*ROWS)), tokens); h is [tokens, K+HS, I], y is [tokens, DO].
+  // grid (32*(K+HS), ceil(DO / ROWS), tokens): SIMD group s makes slot s's dots for the
+  // threadgroup's ROWS rows (every expert's weights stream at once); the threadgroup then sums
+  // the slots in slot order. h is [tokens, K+HS, I], y is [tokens, DO].
   const int t = group_z;
-  const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
-  if (row0 >= DO) return;
-  float total[ROWS];
-  for (int r = 0; r < ROWS; ++r) total[r] = 0.0f;
-  for (int slot = 0; slot < K + HS; ++slot) {
-    GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;
-    float acc[ROWS], unused[ROWS];
-    if (slot < K) {
-      rows_dot<MODE, BITS, GS, ROWS, I, 0, false>(hrow, down_w, down_s, down_b, down_w, down_s,
-                                                  down_b, (size_t)idx[t * K + slot] * DO, row0, DO,
-                                                  acc, unused, lane);
-    } else {
-      rows_dot<SMODE, SBITS, SGS, ROWS, I, 0, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
-                                                     sdown_s, sdown_b, 0, row0, DO, acc, unused,
-                                                     lane);
-    }
-    // Each expert's output is rounded to the activation dtype, as its own matmul would be.
-    for (int r = 0; r < ROWS; ++r) total[r] += float(static_cast<T>(acc[r]));
+  const int row0 = (int)group_y * ROWS;
+  const int slot = (int)warp;
+  GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;
+  float acc[ROWS], unused[ROWS];
+  if (slot < K) {
+    rows_dot<MODE, BITS, GS, ROWS, I, 0, false>(hrow, down_w, down_s, down_b, down_w, down_s,
+                                                down_b, (size_t)idx[t * K + slot] * DO, row0, DO,
+                                                acc, unused, lane);
+  } else {
+    rows_dot<SMODE, SBITS, SGS, ROWS, I, 0, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
+                                                   sdown_s, sdown_b, 0, row0, DO, acc, unused, lane);
   }
-  if (lane == 0) {
-    for (int r = 0; r < ROWS && row0 + r < DO; ++r) {
-      const int o = row0 + r;
-      if (HC == 0) {
-        y[(size_t)t * DO + o] = static_cast<T>(total[r]);
-      } else {
-        // mHC expand fused: y becomes the HC new streams [tokens, HC, DO], in hc_expand's order.
-        const float yv = float(static_cast<T>(total[r]));
-        for (int j = 0; j < HC; ++j) {
-          float v = post[t * HC + j] * yv;
-          for (int i = 0; i < HC; ++i)
-            v += comb[(t * HC + i) * HC + j] * float(residual[((size_t)t * HC + i) * DO + o]);
-          y[((size_t)t * HC + j) * DO + o] = static_cast<T>(v);
-        }
+  // Each expert's output is rounded to the activation dtype, as its own matmul would be.
+  SHARED float part[(K + HS) * ROWS];
+  if (lane == 0)
+    for (int r = 0; r < ROWS; ++r) part[slot * ROWS + r] = float(static_cast<T>(acc[r]));
+  BARRIER();
+  const int o = row0 + (int)tid;
+  if ((int)tid < ROWS && o < DO) {
+    float total = 0.0f;
+    for (int s = 0; s < K + HS; ++s) total += part[s * ROWS + (int)tid];
+    if (HC == 0) {
+      y[(size_t)t * DO + o] = static_cast<T>(total);
+    } else {
+      // mHC expand fused: y becomes the HC new streams [tokens, HC, DO], in hc_expand's order.
+      const float yv = float(static_cast<T>(total));
+      for (int j = 0; j < HC; ++j) {
+        float v = post[t * HC + j] * yv;
+        for (int i = 0; i < HC; ++i)
+          v += comb[(t * HC + i) * HC + j] * float(residual[((size_t)t * HC + i) * DO + o]);
+        y[((size_t)t * HC + j) * DO + o] = static_cast<T>(v);
       }
     }
   }
@@ -500,8 +501,7 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     (y,) = DOWN_KERNEL(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
         output_shapes=[out_shape], output_dtypes=[x.dtype],
-        grid=(32 * DOWN_WARPS, math.ceil(DO / (DOWN_WARPS * ROWS_DOWN)), T),
-        threadgroup=(32 * DOWN_WARPS, 1, 1),
+        grid=(32 * (K + HS), math.ceil(DO / ROWS_DOWN), T), threadgroup=(32 * (K + HS), 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
         template=common + [("ROWS", ROWS_DOWN), ("I", I), ("DO", DO), ("HC", hc)])
     return y
@@ -528,6 +528,7 @@ def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
     """
     if (flags.get("kernel_moe") and backend() is not None
             and kernel_supports(x, gate, up, down, shared)
+            and indices.shape[-1] + (shared is not None) <= 32   # a SIMD group per slot (down)
             and (expand is None or expand[0].dtype == x.dtype)):
         return experts_kernel(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant, expand)
     y = experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
