@@ -224,6 +224,28 @@ def bench_matvec(lines, bandwidth):
     lines.append("")
 
 
+def bench_head(lines, bandwidth):
+    """The bf16 head (129280 x 5120) to fp32 logits for one token: the one-pass kernel against
+    what the model did before it (x_fp32 @ W.T: MLX widens W to an fp32 temporary first) and
+    mlx-lm's bf16 product (bf16 logits: not the reference's numerics, the speed to beat)."""
+    from dsv4.kernels import head
+    V, D = 129280, 5120
+    w = (mx.random.normal((V, D)) / D ** 0.5).astype(mx.bfloat16)
+    x = mx.random.normal((1, D)) * 3
+    xb = x.astype(mx.bfloat16)
+    mx.eval(w, x, xb)
+    t = compare({"kernel": lambda: head.head_logits(x, w),
+                 "reference": lambda: x @ w.T,
+                 "mlx_lm": lambda: xb @ w.T})
+    diff = max_diff(head.head_logits(x, w), x @ w.T)
+    gbs = w.nbytes / t["kernel"]
+    lines += ["## Head: 129280 x 5120 bf16 -> fp32 logits, T=1", "",
+              "| case | kernel µs | x_fp32 @ W.T µs | mlx_lm bf16 x @ W.T µs | mlx_lm/kernel | "
+              "kernel weight GB/s, % of copy bw; max |kernel-ref| |", "|---|---|---|---|---|---|",
+              row("T=1", t, "mlx_lm", f"{gbs / 1e9:.0f} GB/s, {100 * gbs / bandwidth:.0f}%; {diff:.2e}"),
+              f"(x_fp32 @ W.T / kernel: {t['reference'] / t['kernel']:.2f}x)", ""]
+
+
 def bench_mhc(lines):
     D = 5120
     lines += ["## mHC (hc = 4, D = 5120)", "",
@@ -293,7 +315,7 @@ def overhead(lines):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="Markdown report to write")
-    parser.add_argument("--only", choices=["attention", "experts", "matvec", "mhc"], action="append")
+    parser.add_argument("--only", choices=["attention", "experts", "matvec", "head", "mhc"], action="append")
     args = parser.parse_args()
     if backend() is None:
         sys.exit("kernels_bench needs a GPU backend (Metal or CUDA) on the default device")
@@ -301,10 +323,11 @@ def main():
     lines = [f"# Custom kernels vs references — {now:%Y-%m-%d %H:%M} UTC", "", hardware(), "",
              f"Medians of {ROUNDS} interleaved rounds of {CALLS} calls per variant (µs per call).", ""]
     overhead(lines)
-    todo = args.only or ["attention", "experts", "matvec", "mhc"]
+    todo = args.only or ["attention", "experts", "matvec", "head", "mhc"]
     steps = {"attention": lambda: bench_attention(lines),
              "experts": lambda: bench_experts(lines, copy_bandwidth()),
              "matvec": lambda: bench_matvec(lines, copy_bandwidth()),
+             "head": lambda: bench_head(lines, copy_bandwidth()),
              "mhc": lambda: bench_mhc(lines)}
     for name in todo:
         print(f"[kernels_bench] {name} ...", flush=True)

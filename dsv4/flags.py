@@ -155,6 +155,9 @@ define("kernel_matvec", False,
        "fused, through the custom GPU matvec kernel; off (default: on the H200 it loses to MLX's "
        "quantized_matmul below ~5000 rows and the slice decodes no faster with it, "
        "benchmarks/results/2026-11-29-1817-slice-decode.md) runs quantized_matmul")
+define("kernel_head", True,
+       "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel; off "
+       "runs x_fp32 @ W.T, for which MLX converts the whole head to an fp32 temporary every step")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
