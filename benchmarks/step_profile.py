@@ -1,0 +1,191 @@
+"""Where one fixed-shape decode step's time goes: host encode vs GPU, and GPU time per kernel.
+
+    python -m benchmarks.step_profile [--small] [--context 512] [--kernels] [--out DIR]
+
+On the shape-true slice of benchmarks/slice_decode.py (or `--small`), after a prefill and a
+warm-up, with the decode loop's run-ahead (one step in flight):
+
+- split: per step, the host time to build and queue the next step (`step(y)` + `async_eval`:
+  the compiled graph's replay and MLX's encoding of every primitive) and the time then spent
+  waiting for the current token; the same steps chained without any host read; and, one step
+  at a time, encode then the GPU's remaining run. When encode >= the whole step, the host is
+  the bottleneck and only fewer primitives help; when the wait dominates, the GPU is.
+- `--kernels` (CUDA, needs Nsight Compute's `ncu` on PATH or in /usr/local/cuda/bin): re-runs
+  itself under ncu around exactly one step and lists every kernel family with its launches,
+  GPU time, DRAM bytes read and their rate. ncu runs kernels one at a time at locked clocks,
+  so the total is longer than a real step; the shares are what to read.
+
+Writes a dated Markdown report under --out (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+NCU_METRICS = "gpu__time_duration.sum,dram__bytes_read.sum"
+
+
+def decoder_after_prefill(model, context: int):
+    from dsv4.generation import prefill
+    from dsv4.step import decoder
+
+    ids = np.random.default_rng(context).integers(7, model.args.vocab_size, (1, context))
+    cache = model.make_cache()
+    logits = prefill(model, ids, cache)
+    return cache, decoder(model, cache), mx.argmax(logits, axis=-1)
+
+
+def split(model, context: int, steps: int) -> dict:
+    """Median ms per step of: encode (host), wait (for the token in flight), the loop's step;
+    chained steps; one step at a time (encode, then the GPU's remaining run)."""
+    cache, step, y = decoder_after_prefill(model, context)
+    mx.eval(y)
+    encode, wait = [], []
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        ahead = mx.argmax(step(y), axis=-1)
+        mx.async_eval(ahead)
+        t1 = time.perf_counter()
+        int(y.item())
+        wait.append(time.perf_counter() - t1)
+        encode.append(t1 - t0)
+        y = ahead
+    int(y.item())
+    loop = (time.perf_counter() - start) / steps
+    start = time.perf_counter()
+    for _ in range(steps):
+        y = mx.argmax(step(y), axis=-1)
+        mx.async_eval(y)
+    mx.eval(y)
+    chained = (time.perf_counter() - start) / steps
+    alone = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        y = mx.argmax(step(y), axis=-1)
+        mx.async_eval(y)
+        t1 = time.perf_counter()
+        mx.eval(y)
+        alone.append((t1 - t0, time.perf_counter() - t1))
+    step.close(cache.offset)
+    ms = lambda v: 1e3 * statistics.median(v)
+    return {"loop": 1e3 * loop, "encode": ms(encode), "wait": ms(wait), "chained": 1e3 * chained,
+            "alone encode": ms([a for a, _ in alone]), "alone run": ms([b for _, b in alone])}
+
+
+def kernel_family(name: str) -> str:
+    """A readable family name: dsv4 kernels without their template suffix, MLX kernels
+    without their arguments."""
+    name = re.sub(r"\(.*", "", name).replace("void ", "")
+    m = re.match(r"(?:mlx::)?custom_kernel_(dsv4_[a-z0-9_]+?)_(?:bfloat16|float|half|uint|int|bool|[0-9])", name)
+    return m.group(1) if m else name[:80]
+
+
+def summarize_ncu(text: str) -> list[tuple[str, int, float, float]]:
+    """ncu --csv output -> [(family, launches, µs, DRAM bytes read)], by time."""
+    lines = text[text.index('"ID"'):] if '"ID"' in text else ""
+    per_kernel = collections.defaultdict(dict)
+    for row in csv.DictReader(io.StringIO(lines)):
+        if row.get("Metric Name"):
+            per_kernel[row["ID"]]["name"] = row["Kernel Name"]
+            per_kernel[row["ID"]][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+    families = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for k in per_kernel.values():
+        f = families[kernel_family(k["name"])]
+        f[0] += 1
+        f[1] += k.get("gpu__time_duration.sum", 0.0) / 1e3      # ns -> µs
+        f[2] += k.get("dram__bytes_read.sum", 0.0)
+    return sorted(((n, c, t, b) for n, (c, t, b) in families.items()), key=lambda r: -r[2])
+
+
+def ncu_path() -> str | None:
+    return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+
+
+def profiled_step(model, context: int) -> None:
+    """One step between cuProfilerStart/Stop (what `ncu --profile-from-start off` records)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cache, step, y = decoder_after_prefill(model, context)
+    for _ in range(6):                       # kernels built, graphs traced and cached
+        y = mx.argmax(step(y), axis=-1)
+        mx.eval(y)
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    mx.eval(mx.argmax(step(y), axis=-1))
+    mx.synchronize()
+    cuda.cuProfilerStop()
+    step.close(cache.offset)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--kernels", action="store_true", help="also profile one step's kernels under ncu")
+    p.add_argument("--profiled-step", action="store_true", help=argparse.SUPPRESS)   # the run under ncu
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    a = p.parse_args(argv)
+    from benchmarks.hardware import describe, to_markdown
+    from benchmarks.slice_decode import REAL, ROLES, SMALL, build
+    from dsv4 import flags
+
+    model, _, _ = build({**(SMALL if a.small else REAL), **ROLES})
+    with flags.override(fixed_decode="on"):
+        if a.profiled_step:
+            profiled_step(model, a.context)
+            return 0
+        split(model, 64, 4)                  # warm-up: kernel builds, traces
+        runs = [split(model, a.context, a.steps) for _ in range(3)]
+    when = datetime.now()
+    lines = [f"# Decode step profile: {'toy-width' if a.small else 'shape-true'} V4.1 slice", "",
+             f"{when:%Y-%m-%d %H:%M}; context {a.context}, {a.steps} steps per run, 3 runs "
+             "(medians per step, ms).", "",
+             "| run | loop step | encode (host) | wait for token | chained | alone: encode | alone: GPU after encode |",
+             "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(runs):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}" for k in
+                     ("loop", "encode", "wait", "chained", "alone encode", "alone run")) + " |")
+    if a.kernels:
+        ncu = ncu_path()
+        if ncu is None:
+            lines += ["", "--kernels: no ncu found; kernel table skipped."]
+        else:
+            cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable,
+                   "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context)]
+            out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
+            rows = summarize_ncu(out.stdout)
+            total = sum(t for _, _, t, _ in rows)
+            lines += ["", f"Kernels of one step under ncu: {sum(c for _, c, _, _ in rows)} launches, "
+                      f"{total:.0f} µs of GPU time at ncu's locked clocks.", "",
+                      "| kernel | launches | µs | share | DRAM MB read | TB/s |", "|---|---|---|---|---|---|"]
+            lines += [f"| `{n}` | {c} | {t:.1f} | {100 * t / total:.1f}% | {b / 1e6:.2f} | "
+                      f"{b / (t * 1e-6) / 1e12 if t else 0:.2f} |" for n, c, t, b in rows]
+    lines += ["", to_markdown(describe())]
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / f"{when:%Y-%m-%d-%H%M}-step-profile{'-small' if a.small else ''}.md"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
