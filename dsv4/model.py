@@ -19,6 +19,7 @@ from .cache import Cache
 from .config import ModelArgs
 from .engram import DEAD, Engram, NgramHasher
 from .linear import Linear
+from .kernels import head as head_kernel
 from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
@@ -155,5 +156,13 @@ class Model(nn.Module):
                 streams = streams.reshape(b * s, hc, d)
             streams, pre = block(streams, pre, state, (b, s))
         x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps, (b, s, d))
-        # fp32 logits; the head may be plain bf16 (official) or quantized (GGUF Q8_0, EXL3).
-        return profiler.mark("head", self.head(x.astype(mx.float32)).astype(mx.float32))
+        return profiler.mark("head", self.logits(x))
+
+    def logits(self, x: mx.array) -> mx.array:
+        """fp32 logits of the normed x; the head may be plain bf16 (official) or quantized
+        (GGUF Q8_0, EXL3). A few tokens through a bf16 head take the one-pass kernel."""
+        head = self.head
+        if (isinstance(head, nn.Linear) and "bias" not in head
+                and head_kernel.kernel_applies(x, head.weight)):
+            return head_kernel.head_logits(x, head.weight)
+        return head(x.astype(mx.float32)).astype(mx.float32)
