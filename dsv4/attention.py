@@ -360,8 +360,10 @@ class Attention(nn.Module):
             if compressed is None or topk is None:
                 compressed = topk = None
         angles = state.output_angles(self)
-        if angles is not None:   # the inverse RoPE of the output fused into the attention
-            return self.project_out(self.attend(q, window, window_idx, compressed, topk, *angles))
+        if angles is not None:   # the inverse RoPE of the output fused into the attention,
+            b, s = x.shape[:2]   # which writes it as grouped wo_a takes it
+            o = self.attend(q, window, window_idx, compressed, topk, *angles, shape=self._wo_a_input(b, s))
+            return self.project_out(o, b, s)
         return self.output(self.attend(q, window, window_idx, compressed, topk), state.start)
 
     # The pieces below are the steps of __call__, written once for both states: positions may
@@ -381,19 +383,26 @@ class Attention(nn.Module):
         return finish_rows(kv, self.kv_norm, state.rotation(self._freqs),
                            qdq_fp8 if flags.get("kv_qdq") else None, state.fused)
 
-    def attend(self, q, window, window_idx, compressed, topk, rope_cos=None, rope_sin=None) -> mx.array:
+    def attend(self, q, window, window_idx, compressed, topk, rope_cos=None, rope_sin=None,
+               shape=None) -> mx.array:
         """Sparse attention with sink; with the cos/sin of the queries' angles the output
-        comes back de-rotated (fused into the kernel)."""
+        comes back de-rotated (fused into the kernel); laid out as `shape` if given."""
         return sparse_attention(q, window, window_idx, compressed, topk, self.attn_sink,
-                                self.head_dim ** -0.5, rope_cos, rope_sin)
+                                self.head_dim ** -0.5, rope_cos, rope_sin, shape)
 
     def output(self, o: mx.array, offset) -> mx.array:
         """Attention output [B, S, H, Dh] -> [B, S, hidden]: inverse RoPE, then project_out."""
-        return self.project_out(rope(o, offset, self._freqs, inverse=True))
+        return self.project_out(rope(o, offset, self._freqs, inverse=True), *o.shape[:2])
 
-    def project_out(self, o: mx.array) -> mx.array:
-        """De-rotated attention output [B, S, H, Dh] -> [B, S, hidden]: grouped wo_a, wo_b."""
-        return fp8_linear(self.wo_b, self._grouped_wo_a(o))
+    def project_out(self, o: mx.array, b: int, s: int) -> mx.array:
+        """De-rotated attention output [B, S, H, Dh] (or laid out as grouped wo_a takes it,
+        `_wo_a_input(b, s)`) -> [B, S, hidden]: grouped wo_a, wo_b."""
+        return fp8_linear(self.wo_b, self._grouped_wo_a(o, b, s))
+
+    def _wo_a_input(self, b: int, s: int) -> tuple:
+        """[B*S, G, 1, H*Dh/G]: each token's group of heads as one row of grouped wo_a's input."""
+        g = self.args.o_groups
+        return (b * s, g, 1, self.n_heads * self.head_dim // g)
 
     def compressed_rows(self, latents: mx.array, first, state) -> tuple[mx.array, Optional[mx.array]]:
         """Latents of groups first.. -> (their compressed KV rows, their index keys or None
@@ -407,10 +416,10 @@ class Attention(nn.Module):
             keys = self.indexer.keys(latents, rot, state.fused)
         return row, keys
 
-    def _grouped_wo_a(self, o: mx.array) -> mx.array:
+    def _grouped_wo_a(self, o: mx.array, b: int, s: int) -> mx.array:
         """Each group of heads through its own block of wo_a: [B, S, H, Dh] -> [B, S, G*L]."""
-        g, b, s = self.args.o_groups, o.shape[0], o.shape[1]
-        x = o.reshape(b * s, g, 1, -1)
+        g = self.args.o_groups
+        x = o.reshape(self._wo_a_input(b, s))   # all dims given: no reshape when o is laid out so
         rows = self.args.o_lora_rank
         w = self.wo_a
         if isinstance(w, QuantizedLinear) and not dequant_matmul():

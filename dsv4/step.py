@@ -82,9 +82,9 @@ class StepState:
         self.start = self.pos                      # the rope offset, as in ForwardState
         self.positions = self.pos
         self.slot = self.pos % self.ring
-        # Positions pos-w+1 .. pos, oldest first, as ring slots; -1 before position 0.
-        u = self.pos - w + 1 + ramp(w)
-        self.window_idx = mx.where(u >= 0, mx.maximum(u, 0) % self.ring, -1)[None, None]
+        # Positions pos-w+1 .. pos, oldest first, as ring slots [1, 1, w]; -1 before position 0.
+        u = self.pos - w + 1 + ramp(w, mx.int32, (1, 1, w))
+        self.window_idx = mx.where(u >= 0, mx.maximum(u, 0) % self.ring, -1)
 
     def write(self, name: str, rows: mx.array, at: mx.array) -> mx.array:
         self.buffers[name] = mx.slice_update(self.buffers[name], rows.astype(self.buffers[name].dtype),

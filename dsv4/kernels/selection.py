@@ -26,7 +26,7 @@ def select_all_visible(positions: mx.array, batch: int, ratio: int, width: int) 
     top-k), -1 past the visible count. Use only when the visible count is at most `width`
     and `indexer_can_be_skipped` holds.
     """
-    visible = (positions + 1) // ratio
-    rows = ramp(width)
-    idx = mx.where(rows[None, :] < visible[:, None], rows[None, :], -1)
-    return mx.broadcast_to(idx[None], (batch, positions.shape[0], width))
+    visible = ((positions + 1) // ratio)[None, :, None]                 # [1, S, 1]
+    rows = ramp(width, mx.int32, (1, 1, width))                         # a constant at its shape
+    idx = mx.where(rows < visible, rows, -1)                            # [1, S, width]
+    return mx.broadcast_to(idx, (batch, positions.shape[0], width))

@@ -39,8 +39,11 @@ QUERY_BLOCK = 128   # the reference gathers rows per query: bound its memory in 
 
 
 def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
-                               rope_cos=None, rope_sin=None):
+                               rope_cos=None, rope_sin=None, shape=None):
     """Plain-MLX definition of the op; see `sparse_attention` for the contract."""
+    if shape is not None:
+        return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
+                                          scale, rope_cos, rope_sin).reshape(shape)
     S = q.shape[1]
     if S > QUERY_BLOCK:
         part = lambda a, lo: None if a is None else a[:, lo:lo + QUERY_BLOCK]
@@ -262,7 +265,7 @@ def _float32(a):
 
 
 def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
-                            rope_cos=None, rope_sin=None):
+                            rope_cos=None, rope_sin=None, shape=None):
     """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""
     B, S, H, D = q.shape
     # [1, S, w] -> [B, S, w] (only where it differs: a broadcast is a graph node even when idle)
@@ -295,14 +298,14 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
         rope_cos, rope_sin = (mx.broadcast_to(a, (B, S, rope_half)) for a in (rope_cos, rope_sin))
     (out,) = MERGE_KERNEL(
         inputs=[part_acc, part_ml, _float32(sinks), _float32(rope_cos), _float32(rope_sin)],
-        output_shapes=[q.shape], output_dtypes=[q.dtype],
+        output_shapes=[q.shape if shape is None else shape], output_dtypes=[q.dtype],
         grid=(32, H, B * S), threadgroup=(32, 1, 1),
         template=[("T", q.dtype), ("D", D), ("H", H), ("ROPE_HALF", rope_half), ("SPLITS", splits)])
     return out
 
 
 def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
-                     rope_cos=None, rope_sin=None):
+                     rope_cos=None, rope_sin=None, shape=None):
     """Attention of each query over its window rows and selected compressed rows, with sink.
 
     q             [B, S, H, D]  queries (bf16 in the model; fp16/fp32 also accepted)
@@ -315,6 +318,7 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
     rope_cos/sin  [B, S, R]     optional fp32 cos/sin of each query's RoPE angles ([R]: the
                                 same for every query): the last 2R dims of the output are
                                 de-rotated (interleaved pairs)
+    shape         optional layout of the output (the same size; the kernel writes it so)
     returns       [B, S, H, D]  in q's dtype; zeros for a query with no valid row
 
     Uses the GPU kernel when the backend has one, flag `kernel_sparse_attention` is on and
@@ -325,6 +329,6 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
     if (flags.get("kernel_sparse_attention") and backend() is not None
             and kernel_supports(q, window_kv, compressed_kv, rope_cos)):
         return sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
-                                       scale, rope_cos, rope_sin)
+                                       scale, rope_cos, rope_sin, shape)
     return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
-                                      scale, rope_cos, rope_sin)
+                                      scale, rope_cos, rope_sin, shape)
