@@ -250,8 +250,9 @@ class FixedDecoder:
         return steps[key]
 
     def __call__(self, token: mx.array) -> mx.array:
-        """Feed token [B] (may be unevaluated) at the next position; -> logits [B, V] fp32."""
-        token = token.reshape(self.batch, 1).astype(mx.int32)
+        """Feed token [B] (any integer dtype, e.g. argmax's uint32; may be unevaluated) at the
+        next position; -> logits [B, V] fp32."""
+        token = token.reshape(self.batch, 1)   # the embedding gathers with any index dtype: no cast
         engram = self._engram_rows(token)
         self._grow()
         regimes = tuple(sorted(self._regimes().items()))
