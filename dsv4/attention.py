@@ -111,23 +111,26 @@ class Rotation:
 
 
 def finish_rows(x: mx.array, norm: Optional[RMSNorm] = None, rot: Optional[Rotation] = None,
-                qdq=None, fused: bool = False, shape: Optional[tuple] = None) -> mx.array:
+                qdq=None, fused: bool = False, shape: Optional[tuple] = None,
+                dtype: Optional[mx.Dtype] = None) -> mx.array:
     """A projection's tail: RMSNorm, then RoPE, then one of the QDQ roundings (each optional),
-    on x reshaped to `shape` first if given (rows of shape[-1], e.g. split into heads).
-    `fused` (the fixed-shape step) runs it as one kernel where dsv4/kernels/rows.py can (which
-    writes its output in that shape: no reshape)."""
+    on x reshaped to `shape` first if given (rows of shape[-1], e.g. split into heads), the
+    result cast to `dtype` if given. `fused` (the fixed-shape step) runs it as one kernel
+    where dsv4/kernels/rows.py can (which writes its output in that shape and dtype: no
+    reshape, no cast)."""
     fmt = {None: rows.NO_QDQ, qdq_fp8: rows.FP8, qdq_fp4_pow2: rows.FP4}.get(qdq)
     if (fused and fmt is not None and (rot is None or rot.angles is not None)
             and rows.kernel_applies(x, fmt, x.shape[-1] if shape is None else shape[-1])):
         return rows.row_tail(x, None if norm is None else (norm.weight, norm.eps),
-                             None if rot is None else rot.angles, fmt, shape)
+                             None if rot is None else rot.angles, fmt, shape, dtype)
     if shape is not None:
         x = x.reshape(shape)
     if norm is not None:
         x = norm(x)
     if rot is not None:
         x = rope(x, rot.offset, rot.freqs, scale=rot.scale)
-    return x if qdq is None else qdq(x)
+    x = x if qdq is None else qdq(x)
+    return x if dtype is None else x.astype(dtype)
 
 
 # --- selection ------------------------------------------------------------------------------
@@ -289,9 +292,9 @@ class Indexer(nn.Module):
         b, s, _ = x.shape
         q = finish_rows(self.wq_b(qr_in), None, state.rotation(freqs),
                         qdq_fp4_pow2 if flags.get("kv_qdq") else None, state.fused,
-                        (b, s, self.n_heads, self.head_dim))
+                        (b, s, self.n_heads, self.head_dim), mx.float32)   # scored in fp32
         w = self.weights_proj(x).astype(mx.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        dots = q.astype(mx.float32) @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B,S,h,N]
+        dots = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)                     # [B,S,h,N]
         scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
         n = keys.shape[1]
         visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]

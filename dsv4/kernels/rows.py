@@ -81,7 +81,9 @@ ROW_TAIL_KERNEL = Kernel(
             ((mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16,),
              (("T", mx.bfloat16), ("D", 1280), ("R", 0), ("NORM", True), ("QDQ", 0))),
             ((_F, _F, _F, _F, _F), (_F,),
-             (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4)))))
+             (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4))),
+            ((mx.bfloat16, _F, _F, _F, _F), (_F,),   # bf16 values stored as fp32
+             (("T", mx.bfloat16), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4)))))
 
 
 def kernel_applies(x: mx.array, qdq: int, width: int = None) -> bool:
@@ -92,13 +94,16 @@ def kernel_applies(x: mx.array, qdq: int, width: int = None) -> bool:
             and width <= MAX_WIDTH and (qdq == NO_QDQ or width % 32 == 0))
 
 
-def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple = None) -> mx.array:
+def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple = None,
+             dtype: mx.Dtype = None) -> mx.array:
     """x [..., D] -> the same shape and dtype, through the stages asked for.
 
     norm: (weight [D], eps) or None; rope: (cos [R], sin [R]) fp32 or None (the last 2R
     dims are rotated, adjacent pairs); qdq: FP8, FP4 or NO_QDQ. With `shape` (the same
     size), x's rows are of shape[-1] values and the result has that shape (a projection's
-    output split into heads without a reshape). Call only where `kernel_applies(x, qdq, D)`."""
+    output split into heads without a reshape). With `dtype` (fp32), the values, rounded to
+    x's dtype as ever, are stored widened (exactly) to it: no cast for an fp32 consumer.
+    Call only where `kernel_applies(x, qdq, D)`."""
     shape = x.shape if shape is None else tuple(shape)
     D = shape[-1]
     weight, eps = norm if norm is not None else (constant((0.0,) * 8), 0.0)
@@ -106,7 +111,7 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple 
     rows = x.size // D
     (out,) = ROW_TAIL_KERNEL(
         inputs=[x, weight, cos, sin, constant((float(eps),))],
-        output_shapes=[shape], output_dtypes=[x.dtype], grid=(THREADS, rows, 1),
+        output_shapes=[shape], output_dtypes=[dtype or x.dtype], grid=(THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.size),
                   ("NORM", norm is not None), ("QDQ", 1 + qdq)])
