@@ -98,6 +98,22 @@ def test_attention_without_compressed_and_single_row_caches():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_attention_layouts_change_no_value():
+    """[R] angles shared by every query equal the same angles given per query, and `shape`
+    (the output as grouped wo_a takes it) only lays the same values out: bit for bit."""
+    B, S, H, D, R = 1, 3, 64, 512, 32
+    case = attention_case(B, S, H, D, 128, 64, 16, 8, mx.bfloat16)
+    theta = RNG.uniform(-np.pi, np.pi, R)
+    cos, sin = arr(np.cos(theta)), arr(np.sin(theta))
+    per_query = sa.sparse_attention_kernel(**case, rope_cos=mx.broadcast_to(cos, (B, S, R)),
+                                           rope_sin=mx.broadcast_to(sin, (B, S, R)))
+    shared = sa.sparse_attention_kernel(**case, rope_cos=cos, rope_sin=sin)
+    grouped = sa.sparse_attention_kernel(**case, rope_cos=cos, rope_sin=sin, shape=(B * S, 8, 1, H * D // 8))
+    assert np.isfinite(f32(per_query)).all()
+    np.testing.assert_array_equal(f32(shared), f32(per_query))
+    np.testing.assert_array_equal(f32(grouped), f32(per_query).reshape(B * S, 8, 1, H * D // 8))
+
+
 # --- mHC ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (7, 96, mx.float32), (3, 5120, mx.bfloat16)])
@@ -155,6 +171,31 @@ def test_hc_site_entry_fused(tokens, D, dtype):
     separate = (mhc.hc_collapse_norm(X, pre_in, weight, 1e-6), *mhc.hc_mixes(X, fn, scale, base, 1e-20, 1e-6, 20))
     for g, s in zip(got, separate):
         np.testing.assert_array_equal(f32(g), f32(s))
+
+
+def test_hc_flat_token_layouts_change_no_value():
+    """Streams with their tokens flat ([B*S, hc, D], as the model keeps them between blocks),
+    pre/y in another layout of the same tokens and x written as [B, S, D] (x_shape) give the
+    values of the [B, S, hc, D] layout bit for bit."""
+    B, S, D = 1, 3, 5120
+    X = arr(RNG.standard_normal((B, S, 4, D)), mx.bfloat16)
+    fn = arr(RNG.standard_normal((24, 4 * D)) / np.sqrt(4 * D))
+    scale, base = arr(RNG.uniform(0.5, 2, 3)), arr(RNG.standard_normal(24))
+    pre_in = arr(RNG.uniform(0, 1, (B, S, 4)))
+    weight = arr(RNG.uniform(0.5, 1.5, D), mx.bfloat16)
+    y = arr(RNG.standard_normal((B, S, D)), mx.bfloat16)
+    flat = X.reshape(B * S, 4, D)
+    nested = mhc.hc_mixes_collapse_norm(X, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    got = mhc.hc_mixes_collapse_norm(flat, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20,
+                                     x_shape=(B, S, D))
+    assert got[0].shape == (B, S, D)
+    for g, n in zip(got, nested):
+        np.testing.assert_array_equal(f32(g).reshape(-1), f32(n).reshape(-1))
+    pre, post, comb = got[1:]
+    np.testing.assert_array_equal(f32(mhc.hc_collapse_norm(flat, pre_in, weight, 1e-6, (B, S, D))),
+                                  f32(mhc.hc_collapse_norm(X, pre_in, weight, 1e-6)))
+    np.testing.assert_array_equal(f32(mhc.hc_expand(y, flat, post, comb)).reshape(-1),
+                                  f32(mhc.hc_expand(y, X, post.reshape(B, S, 4), comb.reshape(B, S, 4, 4))).reshape(-1))
 
 
 # --- fused experts ------------------------------------------------------------------------------

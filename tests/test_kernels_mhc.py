@@ -131,3 +131,30 @@ def test_site_entry_dispatch_two_launches(monkeypatch):
     with flags.override(kernel_mhc=False):
         mhc.hc_mixes_collapse_norm(*args)
     assert len(calls) == 2
+
+
+def test_references_take_flat_token_layouts():
+    """The model keeps streams with their tokens flat ([B*S, hc, D]) between blocks; pre, y and
+    the output may be laid out per [B, S]: the same values as the nested layout, bit for bit."""
+    rng = np.random.default_rng()
+    bits = lambda a: np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).reshape(-1)
+    B, S, D = 2, 3, 64
+    X, fn, scale, base = random_site(rng, B, S, D)
+    flat = X.reshape(B * S, 4, D)
+    pre = mx.array(rng.uniform(0, 1, (B, S, 4)).astype(np.float32))
+    weight = mx.array(rng.uniform(0.5, 1.5, D).astype(np.float32)).astype(mx.bfloat16)
+    y = mx.array(rng.standard_normal((B, S, D)).astype(np.float32)).astype(mx.bfloat16)
+    post = mx.array(rng.uniform(0, 2, (B * S, 4)).astype(np.float32))
+    comb = mx.array(rng.uniform(0, 1, (B * S, 4, 4)).astype(np.float32))
+    got = mhc.hc_collapse_norm_reference(flat, pre, weight, 1e-6, (B, S, D))
+    assert got.shape == (B, S, D)
+    np.testing.assert_array_equal(bits(got), bits(mhc.hc_collapse_norm_reference(X, pre, weight, 1e-6)))
+    got = mhc.hc_expand_reference(y, flat, post, comb)
+    want = mhc.hc_expand_reference(y, X, post.reshape(B, S, 4), comb.reshape(B, S, 4, 4))
+    assert got.shape == (B * S, 4, D)
+    np.testing.assert_array_equal(bits(got), bits(want))
+    entry = mhc.hc_mixes_collapse_norm_reference(flat, pre, fn, scale, base, weight, 1e-6, 1e-20, 1e-6,
+                                                 x_shape=(B, S, D))
+    nested = mhc.hc_mixes_collapse_norm_reference(X, pre, fn, scale, base, weight, 1e-6, 1e-20, 1e-6)
+    for g, n in zip(entry, nested):
+        np.testing.assert_array_equal(bits(g), bits(n))

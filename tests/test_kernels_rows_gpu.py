@@ -55,3 +55,19 @@ def test_row_tail_equals_the_stages(shape, norm, rot, qdq, dtype):
         assert np.array_equal(np.array(got.view(bits)), np.array(ref.view(bits)))
     else:
         assert np.array_equal(np.array(got.astype(mx.float32)), u)
+
+
+@pytest.mark.parametrize("qdq", [rows.NO_QDQ, rows.FP4])
+def test_row_tail_output_shape_and_dtype_only_lay_out_the_same_values(qdq):
+    """`shape` (split into heads) and `dtype` (fp32 store) change the layout and the storage
+    type, never a value: bit for bit the plain call, reshaped and widened."""
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    rng = np.random.default_rng()
+    x = mx.array(rng.standard_normal((1, 1, 32 * 128)).astype(np.float32) * 3).astype(mx.bfloat16)
+    freqs = mx.array((10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32))
+    cs = angles(int(rng.integers(0, 70000)), freqs)
+    with poisoned_outputs():
+        plain = rows.row_tail(x.reshape(1, 1, 32, 128), None, cs, qdq)
+        laid_out = rows.row_tail(x, None, cs, qdq, shape=(1, 1, 32, 128), dtype=mx.float32)
+    assert laid_out.shape == (1, 1, 32, 128) and laid_out.dtype == mx.float32
+    assert np.array_equal(np.array(laid_out), np.array(plain.astype(mx.float32)))
