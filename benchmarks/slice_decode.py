@@ -110,17 +110,24 @@ def step_bytes(params: dict, args) -> int:
     return total
 
 
-def decode_dsv4(model, context: int, steps: int) -> tuple[float, list[int]]:
-    """ms per decoded token after a prefilled context, through dsv4's decode loop (the
-    decoder and the run-ahead the switches pick)."""
-    from dsv4.generation import decode_tokens, prefill
+def prefilled(model, context: int) -> tuple:
+    """A cache holding `context` random tokens (seeded by the length) and the greedy token
+    after them."""
+    from dsv4.generation import prefill
 
     ids = np.random.default_rng(context).integers(7, model.args.vocab_size, (1, context))
     cache = model.make_cache()
-    logits = prefill(model, ids, cache)
+    return cache, mx.argmax(prefill(model, ids, cache), axis=-1)
+
+
+def decode_dsv4(model, context: int, steps: int) -> tuple[float, list[int]]:
+    """ms per decoded token after a prefilled context, through dsv4's decode loop (the
+    decoder and the run-ahead the switches pick)."""
+    from dsv4.generation import decode_tokens
+
+    cache, first = prefilled(model, context)
     tokens = []
-    for token in decode_tokens(model, cache, mx.argmax(logits, axis=-1), lambda l: mx.argmax(l, axis=-1),
-                               steps + 1):
+    for token in decode_tokens(model, cache, first, lambda l: mx.argmax(l, axis=-1), steps + 1):
         if not tokens:
             start = time.perf_counter()
         tokens.append(token)

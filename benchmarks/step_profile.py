@@ -35,19 +35,17 @@ from datetime import datetime
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 NCU_METRICS = "gpu__time_duration.sum,dram__bytes_read.sum"
 
 
 def decoder_after_prefill(model, context: int):
-    from dsv4.generation import prefill
+    """(cache, the decoder the switches pick, the first token) after a prefilled context."""
+    from benchmarks.slice_decode import prefilled
     from dsv4.step import decoder
 
-    ids = np.random.default_rng(context).integers(7, model.args.vocab_size, (1, context))
-    cache = model.make_cache()
-    logits = prefill(model, ids, cache)
-    return cache, decoder(model, cache), mx.argmax(logits, axis=-1)
+    cache, first = prefilled(model, context)
+    return cache, decoder(model, cache), first
 
 
 def split(model, context: int, steps: int) -> dict:
@@ -114,7 +112,8 @@ def summarize_ncu(text: str) -> list[tuple[str, int, float, float]]:
 
 
 def ncu_path() -> str | None:
-    return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    cuda_ncu = "/usr/local/cuda/bin/ncu"
+    return shutil.which("ncu") or (cuda_ncu if os.path.exists(cuda_ncu) else None)
 
 
 def profiled_step(model, context: int) -> None:

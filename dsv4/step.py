@@ -90,7 +90,8 @@ class StepState:
         """Rows [B, n, D] into buffer `name` from row `at` ([1] int32) on. A scatter, not a
         slice_update: MLX's CUDA backend runs a dynamic-offset slice_update with a thread per
         element of the whole buffer (23-34 µs per one-row write at decode sizes on the H200),
-        a scatter with one per element written; both update the buffer in place."""
+        a scatter with one per element written. Either reuses the buffer when nothing else
+        holds it (MLX donates its input)."""
         buf = self.buffers[name]
         at = at if rows.shape[1] == 1 else at + ramp(rows.shape[1])
         index = mx.broadcast_to(at[None, :, None], rows.shape)
