@@ -171,6 +171,9 @@ def main(argv=None) -> int:
                    "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context)]
             out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
             rows = summarize_ncu(out.stdout)
+            if not rows:
+                raise SystemExit(f"--kernels: ncu recorded no kernels (exit status {out.returncode}); "
+                                 f"its output ends:\n{(out.stdout + out.stderr)[-3000:]}")
             total = sum(t for _, _, t, _ in rows)
             lines += ["", f"Kernels of one step under ncu: {sum(c for _, c, _, _ in rows)} launches, "
                       f"{total:.0f} µs of GPU time at ncu's locked clocks.", "",

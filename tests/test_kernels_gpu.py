@@ -75,7 +75,8 @@ def test_attention_decode_real_shape(dtype):
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_attention_multi_query_odd_sizes(dtype):
-    compare_attention(attention_case(2, 5, 11, 96, 13, 37, 9, 7, dtype))
+    # B*S up to the kernel's MAX_KERNEL_QUERIES (8); more queries take the reference.
+    compare_attention(attention_case(2, 4, 11, 96, 13, 37, 9, 7, dtype))
     compare_attention(attention_case(1, 8, 64, 512, 144, 300, 128, 64, dtype, rope=32))
 
 
