@@ -56,11 +56,7 @@ def capacity_for(rows: int) -> int:
 
 
 def use_fixed_decode(model) -> bool:
-    mode = flags.get("fixed_decode")
-    if mode == "auto":
-        on = backend() is not None and mx.default_device() == mx.gpu
-    else:
-        on = mode in ("1", "on", "true")
+    on = flags.switch("fixed_decode", backend() is not None and mx.default_device() == mx.gpu)
     # The reference's shared-key quirk depends on which layer published last: not traced here.
     return on and not flags.get("index_key_quirk")
 
@@ -73,6 +69,7 @@ class StepState:
     ring: int
     buffers: dict                 # "layer.name" -> array, replaced as layers write
     regimes: dict                 # index source layer -> "none" | "all" | "score"
+    completing: frozenset = frozenset()   # layers whose compressor completes a group at this step
     topk: Optional[mx.array] = None
     candidates: Optional[mx.array] = None
     angles: dict = field(default_factory=dict)
@@ -132,6 +129,10 @@ class StepState:
             kv, gate = comp.inputs(x)
             kv = self.write(f"{layer}.comp_kv", kv, self.slot)
             gate = self.write(f"{layer}.comp_gate", gate, self.slot)
+            if layer not in self.completing:
+                # The group's row is pooled once, at its last position: until then nobody
+                # sees it (rows < (pos + 1) // r are visible, close() keeps those).
+                return
             first = self.pos // r
             group = (first * r) % self.ring
             b, _, d = kv.shape
@@ -238,16 +239,22 @@ class FixedDecoder:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def _function(self, regimes: tuple):
-        """The step for these regimes. Traced graphs live on the model (a server's requests
-        share them); switches are read while tracing, so their values are part of the key."""
+    def _completing(self) -> frozenset:
+        """Layers whose compressor (ratio > 1) completes a group at this step."""
+        return frozenset(i for i, r in enumerate(self.ratios)
+                         if r > 1 and f"{i}.comp_kv" in self.buffers and (self.pos + 1) % r == 0)
+
+    def _function(self, regimes: tuple, completing: frozenset):
+        """The step for these regimes and completing groups. Traced graphs live on the model
+        (a server's requests share them); switches are read while tracing, so their values
+        are part of the key."""
         steps = self.model.__dict__.setdefault("_fixed_steps", {})
-        key = (self.ring, regimes, tuple(flags.get(n) for n in flags.FLAGS))
+        key = (self.ring, regimes, completing, tuple(flags.get(n) for n in flags.FLAGS))
         if key not in steps:
             model, args, ring = self.model, self.args, self.ring
 
             def step(token, pos, engram, buffers):
-                state = StepState(args, pos, ring, dict(buffers), dict(regimes))
+                state = StepState(args, pos, ring, dict(buffers), dict(regimes), completing)
                 with keeping():
                     logits = model.forward(token, state, lambda layer: engram[str(layer)])
                 return logits[:, -1], state.buffers
@@ -262,9 +269,8 @@ class FixedDecoder:
         token = token.reshape(self.batch, 1)   # the embedding gathers with any index dtype: no cast
         engram = self._engram_rows(token)
         self._grow()
-        regimes = tuple(sorted(self._regimes().items()))
-        logits, self.buffers = self._function(regimes)(token, mx.array([self.pos], mx.int32),
-                                                       engram, self.buffers)
+        step = self._function(tuple(sorted(self._regimes().items())), self._completing())
+        logits, self.buffers = step(token, mx.array([self.pos], mx.int32), engram, self.buffers)
         self.fed.append(token[:, 0])
         self.pos += 1
         return logits
