@@ -346,11 +346,12 @@ class Attention(nn.Module):
             self.indexer = Indexer(args, layer)
         self._freqs = mx.array(1.0 / rope_frequencies(args, self.ratio))
 
-    def __call__(self, x: mx.array, state) -> mx.array:
+    def __call__(self, x: mx.array, state, x_fp8: Optional[mx.array] = None) -> mx.array:
         """One chunk's attention. `state` (ForwardState for the reference path over the growing
         cache, dsv4.step.StepState for the fixed-shape decode step) holds the cache and answers
-        window / compress / select / compressed / output_angles."""
-        latent, kv = fp8_linears(x, self.wq_a, self.wkv)   # x rounded to fp8 once for both
+        window / compress / select / compressed / output_angles. x_fp8: x already rounded as
+        wq_a and wkv take it (fp8_input), if the caller has it."""
+        latent, kv = fp8_linears(x, self.wq_a, self.wkv, rounded=x_fp8)   # rounded once for both
         qr, q = self.queries(latent, state)
         window, window_idx = state.window(self, self.window_rows(kv, state))
         compressed = topk = None

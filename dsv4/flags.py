@@ -66,6 +66,19 @@ def get(name: str) -> Value:
     return flag.default if text is None else flag.parse(text)
 
 
+def switch(name: str, auto: bool) -> bool:
+    """An auto/on/off switch's state: `auto` when it is "auto", else its on/off value."""
+    value = get(name)
+    if isinstance(value, bool):   # tests may override with a bool
+        return value
+    low = value.strip().lower()
+    if low == "auto":
+        return auto
+    if low in _TRUE or low in _FALSE:
+        return low in _TRUE
+    raise ValueError(f"{FLAGS[name].env}={value!r}: expected auto, on or off")
+
+
 @contextlib.contextmanager
 def override(**values: Value) -> Iterator[None]:
     """Set switches for the duration of a with-block (tests, benchmarks in-process)."""
@@ -148,13 +161,15 @@ define("kernel_rows", True,
        "fixed-shape decode: each projection's tail (RMSNorm, RoPE of the last dims, fp8/fp4 "
        "rounding) in one GPU launch instead of ~12 ops; off runs the plain-MLX ops")
 define("kernel_router", True,
-       "MoE router for 1-8 tokens: sqrt-softplus scores, biased top-k and the normalized weights "
-       "in one GPU launch after the gate matmul (~8 launches otherwise); off runs the plain-MLX ops")
-define("kernel_matvec", False,
+       "MoE router for 1-8 tokens: the gate product from the bf16 input and weight in one GPU "
+       "launch (the head kernel's; no fp32 cast or copy), then sqrt-softplus scores, biased top-k "
+       "and the normalized weights in one more (~8 launches otherwise); off runs the plain-MLX ops")
+define("kernel_matvec", "auto",
        "quantized projections of 1-8 tokens (mxfp8/mxfp4/affine) with the fp8 input rounding "
-       "fused, through the custom GPU matvec kernel; off (default: on the H200 it loses to MLX's "
-       "quantized_matmul below ~5000 rows and the slice decodes no faster with it, "
-       "benchmarks/results/2026-11-29-1817-slice-decode.md) runs quantized_matmul")
+       "fused, through the custom GPU matvec kernel: auto (default) where it measured faster than "
+       "rounding + MLX's quantized_matmul on the H200, i.e. an input still to be rounded and >= "
+       "2048 rows (wo_b: 31.5 vs 37.6 µs, benchmarks/results/2026-11-29-1815-kernels-matvec-h200.md); "
+       "on: every such projection; off: quantized_matmul")
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel; off "
        "runs x_fp32 @ W.T, for which MLX converts the whole head to an fp32 temporary every step")

@@ -16,6 +16,7 @@ GPU, for 1-8 tokens, it runs as one fused kernel (dsv4/kernels/matvec.py).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,10 +29,7 @@ from .quant import qdq_fp8
 
 
 def dequant_matmul() -> bool:
-    mode = flags.get("dequant_matmul")
-    if mode == "auto":
-        return mx.default_device() == mx.cpu
-    return mode in ("1", "on", "true")
+    return flags.switch("dequant_matmul", mx.default_device() == mx.cpu)
 
 
 def _dense(module: nn.Module, dtype: mx.Dtype) -> mx.array:
@@ -104,11 +102,17 @@ class QuantizedExpertLinear(nn.Module):
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)
 
 
-def _matvec_operand(layer: nn.Module, x: mx.array):
+MATVEC_AUTO_MIN_ROWS = 2048   # kernel_matvec=auto: measured crossover, see the flag
+
+
+def _matvec_operand(layer: nn.Module, x: mx.array, rounds: bool = False):
     """The layer's weight for the fused matvec kernel, or None where the kernel does not run:
-    flag `kernel_matvec` off, a layer with a bias or not quantized, or what `kernel_supports`
-    refuses (the CPU, more than 8 tokens)."""
-    if not (flags.get("kernel_matvec") and isinstance(layer, nn.QuantizedLinear) and "bias" not in layer):
+    flag `kernel_matvec` off (auto: only where the kernel would also do the input's rounding,
+    `rounds`, for at least MATVEC_AUTO_MIN_ROWS rows), a layer with a bias or not quantized, or
+    what `kernel_supports` refuses (the CPU, more than 8 tokens)."""
+    if not (isinstance(layer, nn.QuantizedLinear) and "bias" not in layer):
+        return None
+    if not flags.switch("kernel_matvec", rounds and layer["weight"].shape[0] >= MATVEC_AUTO_MIN_ROWS):
         return None
     q = QuantizedMatrix.of(layer)
     return q if kernel_supports(x, q) else None
@@ -119,15 +123,16 @@ def fp8_input(x: mx.array) -> mx.array:
     return qdq_fp8(x) if flags.get("act_quant") else x
 
 
-def fp8_linears(x: mx.array, *layers: nn.Module) -> list[mx.array]:
-    """[layer(fp8_input(x)) for each layer], x rounded at most once (model-spec §11).
+def fp8_linears(x: mx.array, *layers: nn.Module, rounded: Optional[mx.array] = None) -> list[mx.array]:
+    """[layer(fp8_input(x)) for each layer], x rounded at most once (model-spec §11); `rounded`
+    is fp8_input(x) when the caller already has it.
 
     A bias-free quantized layer on a GPU with 1-8 tokens takes the fused kernel (rounding and
-    matvec in one launch) when flag `kernel_matvec` is on; everything else, the CPU always,
+    matvec in one launch) where flag `kernel_matvec` says; everything else, the CPU always,
     calls the layer on the rounded x."""
-    rounded, out = None, []
+    out, rounds = [], rounded is None and bool(flags.get("act_quant"))
     for layer in layers:
-        q = _matvec_operand(layer, x)
+        q = _matvec_operand(layer, x, rounds)
         if q is not None:
             out.append(quantized_matvec(x, q, bool(flags.get("act_quant"))))
             continue

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import profiler
+from . import flags, profiler
 from .attention import Attention, ForwardState, RMSNorm, window_indices
 from .cache import Cache
 from .config import ModelArgs
@@ -51,14 +51,18 @@ class Block(nn.Module):
         mixes = (a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
         # Each site's input (collapse with the previous site's pre, RMSNorm) and its own mixes;
         # the attention takes x as [B, S, D] (written so by the kernel, no reshape).
-        x, a_pre, a_post, a_comb = hc_mixes_collapse_norm(
+        # With act_quant the same launch also rounds x to fp8 for wq_a and wkv.
+        x, *x_fp8, a_pre, a_post, a_comb = hc_mixes_collapse_norm(
             streams, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
-            self.attn_norm.weight, self.attn_norm.eps, *mixes, x_shape=(*lead, streams.shape[-1]))
-        x = profiler.mark("attention", self.attn(x, state))
-        streams = profiler.mark("mhc", hc_expand(x, streams, a_post, a_comb))
+            self.attn_norm.weight, self.attn_norm.eps, *mixes, x_shape=(*lead, streams.shape[-1]),
+            fp8_copy=bool(flags.get("act_quant")))
+        x = profiler.mark("attention", self.attn(x, state, *x_fp8))
+        # The expand also projects the new streams for the FFN site's mixes (kernel path).
+        streams, projection = hc_expand(x, streams, a_post, a_comb, self.hc_ffn_fn)
+        streams = profiler.mark("mhc", streams)
         x, f_pre, f_post, f_comb = hc_mixes_collapse_norm(
             streams, a_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-            self.ffn_norm.weight, self.ffn_norm.eps, *mixes)
+            self.ffn_norm.weight, self.ffn_norm.eps, *mixes, projection=projection)
         streams = profiler.mark("moe", self.ffn(x, expand=(streams, f_post, f_comb)))
         return streams, f_pre
 

@@ -14,6 +14,7 @@ from .config import ModelArgs
 from .constants import derived
 from . import flags
 from .kernels.dialect import backend
+from .kernels import head as head_kernel
 from .kernels.experts import QuantizedMatrix, experts
 from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
@@ -41,8 +42,11 @@ class Router(nn.Module):
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, D] -> (expert ids [N, k], weights [N, k] fp32). The bias only selects."""
         a = self.args
-        w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
-        logits = x.astype(mx.float32) @ w
+        if flags.get("kernel_router") and head_kernel.supports(x, self.weight):
+            logits = head_kernel.head_logits(x, self.weight)   # the same product, x read as bf16
+        else:
+            w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
+            logits = x.astype(mx.float32) @ w
         if router_kernel_applies(logits, a.num_experts_per_tok):
             return route(logits, self.bias, a.num_experts_per_tok, a.gate_temp, a.routed_scaling_factor,
                          a.norm_topk_prob and a.num_experts_per_tok > 1)

@@ -20,6 +20,7 @@ from dsv4 import flags  # noqa: E402
 from dsv4.kernels import experts as ex
 from dsv4.kernels import mhc
 from dsv4.kernels import sparse_attention as sa
+from dsv4.quant import qdq_fp8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
@@ -197,6 +198,35 @@ def test_hc_flat_token_layouts_change_no_value():
                                   f32(mhc.hc_collapse_norm(X, pre_in, weight, 1e-6)))
     np.testing.assert_array_equal(f32(mhc.hc_expand(y, flat, post, comb)).reshape(-1),
                                   f32(mhc.hc_expand(y, X, post.reshape(B, S, 4), comb.reshape(B, S, 4, 4))).reshape(-1))
+
+
+
+@pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (3, 5120, mx.bfloat16), (2, 96, mx.float32)])
+def test_hc_site_entry_fp8_copy_and_projection_from_expand(tokens, D, dtype):
+    """The FFN site as the model runs it: the attention site's expand also projects the new
+    streams; the entry then launches once. The expand is the plain expand kernel's bit for
+    bit; the mixes are the reference's within test_hc_mixes' tolerance, x the kernel's without
+    projection bit for bit; the fp8 copy is the rounding kernel's (= the reference's) of x."""
+    X = arr(RNG.standard_normal((tokens, 4, D)), dtype)
+    y = arr(RNG.standard_normal((1, tokens, D)), dtype)
+    post, comb = arr(RNG.uniform(0, 2, (tokens, 4))), arr(RNG.uniform(0, 1, (tokens, 4, 4)))
+    fn = arr(RNG.standard_normal((24, 4 * D)) / np.sqrt(4 * D))
+    scale, base = arr(RNG.uniform(0.5, 2, 3)), arr(RNG.standard_normal(24))
+    pre_in = arr(RNG.uniform(0, 1, (tokens, 4)))
+    weight = arr(RNG.uniform(0.5, 1.5, D), dtype)
+    streams, projection = mhc.hc_expand(y, X, post, comb, fn)
+    assert projection is not None
+    np.testing.assert_array_equal(f32(streams), f32(mhc.hc_expand(y, X, post, comb)))
+    args = (streams, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    x, x_fp8, *mixes = mhc.hc_mixes_collapse_norm(*args, fp8_copy=True, projection=projection)
+    separate = mhc.hc_mixes_collapse_norm(*args)
+    np.testing.assert_array_equal(f32(x), f32(separate[0]))
+    np.testing.assert_array_equal(f32(x_fp8), f32(qdq_fp8(separate[0])))
+    with flags.override(kernel_qdq=False):
+        np.testing.assert_array_equal(f32(x_fp8), f32(qdq_fp8(separate[0])))
+    want = mhc.hc_mixes_reference(streams, fn, scale, base, 1e-20, 1e-6, 20)
+    for g, w in zip(mixes, want):
+        np.testing.assert_allclose(f32(g), f32(w), rtol=1e-4, atol=1e-5)
 
 
 # --- fused experts ------------------------------------------------------------------------------

@@ -44,14 +44,16 @@ def test_head_kernel_matches_the_exact_product(kernels_poisoned, lead, d, v):
     assert np.all(np.abs(mlx_fp32 - want) <= bound)   # the bound holds for the path it replaces
 
 
-def test_bf16_input_is_widened_not_rounded(kernels_poisoned):
+@pytest.mark.parametrize("tokens,d,v", [(1, 512, 300), (1, 5120, 384), (8, 5120, 384), (3, 64, 13)])
+def test_bf16_input_is_widened_not_rounded(kernels_poisoned, tokens, d, v):
+    """bf16 x is read as bf16 (the MoE router's gate: 384 x 5120 in V4.1), widened exactly."""
     rng = np.random.default_rng()
-    x = mx.array(rng.standard_normal((1, 512)).astype(np.float32)).astype(mx.bfloat16)
-    w = mx.array(rng.standard_normal((300, 512)).astype(np.float32)).astype(mx.bfloat16)
-    with flags.override(kernel_head=True):
-        got = np.array(head.head_logits(x, w)).astype(np.float64)
+    x = mx.array(rng.standard_normal((tokens, d)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((v, d)).astype(np.float32)).astype(mx.bfloat16)
+    assert head.supports(x, w)
+    got = np.array(head.head_logits(x, w)).astype(np.float64)
     want, mag = exact(x, w)
-    assert np.all(np.abs(got - want) <= 512 * 2.0 ** -24 * mag)
+    assert np.all(np.abs(got - want) <= d * 2.0 ** -24 * mag)
 
 
 def test_kernel_declines_what_it_does_not_handle():

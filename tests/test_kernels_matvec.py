@@ -81,6 +81,27 @@ def test_fp8_linear_takes_the_kernel_only_where_it_applies():
         assert kernel.call_count == 1
 
 
+def test_auto_takes_the_kernel_where_it_measured_faster():
+    """kernel_matvec=auto: only for an input still to be rounded and >= MATVEC_AUTO_MIN_ROWS
+    rows (wo_b); not for a plain projection, a pre-rounded input or a small one."""
+    from dsv4.linear import MATVEC_AUTO_MIN_ROWS, fp8_linears
+    big = Linear(64, MATVEC_AUTO_MIN_ROWS, bias=False).to_quantized(32, 8, "mxfp8")
+    small = Linear(64, MATVEC_AUTO_MIN_ROWS - 32, bias=False).to_quantized(32, 8, "mxfp8")
+    x = mx.ones((1, 64), mx.bfloat16)
+    sentinel = mx.zeros((1, 1), mx.bfloat16)
+    with mock.patch("dsv4.linear.kernel_supports", return_value=True), \
+            mock.patch("dsv4.linear.quantized_matvec", return_value=sentinel) as kernel, \
+            flags.override(kernel_matvec="auto", act_quant=True):
+        assert fp8_linear(big, x) is sentinel
+        assert fp8_linear(small, x) is not sentinel
+        assert fp8_linears(x, big, rounded=qdq_fp8(x))[0] is not sentinel
+        assert big(x) is not sentinel
+        with flags.override(act_quant=False):
+            assert fp8_linear(big, x) is not sentinel
+        assert kernel.call_count == 1
+    with flags.override(kernel_matvec="sometimes"), pytest.raises(ValueError, match="auto, on or off"):
+        fp8_linear(big, x)
+
 def test_kernel_supports_refuses_what_the_kernel_cannot_do():
     rng = np.random.default_rng()
     q = quantized(rng, (64, 128), "mxfp8", 8, 32)

@@ -7,6 +7,8 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels import mhc
+from dsv4.kernels import qdq as qdq_kernels
+from dsv4.quant import qdq_fp8
 
 
 def oracle_mixes(X, fn, scale, base, norm_eps, hc_eps, iters):
@@ -158,3 +160,41 @@ def test_references_take_flat_token_layouts():
     nested = mhc.hc_mixes_collapse_norm_reference(X, pre, fn, scale, base, weight, 1e-6, 1e-20, 1e-6)
     for g, n in zip(entry, nested):
         np.testing.assert_array_equal(bits(g), bits(n))
+
+
+def test_site_entry_fp8_copy_and_projection_from_expand(monkeypatch):
+    """fp8_copy adds qdq_fp8(x) (bit for bit) after x; hc_expand with the next site's fn gives
+    its projection, which that site then takes instead of launching its own. On the kernel
+    path: expand + projection in one launch, the site entry (fp8 copy included) in one."""
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, 1, 3, 64)
+    pre_in = mx.array(rng.uniform(0, 1, (1, 3, 4)).astype(np.float32))
+    weight = mx.array(rng.uniform(0.5, 1.5, 64).astype(np.float32)).astype(mx.bfloat16)
+    args = (X, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    plain = mhc.hc_mixes_collapse_norm(*args)
+    x, x_fp8, *mixes = mhc.hc_mixes_collapse_norm(*args, fp8_copy=True)       # CPU: the references
+    np.testing.assert_array_equal(f64(x_fp8), f64(qdq_fp8(plain[0])))
+    assert not np.array_equal(f64(x_fp8), f64(x))                             # rounding happened
+    for a, b in zip((x, *mixes), plain):
+        np.testing.assert_array_equal(f64(a), f64(b))
+    post = mx.array(rng.uniform(0, 2, (1, 3, 4)).astype(np.float32))
+    comb = mx.array(rng.uniform(0, 1, (1, 3, 4, 4)).astype(np.float32))
+    streams, projection = mhc.hc_expand(X[:, :, 0], X, post, comb, fn)
+    np.testing.assert_array_equal(f64(streams), f64(mhc.hc_expand(X[:, :, 0], X, post, comb)))
+    assert projection is None
+
+    calls = []
+    def fake(kernel, **kw):
+        calls.append((kernel.name, kw))
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+    monkeypatch.setattr(mhc, "backend", lambda: "cuda")
+    monkeypatch.setattr(qdq_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mhc.Kernel, "__call__", fake)
+    streams, projection = mhc.hc_expand(X[:, :, 0], X, post, comb, fn)
+    assert [c[0] for c in calls] == ["dsv4_hc_expand_project"] and projection[1] == 1
+    assert calls[0][1]["grid"] == (256, 3, 1) and calls[0][1]["output_shapes"][1] == (3 * 25,)
+    x, x_fp8, pre, post, comb = mhc.hc_mixes_collapse_norm(streams, *args[1:], fp8_copy=True,
+                                                          projection=projection)
+    assert [c[0] for c in calls[1:]] == ["dsv4_hc_sinkhorn_collapse_norm_fp8"]
+    assert ("SPLITS", 1) in calls[1][1]["template"]
+    assert (x.shape, x_fp8.shape, x_fp8.dtype, comb.shape) == ((1, 3, 64), (1, 3, 64), mx.bfloat16, (1, 3, 4, 4))

@@ -9,8 +9,11 @@ fp32 temporary (2.6 GB for V4.1's 129280 x 5120, on every decode step) and then 
 again: three times the bytes of reading the bf16 weight once, which is what this kernel does.
 
 Each SIMD group makes ROWS rows for every token: its lanes take 16-byte chunks (8 weights) of
-the rows in turn, the tokens' fp32 inputs come from device memory (a few KB, cached), and the
+the rows in turn, the tokens' inputs come from device memory (a few KB, cached), and the
 sums are fp32 in each lane, then across the SIMD group.
+
+The same product serves the MoE router's gate (bf16 weight [E, D], bf16 x: the reference's
+`x_fp32 @ W_fp32.T`), which reads x as bf16 (widened exactly in the kernel, no cast launch).
 """
 
 from __future__ import annotations
@@ -37,9 +40,19 @@ _BODY = r"""
     uint4 q[ROWS];
     for (int r = 0; r < ROWS; ++r) q[r] = LOAD_U4(w + (size_t)min(row0 + r, V - 1) * D, c);
     for (int t = 0; t < TOK; ++t) {
-      const uint4 a = LOAD_U4(x + t * D, 2 * c), b = LOAD_U4(x + t * D, 2 * c + 1);
-      const float xv[8] = {AS_FLOAT(a.x), AS_FLOAT(a.y), AS_FLOAT(a.z), AS_FLOAT(a.w),
-                           AS_FLOAT(b.x), AS_FLOAT(b.y), AS_FLOAT(b.z), AS_FLOAT(b.w)};
+      float xv[8];
+      if (X_BF16) {   // 8 bf16 inputs in one 16-byte word; x advances 2 bytes per element
+        const uint4 a = LOAD_U4(x + t * D, c);
+        const uint32_t xs[4] = {a.x, a.y, a.z, a.w};
+        for (int j = 0; j < 4; ++j) {
+          xv[2 * j] = AS_FLOAT(xs[j] << 16);
+          xv[2 * j + 1] = AS_FLOAT(xs[j] & 0xffff0000u);
+        }
+      } else {        // 8 fp32 inputs in two
+        const uint4 a = LOAD_U4(x + t * D, 2 * c), b = LOAD_U4(x + t * D, 2 * c + 1);
+        const uint32_t xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (int j = 0; j < 8; ++j) xv[j] = AS_FLOAT(xs[j]);
+      }
       for (int r = 0; r < ROWS; ++r) {
         const uint32_t wv[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
         float s = acc[t][r];
@@ -60,25 +73,33 @@ _BODY = r"""
 
 HEAD_KERNEL = Kernel(
     name="dsv4_head_logits", input_names=("x", "w"), output_names=("out",), body=_BODY,
-    checks=(((mx.float32, mx.bfloat16), (mx.float32,), (("TOK", 1), ("D", 5120), ("V", 129280), ("ROWS", ROWS))),
-            ((mx.float32, mx.bfloat16), (mx.float32,), (("TOK", 8), ("D", 64), ("V", 13), ("ROWS", ROWS)))))
+    checks=(((mx.float32, mx.bfloat16), (mx.float32,),
+             (("TOK", 1), ("D", 5120), ("V", 129280), ("ROWS", ROWS), ("X_BF16", False))),
+            ((mx.float32, mx.bfloat16), (mx.float32,), (("TOK", 8), ("D", 64), ("V", 13), ("ROWS", ROWS), ("X_BF16", False))),
+            ((mx.bfloat16, mx.bfloat16), (mx.float32,), (("TOK", 1), ("D", 5120), ("V", 384), ("ROWS", ROWS), ("X_BF16", True)))))
+
+
+def supports(x: mx.array, weight: mx.array) -> bool:
+    """What the kernel computes: a GPU backend, x [..., D] with at most MAX_TOKENS rows, weight
+    [V, D] bf16, D a multiple of 8."""
+    tokens = math.prod(x.shape[:-1])
+    return (backend() is not None and weight.dtype == mx.bfloat16 and weight.ndim == 2
+            and x.shape[-1] == weight.shape[1] and weight.shape[1] % 8 == 0 and 1 <= tokens <= MAX_TOKENS)
 
 
 def kernel_applies(x: mx.array, weight: mx.array) -> bool:
-    """x [..., D] with at most MAX_TOKENS rows, weight [V, D] bf16, D a multiple of 8."""
-    tokens = math.prod(x.shape[:-1])
-    return (bool(flags.get("kernel_head")) and backend() is not None and weight.dtype == mx.bfloat16
-            and weight.ndim == 2 and x.shape[-1] == weight.shape[1] and weight.shape[1] % 8 == 0
-            and 1 <= tokens <= MAX_TOKENS)
+    """The head through the kernel: flag `kernel_head` on and `supports`."""
+    return bool(flags.get("kernel_head")) and supports(x, weight)
 
 
 def head_logits(x: mx.array, weight: mx.array) -> mx.array:
     """x [..., D] -> fp32 logits [..., V] = x_fp32 @ weight_fp32.T (weight [V, D] bf16),
-    through the kernel (see `kernel_applies`)."""
+    through the kernel (see `supports`); a bf16 x is read as it is, other dtypes as fp32."""
     v, d = weight.shape
     tokens = math.prod(x.shape[:-1])
-    (out,) = HEAD_KERNEL(inputs=[x if x.dtype == mx.float32 else x.astype(mx.float32), weight],
+    x_bf16 = x.dtype == mx.bfloat16
+    (out,) = HEAD_KERNEL(inputs=[x if x_bf16 or x.dtype == mx.float32 else x.astype(mx.float32), weight],
                          output_shapes=[(*x.shape[:-1], v)], output_dtypes=[mx.float32],
                          grid=(32 * WARPS, -(-v // (WARPS * ROWS)), 1), threadgroup=(32 * WARPS, 1, 1),
-                         template=[("TOK", tokens), ("D", d), ("V", v), ("ROWS", ROWS)])
+                         template=[("TOK", tokens), ("D", d), ("V", v), ("ROWS", ROWS), ("X_BF16", x_bf16)])
     return out

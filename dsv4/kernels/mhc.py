@@ -21,6 +21,9 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.qdq import HEADER as QDQ_HEADER
+from dsv4.kernels.qdq import kernel_applies as qdq_kernel_applies
+from dsv4.quant import qdq_fp8
 
 PROJECT_THREADS = 256
 PROJECT_TARGET_THREADGROUPS = 128
@@ -88,7 +91,7 @@ _PROJECT_BODY = r"""
   }
 """
 
-_ROW_HEADER = r"""
+_ROW_HEADER = QDQ_HEADER + r"""
 KFN float shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
 
 // pre/post/comb of token qi from its HC*(2+HC) projections and sum of squares mv[NM], by one
@@ -149,15 +152,21 @@ KFN float collapse_part(PX streams, PP pre, int qi, uint32_t tid, LOCAL float* h
 }
 
 // out = round(w * h * rsqrt(mean(h^2) + eps)), the sum of h^2 given per SIMD group in red[8].
-template <typename T, int D, typename PR, typename PW, typename PO>
+// With FP8, out_q = out rounded to e4m3 per 32 values (qdq.HEADER's qdq_pow2_lane): the 32
+// values d = 32 w + 256 e + lane of SIMD group w are one block, whole when D % 32 == 0.
+template <typename T, int D, bool FP8, typename PR, typename PW, typename PO>
 KFN void norm_part(PR red, float eps, PW weight, int qi, uint32_t tid, LOCAL const float* h,
-                   PO out) {
+                   PO out, PO out_q) {
   float total = 0.0f;
   for (int w = 0; w < 8; ++w) total += red[w];
   const float n = RSQRT(total / (float)D + eps);
   for (int e = 0; e < (D + 255) / 256; ++e) {
     const int d = (int)tid + 256 * e;
-    if (d < D) out[(size_t)qi * D + d] = static_cast<T>(float(weight[d]) * (h[e] * n));
+    if (d < D) {
+      const T v = static_cast<T>(float(weight[d]) * (h[e] * n));
+      out[(size_t)qi * D + d] = v;
+      if (FP8) out_q[(size_t)qi * D + d] = static_cast<T>(qdq_pow2_lane<0>(float(v)));
+    }
   }
 }
 """
@@ -184,7 +193,7 @@ _COLLAPSE_NORM_BODY = r"""
   const float ss = simd_sum_f(collapse_part<T, HC, D>(streams, pre, qi, tid, h));
   if (lane == 0) red[warp] = ss;
   BARRIER();
-  norm_part<T, D>(red, params[0], weight, qi, tid, h, out);
+  norm_part<T, D, false>(red, params[0], weight, qi, tid, h, out, out);
 """
 
 _SINKHORN_COLLAPSE_NORM_BODY = r"""
@@ -209,7 +218,7 @@ _SINKHORN_COLLAPSE_NORM_BODY = r"""
   }
   BARRIER();
   if (!mixer)
-    norm_part<T, D>(red, params[2], weight, qi, tid, h, out);
+    norm_part<T, D, FP8_COPY>(red, params[2], weight, qi, tid, h, out, OUT_Q);
   else
     mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, pre, post, comb);
 """
@@ -229,6 +238,44 @@ _EXPAND_BODY = r"""
   }
 """
 
+_EXPAND_PROJECT_BODY = r"""
+  // grid (D rounded up to 256, tokens, 1): the expand above, and over this threadgroup's 256
+  // columns the next site's projection partials (as the projection kernel's): partial[qi, g] =
+  // (sum over j, d of X'_j[d] fn[o, j D + d] for the NM mixes o, sum of X'_j[d]^2), of the
+  // streams as rounded and stored.
+  constexpr int NM = HC * (2 + HC);
+  constexpr int K = HC * D;
+  const int d = (int)(group_x * group_threads + tid);
+  const int qi = group_y;
+  float acc[NM + 1];
+  for (int o = 0; o <= NM; ++o) acc[o] = 0.0f;
+  if (d < D) {
+    float r[HC];
+    for (int i = 0; i < HC; ++i) r[i] = float(residual[((size_t)qi * HC + i) * D + d]);
+    const float yv = float(y[(size_t)qi * D + d]);
+    for (int j = 0; j < HC; ++j) {
+      float v = post[qi * HC + j] * yv;
+      for (int i = 0; i < HC; ++i) v += comb[(qi * HC + i) * HC + j] * r[i];
+      const T stored = static_cast<T>(v);
+      out[((size_t)qi * HC + j) * D + d] = stored;
+      const float x = float(stored);
+      acc[NM] += x * x;
+      for (int o = 0; o < NM; ++o) acc[o] += x * fn[(size_t)o * K + j * D + d];
+    }
+  }
+  SHARED float red[8][NM + 1];
+  for (int o = 0; o <= NM; ++o) {
+    const float v = simd_sum_f(acc[o]);
+    if (lane == 0) red[warp][o] = v;
+  }
+  BARRIER();
+  if ((int)tid <= NM) {
+    float v = 0.0f;
+    for (int w = 0; w < 8; ++w) v += red[w][tid];
+    partial[((size_t)qi * SPLITS + group_x) * (NM + 1) + tid] = v;
+  }
+"""
+
 _F = mx.float32
 PROJECT_KERNEL = Kernel(
     name="dsv4_hc_project", input_names=("streams", "fn"), output_names=("partial",),
@@ -245,18 +292,34 @@ COLLAPSE_NORM_KERNEL = Kernel(
     checks=(((mx.bfloat16, _F, mx.bfloat16, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((mx.bfloat16, _F, _F, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((_F, _F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 100)))))
+_SINKHORN_COLLAPSE_NORM_CHECKS = (
+    ((_F, _F, _F, _F, mx.bfloat16, _F, mx.bfloat16), (_F, _F, _F, mx.bfloat16),
+     (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 16))),
+    ((_F,) * 7, (_F,) * 4, (("T", _F), ("HC", 4), ("D", 96), ("ITERS", 20), ("SPLITS", 1))))
 SINKHORN_COLLAPSE_NORM_KERNEL = Kernel(
     name="dsv4_hc_sinkhorn_collapse_norm",
     input_names=("partial", "scale", "base", "params", "streams", "pre_in", "weight"),
-    output_names=("pre", "post", "comb", "out"), body=_SINKHORN_COLLAPSE_NORM_BODY, header=_ROW_HEADER,
-    checks=(((_F, _F, _F, _F, mx.bfloat16, _F, mx.bfloat16), (_F, _F, _F, mx.bfloat16),
-             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 16))),
-            ((_F,) * 7, (_F,) * 4, (("T", _F), ("HC", 4), ("D", 100), ("ITERS", 20), ("SPLITS", 1)))))
+    output_names=("pre", "post", "comb", "out"), header=_ROW_HEADER,
+    body=_SINKHORN_COLLAPSE_NORM_BODY.replace("FP8_COPY", "false").replace("OUT_Q", "out"),
+    checks=_SINKHORN_COLLAPSE_NORM_CHECKS)
+# The same, also writing x rounded to fp8 per 32 values (the attention's wq_a/wkv input).
+SINKHORN_COLLAPSE_NORM_FP8_KERNEL = Kernel(
+    name="dsv4_hc_sinkhorn_collapse_norm_fp8",
+    input_names=("partial", "scale", "base", "params", "streams", "pre_in", "weight"),
+    output_names=("pre", "post", "comb", "out", "out_q"), header=_ROW_HEADER,
+    body=_SINKHORN_COLLAPSE_NORM_BODY.replace("FP8_COPY", "true").replace("OUT_Q", "out_q"),
+    checks=tuple((i, (*o, o[-1]), t) for i, o, t in _SINKHORN_COLLAPSE_NORM_CHECKS))
 EXPAND_KERNEL = Kernel(
     name="dsv4_hc_expand", input_names=("y", "residual", "post", "comb"), output_names=("out",),
     body=_EXPAND_BODY,
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((_F, _F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 100)))))
+EXPAND_PROJECT_KERNEL = Kernel(
+    name="dsv4_hc_expand_project", input_names=("y", "residual", "post", "comb", "fn"),
+    output_names=("out", "partial"), body=_EXPAND_PROJECT_BODY,
+    checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F), (mx.bfloat16, _F),
+             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 20))),
+            ((_F,) * 5, (_F, _F), (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 1)))))
 
 
 def _float32(a):
@@ -336,55 +399,82 @@ def hc_collapse_norm(streams, pre, weight, eps, shape=None):
 
 
 def hc_mixes_collapse_norm_reference(streams, pre_in, fn, scale, base, norm_weight, rms_eps,
-                                     norm_eps, hc_eps, iterations=20, x_shape=None):
+                                     norm_eps, hc_eps, iterations=20, x_shape=None, fp8_copy=False):
     """Plain-MLX definition; see `hc_mixes_collapse_norm`."""
     x = hc_collapse_norm_reference(streams, pre_in, norm_weight, rms_eps, x_shape)
-    return (x, *hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations))
+    copy = (qdq_fp8(x),) if fp8_copy else ()
+    return (x, *copy, *hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations))
 
 
 def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_eps, norm_eps,
-                           hc_eps, iterations=20, x_shape=None):
+                           hc_eps, iterations=20, x_shape=None, fp8_copy=False, projection=None):
     """One mHC site's entry: the sublayer input and this site's mixes, from the same streams.
 
     x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps), where pre_in is the previous
-    site's pre (in any layout of the streams' tokens); (pre, post, comb) = hc_mixes(streams, fn, scale, base, norm_eps, hc_eps,
-    iterations). Returns (x, pre, post, comb), shapes and dtypes as those two give them (x
-    laid out as `x_shape` if given). On the kernel path two launches instead of three: the
-    projection, then one kernel that collapses and normalises while one of its SIMD groups
-    finishes the mixes.
+    site's pre (in any layout of the streams' tokens); (pre, post, comb) = hc_mixes(streams, fn,
+    scale, base, norm_eps, hc_eps, iterations). Returns (x, pre, post, comb), shapes and dtypes
+    as those two give them (x laid out as `x_shape` if given); with `fp8_copy`, (x,
+    qdq_fp8(x), pre, post, comb): the input of the official fp8 matmuls, bit-identical.
+    `projection`: what `hc_expand` returned with this site's fn for the same streams.
+
+    On the kernel path two launches instead of three (the projection, then one kernel that
+    collapses and normalises, rounds the fp8 copy, while one of its SIMD groups finishes the
+    mixes); one when the expand that made the streams also made their projection.
     """
     float_weight = norm_weight.dtype in (mx.bfloat16, mx.float16, mx.float32)
     if not _use_kernel(streams.dtype, streams.shape[-2]) or not float_weight:
         x = hc_collapse_norm(streams, pre_in, norm_weight, rms_eps, x_shape)
-        return (x, *hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations))
+        copy = (qdq_fp8(x),) if fp8_copy else ()
+        return (x, *copy, *hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations))
     *lead, hc, D = streams.shape
-    partial, splits = _project(streams, fn)
-    pre, post, comb, x = SINKHORN_COLLAPSE_NORM_KERNEL(
+    partial, splits = projection if projection is not None else _project(streams, fn)
+    # The fp8 copy in the kernel when the rounding kernel would run (32-value blocks whole in
+    # a SIMD group's row); else the rounding after it.
+    fused_copy = fp8_copy and D % 32 == 0 and qdq_kernel_applies(streams, 32)
+    kernel = SINKHORN_COLLAPSE_NORM_FP8_KERNEL if fused_copy else SINKHORN_COLLAPSE_NORM_KERNEL
+    x_shape = x_shape or (*lead, D)
+    pre, post, comb, x, *copy = kernel(
         inputs=[partial, _float32(scale), _float32(base),
                 constant((float(norm_eps), float(hc_eps), float(rms_eps))), streams,
                 _float32(pre_in), norm_weight],
-        output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape or (*lead, D)],
-        output_dtypes=[mx.float32] * 3 + [streams.dtype],
+        output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape] + [x_shape] * fused_copy,
+        output_dtypes=[mx.float32] * 3 + [streams.dtype] * (1 + fused_copy),
         grid=(ROW_THREADS + 32, math.prod(lead), 1), threadgroup=(ROW_THREADS + 32, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
-    return x, pre, post, comb
+    if fp8_copy and not fused_copy:
+        copy = [qdq_fp8(x)]
+    return (x, *copy, pre, post, comb)
 
 
-def hc_expand(y, residual, post, comb):
+def hc_expand(y, residual, post, comb, fn=None):
     """New streams X'_j = post_j y + sum_i comb[i, j] R_i, computed in fp32.
 
     y [B, S, D] (sublayer output); residual [B, S, hc, D] (streams that entered the site);
     post [B, S, hc], comb [B, S, hc, hc] fp32. Returns [B, S, hc, D] in the residual's dtype.
     The tokens may be laid out otherwise (flat: residual [B*S, hc, D], post [B*S, hc], ...),
     y's apart from the others' (e.g. [B, S, D] with flat streams): the result has the residual's.
+
+    With fn (the next site's [hc*(2+hc), hc*D] projection) returns (streams, projection):
+    on the kernel path the same launch also makes the next site's projection partials, for
+    `hc_mixes_collapse_norm(..., projection=...)`; elsewhere projection is None.
     """
     if not _use_kernel(residual.dtype) or y.dtype != residual.dtype:
-        return hc_expand_reference(y, residual, post, comb)
+        out = hc_expand_reference(y, residual, post, comb)
+        return out if fn is None else (out, None)
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
-    (out,) = EXPAND_KERNEL(
-        inputs=[y, residual, _float32(post), _float32(comb)],
-        output_shapes=[residual.shape], output_dtypes=[residual.dtype],
-        grid=(math.ceil(D / ROW_THREADS) * ROW_THREADS, tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
-        template=[("T", residual.dtype), ("HC", hc), ("D", D)])
-    return out
+    splits = math.ceil(D / ROW_THREADS)
+    grid = (splits * ROW_THREADS, tokens, 1)
+    template = [("T", residual.dtype), ("HC", hc), ("D", D)]
+    if fn is None:
+        (out,) = EXPAND_KERNEL(
+            inputs=[y, residual, _float32(post), _float32(comb)],
+            output_shapes=[residual.shape], output_dtypes=[residual.dtype],
+            grid=grid, threadgroup=(ROW_THREADS, 1, 1), template=template)
+        return out
+    out, partial = EXPAND_PROJECT_KERNEL(
+        inputs=[y, residual, _float32(post), _float32(comb), _float32(fn)],
+        output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 1),)],
+        output_dtypes=[residual.dtype, mx.float32],
+        grid=grid, threadgroup=(ROW_THREADS, 1, 1), template=template + [("SPLITS", splits)])
+    return out, (partial, splits)
