@@ -20,6 +20,7 @@ import numpy as np
 from . import flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
+from .kernels.indexer import indexer_scores
 from .kernels.selection import indexer_can_be_skipped, select_all_visible
 from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
@@ -293,16 +294,15 @@ class Indexer(nn.Module):
         q = finish_rows(self.wq_b(qr_in), None, state.rotation(freqs),
                         qdq_fp4_pow2 if flags.get("kv_qdq") else None, state.fused,
                         (b, s, self.n_heads, self.head_dim), mx.float32)   # scored in fp32
-        w = self.weights_proj(x).astype(mx.float32) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        dots = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)                     # [B,S,h,N]
-        scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
+        candidates = None
+        if not self.args.is_candidate_source(self.layer) and self.args.uses_candidates(self.layer):
+            candidates = state.candidates
+        scores = indexer_scores(q, keys, self.weights_proj(x), self.head_dim ** -0.5 * self.n_heads ** -0.5,
+                                state.positions, ratio, candidates)                    # [B,S,N]
         n = keys.shape[1]
         visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]
-        scores = mx.where(ramp(n) < visible, scores, -mx.inf)
         if self.args.is_candidate_source(self.layer):
             state.candidates = self._candidates(scores, visible)
-        elif self.args.uses_candidates(self.layer) and state.candidates is not None:
-            scores = mx.where(state.candidates[..., :n], scores, -mx.inf)
         k = min(self.args.index_topk, n)
         chosen = topk_indices(scores, k)
         return mx.where(chosen < visible, chosen, -1)

@@ -164,6 +164,10 @@ define("kernel_router", True,
        "MoE router for 1-8 tokens: the gate product from the bf16 input and weight in one GPU "
        "launch (the head kernel's; no fp32 cast or copy), then sqrt-softplus scores, biased top-k "
        "and the normalized weights in one more (~8 launches otherwise); off runs the plain-MLX ops")
+define("kernel_indexer", True,
+       "the indexer's scores of the compressed rows for 1-8 queries (products with every key, "
+       "ReLU, head weights, visibility and candidate masks) in one GPU launch (~7 otherwise, "
+       "with an fp32 copy of the keys); off runs the plain-MLX ops")
 define("kernel_matvec", "auto",
        "quantized projections of 1-8 tokens (mxfp8/mxfp4/affine) with the fp8 input rounding "
        "fused, through the custom GPU matvec kernel: auto (default) where it measured faster than "

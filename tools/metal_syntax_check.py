@@ -35,9 +35,11 @@ SHIM = ROOT / "tools" / "metal_shim"
 CLANG_PACKAGE = "clang"
 
 METAL_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
-               mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t"}
+               mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t",
+               mx.bool_: "bool"}
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-              mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t"}
+              mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t",
+              mx.bool_: "bool"}
 # MLX's list of Metal thread attributes; a signature gets those the body names.
 METAL_ATTRIBUTES = (
     ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),

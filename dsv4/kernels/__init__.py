@@ -9,5 +9,9 @@ Dispatchers the model calls (kernel or reference by backend and by flags.py's ke
   matvec.quantized_matvec (through dsv4.linear: QuantizedLinear, fp8_linear)   quantized projection
                                       of 1-8 tokens, with the fp8 input rounding fused
   router.route (through dsv4.moe.Router)   scores, biased top-k and weights after the gate matmul
+  head.head_logits (through Model.logits, dsv4.moe.Router)   fp32 logits of 1-8 tokens from a bf16
+                                      weight (the output head, the router's gate)
+  indexer.indexer_scores (through dsv4.attention.Indexer)   the indexer's masked scores of every
+                                      compressed row for 1-8 queries
   selection.indexer_can_be_skipped / select_all_visible   skip indexer scoring when k >= rows
 """
