@@ -22,6 +22,7 @@ from .cache import Cache, LayerCache
 from .constants import derived, ramp
 from .kernels.indexer import indexer_scores
 from .kernels.selection import indexer_can_be_skipped, select_all_visible
+from .kernels import head as head_kernel
 from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
@@ -258,6 +259,13 @@ class Compressor(nn.Module):
 
     def inputs(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """The fp32 kv and gate inputs of x's tokens [B, S, Dh] (pooled once a group completes)."""
+        wkv, wgate = self.wkv["weight"], self.wgate["weight"]
+        if flags.get("kernel_head") and head_kernel.supports(x, wkv) and wgate.dtype == wkv.dtype:
+            # Both products in one launch of the head kernel (bf16 weights and x read as stored).
+            both = derived(self.wkv, f"with_gate_{id(wgate)}", wkv, lambda: mx.concatenate([wkv, wgate]))
+            kv_gate = head_kernel.head_logits(x, both)
+            d = self.wkv.weight.shape[0]
+            return kv_gate[..., :d], kv_gate[..., d:]
         h = x.astype(mx.float32)
         fp32 = lambda m: derived(m, "fp32_t", m.weight, lambda: m.weight.astype(mx.float32).T)
         return h @ fp32(self.wkv), h @ fp32(self.wgate)
@@ -311,8 +319,8 @@ class Indexer(nn.Module):
         """Blocks of positions ranked by their best score, the newest always kept."""
         size = self.args.candidate_block_size
         b, s, n = scores.shape
-        pad = -n % size
-        padded = mx.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=-mx.inf)
+        pad = -n % size   # none at the fixed step's capacities: no Pad launch then
+        padded = mx.pad(scores, [(0, 0), (0, 0), (0, pad)], constant_values=-mx.inf) if pad else scores
         blocks = mx.max(padded.reshape(b, s, -1, size), axis=-1)
         nb = blocks.shape[-1]
         newest = mx.where(visible > 0, (visible - 1) // size, -1)                          # [S,1]

@@ -175,8 +175,9 @@ define("kernel_matvec", "auto",
        "2048 rows (wo_b: 31.5 vs 37.6 µs, benchmarks/results/2026-11-29-1815-kernels-matvec-h200.md); "
        "on: every such projection; off: quantized_matmul")
 define("kernel_head", True,
-       "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel; off "
-       "runs x_fp32 @ W.T, for which MLX converts the whole head to an fp32 temporary every step")
+       "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
+       "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "
+       "which MLX converts the whole head to an fp32 temporary every step")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
