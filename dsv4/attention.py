@@ -120,7 +120,7 @@ def finish_rows(x: mx.array, norm: Optional[RMSNorm] = None, rot: Optional[Rotat
     result cast to `dtype` if given. `fused` (the fixed-shape step) runs it as one kernel
     where dsv4/kernels/rows.py can (which writes its output in that shape and dtype: no
     reshape, no cast)."""
-    fmt = {None: rows.NO_QDQ, qdq_fp8: rows.FP8, qdq_fp4_pow2: rows.FP4}.get(qdq)
+    fmt = {None: rows.NO_QDQ, qdq_fp8: rows.FP8, qdq_fp4_pow2: rows.FP4, qdq_fp4_e4m3: rows.FP4_E4M3}.get(qdq)
     if (fused and fmt is not None and (rot is None or rot.angles is not None)
             and rows.kernel_applies(x, fmt, x.shape[-1] if shape is None else shape[-1])):
         return rows.row_tail(x, None if norm is None else (norm.weight, norm.eps),
@@ -420,9 +420,8 @@ class Attention(nn.Module):
         """Latents of groups first.. -> (their compressed KV rows, their index keys or None
         when this layer's indexer does not publish keys)."""
         rot = state.rotation(self._freqs, first, self.ratio)
-        row = finish_rows(latents, rot=rot, fused=state.fused)
-        if flags.get("kv_qdq"):
-            row = qdq_fp4_e4m3(row)
+        row = finish_rows(latents, rot=rot, qdq=qdq_fp4_e4m3 if flags.get("kv_qdq") else None,
+                          fused=state.fused)
         keys = None
         if "indexer" in self and "wk" in self.indexer:
             keys = self.indexer.keys(latents, rot, state.fused)

@@ -19,6 +19,7 @@ import numpy as np
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+FP4_E4M3_FLOOR = FP4_MAX * 2.0**-9   # amax floor of qdq_fp4_e4m3: its scale stays >= e4m3's least value
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -105,7 +106,7 @@ def _qdq_pow2(x: mx.array, block: int, fmt: int) -> mx.array:
 @_compiled
 def _qdq_fp4_e4m3(x: mx.array, block: int) -> mx.array:
     b = _blocks(x, block)
-    amax = mx.maximum(mx.max(mx.abs(b), axis=-1, keepdims=True), FP4_MAX * 2.0**-9)
+    amax = mx.maximum(mx.max(mx.abs(b), axis=-1, keepdims=True), FP4_E4M3_FLOOR)
     scale = round_e4m3(amax / FP4_MAX)
     q = round_e2m1(mx.clip(b / scale, -FP4_MAX, FP4_MAX)) * scale
     return q.reshape(x.shape).astype(x.dtype)

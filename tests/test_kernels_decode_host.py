@@ -135,3 +135,50 @@ def test_kernel_fp8_act_quant_matches_model_numerics(decoder):
     got = decoder(3, 0, x.reshape(-1))
     want = np.array(qdq_fp8(mx.array(x)))
     np.testing.assert_array_equal(got, want)
+
+
+QDQ_HOST_MAIN = r"""
+// Compressed-KV rounding of blocks of 16 floats, the block amax taken here as the kernel's
+// half-SIMD-group maximum takes it.
+int main(int argc, char** argv) {
+  const int blocks = std::atoi(argv[1]);
+  for (int b = 0; b < blocks; ++b) {
+    float v[16];
+    if (std::fread(v, 4, 16, stdin) != 16) return 1;
+    float amax = 0.0f;
+    for (int i = 0; i < 16; ++i) amax = FMAX(amax, FABS(v[i]));
+    for (int i = 0; i < 16; ++i) v[i] = fp4_e4m3_of(v[i], amax);
+    std::fwrite(v, 4, 16, stdout);
+  }
+  return 0;
+}
+"""
+
+
+def test_kernel_fp4_e4m3_rounding_matches_model_numerics(tmp_path):
+    """dsv4.kernels.qdq's fp4_e4m3_of (row_tail's compressed-KV rounding) equals
+    dsv4.quant.qdq_fp4_e4m3 bit for bit, over magnitudes, zeros, the amax floor and e2m1 ties."""
+    from dsv4.kernels.qdq import HEADER
+    from dsv4.quant import qdq_fp4_e4m3
+
+    cxx = shutil.which("clang++") or shutil.which("g++")
+    if cxx is None:
+        pytest.fail("no C++ compiler: install clang (apt-get install clang)")
+    extra = ("#define DIV_RN(a, b) ((a) / (b))\n"
+             "inline float simd_max_f(float x) { return x; }\n"
+             "inline int simd_shuffle_i(int x, int) { return x; }\n")
+    src, exe = tmp_path / "qdq.cpp", tmp_path / "qdq"
+    src.write_text(HOST_PRELUDE + extra + HEADER + QDQ_HOST_MAIN)
+    built = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    rng = np.random.default_rng()
+    x = rng.standard_normal((400, 16)).astype(np.float32) * rng.uniform(1e-4, 1e2, (400, 1)).astype(np.float32)
+    x[0] = 0.0                                        # amax floor
+    x[1] = 6.0 * 2.0 ** -12 * rng.standard_normal(16)  # below the floor
+    x[2, :8] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]   # scale 1: e2m1 ties
+    x[3, :4] = [-0.25, -2.5, -0.0, 3.0]
+    x = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32))   # the kernel sees bf16 values
+    out = subprocess.run([str(exe), str(len(x))], input=x.tobytes(), capture_output=True, check=True).stdout
+    got = np.frombuffer(out, np.float32).reshape(x.shape)
+    want = np.array(qdq_fp4_e4m3(mx.array(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

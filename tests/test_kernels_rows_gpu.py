@@ -27,6 +27,7 @@ def angles(pos, freqs, scale=1.0):
     ((1, 1, 1280), True, False, rows.FP8),        # q-LoRA latent as matmul input
     ((1, 1, 32, 128), False, True, rows.FP4),     # indexer queries
     ((2, 1, 128), True, True, rows.FP4),          # indexer keys, batch 2
+    ((1, 1, 512), False, True, rows.FP4_E4M3),    # compressed KV row
 ])
 def test_row_tail_equals_the_stages(shape, norm, rot, qdq, dtype):
     assert backend() is not None, "needs MLX's CUDA or Metal backend"
@@ -50,7 +51,9 @@ def test_row_tail_equals_the_stages(shape, norm, rot, qdq, dtype):
         assert np.all(np.abs(u - w) <= 2.0 ** -7 * np.abs(w) + 1e-30)
         assert np.mean(u == w) > 0.95
     if qdq != rows.NO_QDQ:
-        ref = quant._qdq_pow2(unrounded, 32, qdq)   # the plain-MLX rounding, never the kernel
+        # The plain-MLX rounding, never the kernel.
+        ref = (quant._qdq_fp4_e4m3(unrounded, 16) if qdq == rows.FP4_E4M3
+               else quant._qdq_pow2(unrounded, 32, qdq))
         bits = mx.uint16 if dtype == mx.bfloat16 else mx.uint32
         assert np.array_equal(np.array(got.view(bits)), np.array(ref.view(bits)))
     else:

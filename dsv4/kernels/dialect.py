@@ -18,6 +18,7 @@ Vocabulary available to bodies:
   simd_sum_f, simd_max_f     sum/max over the 32 lanes, result in every lane
   simd_shuffle_i(v, src)     int v of lane src
   EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
+  DIV_RN(a, b)               a / b correctly rounded (IEEE), whatever the fast-math setting
   AS_FLOAT(u32), AS_UINT(f)  bit casts
   half2_bits_to_float2(u32)  two fp16 bit patterns (low half first) -> float2
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
@@ -46,6 +47,7 @@ METAL_HEADER = r"""
 #define FMAX(a, b) metal::max(a, b)
 #define FMIN(a, b) metal::min(a, b)
 #define RINT(x) metal::rint(x)
+#define DIV_RN(a, b) metal::precise::divide(a, b)
 #define FABS(x) metal::abs(x)
 #define AS_FLOAT(u) as_type<float>(u)
 #define AS_UINT(f) as_type<uint32_t>(f)
@@ -84,6 +86,7 @@ CUDA_HEADER = r"""
 #define FMAX(a, b) fmaxf(a, b)
 #define FMIN(a, b) fminf(a, b)
 #define RINT(x) rintf(x)
+#define DIV_RN(a, b) __fdiv_rn(a, b)
 #define FABS(x) fabsf(x)
 #define AS_FLOAT(u) __uint_as_float(u)
 #define AS_UINT(f) __float_as_uint(f)

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend
-from dsv4.quant import FP4, FP8, POW2_FORMATS
+from dsv4.quant import FP4, FP4_E4M3_FLOOR, FP8, POW2_FORMATS
 
 BLOCK = 32
 
@@ -61,7 +61,23 @@ KFN float qdq_pow2_lane(float v) {
   const float y = FMIN(FMAX(v * pow2_of_biased(254u - e), -top), top);
   return (FMT == 0 ? round_e4m3(y) : round_e2m1(y)) * pow2_of_biased(e);
 }
+
+// Compressed-KV rounding (dsv4.quant.qdq_fp4_e4m3): e2m1 with the e4m3 scale of a 16-value
+// block's amax / 6, the divisions correctly rounded as the reference's. amax/6 must be <= 448.
+KFN float fp4_e4m3_of(float v, float amax) {
+  const float scale = round_e4m3(DIV_RN(FMAX(amax, AS_FLOAT(FP4E4M3_FLOOR)), 6.0f));
+  return round_e2m1(FMIN(FMAX(DIV_RN(v, scale), -6.0f), 6.0f)) * scale;
+}
+
+// v rounded within its block of 16 (half a SIMD group: every lane must call this together).
+KFN float qdq_fp4_e4m3_lane(float v, uint32_t lane) {
+  float a = FABS(v);
+  for (int o = 8; o > 0; o >>= 1)
+    a = FMAX(a, AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(a), (int)(lane ^ (uint32_t)o))));
+  return fp4_e4m3_of(v, a);
+}
 """
+HEADER = HEADER.replace("FP4E4M3_FLOOR", _f32_bits(FP4_E4M3_FLOOR))
 for _fmt, _name in ((FP8, "FP8"), (FP4, "FP4")):   # the reference's constants, as fp32 bits
     _top, _floor, _ = POW2_FORMATS[_fmt]
     HEADER = (HEADER.replace(f"{_name}_FLOOR", _f32_bits(_floor))

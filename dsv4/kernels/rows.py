@@ -9,7 +9,8 @@ each stage ends rounded to the row's dtype, exactly where the reference rounds:
 
     norm:  h = round(w * (x * rsqrt(sum(x^2) / D + eps)))              (fp32 inside)
     rope:  (a, b) -> round(a cos - b sin, a sin + b cos) on the last 2R dims, pairs adjacent
-    qdq:   dsv4.kernels.qdq's rounding per 32 values (e4m3 or e2m1, power-of-two scale)
+    qdq:   dsv4.kernels.qdq's rounding per 32 values (e4m3 or e2m1, power-of-two scale), or
+           per 16 to e2m1 with an e4m3 scale (the compressed KV)
 
 cos/sin are the [R] fp32 values of the row's angles (one position per call: decode). The
 result equals the reference up to fp32 summation order in the norm and the cos/sin values.
@@ -26,8 +27,10 @@ from dsv4.kernels.qdq import FP4, FP8, HEADER as QDQ_HEADER
 THREADS = 256
 MAX_WIDTH = 2048
 NO_QDQ = -1
+FP4_E4M3 = 2   # dsv4.quant.qdq_fp4_e4m3: e2m1 with an e4m3 scale per 16 (the compressed KV)
 
-_BODY = r"""
+_BODY = f"""
+  constexpr int FP4_E4M3 = {FP4_E4M3};""" + r"""
   // grid (256, rows, 1), threadgroup 256: one row per threadgroup; lane values d = tid + 256 e,
   // so each SIMD group holds whole blocks of 32 and both values of a RoPE pair.
   constexpr int E = (D + 255) / 256;
@@ -63,8 +66,11 @@ _BODY = r"""
       }
     }
   }
-  if (QDQ > 0) {   // 1 + the rounding's format (template values must be names: no minus sign)
-    for (int e = 0; e < E; ++e) h[e] = qdq_pow2_lane<(QDQ > 0 ? QDQ - 1 : 0)>(h[e]);
+  // QDQ: 1 + the rounding's format (template values must be names: no minus sign)
+  if (QDQ == 1 + FP4_E4M3) {
+    for (int e = 0; e < E; ++e) h[e] = qdq_fp4_e4m3_lane(h[e], lane);
+  } else if (QDQ > 0) {
+    for (int e = 0; e < E; ++e) h[e] = qdq_pow2_lane<(QDQ == 1 ? 0 : 1)>(h[e]);
   }
   for (int e = 0; e < E; ++e) {
     const int d = (int)tid + 256 * e;
@@ -83,7 +89,9 @@ ROW_TAIL_KERNEL = Kernel(
             ((_F, _F, _F, _F, _F), (_F,),
              (("T", _F), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4))),
             ((mx.bfloat16, _F, _F, _F, _F), (_F,),   # bf16 values stored as fp32
-             (("T", mx.bfloat16), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4)))))
+             (("T", mx.bfloat16), ("D", 128), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4))),
+            ((mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16,),   # a compressed KV row
+             (("T", mx.bfloat16), ("D", 512), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4_E4M3)))))
 
 
 def kernel_applies(x: mx.array, qdq: int, width: int = None) -> bool:
@@ -99,7 +107,8 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple 
     """x [..., D] -> the same shape and dtype, through the stages asked for.
 
     norm: (weight [D], eps) or None; rope: (cos [R], sin [R]) fp32 or None (the last 2R
-    dims are rotated, adjacent pairs); qdq: FP8, FP4 or NO_QDQ. With `shape` (the same
+    dims are rotated, adjacent pairs); qdq: FP8, FP4 (power-of-two scale per 32), FP4_E4M3
+    (e4m3 scale per 16) or NO_QDQ. With `shape` (the same
     size), x's rows are of shape[-1] values and the result has that shape (a projection's
     output split into heads without a reshape). With `dtype` (fp32), the values, rounded to
     x's dtype as ever, are stored widened (exactly) to it: no cast for an fp32 consumer.

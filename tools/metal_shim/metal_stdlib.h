@@ -61,5 +61,8 @@ int max(int, int);
 int min(int, int);
 uint max(uint, uint);
 uint min(uint, uint);
+namespace precise {
+float divide(float, float);   // MSL: correctly rounded whatever the fast-math setting
+}  // namespace precise
 }  // namespace metal
 using namespace metal;
