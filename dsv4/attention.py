@@ -21,7 +21,7 @@ from . import flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
 from .kernels.indexer import indexer_scores
-from .kernels.selection import indexer_can_be_skipped, select_all_visible
+from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 from .kernels import head as head_kernel
 from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
@@ -211,12 +211,19 @@ class ForwardState:
         n = 0 if keys is None else keys.shape[1]
         if n == 0:
             return None
-        # While every visible row makes the top-k, scores cannot change the selection. The
-        # candidate source still scores: re-index layers read its candidate mask.
+        # While every visible row makes the top-k, scores cannot change the selection; the
+        # candidate source still scores while its mask can drop rows (re-index layers read it).
         if (flags.get("indexer_skip") and indexer_can_be_skipped(n, attn.args.index_topk)
-                and not attn.args.is_candidate_source(attn.layer)):
+                and not self.candidates_matter(attn.args, attn.layer, n)):
+            if attn.args.is_candidate_source(attn.layer):
+                self.candidates = None
             return select_all_visible(self.positions, b, attn.ratio, n)
         return attn.indexer(x, qr, keys, self, attn._freqs, attn.ratio)
+
+    def candidates_matter(self, args: ModelArgs, layer: int, n: int) -> bool:
+        """Whether `layer`, a candidate source over n held rows, makes a mask that can drop a
+        visible row (dsv4.kernels.selection.candidates_matter); None stands for it otherwise."""
+        return args.is_candidate_source(layer) and candidates_matter(args, n)
 
     def _index_keys(self, attn: "Attention") -> Optional[mx.array]:
         source = attn.args.kv_source(attn.layer)
@@ -310,7 +317,8 @@ class Indexer(nn.Module):
         n = keys.shape[1]
         visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]
         if self.args.is_candidate_source(self.layer):
-            state.candidates = self._candidates(scores, visible)
+            matter = state.candidates_matter(self.args, self.layer, n)
+            state.candidates = self._candidates(scores, visible) if matter else None
         k = min(self.args.index_topk, n)
         chosen = topk_indices(scores, k)
         return mx.where(chosen < visible, chosen, -1)

@@ -38,7 +38,7 @@ from .attention import Rotation
 from .cache import Cache
 from .constants import keeping, ramp
 from .kernels.dialect import backend
-from .kernels.selection import indexer_can_be_skipped, select_all_visible
+from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 
 MIN_CAPACITY = 256
 
@@ -68,7 +68,7 @@ class StepState:
     pos: mx.array                 # [1] int32, the position of this step's token
     ring: int
     buffers: dict                 # "layer.name" -> array, replaced as layers write
-    regimes: dict                 # index source layer -> "none" | "all" | "score"
+    regimes: dict                 # index source layer -> "none" | "all" | "score" | "score+candidates"
     completing: frozenset = frozenset()   # layers whose compressor completes a group at this step
     topk: Optional[mx.array] = None
     candidates: Optional[mx.array] = None
@@ -142,6 +142,10 @@ class StepState:
         self.write(f"{layer}.compressed", row, first)
         if keys is not None:
             self.write(f"{layer}.index_keys", keys, first)
+
+    def candidates_matter(self, args, layer: int, n: int) -> bool:
+        """The regime says (from the visible rows, known on the host; n is the capacity)."""
+        return self.regimes[layer] == "score+candidates"
 
     def select(self, attn, x: mx.array, qr: mx.array) -> Optional[mx.array]:
         regime = self.regimes[attn.layer]
@@ -228,13 +232,13 @@ class FixedDecoder:
             if layer >= len(self.ratios) or not self.ratios[layer]:
                 continue
             n = (self.pos + 1) // self.ratios[layer]
+            matter = a.is_candidate_source(layer) and candidates_matter(a, n)
             if n == 0:
                 out[layer] = "none"
-            elif (flags.get("indexer_skip") and indexer_can_be_skipped(n, a.index_topk)
-                  and not a.is_candidate_source(layer)):
+            elif flags.get("indexer_skip") and indexer_can_be_skipped(n, a.index_topk) and not matter:
                 out[layer] = "all"
             else:
-                out[layer] = "score"
+                out[layer] = "score+candidates" if matter else "score"
         return out
 
     # --- the step ---------------------------------------------------------------------------

@@ -166,3 +166,24 @@ def test_batch_one_indices_broadcast_over_the_batch():
     got = np.array(sa.sparse_attention(**dict(case, window_idx=shared_w, topk_idx=shared_t)))
     full = dict(case, window_idx=mx.broadcast_to(shared_w, (2, 3, 4)), topk_idx=mx.broadcast_to(shared_t, (2, 3, 2)))
     np.testing.assert_allclose(got, oracle(*as_np(full)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_visible,size,kb", [(12, 4, 3), (13, 4, 3), (40, 8, 5), (41, 8, 5)])
+def test_candidate_mask_is_the_visibility_while_candidates_do_not_matter(n_visible, size, kb):
+    """candidates_matter is False exactly when the candidate source's mask keeps every visible
+    row (then no mask is made): checked against Indexer._candidates on random scores."""
+    from types import SimpleNamespace
+
+    from dsv4.attention import Indexer
+    from dsv4.kernels.selection import candidates_matter
+
+    args = SimpleNamespace(candidate_block_size=size, candidate_topk_blocks=kb)
+    rng = np.random.default_rng()
+    n = 64                                              # the keys' capacity
+    visible = mx.array([[n_visible]])
+    scores = mx.array(rng.standard_normal((1, 1, n)).astype(np.float32))
+    scores = mx.where(mx.arange(n) < visible, scores, -mx.inf)
+    mask = np.array(Indexer._candidates(SimpleNamespace(args=args), scores, visible))[0, 0]
+    keeps_all = bool(mask[:n_visible].all())
+    assert candidates_matter(args, n_visible) == (not keeps_all)
+    assert candidates_matter(args, n_visible) == (-(-n_visible // size) > kb)

@@ -1,4 +1,5 @@
-"""Skipping work that cannot change the result: indexer scoring when every row is selected.
+"""Skipping work that cannot change the result: indexer scoring when every row is selected, the
+candidate blocks when every block is kept.
 
 The indexer keeps the top k of the compressed rows a query can see (model-spec §3.6). While
 the cache holds at most k compressed rows, every visible row is kept whatever the scores, so
@@ -11,6 +12,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 from dsv4.constants import ramp
+
+
+def candidates_matter(args, n_compressed: int) -> bool:
+    """Whether the candidate source's block mask can drop a visible row: only when more blocks
+    hold visible rows (at most `n_compressed`) than the candidate top-k keeps. Otherwise every
+    such block is kept (its best score is finite, the others' -inf): the mask is the visibility,
+    which the scores apply anyway, and the blocks need not be ranked."""
+    return -(-n_compressed // args.candidate_block_size) > args.candidate_topk_blocks
 
 
 def indexer_can_be_skipped(n_compressed: int, topk: int) -> bool:
