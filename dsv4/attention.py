@@ -21,6 +21,7 @@ from . import flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
 from .kernels.indexer import indexer_scores
+from .kernels.topk import topk_visible
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 from .kernels import head as head_kernel
 from .kernels import rows
@@ -315,13 +316,11 @@ class Indexer(nn.Module):
         scores = indexer_scores(q, keys, self.weights_proj(x), self.head_dim ** -0.5 * self.n_heads ** -0.5,
                                 state.positions, ratio, candidates)                    # [B,S,N]
         n = keys.shape[1]
-        visible = (state.positions[:, None] + 1) // ratio                                  # [S,1]
         if self.args.is_candidate_source(self.layer):
             matter = state.candidates_matter(self.args, self.layer, n)
+            visible = (state.positions[:, None] + 1) // ratio                              # [S,1]
             state.candidates = self._candidates(scores, visible) if matter else None
-        k = min(self.args.index_topk, n)
-        chosen = topk_indices(scores, k)
-        return mx.where(chosen < visible, chosen, -1)
+        return topk_visible(scores, min(self.args.index_topk, n), state.positions, ratio)
 
     def _candidates(self, scores: mx.array, visible: mx.array) -> mx.array:
         """Blocks of positions ranked by their best score, the newest always kept."""

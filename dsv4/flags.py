@@ -168,6 +168,10 @@ define("kernel_indexer", True,
        "the indexer's scores of the compressed rows for 1-8 queries (products with every key, "
        "ReLU, head weights, visibility and candidate masks) in one GPU launch (~7 otherwise, "
        "with an fp32 copy of the keys); off runs the plain-MLX ops")
+define("kernel_topk", True,
+       "the indexer's top-k rows (ties to the lower row) and their visibility for 1-8 queries in "
+       "one GPU launch by radix selection (~4 launches otherwise, the partition a full sort); "
+       "off runs the plain-MLX ops")
 define("kernel_matvec", "auto",
        "quantized projections of 1-8 tokens (mxfp8/mxfp4/affine) with the fp8 input rounding "
        "fused, through the custom GPU matvec kernel: auto (default) where it measured faster than "

@@ -13,5 +13,6 @@ Dispatchers the model calls (kernel or reference by backend and by flags.py's ke
                                       weight (the output head, the router's gate)
   indexer.indexer_scores (through dsv4.attention.Indexer)   the indexer's masked scores of every
                                       compressed row for 1-8 queries
+  topk.topk_visible (through dsv4.attention.Indexer)   its top-k rows, -1 where not visible
   selection.indexer_can_be_skipped / select_all_visible   skip indexer scoring when k >= rows
 """

@@ -19,6 +19,8 @@ Vocabulary available to bodies:
   simd_shuffle_i(v, src)     int v of lane src
   EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
   DIV_RN(a, b)               a / b correctly rounded (IEEE), whatever the fast-math setting
+  SHARED_ATOMIC_U32 x[n];    threadgroup/shared uint32 counters, used only through
+  ATOMIC_ADD(x, v), ATOMIC_LOAD(x), ATOMIC_STORE(x, v)   (relaxed; order them with BARRIER())
   AS_FLOAT(u32), AS_UINT(f)  bit casts
   half2_bits_to_float2(u32)  two fp16 bit patterns (low half first) -> float2
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
@@ -48,6 +50,10 @@ METAL_HEADER = r"""
 #define FMIN(a, b) metal::min(a, b)
 #define RINT(x) metal::rint(x)
 #define DIV_RN(a, b) metal::precise::divide(a, b)
+#define SHARED_ATOMIC_U32 threadgroup atomic_uint
+#define ATOMIC_ADD(x, v) atomic_fetch_add_explicit(&(x), (v), memory_order_relaxed)
+#define ATOMIC_LOAD(x) atomic_load_explicit(&(x), memory_order_relaxed)
+#define ATOMIC_STORE(x, v) atomic_store_explicit(&(x), (v), memory_order_relaxed)
 #define FABS(x) metal::abs(x)
 #define AS_FLOAT(u) as_type<float>(u)
 #define AS_UINT(f) as_type<uint32_t>(f)
@@ -87,6 +93,10 @@ CUDA_HEADER = r"""
 #define FMIN(a, b) fminf(a, b)
 #define RINT(x) rintf(x)
 #define DIV_RN(a, b) __fdiv_rn(a, b)
+#define SHARED_ATOMIC_U32 __shared__ uint32_t
+#define ATOMIC_ADD(x, v) atomicAdd(&(x), (v))
+#define ATOMIC_LOAD(x) (x)
+#define ATOMIC_STORE(x, v) ((x) = (v))
 #define FABS(x) fabsf(x)
 #define AS_FLOAT(u) __uint_as_float(u)
 #define AS_UINT(f) __float_as_uint(f)

@@ -40,6 +40,12 @@ struct float4 {
 template <typename T, typename U>
 T as_type(U);
 
+enum memory_order { memory_order_relaxed };
+struct atomic_uint { uint value; };
+uint atomic_fetch_add_explicit(threadgroup atomic_uint*, uint, memory_order);
+uint atomic_load_explicit(threadgroup atomic_uint*, memory_order);
+void atomic_store_explicit(threadgroup atomic_uint*, uint, memory_order);
+
 float simd_sum(float);
 float simd_max(float);
 int simd_shuffle(int, ushort);
