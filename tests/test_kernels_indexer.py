@@ -63,7 +63,7 @@ def test_dispatch():
         out = ix.indexer_scores(*args, mx.array(cand))
         assert out.shape == (1, 2, 11) and len(calls) == 1
         assert calls[0]["grid"] == (128, 1, 2)
-        assert dict(calls[0]["template"]) == dict(H=4, DK=16, S=2, N=11, RATIO=2, CANDIDATES=True)
+        assert dict(calls[0]["template"]) == dict(H=4, DK=16, S=2, RATIO=2, CANDIDATES=True)
         ix.indexer_scores(*args)
         assert dict(calls[1]["template"])["CANDIDATES"] is False
         with flags.override(kernel_indexer=False):

@@ -60,7 +60,8 @@ def test_dispatch():
         out = tk.topk_visible(scores, 10, positions, 2)
         assert out.shape == (1, 2, 10) and out.dtype == mx.int32
         assert calls[0]["grid"] == (tk.THREADS, 1, 2)
-        assert dict(calls[0]["template"]) == dict(N=50, K=10, S=2, RATIO=2)
+        assert dict(calls[0]["template"]) == dict(S=2, RATIO=2)
+        assert calls[0]["inputs"][2].tolist() == [10]   # k at run time
         with flags.override(kernel_topk=False):
             tk.topk_visible(scores, 10, positions, 2)
         tk.topk_visible(mx.zeros((1, tk.MAX_QUERIES + 1, 50)), 10, mx.arange(tk.MAX_QUERIES + 1), 2)
