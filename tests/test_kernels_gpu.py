@@ -143,15 +143,18 @@ def test_hc_collapse_norm_and_expand(tokens, D, dtype):
     got_n, got_e = mhc.hc_collapse_norm(X, pre, weight, 1e-20), mhc.hc_expand(y, X, post, comb)
     want_n = mhc.hc_collapse_norm_reference(X, pre, weight, 1e-20)
     want_e = mhc.hc_expand_reference(y, X, post, comb)
-    ulp = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -20
+    # One ulp of bf16 is at most 2^-7 of the value (8 significant bits; 2^-8 at the top of a
+    # binade): rtol must cover the bottom of a binade.
+    ulp = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -20
     # The fp32 collapse summed in another order may round to the neighbouring value, which
-    # moves the norm output by at most two ulps (<= 2^-7 relative in bf16).
+    # moves the norm output by at most two ulps (<= 2^-6 relative in bf16). (With 2^-7, as
+    # here before, a run on the H200 failed once in four.)
     np.testing.assert_allclose(f32(got_n), f32(want_n), rtol=2 * ulp, atol=1e-6)
     if dtype == mx.bfloat16:
         assert np.mean(f32(got_n) == f32(want_n)) > 0.95
     # Each side rounds an fp32 value once; the values differ by summation order, so the
     # results can be one ulp apart (<= 2^-7 relative in bf16).
-    np.testing.assert_allclose(f32(got_e), f32(want_e), rtol=2 * ulp, atol=1e-5)
+    np.testing.assert_allclose(f32(got_e), f32(want_e), rtol=ulp, atol=1e-5)
 
 
 @pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (6, 100, mx.float32), (3, 5120, mx.bfloat16)])
@@ -164,7 +167,7 @@ def test_hc_site_entry_fused(tokens, D, dtype):
     args = (X, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
     got = mhc.hc_mixes_collapse_norm(*args)
     want = mhc.hc_mixes_collapse_norm_reference(*args)
-    ulp = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -20
+    ulp = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -20
     # x: as test_hc_collapse_norm_and_expand; the mixes: as test_hc_mixes.
     np.testing.assert_allclose(f32(got[0]), f32(want[0]), rtol=2 * ulp, atol=1e-6)
     for g, w in zip(got[1:], want[1:]):
