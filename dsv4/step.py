@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import flags
-from .attention import Rotation
+from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
 from .kernels.dialect import backend
@@ -124,7 +124,8 @@ class StepState:
     def compress(self, attn, x: mx.array) -> None:
         layer, r, comp = attn.layer, attn.ratio, attn.compressor
         if r == 1:
-            latents, first = comp.norm(comp.wkv(x)), self.pos
+            # The norm as the projection tail (one kernel on a GPU: RMSNorm is two launches).
+            latents, first = finish_rows(comp.wkv(x), comp.norm, fused=self.fused), self.pos
         else:
             kv, gate = comp.inputs(x)
             kv = self.write(f"{layer}.comp_kv", kv, self.slot)
