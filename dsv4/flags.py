@@ -159,7 +159,8 @@ define("kernel_qdq", True,
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")
 define("kernel_rows", True,
        "fixed-shape decode: each projection's tail (RMSNorm, RoPE of the last dims, fp8/fp4 "
-       "rounding) in one GPU launch instead of ~12 ops; off runs the plain-MLX ops")
+       "rounding) in one GPU launch instead of ~12 ops, and the cos/sin of each RoPE placement "
+       "in one instead of 3; off runs the plain-MLX ops")
 define("kernel_router", True,
        "MoE router for 1-8 tokens: the gate product from the bf16 input and weight in one GPU "
        "launch (the head kernel's; no fp32 cast or copy), then sqrt-softplus scores, biased top-k "

@@ -38,6 +38,7 @@ from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
 from .kernels.dialect import backend
+from .kernels.rows import rope_angles
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 
 MIN_CAPACITY = 256
@@ -103,9 +104,7 @@ class StepState:
         offset = self.pos if offset is None else offset
         key = (id(freqs), id(offset), scale)
         if key not in self.angles:
-            # [1] * [R]: the angles come out as [R], no views between the fused ops.
-            theta = offset.astype(mx.float32) * scale * mx.reciprocal(freqs)
-            self.angles[key] = (mx.cos(theta), mx.sin(theta))
+            self.angles[key] = rope_angles(offset, freqs, scale)
         return Rotation(offset, freqs, scale, self.angles[key])
 
     # What `Attention.__call__` asks of its state (see attention.ForwardState), here over the

@@ -74,3 +74,19 @@ def test_row_tail_output_shape_and_dtype_only_lay_out_the_same_values(qdq):
         laid_out = rows.row_tail(x, None, cs, qdq, shape=(1, 1, 32, 128), dtype=mx.float32)
     assert laid_out.shape == (1, 1, 32, 128) and laid_out.dtype == mx.float32
     assert np.array_equal(np.array(laid_out), np.array(plain.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_rope_angles_kernel_equals_the_plain_ops(scale):
+    """cos/sin of (offset * scale) / freqs in one launch: the same fp32 theta (reciprocal
+    correctly rounded on both sides) and the same accurate cosf/sinf, so equal to within one
+    fp32 ulp of the plain ops' (MLX's unary kernels)."""
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    freqs = mx.array((10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32))
+    for pos in (0, 1, 513, 8191, 1_000_000):
+        offset = mx.array([pos], mx.int32)
+        with poisoned_outputs():
+            got = rows.rope_angles(offset, freqs, scale)
+        want = rows.rope_angles_reference(offset, freqs, scale)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=2.0 ** -23, atol=2.0 ** -24)

@@ -18,6 +18,7 @@ Vocabulary available to bodies:
   simd_sum_f, simd_max_f     sum/max over the 32 lanes, result in every lane
   simd_shuffle_i(v, src)     int v of lane src
   EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
+  COS, SIN                   fp32 cosine and sine, the accurate ones (MLX's mx.cos/mx.sin's)
   DIV_RN(a, b)               a / b correctly rounded (IEEE), whatever the fast-math setting
   SHARED_ATOMIC_U32 x[n];    threadgroup/shared uint32 counters, used only through
   ATOMIC_ADD(x, v), ATOMIC_LOAD(x), ATOMIC_STORE(x, v)   (relaxed; order them with BARRIER())
@@ -49,6 +50,8 @@ METAL_HEADER = r"""
 #define FMAX(a, b) metal::max(a, b)
 #define FMIN(a, b) metal::min(a, b)
 #define RINT(x) metal::rint(x)
+#define COS(x) metal::precise::cos(x)
+#define SIN(x) metal::precise::sin(x)
 #define DIV_RN(a, b) metal::precise::divide(a, b)
 #define SHARED_ATOMIC_U32 threadgroup atomic_uint
 #define ATOMIC_ADD(x, v) atomic_fetch_add_explicit(&(x), (v), memory_order_relaxed)
@@ -92,6 +95,8 @@ CUDA_HEADER = r"""
 #define FMAX(a, b) fmaxf(a, b)
 #define FMIN(a, b) fminf(a, b)
 #define RINT(x) rintf(x)
+#define COS(x) cosf(x)
+#define SIN(x) sinf(x)
 #define DIV_RN(a, b) __fdiv_rn(a, b)
 #define SHARED_ATOMIC_U32 __shared__ uint32_t
 #define ATOMIC_ADD(x, v) atomicAdd(&(x), (v))

@@ -94,6 +94,41 @@ ROW_TAIL_KERNEL = Kernel(
              (("T", mx.bfloat16), ("D", 512), ("R", 32), ("NORM", False), ("QDQ", 1 + FP4_E4M3)))))
 
 
+_ANGLES_BODY = r"""
+  // grid (R rounded up to 32, 1, 1): theta_k = (offset * scale) * (1 / freqs_k), as the
+  // plain-MLX ops compute it (reciprocal correctly rounded), then its cosine and sine.
+  const int k = (int)(group_x * group_threads + tid);
+  if (k >= R) return;
+  const float theta = (float(offset[0]) * params[0]) * DIV_RN(1.0f, freqs[k]);
+  cosv[k] = COS(theta);
+  sinv[k] = SIN(theta);
+"""
+
+ANGLES_KERNEL = Kernel(
+    name="dsv4_rope_angles", input_names=("offset", "freqs", "params"), output_names=("cosv", "sinv"),
+    body=_ANGLES_BODY,
+    checks=(((mx.int32, _F, _F), (_F, _F), (("R", 32),)),))
+
+
+def rope_angles_reference(offset: mx.array, freqs: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+    """cos, sin [R] of the angles (offset * scale) / freqs (offset [1] int32, freqs [R] fp32)."""
+    theta = offset.astype(mx.float32) * scale * mx.reciprocal(freqs)   # [1] * [R]: [R], no views
+    return mx.cos(theta), mx.sin(theta)
+
+
+def rope_angles(offset: mx.array, freqs: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+    """`rope_angles_reference` in one launch where the projection tails run as kernels (flag
+    `kernel_rows` and a GPU: three launches otherwise, the angles and one per function)."""
+    if not (flags.get("kernel_rows") and backend() is not None and offset.dtype == mx.int32
+            and freqs.dtype == mx.float32 and freqs.ndim == 1):
+        return rope_angles_reference(offset, freqs, scale)
+    r = freqs.shape[0]
+    cos, sin = ANGLES_KERNEL(inputs=[offset, freqs, constant((float(scale),))],
+                             output_shapes=[(r,), (r,)], output_dtypes=[mx.float32, mx.float32],
+                             grid=(-(-r // 32) * 32, 1, 1), threadgroup=(32, 1, 1), template=[("R", r)])
+    return cos, sin
+
+
 def kernel_applies(x: mx.array, qdq: int, width: int = None) -> bool:
     """Whether `row_tail` takes x's rows of `width` values (default x.shape[-1])."""
     width = x.shape[-1] if width is None else width

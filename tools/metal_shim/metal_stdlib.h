@@ -69,6 +69,8 @@ uint max(uint, uint);
 uint min(uint, uint);
 namespace precise {
 float divide(float, float);   // MSL: correctly rounded whatever the fast-math setting
+float cos(float);
+float sin(float);
 }  // namespace precise
 }  // namespace metal
 using namespace metal;
