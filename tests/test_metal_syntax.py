@@ -1,8 +1,10 @@
-"""CI gate for the Metal sources: every kernel body, wrapped as mx.fast.metal_kernel wraps it,
-must parse and type-check with clang against tools/metal_shim (no Mac needed). Needs clang:
-without it the test fails (apt-get install clang), it does not skip."""
+"""CI gates for the kernel sources: every kernel body, wrapped as mx.fast.metal_kernel wraps it,
+must parse and type-check with clang against tools/metal_shim (no Mac needed), and wrapped as
+mx.fast.cuda_kernel wraps it must compile with NVRTC (no GPU needed). Needs clang and, on Linux
+x86-64, NVIDIA's NVRTC wheels (the test extra): without them the tests fail, they do not skip."""
 
 import dataclasses
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -35,6 +37,31 @@ def test_gate_rejects_a_type_error_and_an_unknown_function():
     bad_call = dataclasses.replace(kernel, body=kernel.body + "\n  simd_shuffle_down_f(1.0f);\n",
                                    checks=first)
     assert gate.check_metal(bad_type) and gate.check_metal(bad_call)
+
+
+def require_nvrtc():
+    if not (sys.platform == "linux" and platform.machine() == "x86_64"):
+        pytest.skip("NVIDIA publishes NVRTC wheels for Linux x86-64 only")
+    paths = gate.nvrtc_paths()
+    if paths is None:
+        pytest.fail("NVRTC is not installed: pip install -e '.[test]' installs it (nvidia-cuda-nvrtc-cu12)")
+    return paths
+
+
+@pytest.mark.parametrize("kernel", gate.all_kernels(), ids=lambda k: k.name)
+def test_cuda_source_compiles_with_nvrtc(kernel):
+    """The CUDA build of every kernel body, as mx.fast.cuda_kernel wraps it, compiles with the
+    compiler MLX's CUDA backend uses (NVRTC, sm_90): what the H200 would otherwise find first."""
+    errors = gate.check_cuda_nvrtc(kernel, require_nvrtc())
+    assert not errors, "\n".join(errors)
+
+
+def test_nvrtc_gate_rejects_a_type_error():
+    paths = require_nvrtc()
+    kernel = gate.all_kernels()[0]
+    bad = dataclasses.replace(kernel, body=kernel.body + "\n  float oops = tid; uint3 v = oops;\n",
+                              checks=kernel.checks[:1])
+    assert gate.check_cuda_nvrtc(bad, paths)
 
 
 def test_wrapper_matches_mlx_signature_rules():

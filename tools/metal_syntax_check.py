@@ -6,12 +6,14 @@ input and output, the attributes the body names, the explicit template instantia
 parsed and type-checked by clang as C++17 against tools/metal_shim/metal_stdlib.h. A syntax or
 type error fails.
 
-CUDA (optional, where nvcc is installed): the body is wrapped the way `mx.fast.cuda_kernel`
-wraps it and compiled for sm_90 with nvcc; MLX's device utilities are replaced by the CUDA
+CUDA (no GPU needed): the body is wrapped the way `mx.fast.cuda_kernel` wraps it and compiled
+for sm_90, by NVRTC (the library MLX's CUDA backend compiles custom kernels with at run time;
+from NVIDIA's PyPI wheels nvidia-cuda-nvrtc-cu12, -runtime-cu12 and -cccl-cu12, which the test
+extra installs on Linux x86-64) or by nvcc; MLX's device utilities are replaced by the CUDA
 headers they include, which is all the bodies use.
 
     python tools/metal_syntax_check.py          # Metal gate
-    python tools/metal_syntax_check.py --cuda   # also the CUDA gate
+    python tools/metal_syntax_check.py --cuda   # also the CUDA gate (NVRTC, else nvcc)
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def cuda_source(kernel: Kernel, check) -> str:
     """The text `mx.fast.cuda_kernel` compiles for one instantiation."""
     in_types, out_types, template = check
     header, body = kernel.source("cuda")
-    lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cstdint>",
+    lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cuda/std/cstdint>",
              "#include <cooperative_groups.h>", "#include <cuda/std/array>",
              # MLX's device utils define these (mlx/backend/cuda/device/utils.cuh).
              "using Shape = cuda::std::array<int32_t, 10>;", "using Strides = cuda::std::array<int64_t, 10>;",
@@ -161,6 +163,51 @@ def check_metal(kernel: Kernel) -> list[str]:
     return errors
 
 
+def nvrtc_paths() -> tuple[Path, list[Path]] | None:
+    """libnvrtc and the include directories from NVIDIA's PyPI wheels, or None if not installed."""
+    import importlib.util
+
+    found = {}
+    for name in ("cuda_nvrtc", "cuda_runtime", "cuda_cccl"):
+        spec = importlib.util.find_spec(f"nvidia.{name}")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        found[name] = Path(list(spec.submodule_search_locations)[0])
+    libs = sorted((found["cuda_nvrtc"] / "lib").glob("libnvrtc.so*"))
+    if not libs:
+        return None
+    return libs[0], [found["cuda_cccl"] / "include", found["cuda_runtime"] / "include"]
+
+
+def nvrtc_compile(source: str, paths: tuple[Path, list[Path]]) -> str | None:
+    """Compile one CUDA source for sm_90 with NVRTC: None if it compiles, else the log."""
+    import ctypes
+
+    library, includes = paths
+    lib = ctypes.CDLL(str(library))
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
+        return "nvrtcCreateProgram failed"
+    opts = [b"--gpu-architecture=sm_90", b"-std=c++17"] + [f"--include-path={p}".encode() for p in includes]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return None if rc == 0 else log.value.decode(errors="replace")
+
+
+def check_cuda_nvrtc(kernel: Kernel, paths: tuple[Path, list[Path]]) -> list[str]:
+    """Errors (empty when clean) of every instantiation of `kernel`'s CUDA source, by NVRTC."""
+    errors = []
+    for check in kernel.checks:
+        err = nvrtc_compile(cuda_source(kernel, check), paths)
+        if err:
+            errors.append(f"{kernel.name} {check[2]}:\n{err}")
+    return errors
+
+
 def check_cuda(kernel: Kernel, nvcc: str) -> list[str]:
     cmd = [nvcc, "-std=c++17", "-arch=sm_90", "-c", "-o", "/dev/null"]
     errors = []
@@ -179,12 +226,16 @@ def main(argv: list[str]) -> int:
             errors.append(f"{k.name}: no instantiations listed in Kernel.checks")
         errors += check_metal(k)
     if "--cuda" in argv:
-        nvcc = shutil.which("nvcc")
-        if nvcc is None:
-            errors.append("--cuda: nvcc is not on PATH")
-        else:
+        paths, nvcc = nvrtc_paths(), shutil.which("nvcc")
+        if paths is not None:
+            for k in kernels:
+                errors += check_cuda_nvrtc(k, paths)
+        elif nvcc is not None:
             for k in kernels:
                 errors += check_cuda(k, nvcc)
+        else:
+            errors.append("--cuda: neither NVRTC (pip install nvidia-cuda-nvrtc-cu12 "
+                          "nvidia-cuda-runtime-cu12 nvidia-cuda-cccl-cu12) nor nvcc is installed")
     for e in errors:
         print(e, file=sys.stderr)
     print(f"{len(kernels)} kernels, {sum(len(k.checks) for k in kernels)} instantiations: "
