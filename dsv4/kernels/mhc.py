@@ -65,6 +65,42 @@ def hc_expand_reference(y, residual, post, comb):
     return (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
 
 
+_STREAM_HEADER = r"""
+// Threadgroup sums of each thread's NM + 1 projection partials (acc), SIMD groups added in
+// index order, written to dst[0..NM] by threads 0..NM. red: warps x (NM + 1) floats of
+// threadgroup memory. Every thread of the threadgroup must call it (it has a barrier).
+template <int NM, typename PR, typename PD>
+KFN void store_partials(LOCAL const float* acc, PR red, uint32_t lane, uint32_t warp, uint32_t tid,
+                        uint32_t warps, PD dst) {
+  for (int o = 0; o <= NM; ++o) {
+    const float v = simd_sum_f(acc[o]);
+    if (lane == 0) red[warp * (NM + 1) + o] = v;
+  }
+  BARRIER();
+  if ((int)tid <= NM) {
+    float v = 0.0f;
+    for (uint32_t w = 0; w < warps; ++w) v += red[w * (NM + 1) + tid];
+    dst[tid] = v;
+  }
+}
+
+// Expand of column d of token qi: out_j = post_j y + sum_i comb[i][j] R_i in fp32, stored in
+// T; stored[j] gets the stored values back.
+template <typename T, int HC, int D, typename PY, typename PP, typename PO>
+KFN void expand_column(PY y, PY residual, PP post, PP comb, int qi, int d, PO out, LOCAL float* stored) {
+  float r[HC];
+  for (int i = 0; i < HC; ++i) r[i] = float(residual[((size_t)qi * HC + i) * D + d]);
+  const float yv = float(y[(size_t)qi * D + d]);
+  for (int j = 0; j < HC; ++j) {
+    float v = post[qi * HC + j] * yv;
+    for (int i = 0; i < HC; ++i) v += comb[(qi * HC + i) * HC + j] * r[i];
+    const T value = static_cast<T>(v);
+    out[((size_t)qi * HC + j) * D + d] = value;
+    stored[j] = float(value);
+  }
+}
+"""
+
 _PROJECT_BODY = r"""
   // grid (THREADS, splits, tokens): partial sums of the NM projections and of x^2 over one chunk.
   constexpr int K = HC * D;
@@ -78,17 +114,9 @@ _PROJECT_BODY = r"""
     acc[NM] += x * x;
     for (int o = 0; o < NM; ++o) acc[o] += x * fn[(size_t)o * K + k];
   }
-  SHARED float red[32][NM + 1];
-  for (int o = 0; o <= NM; ++o) {
-    const float v = simd_sum_f(acc[o]);
-    if (lane == 0) red[warp][o] = v;
-  }
-  BARRIER();
-  if ((int)tid <= NM) {
-    float v = 0.0f;
-    for (uint32_t w = 0; w < group_threads / 32; ++w) v += red[w][tid];
-    partial[((size_t)qi * SPLITS + split) * (NM + 1) + tid] = v;
-  }
+  SHARED float red[32 * (NM + 1)];
+  store_partials<NM>(acc, red, lane, warp, tid, group_threads / 32,
+                     partial + ((size_t)qi * SPLITS + split) * (NM + 1));
 """
 
 _ROW_HEADER = QDQ_HEADER + r"""
@@ -227,15 +255,8 @@ _EXPAND_BODY = r"""
   // grid (D rounded up to 256, tokens, 1): out_j = post_j y + sum_i comb[i][j] R_i, in fp32.
   const int d = (int)(group_x * group_threads + tid);
   if (d >= D) return;
-  const int qi = group_y;
-  float r[HC];
-  for (int i = 0; i < HC; ++i) r[i] = float(residual[((size_t)qi * HC + i) * D + d]);
-  const float yv = float(y[(size_t)qi * D + d]);
-  for (int j = 0; j < HC; ++j) {
-    float v = post[qi * HC + j] * yv;
-    for (int i = 0; i < HC; ++i) v += comb[(qi * HC + i) * HC + j] * r[i];
-    out[((size_t)qi * HC + j) * D + d] = static_cast<T>(v);
-  }
+  float stored[HC];
+  expand_column<T, HC, D>(y, residual, post, comb, (int)group_y, d, out, stored);
 """
 
 _EXPAND_PROJECT_BODY = r"""
@@ -250,36 +271,23 @@ _EXPAND_PROJECT_BODY = r"""
   float acc[NM + 1];
   for (int o = 0; o <= NM; ++o) acc[o] = 0.0f;
   if (d < D) {
-    float r[HC];
-    for (int i = 0; i < HC; ++i) r[i] = float(residual[((size_t)qi * HC + i) * D + d]);
-    const float yv = float(y[(size_t)qi * D + d]);
+    float stored[HC];
+    expand_column<T, HC, D>(y, residual, post, comb, qi, d, out, stored);
     for (int j = 0; j < HC; ++j) {
-      float v = post[qi * HC + j] * yv;
-      for (int i = 0; i < HC; ++i) v += comb[(qi * HC + i) * HC + j] * r[i];
-      const T stored = static_cast<T>(v);
-      out[((size_t)qi * HC + j) * D + d] = stored;
-      const float x = float(stored);
+      const float x = stored[j];
       acc[NM] += x * x;
       for (int o = 0; o < NM; ++o) acc[o] += x * fn[(size_t)o * K + j * D + d];
     }
   }
-  SHARED float red[8][NM + 1];
-  for (int o = 0; o <= NM; ++o) {
-    const float v = simd_sum_f(acc[o]);
-    if (lane == 0) red[warp][o] = v;
-  }
-  BARRIER();
-  if ((int)tid <= NM) {
-    float v = 0.0f;
-    for (int w = 0; w < 8; ++w) v += red[w][tid];
-    partial[((size_t)qi * SPLITS + group_x) * (NM + 1) + tid] = v;
-  }
+  SHARED float red[8 * (NM + 1)];
+  store_partials<NM>(acc, red, lane, warp, tid, group_threads / 32,
+                     partial + ((size_t)qi * SPLITS + group_x) * (NM + 1));
 """
 
 _F = mx.float32
 PROJECT_KERNEL = Kernel(
     name="dsv4_hc_project", input_names=("streams", "fn"), output_names=("partial",),
-    body=_PROJECT_BODY,
+    body=_PROJECT_BODY, header=_STREAM_HEADER,
     checks=(((mx.bfloat16, _F), (_F,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 20), ("CHUNK", 1024))),
             ((_F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 96), ("SPLITS", 1), ("CHUNK", 384)))))
 SINKHORN_KERNEL = Kernel(
@@ -311,12 +319,12 @@ SINKHORN_COLLAPSE_NORM_FP8_KERNEL = Kernel(
     checks=tuple((i, (*o, o[-1]), t) for i, o, t in _SINKHORN_COLLAPSE_NORM_CHECKS))
 EXPAND_KERNEL = Kernel(
     name="dsv4_hc_expand", input_names=("y", "residual", "post", "comb"), output_names=("out",),
-    body=_EXPAND_BODY,
+    body=_EXPAND_BODY, header=_STREAM_HEADER,
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F), (mx.bfloat16,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120))),
             ((_F, _F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 100)))))
 EXPAND_PROJECT_KERNEL = Kernel(
     name="dsv4_hc_expand_project", input_names=("y", "residual", "post", "comb", "fn"),
-    output_names=("out", "partial"), body=_EXPAND_PROJECT_BODY,
+    output_names=("out", "partial"), body=_EXPAND_PROJECT_BODY, header=_STREAM_HEADER,
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F), (mx.bfloat16, _F),
              (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 20))),
             ((_F,) * 5, (_F, _F), (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 1)))))
