@@ -20,7 +20,6 @@ import contextlib
 import importlib
 import pkgutil
 from datetime import datetime
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -85,18 +84,16 @@ def count(model, context: int) -> collections.Counter:
 
 
 def summary(counts: collections.Counter, layers: int) -> list[str]:
-    from benchmarks.graph_ops import launches
+    from benchmarks.graph_ops import launches, table
 
     kernels = counts[STAND_IN]
     mlx_launches = sum(launches(counts).values())
     total = sum(counts.values())
     lines = [f"launches per step: {kernels + mlx_launches} ({(kernels + mlx_launches) / layers:.1f} per "
              f"layer, {layers} layers): {kernels} custom kernels, {mlx_launches} MLX primitives; "
-             f"with the view-only primitives {total} ({total / layers:.1f} per layer)",
-             "", "| primitive | count | per layer |", "|---|---|---|"]
+             f"with the view-only primitives {total} ({total / layers:.1f} per layer)", ""]
     named = collections.Counter({("custom kernel" if k == STAND_IN else k): n for k, n in counts.items()})
-    lines += [f"| {name[:90]} | {n} | {n / layers:.1f} |" for name, n in named.most_common(30)]
-    return lines
+    return lines + table(named, layers, 30, width=90)
 
 
 def main(argv=None) -> int:
@@ -111,14 +108,13 @@ def main(argv=None) -> int:
     lines = summary(count(model, a.context), model.args.num_hidden_layers)
     print("\n".join(lines))
     if a.report:
-        from benchmarks.hardware import describe, to_markdown
+        from benchmarks.graph_ops import write_report
 
         when = datetime.now()
-        out = Path(__file__).parent / "results" / f"{when:%Y-%m-%d-%H%M}-gpu-path-primitives.md"
-        out.write_text(f"# Primitives of the fixed decode step on the GPU path (counted on the CPU)\n\n"
-                       f"{when:%Y-%m-%d %H:%M}; {'shape-true' if a.real else 'toy-width'} slice "
-                       f"(benchmarks/slice_decode.py), the step at position {a.context}.\n\n"
-                       + "\n".join(lines) + "\n\n" + to_markdown(describe()) + "\n")
+        out = write_report(f"{when:%Y-%m-%d-%H%M}-gpu-path-primitives.md",
+                           f"# Primitives of the fixed decode step on the GPU path (counted on the CPU)\n\n"
+                           f"{when:%Y-%m-%d %H:%M}; {'shape-true' if a.real else 'toy-width'} slice "
+                           f"(benchmarks/slice_decode.py), the step at position {a.context}.", lines)
         print(f"report: {out}")
     return 0
 

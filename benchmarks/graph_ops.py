@@ -32,6 +32,22 @@ def launches(counts: collections.Counter) -> collections.Counter:
     return collections.Counter({name: n for name, n in counts.items()
                                 if not any(name == v or name.startswith(v + " ") for v in VIEWS)})
 
+def table(counts: collections.Counter, layers: int, top: int, width: int | None = None) -> list[str]:
+    """Markdown table of the `top` most frequent primitives, per step and per layer (names cut
+    to `width` characters if given)."""
+    return ["| primitive | count | per layer |", "|---|---|---|"] + [
+        f"| {name[:width]} | {n} | {n / layers:.1f} |" for name, n in counts.most_common(top)]
+
+
+def write_report(filename: str, heading: str, lines: list[str]) -> Path:
+    """benchmarks/results/<filename>: the heading, the lines and the hardware."""
+    from benchmarks.hardware import describe, to_markdown
+
+    out = Path(__file__).parent / "results" / filename
+    out.write_text(heading + "\n\n" + "\n".join(lines) + "\n\n" + to_markdown(describe()) + "\n")
+    return out
+
+
 def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.Counter:
     """Primitive counts of one decode step after a prompt of `prompt_tokens`: the reference
     forward, or (`fixed`) the fixed-shape step of dsv4.step as the switches have it
@@ -78,17 +94,13 @@ def main(argv=None) -> int:
     total, work = sum(counts.values()), sum(launches(counts).values())
     lines = [f"primitives in one decode step: {total} ({total / layers:.1f} per layer, {layers} layers); "
              f"without the view-only ones: {work} ({work / layers:.1f} per layer)",
-             "", "| primitive | count | per layer |", "|---|---|---|"]
-    lines += [f"| {name} | {n} | {n / layers:.1f} |" for name, n in counts.most_common(25)]
+             "", *table(counts, layers, 25)]
     print("\n".join(lines))
     if a.report:
-        from benchmarks.hardware import describe, to_markdown
-
         when = datetime.now()
-        out = Path(__file__).parent / "results" / f"{when:%Y-%m-%d-%H%M%S}-{a.label}.md"
-        out.write_text(f"# Primitives of one decode step\n\n{when:%Y-%m-%d %H:%M}; model "
-                       f"`{a.model or 'demo'}`, prompt {a.prompt_tokens} tokens.\n\n"
-                       + "\n".join(lines) + "\n\n" + to_markdown(describe()) + "\n")
+        out = write_report(f"{when:%Y-%m-%d-%H%M%S}-{a.label}.md",
+                           f"# Primitives of one decode step\n\n{when:%Y-%m-%d %H:%M}; model "
+                           f"`{a.model or 'demo'}`, prompt {a.prompt_tokens} tokens.", lines)
         print(f"report: {out}")
     return 0
 
