@@ -21,7 +21,7 @@ from . import flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
 from .kernels.indexer import indexer_scores
-from .kernels.topk import topk_visible
+from .kernels.topk import topk_indices, topk_visible
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 from .kernels import head as head_kernel
 from .kernels import rows
@@ -137,17 +137,6 @@ def finish_rows(x: mx.array, norm: Optional[RMSNorm] = None, rot: Optional[Rotat
 
 
 # --- selection ------------------------------------------------------------------------------
-
-def topk_indices(scores: mx.array, k: int) -> mx.array:
-    """Indices of the k largest fp32 scores along the last axis; ties go to the lower
-    index (scores and indices are packed into one unique int64 key). A selection has no
-    gradient, so the scores are cut from the graph (training runs through this too)."""
-    bits = mx.stop_gradient(scores).astype(mx.float32).view(mx.int32)
-    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    index = ramp(scores.shape[-1], mx.int64)
-    key = ordered * (1 << 32) + ((1 << 32) - 1 - index)
-    return mx.argpartition(-key, k - 1, axis=-1)[..., :k].astype(mx.int32)
-
 
 def window_indices(start: int, length: int, held_start: int, window: int) -> mx.array:
     """[S, window] row of each query's window positions in the held rows, -1 for none."""
@@ -272,7 +261,7 @@ class Compressor(nn.Module):
             # Both products in one launch of the head kernel (bf16 weights and x read as stored).
             both = derived(self.wkv, f"with_gate_{id(wgate)}", wkv, lambda: mx.concatenate([wkv, wgate]))
             kv_gate = head_kernel.head_logits(x, both)
-            d = self.wkv.weight.shape[0]
+            d = wkv.shape[0]
             return kv_gate[..., :d], kv_gate[..., d:]
         h = x.astype(mx.float32)
         fp32 = lambda m: derived(m, "fp32_t", m.weight, lambda: m.weight.astype(mx.float32).T)

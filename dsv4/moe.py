@@ -9,7 +9,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import topk_indices
+from .kernels.topk import topk_indices
 from .config import ModelArgs
 from .constants import derived
 from . import flags

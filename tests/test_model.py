@@ -9,7 +9,7 @@ import pytest
 
 import dsv4
 from dsv4 import flags
-from dsv4.attention import topk_indices
+from dsv4.kernels.topk import topk_indices
 from dsv4.cache import load_cache
 from dsv4.config import ConfigError, ModelArgs
 from dsv4.engram import Engram, NgramHasher, layer_multipliers, layer_primes, table_sizes

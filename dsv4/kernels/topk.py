@@ -3,7 +3,7 @@
     out[b, s] = the k rows of largest score[b, s, n] (ties: the lower row), each replaced by -1
                 where it is not visible to the query (n >= (p + 1) // ratio)
 
-as `dsv4.attention.topk_indices` (scores and rows packed into one int64 key, MLX's argpartition)
+as `topk_indices` (scores and rows packed into one int64 key, MLX's argpartition)
 followed by the visibility `where`: ~4 launches in plain MLX, the partition a full sort on the
 GPU. Here one threadgroup per query finds the k-th largest score by radix selection (four
 passes over 8-bit digits of the score's order-preserving 32-bit code, a 256-bin histogram in
@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.constants import ramp
 from dsv4.kernels.dialect import Kernel, backend, constant
 
 THREADS = 1024
@@ -125,10 +126,19 @@ TOPK_KERNEL = Kernel(
             ((mx.float32, mx.int32, mx.int32), (mx.int32,), (("S", 3), ("RATIO", 4)))))
 
 
+def topk_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest fp32 scores along the last axis; ties go to the lower
+    index (scores and indices are packed into one unique int64 key). A selection has no
+    gradient, so the scores are cut from the graph (training runs through this too)."""
+    bits = mx.stop_gradient(scores).astype(mx.float32).view(mx.int32)
+    ordered = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+    index = ramp(scores.shape[-1], mx.int64)
+    key = ordered * (1 << 32) + ((1 << 32) - 1 - index)
+    return mx.argpartition(-key, k - 1, axis=-1)[..., :k].astype(mx.int32)
+
+
 def topk_visible_reference(scores, k, positions, ratio):
     """Plain-MLX definition; see `topk_visible`."""
-    from dsv4.attention import topk_indices   # the model's own top-k (no import cycle at load)
-
     chosen = topk_indices(scores, k)
     visible = (positions[:, None] + 1) // ratio                                        # [S, 1]
     return mx.where(chosen < visible, chosen, -1)
