@@ -9,6 +9,7 @@ and `python -m dsv4.flags` list them with their current values.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator, Union
@@ -25,7 +26,7 @@ class Flag:
     default: Value
     doc: str
 
-    @property
+    @functools.cached_property   # read on every get(): a decode step reads every switch
     def env(self) -> str:
         return f"DSV4_{self.name.upper()}"
 
@@ -64,6 +65,11 @@ def get(name: str) -> Value:
         return _overrides[name]
     text = os.environ.get(flag.env)
     return flag.default if text is None else flag.parse(text)
+
+
+def snapshot() -> tuple:
+    """Every switch's value in definition order: the key of what was built under them."""
+    return tuple(get(name) for name in FLAGS)
 
 
 def switch(name: str, auto: bool) -> bool:

@@ -197,6 +197,13 @@ class FixedDecoder:
             for name in lc.FIELDS:
                 setattr(lc, name, None)
         cache.checked_out = True
+        # What each step's choice of traced graph reads, worked out once.
+        self._index_sources = [(layer, self.ratios[layer], a.is_candidate_source(layer))
+                               for layer in sorted(a.index_source_layer_ids)
+                               if layer < len(self.ratios) and self.ratios[layer]]
+        self._pooling = [(i, r) for i, r in enumerate(self.ratios) if r > 1 and f"{i}.comp_kv" in self.buffers]
+        self._skip_at = list(flags.FLAGS).index("indexer_skip")
+        self._grow_at = self._next_growth()
 
     # --- buffers ----------------------------------------------------------------------------
 
@@ -218,42 +225,53 @@ class FixedDecoder:
 
     def _grow(self) -> None:
         """Double the buffers the coming step would write past."""
+        if self.pos < self._grow_at:
+            return
         for name, buf in list(self.buffers.items()):
             layer, kind = name.split(".")
             if kind in ("compressed", "index_keys") and self.pos // self.ratios[int(layer)] >= buf.shape[1]:
                 grown = mx.zeros((buf.shape[0], capacity_for(buf.shape[1] + 1), buf.shape[2]), buf.dtype)
                 grown[:, :buf.shape[1]] = buf
                 self.buffers[name] = grown
+        self._grow_at = self._next_growth()
 
-    def _regimes(self) -> dict:
-        """How each index source selects at this step (known on the host from the position)."""
-        a, out = self.args, {}
-        for layer in a.index_source_layer_ids:
-            if layer >= len(self.ratios) or not self.ratios[layer]:
-                continue
-            n = (self.pos + 1) // self.ratios[layer]
-            matter = a.is_candidate_source(layer) and candidates_matter(a, n)
+    def _next_growth(self) -> int:
+        """The first position whose compressed row falls past a buffer's capacity."""
+        ends = [buf.shape[1] * self.ratios[int(name.split(".")[0])]
+                for name, buf in self.buffers.items() if name.endswith((".compressed", ".index_keys"))]
+        return min(ends, default=math.inf)
+
+    def _regimes(self, skip: bool) -> tuple:
+        """How each index source selects at this step (known on the host from the position),
+        as sorted (layer, regime) pairs; `skip` is the indexer_skip switch."""
+        a, out = self.args, []
+        for layer, ratio, candidate_source in self._index_sources:
+            n = (self.pos + 1) // ratio
+            matter = candidate_source and candidates_matter(a, n)
             if n == 0:
-                out[layer] = "none"
-            elif flags.get("indexer_skip") and indexer_can_be_skipped(n, a.index_topk) and not matter:
-                out[layer] = "all"
+                out.append((layer, "none"))
+            elif skip and indexer_can_be_skipped(n, a.index_topk) and not matter:
+                out.append((layer, "all"))
             else:
-                out[layer] = "score+candidates" if matter else "score"
-        return out
+                out.append((layer, "score+candidates" if matter else "score"))
+        return tuple(out)
 
     # --- the step ---------------------------------------------------------------------------
 
     def _completing(self) -> frozenset:
         """Layers whose compressor (ratio > 1) completes a group at this step."""
-        return frozenset(i for i, r in enumerate(self.ratios)
-                         if r > 1 and f"{i}.comp_kv" in self.buffers and (self.pos + 1) % r == 0)
+        return frozenset(i for i, r in self._pooling if (self.pos + 1) % r == 0)
 
-    def _function(self, regimes: tuple, completing: frozenset):
-        """The step for these regimes and completing groups. Traced graphs live on the model
-        (a server's requests share them); switches are read while tracing, so their values
-        are part of the key."""
+    def _function(self):
+        """The step at this position. Traced graphs live on the model (a server's requests
+        share them); switches are read while tracing, so their values are part of the key,
+        with the index sources' regimes and the completing groups. Picking one is all the
+        host work a step adds to running its graph, so it reads each switch once."""
+        switches = flags.snapshot()
+        regimes = self._regimes(switches[self._skip_at])
+        completing = self._completing()
         steps = self.model.__dict__.setdefault("_fixed_steps", {})
-        key = (self.ring, regimes, completing, tuple(flags.get(n) for n in flags.FLAGS))
+        key = (self.ring, regimes, completing, switches)
         if key not in steps:
             model, args, ring = self.model, self.args, self.ring
 
@@ -273,7 +291,7 @@ class FixedDecoder:
         token = token.reshape(self.batch, 1)   # the embedding gathers with any index dtype: no cast
         engram = self._engram_rows(token)
         self._grow()
-        step = self._function(tuple(sorted(self._regimes().items())), self._completing())
+        step = self._function()
         logits, self.buffers = step(token, mx.array([self.pos], mx.int32), engram, self.buffers)
         self.fed.append(token[:, 0])
         self.pos += 1
