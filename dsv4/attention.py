@@ -356,7 +356,10 @@ class Attention(nn.Module):
         window / compress / select / compressed / output_angles. x_fp8: x already rounded as
         wq_a and wkv take it (fp8_input), if the caller has it."""
         latent, kv = fp8_linears(x, self.wq_a, self.wkv, rounded=x_fp8)   # rounded once for both
-        qr, q = self.queries(latent, state)
+        # With the angles from the state the attention rotates the queries as it loads them
+        # and de-rotates its output (fused into the kernel where it runs).
+        angles = state.output_angles(self)
+        qr, q = self.queries(latent, state, rotate=angles is None)
         window, window_idx = state.window(self, self.window_rows(kv, state))
         compressed = topk = None
         if self.ratio:
@@ -367,24 +370,27 @@ class Attention(nn.Module):
             compressed, topk = state.compressed(self.args.kv_source(self.layer)), state.topk
             if compressed is None or topk is None:
                 compressed = topk = None
-        angles = state.output_angles(self)
-        if angles is not None:   # the inverse RoPE of the output fused into the attention,
-            b, s = x.shape[:2]   # which writes it as grouped wo_a takes it
-            o = self.attend(q, window, window_idx, compressed, topk, *angles, shape=self._wo_a_input(b, s))
+        if angles is not None:   # written as grouped wo_a takes it
+            b, s = x.shape[:2]
+            o = self.attend(q, window, window_idx, compressed, topk, *angles, shape=self._wo_a_input(b, s),
+                            rotate_queries=True)
             return self.project_out(o, b, s)
         return self.output(self.attend(q, window, window_idx, compressed, topk), state.start)
 
     # The pieces below are the steps of __call__, written once for both states: positions may
     # be arrays, and the tails of the projections may run fused (state.fused).
 
-    def queries(self, latent: mx.array, state) -> tuple[mx.array, mx.array]:
+    def queries(self, latent: mx.array, state, rotate: bool = True) -> tuple[mx.array, mx.array]:
         """wq_a's output [B, S, q_lora_rank] -> (the q-LoRA latent as matmul input [B, S,
-        q_lora_rank], rotated queries [B, S, H, Dh])."""
+        q_lora_rank], queries [B, S, H, Dh], rotated unless `rotate` is False)."""
         b, s, _ = latent.shape
         qr_in = finish_rows(latent, self.q_norm, qdq=qdq_fp8 if flags.get("act_quant") else None,
                             fused=state.fused)
+        shape = (b, s, self.n_heads, self.head_dim)
+        if not rotate:
+            return qr_in, self.wq_b(qr_in).reshape(shape)
         return qr_in, finish_rows(self.wq_b(qr_in), rot=state.rotation(self._freqs), fused=state.fused,
-                                  shape=(b, s, self.n_heads, self.head_dim))
+                                  shape=shape)
 
     def window_rows(self, kv: mx.array, state) -> mx.array:
         """wkv's output [B, S, Dh] -> this chunk's window KV rows as the cache holds them."""
@@ -392,11 +398,12 @@ class Attention(nn.Module):
                            qdq_fp8 if flags.get("kv_qdq") else None, state.fused)
 
     def attend(self, q, window, window_idx, compressed, topk, rope_cos=None, rope_sin=None,
-               shape=None) -> mx.array:
+               shape=None, rotate_queries=False) -> mx.array:
         """Sparse attention with sink; with the cos/sin of the queries' angles the output
-        comes back de-rotated (fused into the kernel); laid out as `shape` if given."""
+        comes back de-rotated (fused into the kernel), and unrotated queries (`rotate_queries`)
+        are rotated first; laid out as `shape` if given."""
         return sparse_attention(q, window, window_idx, compressed, topk, self.attn_sink,
-                                self.head_dim ** -0.5, rope_cos, rope_sin, shape)
+                                self.head_dim ** -0.5, rope_cos, rope_sin, shape, rotate_queries)
 
     def output(self, o: mx.array, offset) -> mx.array:
         """Attention output [B, S, H, Dh] -> [B, S, hidden]: inverse RoPE, then project_out."""

@@ -37,7 +37,7 @@ def arr(x, dtype=mx.float32):
 
 # --- sparse attention ------------------------------------------------------------------------
 
-def attention_case(B, S, H, D, W, N, w, k, dtype, invalid=0.25, rope=0):
+def attention_case(B, S, H, D, W, N, w, k, dtype, invalid=0.25, rope=0, rotate_queries=False):
     wi = RNG.integers(0, W, (B, S, w)).astype(np.int32)
     ti = RNG.integers(0, max(N, 1), (B, S, k)).astype(np.int32)
     wi[RNG.random(wi.shape) < invalid] = -1
@@ -48,7 +48,7 @@ def attention_case(B, S, H, D, W, N, w, k, dtype, invalid=0.25, rope=0):
                 sinks=arr(RNG.standard_normal(H)), scale=D ** -0.5)
     if rope:
         theta = RNG.uniform(-np.pi, np.pi, (B, S, rope))
-        case.update(rope_cos=arr(np.cos(theta)), rope_sin=arr(np.sin(theta)))
+        case.update(rope_cos=arr(np.cos(theta)), rope_sin=arr(np.sin(theta)), rotate_queries=rotate_queries)
     return case
 
 
@@ -72,6 +72,8 @@ def compare_attention(case):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_attention_decode_real_shape(dtype):
     compare_attention(attention_case(1, 1, 64, 512, 128, 700, 128, 512, dtype))
+    # As the decode step calls it: queries rotated and the output de-rotated inside.
+    compare_attention(attention_case(1, 1, 64, 512, 128, 700, 128, 512, dtype, rope=32, rotate_queries=True))
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
@@ -79,6 +81,7 @@ def test_attention_multi_query_odd_sizes(dtype):
     # B*S up to the kernel's MAX_KERNEL_QUERIES (8); more queries take the reference.
     compare_attention(attention_case(2, 4, 11, 96, 13, 37, 9, 7, dtype))
     compare_attention(attention_case(1, 8, 64, 512, 144, 300, 128, 64, dtype, rope=32))
+    compare_attention(attention_case(2, 3, 11, 64, 13, 37, 9, 7, dtype, rope=8, rotate_queries=True))
 
 
 def test_attention_all_invalid_and_one_row():

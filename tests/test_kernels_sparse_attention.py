@@ -110,6 +110,34 @@ def test_fused_inverse_rope():
     np.testing.assert_allclose(got, oracle(*as_np(case), cos, sin), rtol=1e-4, atol=1e-5)
 
 
+def test_fused_query_rotation():
+    """Unrotated queries, rotated forward by the angles inside the op (and the output
+    de-rotated): the oracle on queries rotated in float64 beforehand."""
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 2, 2, 64, 5, 5, 4, 3, mx.float32)
+    theta = rng.uniform(-3, 3, (1, 2, 8)).astype(np.float32)
+    cos, sin = np.cos(theta), np.sin(theta)
+    got = np.array(sa.sparse_attention(**case, rope_cos=mx.array(cos), rope_sin=mx.array(sin),
+                                       rotate_queries=True))
+    q, *rest = as_np(case)
+    z = (q[..., 64 - 16::2] + 1j * q[..., 64 - 16 + 1::2]) * np.exp(1j * theta)[:, :, None, :]
+    q[..., 64 - 16::2], q[..., 64 - 16 + 1::2] = z.real, z.imag
+    np.testing.assert_allclose(got, oracle(q, *rest, cos, sin), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="needs the angles"):
+        sa.sparse_attention(**case, rotate_queries=True)
+
+
+def test_rope_reference_is_the_models_rope():
+    """The forward rotation by cos/sin of one position equals the model's RoPE there."""
+    from dsv4.attention import rope
+    rng = np.random.default_rng()
+    x = mx.array(rng.standard_normal((1, 1, 4, 64)).astype(np.float32))
+    freqs = mx.array((10000.0 ** (np.arange(16) / 16)).astype(np.float32))
+    theta = 37 / freqs
+    got = sa.rope_reference(x, mx.cos(theta), mx.sin(theta))
+    np.testing.assert_allclose(np.array(got), np.array(rope(x, 37, freqs)), rtol=1e-5, atol=1e-5)
+
+
 def test_dispatch_cpu_uses_reference_and_switch_selects_kernel(monkeypatch):
     rng = np.random.default_rng()
     case = random_case(rng, 1, 1, 2, 32, 4, 4, 2, 2, mx.float32)

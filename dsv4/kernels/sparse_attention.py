@@ -9,7 +9,9 @@ its indexer selected, with the per-head sink logit added to the denominator only
 
 The probabilities are rounded to the KV dtype (bf16 in the model) before the PV product,
 as the official kernel does; the denominator stays fp32. A query with no valid row gets
-zeros. Optionally the rotary slice of the output is de-rotated (inverse RoPE), fused.
+zeros. Optionally the rotary slice of the output is de-rotated (inverse RoPE), fused, and the
+queries arrive unrotated and are rotated by the same angles as they are loaded (the query
+projection's RoPE tail, fused: one launch less per layer at decode).
 
 The kernel gives each threadgroup one query, a group of up to 8 heads (one SIMD group per
 head) and a slice of the query's rows; a second kernel merges the slices. The heads of a
@@ -39,8 +41,10 @@ QUERY_BLOCK = 128   # the reference gathers rows per query: bound its memory in 
 
 
 def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
-                               rope_cos=None, rope_sin=None, shape=None):
+                               rope_cos=None, rope_sin=None, shape=None, rotate_queries=False):
     """Plain-MLX definition of the op; see `sparse_attention` for the contract."""
+    if rotate_queries:
+        q = rope_reference(q, rope_cos, rope_sin)
     if shape is not None:
         return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
                                           scale, rope_cos, rope_sin).reshape(shape)
@@ -69,6 +73,19 @@ def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx
     if rope_cos is not None:
         out = inverse_rope_reference(out, rope_cos, rope_sin)
     return out
+
+
+def rope_reference(x, cos, sin):
+    """Rotate the last 2*R dims of x [B, S, H, D] forward in interleaved pairs by the angles
+    of cos, sin ([B, S, R] or [R], fp32): (a, b) -> (a cos - b sin, a sin + b cos) in fp32,
+    rounded to x's dtype, as the projection tail (dsv4/kernels/rows.py) rotates."""
+    R = cos.shape[-1]
+    D = x.shape[-1]
+    rot = x[..., D - 2 * R:].astype(mx.float32).reshape(*x.shape[:-1], R, 2)
+    a, b = rot[..., 0], rot[..., 1]
+    c, s = cos[..., None, :], sin[..., None, :]
+    out = mx.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(*x.shape[:-1], 2 * R)
+    return mx.concatenate([x[..., :D - 2 * R], out.astype(x.dtype)], axis=-1)
 
 
 def inverse_rope_reference(x, cos, sin):
@@ -114,6 +131,21 @@ _PARTIAL_BODY = r"""
 
   float qv[DPL];
   for (int i = 0; i < DPL; ++i) qv[i] = float(q[((size_t)qi * H + h) * D + lane * DPL + i]);
+  if (ROPE_Q > 0) {
+    // The query's RoPE on its last 2*ROPE_Q dims, rounded as the projection tail rounds it.
+    const int first_rot = D - 2 * ROPE_Q;
+    for (int i = 0; i < DPL; i += 2) {
+      const int d = lane * DPL + i;
+      if (d >= first_rot) {
+        const int k = (d - first_rot) / 2;
+        const float c = rope_cos[(size_t)qi * ROPE_Q + k];
+        const float sn = rope_sin[(size_t)qi * ROPE_Q + k];
+        const float a = qv[i], bb = qv[i + 1];
+        qv[i] = float(static_cast<T>(a * c - bb * sn));
+        qv[i + 1] = float(static_cast<T>(a * sn + bb * c));
+      }
+    }
+  }
   float m = -INFINITY, l = 0.0f;
   float acc[DPL];
   for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
@@ -221,13 +253,14 @@ _CHECK_TYPES = ((mx.bfloat16, 512, 64, 32), (mx.float32, 64, 3, 8))
 
 PARTIAL_KERNEL = Kernel(
     name="dsv4_sparse_attention_partial",
-    input_names=("q", "window_kv", "window_idx", "compressed_kv", "topk_idx", "params"),
+    input_names=("q", "window_kv", "window_idx", "compressed_kv", "topk_idx", "params",
+                 "rope_cos", "rope_sin"),
     output_names=("part_acc", "part_ml"),
     body=_PARTIAL_BODY,
     checks=tuple(
-        ((t, t, mx.int32, t, mx.int32, mx.float32), (mx.float32, mx.float32),
-         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", 32)))
-        for t, d, h, _ in _CHECK_TYPES),
+        ((t, t, mx.int32, t, mx.int32, mx.float32, mx.float32, mx.float32), (mx.float32, mx.float32),
+         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", 32), ("ROPE_Q", r)))
+        for t, d, h, r in _CHECK_TYPES),
 )
 
 MERGE_KERNEL = Kernel(
@@ -265,7 +298,7 @@ def _float32(a):
 
 
 def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
-                            rope_cos=None, rope_sin=None, shape=None):
+                            rope_cos=None, rope_sin=None, shape=None, rotate_queries=False):
     """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""
     B, S, H, D = q.shape
     # [1, S, w] -> [B, S, w] (only where it differs: a broadcast is a graph node even when idle)
@@ -284,20 +317,22 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     splits = max(1, min(math.ceil(TARGET_THREADGROUPS / (B * S * groups)),
                         math.ceil(rows / MIN_ROWS_PER_SPLIT)))
     splits = 1 << (splits - 1).bit_length()
-    part_acc, part_ml = PARTIAL_KERNEL(
-        inputs=[q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx),
-                constant((float(scale),))],
-        output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
-        output_dtypes=[mx.float32, mx.float32],
-        grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
-        template=[("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits)])
     rope_half = 0 if rope_cos is None else rope_cos.shape[-1]
     if rope_cos is None:
         rope_cos = rope_sin = constant((0.0,) * 8)
     elif rope_cos.size != B * S * rope_half:   # [R] shared by several queries: one row each
         rope_cos, rope_sin = (mx.broadcast_to(a, (B, S, rope_half)) for a in (rope_cos, rope_sin))
+    rope_cos, rope_sin = _float32(rope_cos), _float32(rope_sin)
+    part_acc, part_ml = PARTIAL_KERNEL(
+        inputs=[q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx),
+                constant((float(scale),)), rope_cos, rope_sin],
+        output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
+        output_dtypes=[mx.float32, mx.float32],
+        grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
+        template=[("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits),
+                  ("ROPE_Q", rope_half if rotate_queries else 0)])
     (out,) = MERGE_KERNEL(
-        inputs=[part_acc, part_ml, _float32(sinks), _float32(rope_cos), _float32(rope_sin)],
+        inputs=[part_acc, part_ml, _float32(sinks), rope_cos, rope_sin],
         output_shapes=[q.shape if shape is None else shape], output_dtypes=[q.dtype],
         grid=(32, H, B * S), threadgroup=(32, 1, 1),
         template=[("T", q.dtype), ("D", D), ("H", H), ("ROPE_HALF", rope_half), ("SPLITS", splits)])
@@ -305,7 +340,7 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
 
 
 def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
-                     rope_cos=None, rope_sin=None, shape=None):
+                     rope_cos=None, rope_sin=None, shape=None, rotate_queries=False):
     """Attention of each query over its window rows and selected compressed rows, with sink.
 
     q             [B, S, H, D]  queries (bf16 in the model; fp16/fp32 also accepted)
@@ -318,17 +353,21 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
     rope_cos/sin  [B, S, R]     optional fp32 cos/sin of each query's RoPE angles ([R]: the
                                 same for every query): the last 2R dims of the output are
                                 de-rotated (interleaved pairs)
+    rotate_queries  q arrives unrotated: its last 2R dims are first rotated forward by the
+                same angles (`rope_reference`, rounded to q's dtype); needs rope_cos/sin
     shape         optional layout of the output (the same size; the kernel writes it so)
     returns       [B, S, H, D]  in q's dtype; zeros for a query with no valid row
 
     Uses the GPU kernel when the backend has one, flag `kernel_sparse_attention` is on and
     B*S <= MAX_KERNEL_QUERIES (decode, draft verification), else `sparse_attention_reference`.
     """
+    if rotate_queries and rope_cos is None:
+        raise ValueError("rotate_queries needs the angles (rope_cos, rope_sin)")
     if topk_idx is not None and topk_idx.shape[-1] == 0:
         compressed_kv = topk_idx = None   # nothing selected yet (e.g. the first tokens)
     if (flags.get("kernel_sparse_attention") and backend() is not None
             and kernel_supports(q, window_kv, compressed_kv, rope_cos)):
         return sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
-                                       scale, rope_cos, rope_sin, shape)
+                                       scale, rope_cos, rope_sin, shape, rotate_queries)
     return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
-                                      scale, rope_cos, rope_sin, shape)
+                                      scale, rope_cos, rope_sin, shape, rotate_queries)
