@@ -171,6 +171,10 @@ define("kernel_router", True,
        "MoE router for 1-8 tokens: the gate product from the bf16 input and weight in one GPU "
        "launch (the head kernel's; no fp32 cast or copy), then sqrt-softplus scores, biased top-k "
        "and the normalized weights in one more (~8 launches otherwise); off runs the plain-MLX ops")
+define("kernel_moe_route", True,
+       "the router's tail (scores, biased top-k, weights) inside the fused experts kernel's "
+       "gate/up launch instead of a launch of its own (needs kernel_moe and kernel_router); "
+       "the same code, so the same experts and weights")
 define("kernel_indexer", True,
        "the indexer's scores of the compressed rows for 1-8 queries (products with every key, "
        "ReLU, head weights, visibility and candidate masks) in one GPU launch (~7 otherwise, "

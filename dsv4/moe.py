@@ -9,16 +9,14 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernels.topk import topk_indices
 from .config import ModelArgs
 from .constants import derived
 from . import flags
 from .kernels.dialect import backend
 from .kernels import head as head_kernel
-from .kernels.experts import QuantizedMatrix, experts
+from .kernels.experts import QuantizedMatrix, routed_experts
 from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
-from .kernels.router import kernel_applies as router_kernel_applies
 from .kernels.router import route
 from .linear import (ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear, fp8_input, fp8_linear,
                      fp8_linears)
@@ -41,22 +39,20 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, D] -> (expert ids [N, k], weights [N, k] fp32). The bias only selects."""
-        a = self.args
+        return route(self.logits(x), self.bias, *self.routing())
+
+    def logits(self, x: mx.array) -> mx.array:
+        """x [N, D] -> the gate's fp32 logits [N, E]."""
         if flags.get("kernel_router") and head_kernel.supports(x, self.weight):
-            logits = head_kernel.head_logits(x, self.weight)   # the same product, x read as bf16
-        else:
-            w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
-            logits = x.astype(mx.float32) @ w
-        if router_kernel_applies(logits, a.num_experts_per_tok):
-            return route(logits, self.bias, a.num_experts_per_tok, a.gate_temp, a.routed_scaling_factor,
-                         a.norm_topk_prob and a.num_experts_per_tok > 1)
-        logits = logits / a.gate_temp
-        scores = mx.sqrt(nn.softplus(logits))
-        chosen = topk_indices(scores + self.bias, a.num_experts_per_tok)
-        weights = mx.take_along_axis(scores, chosen, axis=-1)
-        if a.norm_topk_prob and a.num_experts_per_tok > 1:
-            weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        return chosen, weights * a.routed_scaling_factor
+            return head_kernel.head_logits(x, self.weight)   # the same product, x read as bf16
+        w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
+        return x.astype(mx.float32) @ w
+
+    def routing(self) -> tuple[int, float, float, bool]:
+        """route()'s k, temperature, scale and whether the weights are normalized."""
+        a = self.args
+        k = a.num_experts_per_tok
+        return k, a.gate_temp, a.routed_scaling_factor, a.norm_topk_prob and k > 1
 
 
 class RoutedExperts(nn.Module):
@@ -120,16 +116,18 @@ class MoE(nn.Module):
         given flat ([N, D], streams [N, hc, D]) need no reshapes."""
         shape = x.shape
         flat = x.reshape(math.prod(shape[:-1]), shape[-1])   # an explicit shape: no-op when 2D
-        ids, weights = self.gate(flat)
-        fused = self._fused(flat, ids, weights, expand)
+        logits = self.gate.logits(flat)
+        fused = self._fused(flat, logits, expand)
         if fused is not None:
             return fused.reshape(expand[0].shape if expand is not None else shape)
+        ids, weights = route(logits, self.gate.bias, *self.gate.routing())
         y = self.experts(flat, ids, weights) + self.shared_experts(flat).astype(mx.float32)
         y = y.reshape(shape).astype(x.dtype)
         return y if expand is None else hc_expand(y, *expand)
 
-    def _fused(self, flat, ids, weights, expand) -> Optional[mx.array]:
-        """The fused experts kernel's result, or None where it does not run."""
+    def _fused(self, flat, logits, expand) -> Optional[mx.array]:
+        """The fused experts kernel's result (routing by the gate's logits), or None where it
+        does not run."""
         e, sh = self.experts, self.shared_experts
         mods = (e.w1, e.w3, e.w2, sh.w1, sh.w3, sh.w2)
         if not (flags.get("kernel_moe") and backend() is not None
@@ -142,5 +140,5 @@ class MoE(nn.Module):
             streams, post, comb = expand
             (n, _), (hc, d) = flat.shape, streams.shape[-2:]
             expand = (streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc))
-        return experts(flat, ids, weights, q[0], q[1], q[2], tuple(q[3:]), self.limit,
-                       bool(flags.get("act_quant")), expand)
+        return routed_experts(flat, logits, self.gate.bias, *self.gate.routing(), q[0], q[1], q[2],
+                              tuple(q[3:]), self.limit, bool(flags.get("act_quant")), expand)

@@ -260,6 +260,43 @@ def test_experts_with_fused_expand_equals_expand_kernel():
     assert np.mean(fused == want) > 0.99
 
 
+@pytest.mark.parametrize("tokens,expand", [(1, True), (3, False), (8, True)])
+def test_routed_experts_run_the_routers_tail_in_the_gate_up_kernel(tokens, expand):
+    """The router's tail inside the gate/up launch (routed_experts) is the router kernel's
+    code on the same logits: the same ids and bit-identical outputs to route() then the
+    experts kernel. V4.1's router width (384 experts, top-6, normalised, scaled)."""
+    from dsv4.kernels import router
+    E, I, D, K = 384, 256, 512, 6
+    gate, up, down = (quantized(s, "mxfp4", 4, 32) for s in ((E, I, D), (E, I, D), (E, D, I)))
+    shared = tuple(quantized(s, "mxfp8", 8, 32) for s in ((I, D), (I, D), (D, I)))
+    x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
+    logits = arr(RNG.standard_normal((tokens, E)))
+    bias = arr(RNG.standard_normal(E) * 0.1)
+    routing = (6, 1.0, 1.5, True)
+    ex_args = None
+    if expand:
+        ex_args = (arr(RNG.standard_normal((tokens, 4, D)), mx.bfloat16), arr(RNG.uniform(0, 2, (tokens, 4))),
+                   arr(RNG.uniform(0, 1, (tokens, 4, 4))))
+    got = ex.routed_experts(x, logits, bias, *routing, gate, up, down, shared, 10.0, True, ex_args)
+    ids, weights = router.route_kernel(logits, bias, *routing)
+    want = ex.experts_kernel(x, ids, weights, gate, up, down, shared, 10.0, True, ex_args)
+    with flags.override(kernel_moe_route=False):
+        unfused = ex.routed_experts(x, logits, bias, *routing, gate, up, down, shared, 10.0, True, ex_args)
+    assert got.shape == ((tokens, 4, D) if expand else (tokens, D))
+    np.testing.assert_array_equal(f32(got), f32(want))
+    np.testing.assert_array_equal(f32(unfused), f32(want))
+    # The ids the down kernel read: one launch's outputs, compared with the router kernel's.
+    _, fused_ids = ex.ROUTED_GATE_UP_KERNEL(
+        inputs=[x, logits, bias, mx.array([1.0, 1.5]), mx.array([10.0])]
+        + [a for m in (gate, up, shared[0], shared[1]) for a in ex.matrix_operands(m)],
+        output_shapes=[(tokens, K + 1, I), (tokens, K)], output_dtypes=[mx.bfloat16, mx.int32],
+        grid=(256, I // 32, tokens * (K + 1)), threadgroup=(256, 1, 1),
+        template=[("T", mx.bfloat16), ("MODE", 1), ("BITS", 4), ("GS", 32), ("SMODE", 2), ("SBITS", 8),
+                  ("SGS", 32), ("HS", 1), ("K", K), ("ROWS", ex.ROWS_GATE_UP), ("ACTQ", True),
+                  ("XS", ex.X_STRIDE), ("I", I), ("D", D), ("E", E), ("NORM", True)])
+    np.testing.assert_array_equal(np.array(fused_ids), np.array(ids))
+
+
 MOE_MODES = [("mxfp4", 4, 32, ("mxfp8", 8, 32)), ("mxfp8", 8, 32, None), ("affine", 2, 32, ("affine", 4, 64)),
              ("affine", 3, 64, None), ("affine", 4, 128, ("affine", 8, 32)), ("affine", 8, 32, None)]
 

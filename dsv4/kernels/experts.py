@@ -35,6 +35,9 @@ import mlx.core as mx
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, constant
 from dsv4.kernels.mhc import hc_expand
+from dsv4.kernels.router import HEADER as ROUTER_HEADER
+from dsv4.kernels.router import kernel_applies as route_kernel_applies
+from dsv4.kernels.router import route
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
@@ -310,6 +313,7 @@ _GATE_UP_BODY = r"""
   const int t = pair / (K + HS), slot = pair % (K + HS);
   const int row0 = (int)group_y * 32 + (int)warp * ROWS;
   const float limit = params[0];
+  ROUTE_TOKEN
   // The token's x, fp8-rounded when ACTQ, once per threadgroup in fp32 (XS uint4s per pack),
   // read by every SIMD group from there.
   SHARED uint4 xs[D / 32 * XS];
@@ -320,12 +324,11 @@ _GATE_UP_BODY = r"""
     store_x_pack<XS>(xs, p, v);
   }
   BARRIER();
+  SELECT_EXPERT
   float g[ROWS], u[ROWS];
-  float route = 1.0f;
   if (slot < K) {
-    route = route_w[t * K + slot];
     rows_dot<MODE, BITS, GS, ROWS, D, XS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
-                                                (size_t)idx[t * K + slot] * I, row0, I, g, u, lane);
+                                                (size_t)expert * I, row0, I, g, u, lane);
   } else {
     rows_dot<SMODE, SBITS, SGS, ROWS, D, XS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
                                                    sup_b, 0, row0, I, g, u, lane);
@@ -390,9 +393,35 @@ _DOWN_BODY = r"""
   }
 """
 
-_GATE_UP_INPUTS = ("x", "idx", "route_w", "params",
-                   "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-                   "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b")
+# Where the gate/up kernel gets slot `slot`'s expert and router weight: from the router's
+# outputs, or (the routed variant) by running the router's tail itself, SIMD group 0 of every
+# threadgroup for its token while the others copy x; the first threadgroup of each token also
+# writes the ids the down kernel reads.
+_GIVEN = {"ROUTE_TOKEN": "", "SELECT_EXPERT": r"""
+  const int expert = slot < K ? idx[t * K + slot] : 0;
+  const float route = slot < K ? route_w[t * K + slot] : 1.0f;"""}
+_ROUTED = {"ROUTE_TOKEN": r"""
+  SHARED int picked_ids[K];
+  SHARED float picked_w[K];
+  if (warp == 0)
+    route_token<E, K, NORM>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
+                            picked_ids, picked_w);""", "SELECT_EXPERT": r"""
+  const int expert = slot < K ? picked_ids[slot] : 0;
+  const float route = slot < K ? picked_w[slot] : 1.0f;
+  if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
+
+
+def _gate_up_body(parts: dict) -> str:
+    body = _GATE_UP_BODY
+    for name, code in parts.items():
+        body = body.replace(f"  {name}\n", code.lstrip("\n") + "\n")
+    return body
+
+
+_MATRICES = ("gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+             "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b")
+_GATE_UP_INPUTS = ("x", "idx", "route_w", "params") + _MATRICES
+_ROUTED_GATE_UP_INPUTS = ("x", "logits", "bias", "rparams", "params") + _MATRICES
 _DOWN_INPUTS = ("h", "idx", "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b",
                 "residual", "post", "comb")
 
@@ -409,10 +438,14 @@ def _check_instances(stage):
                 ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
         bt = st if m == "affine" else mx.uint8
         sbt = sst if sm == "affine" else mx.uint8
+        mats = (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
+        gate_up_tmpl = tmpl + [("ACTQ", True), ("XS", X_STRIDE), ("I", 2304), ("D", 5120)]
         if stage == "gate_up":
-            ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
-            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("ACTQ", True), ("XS", X_STRIDE), ("I", 2304),
-                                                            ("D", 5120)])))
+            ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
+            out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
+        elif stage == "routed_gate_up":
+            ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
+            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True)])))
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
@@ -421,8 +454,11 @@ def _check_instances(stage):
 
 
 GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up", input_names=_GATE_UP_INPUTS,
-                        output_names=("h",), body=_GATE_UP_BODY, header=_HEADER,
+                        output_names=("h",), body=_gate_up_body(_GIVEN), header=_HEADER,
                         checks=_check_instances("gate_up"))
+ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up", input_names=_ROUTED_GATE_UP_INPUTS,
+                               output_names=("h", "ids"), body=_gate_up_body(_ROUTED),
+                               header=_HEADER + ROUTER_HEADER, checks=_check_instances("routed_gate_up"))
 DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_names=("y",),
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
 
@@ -471,12 +507,12 @@ def _mode_template(prefix, m: QuantizedMatrix | None, like: QuantizedMatrix):
 
 
 def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
-                   act_quant=False, expand=None):
-    """The fused GPU path; same contract as `experts` (call that instead)."""
+                   act_quant=False, expand=None, routing=None):
+    """The fused GPU path; same contract as `experts` (call that instead). With `routing` =
+    (logits, bias, k, temp, scale, norm) in place of indices and weights, the gate/up kernel
+    runs the router's tail itself (`routed_experts`)."""
     T, D = x.shape
-    K = indices.shape[-1]
-    indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
-    weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
+    K = indices.shape[-1] if routing is None else routing[2]
     HS = 0 if shared is None else 1
     I = gate.out_features
     DO = down.out_features
@@ -484,13 +520,23 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     warps = 32 // ROWS_GATE_UP
     common = [("T", x.dtype)] + _mode_template("", gate, gate) + _mode_template("S", s_gate, gate) + [
         ("HS", HS), ("K", K)]
-    (h,) = GATE_UP_KERNEL(
-        inputs=[x, indices, weights, constant((float(swiglu_limit),))]
-        + [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)],
-        output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype],
-        grid=(32 * warps, I // 32, T * (K + HS)), threadgroup=(32 * warps, 1, 1),
-        template=common + [("ROWS", ROWS_GATE_UP), ("ACTQ", bool(act_quant)), ("XS", X_STRIDE), ("I", I),
-                           ("D", D)])
+    matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
+    launch = dict(grid=(32 * warps, I // 32, T * (K + HS)), threadgroup=(32 * warps, 1, 1))
+    gate_up_template = common + [("ROWS", ROWS_GATE_UP), ("ACTQ", bool(act_quant)), ("XS", X_STRIDE),
+                                 ("I", I), ("D", D)]
+    if routing is None:
+        indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
+        weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
+        (h,) = GATE_UP_KERNEL(
+            inputs=[x, indices, weights, constant((float(swiglu_limit),))] + matrices,
+            output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype], template=gate_up_template, **launch)
+    else:
+        logits, bias, _, temp, scale, norm = routing
+        h, indices = ROUTED_GATE_UP_KERNEL(
+            inputs=[x, logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32),
+                    constant((float(temp), float(scale))), constant((float(swiglu_limit),))] + matrices,
+            output_shapes=[(T, K + HS, I), (T, K)], output_dtypes=[x.dtype, mx.int32],
+            template=gate_up_template + [("E", logits.shape[-1]), ("NORM", bool(norm))], **launch)
     if expand is None:
         streams, out_shape, hc = [_placeholder()] * 3, (T, DO), 0
     else:
@@ -505,6 +551,13 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
         template=common + [("ROWS", ROWS_DOWN), ("I", I), ("DO", DO), ("HC", hc)])
     return y
+
+
+def _kernel_runs(x, k, gate, up, down, shared, expand) -> bool:
+    return (flags.get("kernel_moe") and backend() is not None
+            and kernel_supports(x, gate, up, down, shared)
+            and k + (shared is not None) <= 32   # a SIMD group per slot (down)
+            and (expand is None or expand[0].dtype == x.dtype))
 
 
 def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0, act_quant=False,
@@ -526,10 +579,21 @@ def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
     The fused kernel runs for 1-8 bf16 tokens when the backend has one and flag `kernel_moe`
     is on; otherwise (and for prefill) `experts_reference`, MLX's gather_qmm path.
     """
-    if (flags.get("kernel_moe") and backend() is not None
-            and kernel_supports(x, gate, up, down, shared)
-            and indices.shape[-1] + (shared is not None) <= 32   # a SIMD group per slot (down)
-            and (expand is None or expand[0].dtype == x.dtype)):
+    if _kernel_runs(x, indices.shape[-1], gate, up, down, shared, expand):
         return experts_kernel(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant, expand)
     y = experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
     return y if expand is None else hc_expand(y, *expand)
+
+
+def routed_experts(x, logits, bias, k, temp, scale, norm, gate, up, down, shared=None,
+                   swiglu_limit=10.0, act_quant=False, expand=None):
+    """`experts` over the router's choice: route(logits, bias, k, temp, scale, norm)
+    (dsv4/kernels/router.py) gives the indices and weights. Where both the router's and the
+    experts' kernels run and flag `kernel_moe_route` is on, the gate/up kernel runs the
+    router's tail itself (the same code, so the same choice and weights): one launch less."""
+    if (flags.get("kernel_moe_route") and route_kernel_applies(logits, k)
+            and _kernel_runs(x, k, gate, up, down, shared, expand)):
+        return experts_kernel(x, None, None, gate, up, down, shared, swiglu_limit, act_quant, expand,
+                              routing=(logits, bias, k, temp, scale, norm))
+    indices, weights = route(logits, bias, k, temp, scale, norm)
+    return experts(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant, expand)

@@ -20,28 +20,31 @@ log1p accurate for small arguments built from log (the dialect has no log1p).
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.topk import topk_indices
 
-_HEADER = r"""
+# Shared with the experts kernel, which can run the router's tail itself (dsv4/kernels/experts.py).
+HEADER = r"""
 // log(1 + e) for e in [0, 1], accurate where 1 + e rounds (Goldberg's correction).
 KFN float log1p_small(float e) {
   const float u = 1.0f + e;
   return u == 1.0f ? e : LOG(u) * (e / (u - 1.0f));
 }
-"""
 
-_BODY = r"""
-  // grid (32, tokens, 1), threadgroup 32: one SIMD group per token; lane l holds experts l + 32 j.
+// The router's tail for one token, by one SIMD group (every lane calls it): lane l holds
+// experts l + 32 j; each of the K rounds is a SIMD argmax. Lane 0 writes ids[r] and
+// weights[r] in pick order. `row` holds the token's E fp32 logits.
+template <int E, int K, bool NORM, typename PL, typename PB, typename PI, typename PW>
+KFN void route_token(PL row, PB bias, float temp, float scale, uint32_t lane, PI ids, PW weights) {
   constexpr int PER = (E + 31) / 32;
-  const int t = group_y;
-  const float temp = params[0], scale = params[1];
   float score[PER], key[PER];
   for (int j = 0; j < PER; ++j) {
     const int e = (int)lane + 32 * j;
     if (e < E) {
-      const float y = logits[(size_t)t * E + e] / temp;
+      const float y = row[e] / temp;
       const float sp = FMAX(y, 0.0f) + log1p_small(EXP(-FABS(y)));
       score[j] = SQRT(sp);
       key[j] = score[j] + bias[e];
@@ -64,18 +67,26 @@ _BODY = r"""
     const int owner = winner % 32;
     picked[r] = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(best_score), owner));
     if ((int)lane == owner) key[winner / 32] = -INFINITY;
-    if (lane == 0) ids[t * K + r] = winner;
+    if (lane == 0) ids[r] = winner;
     total += picked[r];
   }
   if (lane == 0) {
     const float denom = NORM ? total + 1e-20f : 1.0f;
-    for (int r = 0; r < K; ++r) weights[t * K + r] = NORM ? picked[r] / denom * scale : picked[r] * scale;
+    for (int r = 0; r < K; ++r) weights[r] = NORM ? picked[r] / denom * scale : picked[r] * scale;
   }
+}
+"""
+
+_BODY = r"""
+  // grid (32, tokens, 1), threadgroup 32: one SIMD group per token.
+  const int t = group_y;
+  route_token<E, K, NORM>(logits + (size_t)t * E, bias, params[0], params[1], lane, ids + t * K,
+                          weights + t * K);
 """
 
 ROUTER_KERNEL = Kernel(
     name="dsv4_router_topk", input_names=("logits", "bias", "params"), output_names=("ids", "weights"),
-    body=_BODY, header=_HEADER,
+    body=_BODY, header=HEADER,
     checks=(((mx.float32, mx.float32, mx.float32), (mx.int32, mx.float32),
              (("E", 384), ("K", 6), ("NORM", True))),
             ((mx.float32, mx.float32, mx.float32), (mx.int32, mx.float32),
@@ -90,13 +101,32 @@ def kernel_applies(logits: mx.array, k: int) -> bool:
             and logits.ndim == 2 and logits.shape[0] > 0 and 1 <= k <= min(e, 32) and e <= MAX_EXPERTS)
 
 
-def route(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
-          norm: bool) -> tuple[mx.array, mx.array]:
-    """logits [N, E] fp32 (gate matmul output), bias [E] fp32 -> (ids [N, k] int32, weights
-    [N, k] fp32) as `dsv4.moe.Router` defines them."""
+def route_kernel(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
+                 norm: bool) -> tuple[mx.array, mx.array]:
+    """The one-launch path of `route` (call that instead)."""
     n, e = logits.shape
     ids, weights = ROUTER_KERNEL(
         inputs=[logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32), constant((float(temp), float(scale)))],
         output_shapes=[(n, k), (n, k)], output_dtypes=[mx.int32, mx.float32],
         grid=(32, n, 1), threadgroup=(32, 1, 1), template=[("E", e), ("K", k), ("NORM", bool(norm))])
     return ids, weights
+
+
+def route_reference(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
+                    norm: bool) -> tuple[mx.array, mx.array]:
+    """Plain-MLX definition of `route`."""
+    scores = mx.sqrt(nn.softplus(logits / temp))
+    chosen = topk_indices(scores + bias, k)
+    weights = mx.take_along_axis(scores, chosen, axis=-1)
+    if norm:
+        weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return chosen, weights * scale
+
+
+def route(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
+          norm: bool) -> tuple[mx.array, mx.array]:
+    """logits [N, E] fp32 (gate matmul output), bias [E] fp32 -> (ids [N, k] int32, weights
+    [N, k] fp32) as `dsv4.moe.Router` defines them; one launch where `kernel_applies`."""
+    if kernel_applies(logits, k):
+        return route_kernel(logits, bias, k, temp, scale, norm)
+    return route_reference(logits, bias, k, temp, scale, norm)
