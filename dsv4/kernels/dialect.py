@@ -30,6 +30,7 @@ Vocabulary available to bodies:
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterator
@@ -182,11 +183,16 @@ class Kernel:
     checks: tuple = field(default=(), compare=False)
 
     def source(self, dialect: str) -> tuple[str, str]:
+        """(header, body) as the backend gets them: compacted, and the header cut to what the
+        body uses (see `compact` and `used_only`)."""
         if dialect == "metal":
-            return METAL_HEADER + self.header, METAL_BODY_PRELUDE + self.body
-        if dialect == "cuda":
-            return CUDA_HEADER + self.header, CUDA_BODY_PRELUDE + self.body
-        raise ValueError(f"unknown kernel dialect {dialect!r}; expected 'metal' or 'cuda'")
+            header, body = METAL_HEADER + self.header, METAL_BODY_PRELUDE + self.body
+        elif dialect == "cuda":
+            header, body = CUDA_HEADER + self.header, CUDA_BODY_PRELUDE + self.body
+        else:
+            raise ValueError(f"unknown kernel dialect {dialect!r}; expected 'metal' or 'cuda'")
+        body = compact(body)
+        return used_only(compact(header), body), body
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=(), init_value=None):
@@ -201,6 +207,80 @@ class Kernel:
         return fn(inputs=list(inputs), output_shapes=list(output_shapes),
                   output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
                   template=list(template), init_value=float("nan") if _poison else init_value)
+
+
+# MLX's CUDA backend hashes a custom kernel's whole source at every launch (on the H200's
+# host ~1.6 µs per launch with the full headers and comments, 6% of a decode step's encoding),
+# so the text a kernel is built from is kept to what it needs.
+
+def compact(code: str) -> str:
+    """C++ source without comments, indentation or blank lines."""
+    code = re.sub(r"/\*.*?\*/", "", code, flags=re.S)
+    code = re.sub(r"//[^\n]*", "", code)
+    return "\n".join(line.strip() for line in code.splitlines() if line.strip())
+
+
+def _top_level_items(code: str) -> list[str]:
+    """Compacted code split into its top-level items: preprocessor lines, and definitions or
+    declarations (up to the brace that closes them, or a semicolon outside braces)."""
+    items, depth, start, i = [], 0, 0, 0
+    while i < len(code):
+        c = code[i]
+        if depth == 0 and i == start and c == "#":
+            end = code.find("\n", i)
+            end = len(code) if end < 0 else end
+            items.append(code[start:end])
+            start = i = end + 1
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        if depth == 0 and c in "};":
+            if c == "}" and code.startswith(";", i + 1):
+                i += 1
+            items.append(code[start:i + 1].strip())
+            start = i + 1
+            while start < len(code) and code[start] in " \n":
+                start += 1
+            i = start
+            continue
+        i += 1
+    if code[start:].strip():
+        items.append(code[start:].strip())
+    return items
+
+
+def _defined_name(item: str):
+    """The name a top-level item defines (function, struct or constant), or None."""
+    if item.startswith("#"):
+        return None
+    head = re.split(r"[{;]", item, maxsplit=1)[0]
+    head = re.sub(r"^template\s*<[^>]*>\s*", "", head)
+    struct = re.match(r"(?:struct|class)\s+(\w+)", head)
+    if struct:
+        return struct.group(1)
+    call = re.search(r"(\w+)\s*\(", head)
+    assign = re.search(r"(\w+)\s*(?:\[[^]]*\])?\s*=", head)
+    if assign and (not call or assign.start() < call.start()):
+        return assign.group(1)
+    return call.group(1) if call else None
+
+
+def used_only(header: str, body: str) -> str:
+    """The header's top-level items that the body needs, directly or through other items
+    (preprocessor lines and items whose name is not recognised are always kept), in order."""
+    items = [(item, _defined_name(item)) for item in _top_level_items(header)]
+    keep = [name is None for _, name in items]
+    text = body + "\n" + "\n".join(item for (item, _), k in zip(items, keep) if k)
+    grew = True
+    while grew:
+        grew = False
+        for j, (item, name) in enumerate(items):
+            if not keep[j] and re.search(rf"\b{name}\b", text):
+                keep[j], grew = True, True
+                text += "\n" + item
+    return "\n".join(item for (item, _), k in zip(items, keep) if k) + "\n"
 
 
 @lru_cache(maxsize=None)
