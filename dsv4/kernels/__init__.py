@@ -2,7 +2,10 @@
 
 Dispatchers the model calls (kernel or reference by backend and by flags.py's kernel_* switches):
   sparse_attention.sparse_attention   window + selected compressed rows, one softmax with sink
+                                      (optionally rotating the queries and de-rotating the output)
   experts.experts                     routed + shared experts for 1-8 tokens (optionally + mHC expand)
+  experts.routed_experts (through dsv4.moe.MoE)   the same from the router's logits, its tail
+                                      (router.route) run inside the gate/up kernel
   mhc.hc_mixes_collapse_norm / hc_mixes / hc_collapse_norm / hc_expand
   qdq (through dsv4.quant.qdq_fp8 / qdq_fp4_pow2)   fp8/fp4 rounding, power-of-two scale per 32
   rows.row_tail (through dsv4.attention.finish_rows, fixed-shape step only)   norm -> RoPE -> rounding
