@@ -39,7 +39,7 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x [N, D] -> (expert ids [N, k], weights [N, k] fp32). The bias only selects."""
-        return route(self.logits(x), self.bias, *self.routing())
+        return self.select(self.logits(x))
 
     def logits(self, x: mx.array) -> mx.array:
         """x [N, D] -> the gate's fp32 logits [N, E]."""
@@ -47,6 +47,10 @@ class Router(nn.Module):
             return head_kernel.head_logits(x, self.weight)   # the same product, x read as bf16
         w = derived(self, "fp32_t", self.weight, lambda: self.weight.astype(mx.float32).T)
         return x.astype(mx.float32) @ w
+
+    def select(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """The gate's logits [N, E] -> (expert ids [N, k], weights [N, k] fp32)."""
+        return route(logits, self.bias, *self.routing())
 
     def routing(self) -> tuple[int, float, float, bool]:
         """route()'s k, temperature, scale and whether the weights are normalized."""
@@ -120,7 +124,7 @@ class MoE(nn.Module):
         fused = self._fused(flat, logits, expand)
         if fused is not None:
             return fused.reshape(expand[0].shape if expand is not None else shape)
-        ids, weights = route(logits, self.gate.bias, *self.gate.routing())
+        ids, weights = self.gate.select(logits)
         y = self.experts(flat, ids, weights) + self.shared_experts(flat).astype(mx.float32)
         y = y.reshape(shape).astype(x.dtype)
         return y if expand is None else hc_expand(y, *expand)

@@ -202,7 +202,6 @@ class FixedDecoder:
                                for layer in sorted(a.index_source_layer_ids)
                                if layer < len(self.ratios) and self.ratios[layer]]
         self._pooling = [(i, r) for i, r in enumerate(self.ratios) if r > 1 and f"{i}.comp_kv" in self.buffers]
-        self._skip_at = list(flags.FLAGS).index("indexer_skip")
         self._grow_at = self._next_growth()
 
     # --- buffers ----------------------------------------------------------------------------
@@ -227,19 +226,21 @@ class FixedDecoder:
         """Double the buffers the coming step would write past."""
         if self.pos < self._grow_at:
             return
-        for name, buf in list(self.buffers.items()):
-            layer, kind = name.split(".")
-            if kind in ("compressed", "index_keys") and self.pos // self.ratios[int(layer)] >= buf.shape[1]:
+        for name, end in self._growing_ends().items():
+            if self.pos >= end:
+                buf = self.buffers[name]
                 grown = mx.zeros((buf.shape[0], capacity_for(buf.shape[1] + 1), buf.shape[2]), buf.dtype)
                 grown[:, :buf.shape[1]] = buf
                 self.buffers[name] = grown
         self._grow_at = self._next_growth()
 
+    def _growing_ends(self) -> dict:
+        """Each compressed-row buffer (they grow) -> the first position whose row falls past it."""
+        return {name: buf.shape[1] * self.ratios[int(name.split(".")[0])]
+                for name, buf in self.buffers.items() if name.endswith((".compressed", ".index_keys"))}
+
     def _next_growth(self) -> int:
-        """The first position whose compressed row falls past a buffer's capacity."""
-        ends = [buf.shape[1] * self.ratios[int(name.split(".")[0])]
-                for name, buf in self.buffers.items() if name.endswith((".compressed", ".index_keys"))]
-        return min(ends, default=math.inf)
+        return min(self._growing_ends().values(), default=math.inf)
 
     def _regimes(self, skip: bool) -> tuple:
         """How each index source selects at this step (known on the host from the position),
@@ -266,9 +267,9 @@ class FixedDecoder:
         """The step at this position. Traced graphs live on the model (a server's requests
         share them); switches are read while tracing, so their values are part of the key,
         with the index sources' regimes and the completing groups. Picking one is all the
-        host work a step adds to running its graph, so it reads each switch once."""
+        host work a step adds to running its graph."""
         switches = flags.snapshot()
-        regimes = self._regimes(switches[self._skip_at])
+        regimes = self._regimes(flags.get("indexer_skip"))
         completing = self._completing()
         steps = self.model.__dict__.setdefault("_fixed_steps", {})
         key = (self.ring, regimes, completing, switches)

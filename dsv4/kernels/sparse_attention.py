@@ -71,36 +71,23 @@ def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx
     numer = p.astype(rows.dtype).astype(mx.float32) @ kv32
     out = (numer / denom).astype(q.dtype)
     if rope_cos is not None:
-        out = inverse_rope_reference(out, rope_cos, rope_sin)
+        out = rope_reference(out, rope_cos, rope_sin, inverse=True)
     return out
 
 
-def rope_reference(x, cos, sin):
-    """Rotate the last 2*R dims of x [B, S, H, D] forward in interleaved pairs by the angles
-    of cos, sin ([B, S, R] or [R], fp32): (a, b) -> (a cos - b sin, a sin + b cos) in fp32,
-    rounded to x's dtype, as the projection tail (dsv4/kernels/rows.py) rotates."""
+def rope_reference(x, cos, sin, inverse: bool = False):
+    """Rotate the last 2*R dims of x [B, S, H, D] in interleaved pairs (model-spec §3.3) by the
+    angles of cos, sin ([B, S, R] fp32: each query's position; [R]: one for every query).
+    Pair k = dims (D-2R+2k, D-2R+2k+1): forward (a, b) -> (a cos - b sin, a sin + b cos), as
+    the projection tail (dsv4/kernels/rows.py) rotates, or `inverse` (a cos + b sin,
+    -a sin + b cos); in fp32, rounded to x's dtype."""
     R = cos.shape[-1]
     D = x.shape[-1]
     rot = x[..., D - 2 * R:].astype(mx.float32).reshape(*x.shape[:-1], R, 2)
     a, b = rot[..., 0], rot[..., 1]
     c, s = cos[..., None, :], sin[..., None, :]
-    out = mx.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(*x.shape[:-1], 2 * R)
-    return mx.concatenate([x[..., :D - 2 * R], out.astype(x.dtype)], axis=-1)
-
-
-def inverse_rope_reference(x, cos, sin):
-    """De-rotate the last 2*R dims of x [B, S, H, D] in interleaved pairs (model-spec §3.3).
-
-    cos, sin are [B, S, R] fp32: the angles of each query's position ([R]: one position for
-    every query). Pair k = dims (D-2R+2k, D-2R+2k+1); (a, b) -> (a cos + b sin, -a sin + b cos),
-    in fp32.
-    """
-    R = cos.shape[-1]
-    D = x.shape[-1]
-    rot = x[..., D - 2 * R:].astype(mx.float32).reshape(*x.shape[:-1], R, 2)
-    a, b = rot[..., 0], rot[..., 1]
-    c, s = cos[..., None, :], sin[..., None, :]
-    out = mx.stack([a * c + b * s, b * c - a * s], axis=-1).reshape(*x.shape[:-1], 2 * R)
+    pair = [a * c + b * s, b * c - a * s] if inverse else [a * c - b * s, a * s + b * c]
+    out = mx.stack(pair, axis=-1).reshape(*x.shape[:-1], 2 * R)
     return mx.concatenate([x[..., :D - 2 * R], out.astype(x.dtype)], axis=-1)
 
 
