@@ -182,3 +182,45 @@ def test_kernel_fp4_e4m3_rounding_matches_model_numerics(tmp_path):
     got = np.frombuffer(out, np.float32).reshape(x.shape)
     want = np.array(qdq_fp4_e4m3(mx.array(x)))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+ROW_LOAD_MAIN = r"""
+int main(int argc, char** argv) {
+  const int rows = std::atoi(argv[1]);
+  for (int r = 0; r < rows; ++r) {   // 16 bf16 values (as bits), then 16 fp32 values
+    alignas(16) uint16_t b[16];
+    alignas(16) float f[16];
+    if (std::fread(b, 2, 16, stdin) != 16 || std::fread(f, 4, 16, stdin) != 16) return 1;
+    float v[16], w[16];
+    load_lane<16, true>((const uint16_t*)b, v);
+    load_lane_f32<16>((const float*)f, w);
+    std::fwrite(v, 4, 16, stdout);
+    std::fwrite(w, 4, 16, stdout);
+  }
+  return 0;
+}
+"""
+
+
+def test_attention_row_loads_read_what_scalar_loads_read(tmp_path):
+    """The sparse-attention kernels' 16-byte lane loads (dsv4.kernels.sparse_attention._HEADER),
+    compiled for the CPU: 16 bf16 values 8 at a time and 16 fp32 partials 4 at a time give the
+    values in order, exactly."""
+    from dsv4.kernels.sparse_attention import _HEADER as ATTENTION_HEADER
+    cxx = shutil.which("clang++") or shutil.which("g++")
+    if cxx is None:
+        pytest.fail("no C++ compiler: install clang (apt-get install clang)")
+    src, exe = tmp_path / "rows.cpp", tmp_path / "rows"
+    src.write_text(HOST_PRELUDE + ATTENTION_HEADER + ROW_LOAD_MAIN)
+    result = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rng = np.random.default_rng()
+    rows = 50
+    vals = rng.standard_normal((rows, 16)).astype(np.float32) * 10.0 ** rng.uniform(-3, 3, (rows, 1))
+    bf16 = np.array(mx.array(vals).astype(mx.bfloat16).view(mx.uint16))
+    f32 = rng.standard_normal((rows, 16)).astype(np.float32)
+    data = b"".join(bf16[r].tobytes() + f32[r].tobytes() for r in range(rows))
+    out = subprocess.run([str(exe), str(rows)], input=data, capture_output=True, check=True).stdout
+    out = np.frombuffer(out, np.float32).reshape(rows, 2, 16)
+    np.testing.assert_array_equal(out[:, 0], np.array(mx.array(bf16).view(mx.bfloat16).astype(mx.float32)))
+    np.testing.assert_array_equal(out[:, 1], f32)
