@@ -119,6 +119,25 @@ KFN void load_lane(P p, LOCAL float* v) {
   }
 }
 
+// RoPE of this lane's DPL values v (dims lane*DPL.., pairs adjacent) on the last 2R dims of a
+// row of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
+// a sin + b cos) or, INVERSE, back (a cos + b sin, b cos - a sin).
+template <int D, int DPL, int R, bool INVERSE, typename PC>
+KFN void rotate_lane(LOCAL float* v, PC cosv, PC sinv, int qi, uint32_t lane) {
+  const int first_rot = D - 2 * R;
+  for (int i = 0; i < DPL; i += 2) {
+    const int d = (int)lane * DPL + i;
+    if (R > 0 && d >= first_rot) {
+      const int k = (d - first_rot) / 2;
+      const float c = cosv[(size_t)qi * R + k];
+      const float sn = sinv[(size_t)qi * R + k];
+      const float a = v[i], bb = v[i + 1];
+      v[i] = INVERSE ? a * c + bb * sn : a * c - bb * sn;
+      v[i + 1] = INVERSE ? bb * c - a * sn : a * sn + bb * c;
+    }
+  }
+}
+
 // DPL consecutive fp32 values at p, 4 at a time when DPL % 4 == 0 (p 16-byte aligned).
 template <int DPL, typename P>
 KFN void load_lane_f32(P p, LOCAL float* v) {
@@ -151,19 +170,10 @@ _PARTIAL_BODY = r"""
   float qv[DPL];
   load_lane<DPL, VEC>(q + ((size_t)qi * H + h) * D + lane * DPL, qv);
   if (ROPE_Q > 0) {
-    // The query's RoPE on its last 2*ROPE_Q dims, rounded as the projection tail rounds it.
-    const int first_rot = D - 2 * ROPE_Q;
-    for (int i = 0; i < DPL; i += 2) {
-      const int d = lane * DPL + i;
-      if (d >= first_rot) {
-        const int k = (d - first_rot) / 2;
-        const float c = rope_cos[(size_t)qi * ROPE_Q + k];
-        const float sn = rope_sin[(size_t)qi * ROPE_Q + k];
-        const float a = qv[i], bb = qv[i + 1];
-        qv[i] = float(static_cast<T>(a * c - bb * sn));
-        qv[i + 1] = float(static_cast<T>(a * sn + bb * c));
-      }
-    }
+    // The query's RoPE, each value rounded as the projection tail rounds it (the values it
+    // leaves alone are already in T).
+    rotate_lane<D, DPL, ROPE_Q, false>(qv, rope_cos, rope_sin, qi, lane);
+    for (int i = 0; i < DPL; ++i) qv[i] = float(static_cast<T>(qv[i]));
   }
   float m = -INFINITY, l = 0.0f;
   float acc[DPL];
@@ -250,21 +260,8 @@ _MERGE_BODY = r"""
   }
   const size_t out_off = ((size_t)qi * H + h) * D + lane * DPL;
   for (int i = 0; i < DPL; ++i) o[i] = float(static_cast<T>(o[i] / denom));
-  if (ROPE_HALF > 0) {
-    // Inverse RoPE on the last 2*ROPE_HALF dims, after the output's rounding (as unfused).
-    const int first_rot = D - 2 * ROPE_HALF;
-    for (int i = 0; i < DPL; i += 2) {
-      const int d = lane * DPL + i;
-      if (d >= first_rot) {
-        const int k = (d - first_rot) / 2;
-        const float c = rope_cos[(size_t)qi * ROPE_HALF + k];
-        const float sn = rope_sin[(size_t)qi * ROPE_HALF + k];
-        const float a = o[i], bb = o[i + 1];
-        o[i] = a * c + bb * sn;
-        o[i + 1] = bb * c - a * sn;
-      }
-    }
-  }
+  // Inverse RoPE on the last 2*ROPE_HALF dims, after the output's rounding (as unfused).
+  rotate_lane<D, DPL, ROPE_HALF, true>(o, rope_cos, rope_sin, qi, lane);
   for (int i = 0; i < DPL; ++i) out[out_off + i] = static_cast<T>(o[i]);
 """
 
