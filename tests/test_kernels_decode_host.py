@@ -82,16 +82,21 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def decoder(tmp_path_factory):
+def build_host(folder, name: str, source: str):
+    """source (C++, after HOST_PRELUDE) compiled in folder -> the executable's path."""
     cxx = shutil.which("clang++") or shutil.which("g++")
     if cxx is None:
         pytest.fail("no C++ compiler: install clang (apt-get install clang)")
-    tmp = tmp_path_factory.mktemp("decode")
-    src, exe = tmp / "decode.cpp", tmp / "decode"
-    src.write_text(HOST_PRELUDE + _HEADER + HOST_MAIN)
+    src, exe = folder / f"{name}.cpp", folder / name
+    src.write_text(HOST_PRELUDE + source)
     result = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    return exe
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    exe = build_host(tmp_path_factory.mktemp("decode"), "decode", _HEADER + HOST_MAIN)
 
     def run(mode, bits, data: np.ndarray) -> np.ndarray:
         packs = data.size // (32 if mode == 3 else bits)
@@ -161,16 +166,10 @@ def test_kernel_fp4_e4m3_rounding_matches_model_numerics(tmp_path):
     from dsv4.kernels.qdq import HEADER
     from dsv4.quant import qdq_fp4_e4m3
 
-    cxx = shutil.which("clang++") or shutil.which("g++")
-    if cxx is None:
-        pytest.fail("no C++ compiler: install clang (apt-get install clang)")
     extra = ("#define DIV_RN(a, b) ((a) / (b))\n"
              "inline float simd_max_f(float x) { return x; }\n"
              "inline int simd_shuffle_i(int x, int) { return x; }\n")
-    src, exe = tmp_path / "qdq.cpp", tmp_path / "qdq"
-    src.write_text(HOST_PRELUDE + extra + HEADER + QDQ_HOST_MAIN)
-    built = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
+    exe = build_host(tmp_path, "qdq", extra + HEADER + QDQ_HOST_MAIN)
     rng = np.random.default_rng()
     x = rng.standard_normal((400, 16)).astype(np.float32) * rng.uniform(1e-4, 1e2, (400, 1)).astype(np.float32)
     x[0] = 0.0                                        # amax floor
@@ -219,14 +218,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def attention_helpers(tmp_path_factory):
     from dsv4.kernels.sparse_attention import _HEADER as ATTENTION_HEADER
-    cxx = shutil.which("clang++") or shutil.which("g++")
-    if cxx is None:
-        pytest.fail("no C++ compiler: install clang (apt-get install clang)")
-    tmp = tmp_path_factory.mktemp("attention")
-    src, exe = tmp / "rows.cpp", tmp / "rows"
-    src.write_text(HOST_PRELUDE + ATTENTION_HEADER + ROW_LOAD_MAIN)
-    result = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    exe = build_host(tmp_path_factory.mktemp("attention"), "rows", ATTENTION_HEADER + ROW_LOAD_MAIN)
     return lambda args, data: subprocess.run([str(exe), *args], input=data, capture_output=True, check=True).stdout
 
 
