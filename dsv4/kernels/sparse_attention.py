@@ -30,7 +30,6 @@ from dsv4.kernels.dialect import Kernel, backend, constant
 from dsv4.kernels.experts import _HEADER as EXPERTS_HEADER
 
 HEADS_PER_GROUP = 8
-TARGET_THREADGROUPS = 256  # enough to fill a large GPU at decode; more only adds merge work
 MIN_ROWS_PER_SPLIT = 8
 # Beyond this many queries per call (prefill), the reference's tensor-core matmuls win. On the
 # H200 the kernel was 3.3x faster at S = 1, 1.6x at S = 4, 0.83x at S = 16 and 0.35x at S = 64
@@ -336,7 +335,7 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     rows = window_idx.shape[-1] + topk_idx.shape[-1]
     # Splits depend only on the batch and head counts and a coarse row count, so few variants
     # get compiled; a split past the last row writes an empty partial.
-    splits = max(1, min(math.ceil(TARGET_THREADGROUPS / (B * S * groups)),
+    splits = max(1, min(math.ceil(flags.get("attention_threadgroups") / (B * S * groups)),
                         math.ceil(rows / MIN_ROWS_PER_SPLIT)))
     splits = 1 << (splits - 1).bit_length()
     rope_half = 0 if rope_cos is None else rope_cos.shape[-1]
