@@ -157,6 +157,9 @@ define("engram_resident", False,
 define("kernel_sparse_attention", True,
        "sparse attention with sink through the custom GPU kernel (Metal/CUDA); off runs the "
        "plain-MLX reference")
+define("attention_threadgroups", 256,
+       "threadgroups the sparse-attention kernel aims for (its rows split between them, then "
+       "merged): more keep a large GPU busy at decode, fewer make the merge cheaper")
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")

@@ -82,16 +82,21 @@ int main(int argc, char** argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def decoder(tmp_path_factory):
+def build_host(folder, name: str, source: str):
+    """source (C++, after HOST_PRELUDE) compiled in folder -> the executable's path."""
     cxx = shutil.which("clang++") or shutil.which("g++")
     if cxx is None:
         pytest.fail("no C++ compiler: install clang (apt-get install clang)")
-    tmp = tmp_path_factory.mktemp("decode")
-    src, exe = tmp / "decode.cpp", tmp / "decode"
-    src.write_text(HOST_PRELUDE + _HEADER + HOST_MAIN)
+    src, exe = folder / f"{name}.cpp", folder / name
+    src.write_text(HOST_PRELUDE + source)
     result = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    return exe
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    exe = build_host(tmp_path_factory.mktemp("decode"), "decode", _HEADER + HOST_MAIN)
 
     def run(mode, bits, data: np.ndarray) -> np.ndarray:
         packs = data.size // (32 if mode == 3 else bits)
@@ -161,16 +166,10 @@ def test_kernel_fp4_e4m3_rounding_matches_model_numerics(tmp_path):
     from dsv4.kernels.qdq import HEADER
     from dsv4.quant import qdq_fp4_e4m3
 
-    cxx = shutil.which("clang++") or shutil.which("g++")
-    if cxx is None:
-        pytest.fail("no C++ compiler: install clang (apt-get install clang)")
     extra = ("#define DIV_RN(a, b) ((a) / (b))\n"
              "inline float simd_max_f(float x) { return x; }\n"
              "inline int simd_shuffle_i(int x, int) { return x; }\n")
-    src, exe = tmp_path / "qdq.cpp", tmp_path / "qdq"
-    src.write_text(HOST_PRELUDE + extra + HEADER + QDQ_HOST_MAIN)
-    built = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
+    exe = build_host(tmp_path, "qdq", extra + HEADER + QDQ_HOST_MAIN)
     rng = np.random.default_rng()
     x = rng.standard_normal((400, 16)).astype(np.float32) * rng.uniform(1e-4, 1e2, (400, 1)).astype(np.float32)
     x[0] = 0.0                                        # amax floor
@@ -182,3 +181,75 @@ def test_kernel_fp4_e4m3_rounding_matches_model_numerics(tmp_path):
     got = np.frombuffer(out, np.float32).reshape(x.shape)
     want = np.array(qdq_fp4_e4m3(mx.array(x)))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+ROW_LOAD_MAIN = r"""
+int main(int argc, char** argv) {
+  if (argc > 2) {   // rotate_lane over a row of 512 (every lane's 16 values), R = 32, at angles cos/sin
+    float row[512], c[32], s[32];
+    if (std::fread(row, 4, 512, stdin) != 512 || std::fread(c, 4, 32, stdin) != 32 ||
+        std::fread(s, 4, 32, stdin) != 32) return 1;
+    for (int inverse = 0; inverse < 2; ++inverse)
+      for (uint32_t lane = 0; lane < 32; ++lane) {
+        float v[16];
+        std::memcpy(v, row + 16 * lane, 64);
+        if (inverse) rotate_lane<512, 16, 32, true>(v, (const float*)c, (const float*)s, 0, lane);
+        else rotate_lane<512, 16, 32, false>(v, (const float*)c, (const float*)s, 0, lane);
+        std::fwrite(v, 4, 16, stdout);
+      }
+    return 0;
+  }
+  const int rows = std::atoi(argv[1]);
+  for (int r = 0; r < rows; ++r) {   // 16 bf16 values (as bits), then 16 fp32 values
+    alignas(16) uint16_t b[16];
+    alignas(16) float f[16];
+    if (std::fread(b, 2, 16, stdin) != 16 || std::fread(f, 4, 16, stdin) != 16) return 1;
+    float v[16], w[16];
+    load_lane<16, true>((const uint16_t*)b, v);
+    load_lane_f32<16>((const float*)f, w);
+    std::fwrite(v, 4, 16, stdout);
+    std::fwrite(w, 4, 16, stdout);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def attention_helpers(tmp_path_factory):
+    from dsv4.kernels.sparse_attention import _HEADER as ATTENTION_HEADER
+    exe = build_host(tmp_path_factory.mktemp("attention"), "rows", ATTENTION_HEADER + ROW_LOAD_MAIN)
+    return lambda args, data: subprocess.run([str(exe), *args], input=data, capture_output=True, check=True).stdout
+
+
+def test_attention_rotation_of_a_lane_slice(attention_helpers):
+    """rotate_lane (the queries' RoPE and the output's inverse in the sparse-attention kernels)
+    on every lane of a 512-value row: the last 64 dims turn by the angles in adjacent pairs, in
+    fp32 as written; the others stay."""
+    rng = np.random.default_rng()
+    row = rng.standard_normal(512).astype(np.float32)
+    theta = rng.uniform(-np.pi, np.pi, 32).astype(np.float32)
+    c, s = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    out = np.frombuffer(attention_helpers(["1", "rotate"], row.tobytes() + c.tobytes() + s.tobytes()),
+                        np.float32).reshape(2, 512)
+    a, b = row[448::2], row[449::2]
+    forward, back = row.copy(), row.copy()
+    forward[448::2], forward[449::2] = a * c - b * s, a * s + b * c
+    back[448::2], back[449::2] = a * c + b * s, b * c - a * s
+    np.testing.assert_array_equal(out[0], forward)
+    np.testing.assert_array_equal(out[1], back)
+
+
+def test_attention_row_loads_read_what_scalar_loads_read(attention_helpers):
+    """The sparse-attention kernels' 16-byte lane loads (dsv4.kernels.sparse_attention._HEADER),
+    compiled for the CPU: 16 bf16 values 8 at a time and 16 fp32 partials 4 at a time give the
+    values in order, exactly."""
+    rng = np.random.default_rng()
+    rows = 50
+    vals = rng.standard_normal((rows, 16)).astype(np.float32) * 10.0 ** rng.uniform(-3, 3, (rows, 1))
+    bf16 = np.array(mx.array(vals).astype(mx.bfloat16).view(mx.uint16))
+    f32 = rng.standard_normal((rows, 16)).astype(np.float32)
+    data = b"".join(bf16[r].tobytes() + f32[r].tobytes() for r in range(rows))
+    out = np.frombuffer(attention_helpers([str(rows)], data), np.float32).reshape(rows, 2, 16)
+    np.testing.assert_array_equal(out[:, 0], np.array(mx.array(bf16).view(mx.bfloat16).astype(mx.float32)))
+    np.testing.assert_array_equal(out[:, 1], f32)

@@ -215,3 +215,23 @@ def test_candidate_mask_is_the_visibility_while_candidates_do_not_matter(n_visib
     keeps_all = bool(mask[:n_visible].all())
     assert candidates_matter(args, n_visible) == (not keeps_all)
     assert candidates_matter(args, n_visible) == (-(-n_visible // size) > kb)
+
+
+def test_attention_threadgroups_switch_sets_the_row_splits(monkeypatch):
+    """DSV4_ATTENTION_THREADGROUPS: the partial kernel's grid aims for that many threadgroups
+    (a power of two of splits per head group, at most one per MIN_ROWS_PER_SPLIT rows)."""
+    rng = np.random.default_rng()
+    case = random_case(rng, 1, 1, 64, 512, 128, 600, 128, 512, mx.bfloat16)
+    grids = []
+
+    def partial(**kw):
+        grids.append(kw["grid"])
+        splits = kw["grid"][1] // 8
+        return mx.zeros((64 * splits * 512,)), mx.zeros((64 * splits * 2,))
+
+    monkeypatch.setattr(sa, "PARTIAL_KERNEL", partial)
+    monkeypatch.setattr(sa, "MERGE_KERNEL", lambda **kw: [mx.zeros(kw["output_shapes"][0], mx.bfloat16)])
+    for target in (256, 64, 1):
+        with flags.override(attention_threadgroups=target):
+            sa.sparse_attention_kernel(**case)
+    assert [g[1] for g in grids] == [8 * 32, 8 * 8, 8 * 1]   # 8 groups of 8 heads x splits

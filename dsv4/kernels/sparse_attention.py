@@ -27,9 +27,9 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.experts import _HEADER as EXPERTS_HEADER
 
 HEADS_PER_GROUP = 8
-TARGET_THREADGROUPS = 256  # enough to fill a large GPU at decode; more only adds merge work
 MIN_ROWS_PER_SPLIT = 8
 # Beyond this many queries per call (prefill), the reference's tensor-core matmuls win. On the
 # H200 the kernel was 3.3x faster at S = 1, 1.6x at S = 4, 0.83x at S = 16 and 0.35x at S = 64
@@ -102,6 +102,56 @@ def _gather(kv, idx, B, S):
     return rows.reshape(B, S, idx.shape[-1], kv.shape[-1]), valid
 
 
+# Lanes read their slice of a row (DPL consecutive values) with 16-byte loads where they can:
+# scalar 2-byte loads at a 32-byte lane stride cost the partial kernel 8x the memory
+# instructions (ncu: 56 µs per layer at decode for 0.5 MB of rows, latency-bound). The rows
+# start 16-byte aligned (MLX buffers do; a row of D % 256 == 0 bf16 values keeps it).
+_HEADER = EXPERTS_HEADER + r"""
+// DPL consecutive values at p as fp32: VEC, bf16 read 8 at a time (p 16-byte aligned,
+// DPL % 8 == 0); otherwise one at a time.
+template <int DPL, bool VEC, typename P>
+KFN void load_lane(P p, LOCAL float* v) {
+  if (VEC) {
+    for (int k = 0; k < DPL / 8; ++k) load_bf16_8(p, 0, k, v + 8 * k);
+  } else {
+    for (int i = 0; i < DPL; ++i) v[i] = float(p[i]);
+  }
+}
+
+// RoPE of this lane's DPL values v (dims lane*DPL.., pairs adjacent) on the last 2R dims of a
+// row of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
+// a sin + b cos) or, INVERSE, back (a cos + b sin, b cos - a sin).
+template <int D, int DPL, int R, bool INVERSE, typename PC>
+KFN void rotate_lane(LOCAL float* v, PC cosv, PC sinv, int qi, uint32_t lane) {
+  const int first_rot = D - 2 * R;
+  for (int i = 0; i < DPL; i += 2) {
+    const int d = (int)lane * DPL + i;
+    if (R > 0 && d >= first_rot) {
+      const int k = (d - first_rot) / 2;
+      const float c = cosv[(size_t)qi * R + k];
+      const float sn = sinv[(size_t)qi * R + k];
+      const float a = v[i], bb = v[i + 1];
+      v[i] = INVERSE ? a * c + bb * sn : a * c - bb * sn;
+      v[i + 1] = INVERSE ? bb * c - a * sn : a * sn + bb * c;
+    }
+  }
+}
+
+// DPL consecutive fp32 values at p, 4 at a time when DPL % 4 == 0 (p 16-byte aligned).
+template <int DPL, typename P>
+KFN void load_lane_f32(P p, LOCAL float* v) {
+  if (DPL % 4 == 0) {
+    for (int k = 0; k < DPL / 4; ++k) {
+      const uint4 q = LOAD_U4(p, k);
+      v[4 * k] = AS_FLOAT(q.x); v[4 * k + 1] = AS_FLOAT(q.y);
+      v[4 * k + 2] = AS_FLOAT(q.z); v[4 * k + 3] = AS_FLOAT(q.w);
+    }
+  } else {
+    for (int i = 0; i < DPL; ++i) v[i] = p[i];
+  }
+}
+"""
+
 _PARTIAL_BODY = r"""
   // grid (32*G, n_head_groups*splits, B*S); one SIMD group per head.
   constexpr int DPL = D / 32;
@@ -117,21 +167,12 @@ _PARTIAL_BODY = r"""
   const size_t part = ((size_t)qi * H + h) * SPLITS + split;
 
   float qv[DPL];
-  for (int i = 0; i < DPL; ++i) qv[i] = float(q[((size_t)qi * H + h) * D + lane * DPL + i]);
+  load_lane<DPL, VEC>(q + ((size_t)qi * H + h) * D + lane * DPL, qv);
   if (ROPE_Q > 0) {
-    // The query's RoPE on its last 2*ROPE_Q dims, rounded as the projection tail rounds it.
-    const int first_rot = D - 2 * ROPE_Q;
-    for (int i = 0; i < DPL; i += 2) {
-      const int d = lane * DPL + i;
-      if (d >= first_rot) {
-        const int k = (d - first_rot) / 2;
-        const float c = rope_cos[(size_t)qi * ROPE_Q + k];
-        const float sn = rope_sin[(size_t)qi * ROPE_Q + k];
-        const float a = qv[i], bb = qv[i + 1];
-        qv[i] = float(static_cast<T>(a * c - bb * sn));
-        qv[i + 1] = float(static_cast<T>(a * sn + bb * c));
-      }
-    }
+    // The query's RoPE, each value rounded as the projection tail rounds it (the values it
+    // leaves alone are already in T).
+    rotate_lane<D, DPL, ROPE_Q, false>(qv, rope_cos, rope_sin, qi, lane);
+    for (int i = 0; i < DPL; ++i) qv[i] = float(static_cast<T>(qv[i]));
   }
   float m = -INFINITY, l = 0.0f;
   float acc[DPL];
@@ -166,11 +207,9 @@ _PARTIAL_BODY = r"""
       for (int u = 0; u < 4; ++u) {
         for (int i = 0; i < DPL; ++i) kv[u][i] = 0.0f;
         if (rows[u] >= W) {
-          const size_t off = ((size_t)b * N + (rows[u] - W)) * D + lane * DPL;
-          for (int i = 0; i < DPL; ++i) kv[u][i] = float(compressed_kv[off + i]);
+          load_lane<DPL, VEC>(compressed_kv + ((size_t)b * N + (rows[u] - W)) * D + lane * DPL, kv[u]);
         } else if (rows[u] >= 0) {
-          const size_t off = ((size_t)b * W + rows[u]) * D + lane * DPL;
-          for (int i = 0; i < DPL; ++i) kv[u][i] = float(window_kv[off + i]);
+          load_lane<DPL, VEC>(window_kv + ((size_t)b * W + rows[u]) * D + lane * DPL, kv[u]);
         }
       }
       float m_new = m;
@@ -214,27 +253,21 @@ _MERGE_BODY = r"""
   for (int s = 0; s < SPLITS; ++s) {
     const float w = EXP(part_ml[(first + s) * 2] - top);
     denom += w * part_ml[(first + s) * 2 + 1];
-    for (int i = 0; i < DPL; ++i) o[i] += w * part_acc[(first + s) * D + lane * DPL + i];
+    float p[DPL];
+    load_lane_f32<DPL>(part_acc + (first + s) * D + lane * DPL, p);
+    for (int i = 0; i < DPL; ++i) o[i] += w * p[i];
   }
   const size_t out_off = ((size_t)qi * H + h) * D + lane * DPL;
   for (int i = 0; i < DPL; ++i) o[i] = float(static_cast<T>(o[i] / denom));
-  if (ROPE_HALF > 0) {
-    // Inverse RoPE on the last 2*ROPE_HALF dims, after the output's rounding (as unfused).
-    const int first_rot = D - 2 * ROPE_HALF;
-    for (int i = 0; i < DPL; i += 2) {
-      const int d = lane * DPL + i;
-      if (d >= first_rot) {
-        const int k = (d - first_rot) / 2;
-        const float c = rope_cos[(size_t)qi * ROPE_HALF + k];
-        const float sn = rope_sin[(size_t)qi * ROPE_HALF + k];
-        const float a = o[i], bb = o[i + 1];
-        o[i] = a * c + bb * sn;
-        o[i + 1] = bb * c - a * sn;
-      }
-    }
-  }
+  // Inverse RoPE on the last 2*ROPE_HALF dims, after the output's rounding (as unfused).
+  rotate_lane<D, DPL, ROPE_HALF, true>(o, rope_cos, rope_sin, qi, lane);
   for (int i = 0; i < DPL; ++i) out[out_off + i] = static_cast<T>(o[i]);
 """
+
+def _vector_loads(dtype, D: int) -> bool:
+    """Whether the partial kernel's lanes read rows 8 bf16 values at a time."""
+    return dtype == mx.bfloat16 and (D // 32) % 8 == 0
+
 
 _CHECK_TYPES = ((mx.bfloat16, 512, 64, 32), (mx.float32, 64, 3, 8))
 
@@ -243,10 +276,11 @@ PARTIAL_KERNEL = Kernel(
     input_names=("q", "window_kv", "window_idx", "compressed_kv", "topk_idx", "params",
                  "rope_cos", "rope_sin"),
     output_names=("part_acc", "part_ml"),
-    body=_PARTIAL_BODY,
+    body=_PARTIAL_BODY, header=_HEADER,
     checks=tuple(
         ((t, t, mx.int32, t, mx.int32, mx.float32, mx.float32, mx.float32), (mx.float32, mx.float32),
-         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", 32), ("ROPE_Q", r)))
+         (("T", t), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", 32), ("ROPE_Q", r),
+          ("VEC", _vector_loads(t, d))))
         for t, d, h, r in _CHECK_TYPES),
 )
 
@@ -254,7 +288,7 @@ MERGE_KERNEL = Kernel(
     name="dsv4_sparse_attention_merge",
     input_names=("part_acc", "part_ml", "sinks", "rope_cos", "rope_sin"),
     output_names=("out",),
-    body=_MERGE_BODY,
+    body=_MERGE_BODY, header=_HEADER,
     checks=tuple(
         ((mx.float32, mx.float32, mx.float32, mx.float32, mx.float32), (t,),
          (("T", t), ("D", d), ("H", h), ("ROPE_HALF", r), ("SPLITS", 5)))
@@ -301,7 +335,7 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     rows = window_idx.shape[-1] + topk_idx.shape[-1]
     # Splits depend only on the batch and head counts and a coarse row count, so few variants
     # get compiled; a split past the last row writes an empty partial.
-    splits = max(1, min(math.ceil(TARGET_THREADGROUPS / (B * S * groups)),
+    splits = max(1, min(math.ceil(flags.get("attention_threadgroups") / (B * S * groups)),
                         math.ceil(rows / MIN_ROWS_PER_SPLIT)))
     splits = 1 << (splits - 1).bit_length()
     rope_half = 0 if rope_cos is None else rope_cos.shape[-1]
@@ -317,7 +351,7 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
         output_dtypes=[mx.float32, mx.float32],
         grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
         template=[("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits),
-                  ("ROPE_Q", rope_half if rotate_queries else 0)])
+                  ("ROPE_Q", rope_half if rotate_queries else 0), ("VEC", _vector_loads(q.dtype, D))])
     (out,) = MERGE_KERNEL(
         inputs=[part_acc, part_ml, _float32(sinks), rope_cos, rope_sin],
         output_shapes=[q.shape if shape is None else shape], output_dtypes=[q.dtype],
