@@ -286,14 +286,7 @@ def test_routed_experts_run_the_routers_tail_in_the_gate_up_kernel(tokens, expan
     np.testing.assert_array_equal(f32(got), f32(want))
     np.testing.assert_array_equal(f32(unfused), f32(want))
     # The ids the down kernel read: one launch's outputs, compared with the router kernel's.
-    _, fused_ids = ex.ROUTED_GATE_UP_KERNEL(
-        inputs=[x, logits, bias, mx.array([1.0, 1.5]), mx.array([10.0])]
-        + [a for m in (gate, up, shared[0], shared[1]) for a in ex.matrix_operands(m)],
-        output_shapes=[(tokens, K + 1, I), (tokens, K)], output_dtypes=[mx.bfloat16, mx.int32],
-        grid=(256, I // 32, tokens * (K + 1)), threadgroup=(256, 1, 1),
-        template=[("T", mx.bfloat16), ("MODE", 1), ("BITS", 4), ("GS", 32), ("SMODE", 2), ("SBITS", 8),
-                  ("SGS", 32), ("HS", 1), ("K", K), ("ROWS", ex.ROWS_GATE_UP), ("ACTQ", True),
-                  ("XS", ex.X_STRIDE), ("I", I), ("D", D), ("E", E), ("NORM", True)])
+    _, fused_ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 10.0, True, routing=(logits, bias, *routing))
     np.testing.assert_array_equal(np.array(fused_ids), np.array(ids))
 
 
