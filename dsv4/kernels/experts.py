@@ -97,37 +97,51 @@ def _swiglu(g, u, limit):
 
 def experts_reference(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
                       act_quant=False):
-    """Plain-MLX definition (the gather_qmm path); see `experts`.
+    """Plain-MLX definition (the gather_qmm path); see `experts`. The two stages of the
+    kernel, `hidden_reference` then `down_reference`."""
+    h = hidden_reference(x, indices, weights, gate, up, shared, swiglu_limit, act_quant)
+    return down_reference(h, indices, down, shared[2] if shared is not None else None)
 
-    The matmuls take fp32 inputs so that they accumulate in fp32 on every backend (MLX's CPU
-    kernels accumulate in the input dtype); their outputs are rounded to x's dtype as a bf16
-    linear layer's would be.
-    """
+
+def _matmul(a, m, idx=None):
+    """a @ m.T in fp32 (MLX's CPU kernels accumulate in the input dtype, so the input is fp32
+    on every backend), for the rows idx of stacked experts when given."""
+    a = a.astype(mx.float32)
+    if idx is None:
+        return mx.quantized_matmul(a, m.weight, m.scales, m.biases, transpose=True, **m.kwargs())
+    return mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True, **m.kwargs())
+
+
+def hidden_reference(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0, act_quant=False):
+    """The gate/up stage: h [T, k (+1 for the shared expert, last), I] in x's dtype, the
+    clamped SwiGLU of the gate and up matmuls (each output rounded to x's dtype, as a bf16
+    linear layer's would be) times the router weight, fp8-rounded per 32 values with
+    act_quant (as is x before the matmuls)."""
     dtype = x.dtype
-    xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
-
-    def matmul(a, m, idx=None):
-        if idx is None:
-            out = mx.quantized_matmul(a, m.weight, m.scales, m.biases, transpose=True, **m.kwargs())
-        else:
-            out = mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True,
-                                **m.kwargs())
-        return out.astype(dtype)
+    xin = qdq_fp8(x) if act_quant else x
 
     def hidden(g, u, route=1.0):
-        h = (_swiglu(g, u, swiglu_limit) * route).astype(dtype)
-        return (qdq_fp8(h) if act_quant else h).astype(mx.float32)
+        h = (_swiglu(g.astype(dtype), u.astype(dtype), swiglu_limit) * route).astype(dtype)
+        return qdq_fp8(h) if act_quant else h
 
     xe = xin[:, None, None, :]
     route = weights.astype(mx.float32)[..., None, None]
-    h = hidden(matmul(xe, gate, indices), matmul(xe, up, indices), route)   # [T, k, 1, I]
-    y = matmul(h, down, indices)                                             # [T, k, 1, D]
+    h = hidden(_matmul(xe, gate, indices), _matmul(xe, up, indices), route)[:, :, 0]   # [T, k, I]
+    if shared is None:
+        return h
+    s_gate, s_up = shared[:2]
+    return mx.concatenate([h, hidden(_matmul(xin, s_gate), _matmul(xin, s_up))[:, None]], axis=1)
+
+
+def down_reference(h, indices, down, s_down=None):
+    """The down stage: sum over h's slots of their down matmuls (each expert's output rounded
+    to h's dtype), in fp32, rounded to h's dtype; h [T, k (+1), I] as `hidden_reference` gives it."""
+    k = indices.shape[-1]
+    y = _matmul(h[:, :k, None, :], down, indices).astype(h.dtype)   # [T, k, 1, D]
     total = mx.sum(y.astype(mx.float32), axis=(1, 2))
-    if shared is not None:
-        s_gate, s_up, s_down = shared
-        sy = matmul(hidden(matmul(xin, s_gate), matmul(xin, s_up)), s_down)
-        total = total + sy.astype(mx.float32)
-    return total.astype(dtype)
+    if s_down is not None:
+        total = total + _matmul(h[:, k], s_down).astype(h.dtype).astype(mx.float32)
+    return total.astype(h.dtype)
 
 
 _HEADER = r"""
