@@ -41,6 +41,7 @@ struct float2 { float x, y; };
 inline float host_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t host_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float simd_sum_f(float x) { return x; }
+float simd_xor_f(float x, int mask);   // declared only: a body that shuffles needs an emulator
 inline float half_bits(uint32_t h) {
   const float sign = (h & 0x8000u) ? -1.0f : 1.0f;
   const int e = (h >> 10) & 31, m = h & 1023;

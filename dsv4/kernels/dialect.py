@@ -17,6 +17,7 @@ Vocabulary available to bodies:
   LOCAL                      address space of a pointer to a thread's own array (helper arguments)
   simd_sum_f, simd_max_f     sum/max over the 32 lanes, result in every lane
   simd_shuffle_i(v, src)     int v of lane src
+  simd_xor_f(v, mask)        float v of lane (lane ^ mask)
   EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
   COS, SIN                   fp32 cosine and sine, the accurate ones (MLX's mx.cos/mx.sin's)
   DIV_RN(a, b)               a / b correctly rounded (IEEE), whatever the fast-math setting
@@ -65,6 +66,7 @@ METAL_HEADER = r"""
 inline float simd_sum_f(float x) { return simd_sum(x); }
 inline int simd_shuffle_i(int x, int src) { return simd_shuffle(x, ushort(src)); }
 inline float simd_max_f(float x) { return simd_max(x); }
+inline float simd_xor_f(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
 inline float2 half2_bits_to_float2(uint32_t b) { return float2(as_type<half2>(b)); }
 """
 
@@ -112,6 +114,7 @@ __device__ inline float simd_sum_f(float x) {
   return x;
 }
 __device__ inline int simd_shuffle_i(int x, int src) { return __shfl_sync(0xffffffffu, x, src); }
+__device__ inline float simd_xor_f(float x, int mask) { return __shfl_xor_sync(0xffffffffu, x, mask); }
 __device__ inline float simd_max_f(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;

@@ -18,8 +18,8 @@ The kernel is two launches: gate+up matvecs with the clamped SwiGLU and the rout
 fused (a threadgroup per 32 rows of one token-expert pair holds the token's x in threadgroup
 memory; each SIMD group makes ROWS_GATE_UP rows, its lanes split the input), then the
 down matvecs with the bf16 rounding per expert and the sum fused (a threadgroup per
-ROWS_DOWN rows of one token, one SIMD group per expert slot, so that every selected expert's
-rows stream at once; the slots are summed in order afterwards). Each lane works on packs of
+ROWS_DOWN * 32 / LANES_DOWN rows of one token, one SIMD group per expert slot, so that every
+selected expert's rows stream at once; the slots are summed in order afterwards). Each lane works on packs of
 32 consecutive values (`bits` words, one scale group for mx modes), decoded in registers;
 fp4/fp8 codes become fp16 bit patterns, whose fixed exponent offset is folded into the block
 scale.
@@ -41,10 +41,17 @@ from dsv4.kernels.router import route
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
-ROWS_GATE_UP = 4    # rows per SIMD group; a threadgroup makes 32 rows of h (one fp8 block)
+# Launch shapes (rows_dot's ROWS and LANES; H200 ncu times in benchmarks/results/2026-11-30-*-experts-shapes.md):
+# the gate/up kernel's SIMD groups make ROWS_GATE_UP rows each, all 32 lanes on a row (5120
+# inputs: 5 packs a lane); the down kernel's make ROWS_DOWN * 32 / LANES_DOWN rows, LANES_DOWN
+# lanes a row (2304 inputs: 72 packs, 9 a lane, where 32 lanes a row leave 24 of them idle on
+# the third pack): 22.9 against 26.0 µs at one token.
+ROWS_GATE_UP = 4
+LANES_GATE_UP = 32
 X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
 SHARED_BYTES = 48 * 1024   # static threadgroup memory every backend allows
-ROWS_DOWN = 4       # rows per threadgroup of the down kernel (one SIMD group per expert slot)
+ROWS_DOWN = 2
+LANES_DOWN = 8
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
 AFFINE_BITS = (2, 3, 4, 8)
 
@@ -90,37 +97,51 @@ def _swiglu(g, u, limit):
 
 def experts_reference(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
                       act_quant=False):
-    """Plain-MLX definition (the gather_qmm path); see `experts`.
+    """Plain-MLX definition (the gather_qmm path); see `experts`. The two stages of the
+    kernel, `hidden_reference` then `down_reference`."""
+    h = hidden_reference(x, indices, weights, gate, up, shared, swiglu_limit, act_quant)
+    return down_reference(h, indices, down, shared[2] if shared is not None else None)
 
-    The matmuls take fp32 inputs so that they accumulate in fp32 on every backend (MLX's CPU
-    kernels accumulate in the input dtype); their outputs are rounded to x's dtype as a bf16
-    linear layer's would be.
-    """
+
+def _matmul(a, m, idx=None):
+    """a @ m.T in fp32 (MLX's CPU kernels accumulate in the input dtype, so the input is fp32
+    on every backend), for the rows idx of stacked experts when given."""
+    a = a.astype(mx.float32)
+    if idx is None:
+        return mx.quantized_matmul(a, m.weight, m.scales, m.biases, transpose=True, **m.kwargs())
+    return mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True, **m.kwargs())
+
+
+def hidden_reference(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0, act_quant=False):
+    """The gate/up stage: h [T, k (+1 for the shared expert, last), I] in x's dtype, the
+    clamped SwiGLU of the gate and up matmuls (each output rounded to x's dtype, as a bf16
+    linear layer's would be) times the router weight, fp8-rounded per 32 values with
+    act_quant (as is x before the matmuls)."""
     dtype = x.dtype
-    xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
-
-    def matmul(a, m, idx=None):
-        if idx is None:
-            out = mx.quantized_matmul(a, m.weight, m.scales, m.biases, transpose=True, **m.kwargs())
-        else:
-            out = mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True,
-                                **m.kwargs())
-        return out.astype(dtype)
+    xin = qdq_fp8(x) if act_quant else x
 
     def hidden(g, u, route=1.0):
-        h = (_swiglu(g, u, swiglu_limit) * route).astype(dtype)
-        return (qdq_fp8(h) if act_quant else h).astype(mx.float32)
+        h = (_swiglu(g.astype(dtype), u.astype(dtype), swiglu_limit) * route).astype(dtype)
+        return qdq_fp8(h) if act_quant else h
 
     xe = xin[:, None, None, :]
     route = weights.astype(mx.float32)[..., None, None]
-    h = hidden(matmul(xe, gate, indices), matmul(xe, up, indices), route)   # [T, k, 1, I]
-    y = matmul(h, down, indices)                                             # [T, k, 1, D]
+    h = hidden(_matmul(xe, gate, indices), _matmul(xe, up, indices), route)[:, :, 0]   # [T, k, I]
+    if shared is None:
+        return h
+    s_gate, s_up = shared[:2]
+    return mx.concatenate([h, hidden(_matmul(xin, s_gate), _matmul(xin, s_up))[:, None]], axis=1)
+
+
+def down_reference(h, indices, down, s_down=None):
+    """The down stage: sum over h's slots of their down matmuls (each expert's output rounded
+    to h's dtype), in fp32, rounded to h's dtype; h [T, k (+1), I] as `hidden_reference` gives it."""
+    k = indices.shape[-1]
+    y = _matmul(h[:, :k, None, :], down, indices).astype(h.dtype)   # [T, k, 1, D]
     total = mx.sum(y.astype(mx.float32), axis=(1, 2))
-    if shared is not None:
-        s_gate, s_up, s_down = shared
-        sy = matmul(hidden(matmul(xin, s_gate), matmul(xin, s_up)), s_down)
-        total = total + sy.astype(mx.float32)
-    return total.astype(dtype)
+    if s_down is not None:
+        total = total + _matmul(h[:, k], s_down).astype(h.dtype).astype(mx.float32)
+    return total.astype(h.dtype)
 
 
 _HEADER = r"""
@@ -251,12 +272,24 @@ KFN void store_x_pack(P xs, int p, LOCAL const float* v) {
   }
 }
 
-// ROWS consecutive output rows (from row0, clamped to the last row) of the matrices at w0 (and
-// w1 if TWO) starting at row `first` (expert e's first row), for one input row x of K_IN
-// values (see XChunk for XS): acc0 (acc1) summed over the lanes on return. Lanes take packs
-// p = lane + 32 i; each step first issues the loads of every row's pack, then walks the pack
-// in chunks of 8 values (few registers for x and the decoded weights: more resident warps).
-template <int MODE, int BITS, int GS, int ROWS, int K_IN, int XS, bool TWO, typename PX,
+// Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
+// lane of the group.
+template <int LANES>
+KFN float lanes_sum(float v) {
+  if (LANES == 32) return simd_sum_f(v);
+  for (int o = LANES / 2; o > 0; o >>= 1) v += simd_xor_f(v, o);
+  return v;
+}
+
+// Dot products of one input row x of K_IN values (read as XChunk<XS> reads it) with the rows
+// of the matrices at w0 (and w1 if TWO) starting at row `first` (expert e's first row). The
+// SIMD group's lanes form 32 / LANES groups of LANES lanes; group g makes the ROWS consecutive
+// output rows from row0 + g * ROWS (clamped to the last row), its lanes taking packs
+// p = sub + LANES i (sub = lane % LANES). On return acc0 (acc1) holds the group's sums in each
+// of its lanes. Each step first issues the loads of every row's pack, then walks the pack in
+// chunks of 8 values (few registers for x and the decoded weights: more resident warps).
+// Fewer LANES give each lane more packs of a row, for short rows (the down projection's).
+template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
           typename PW, typename PS, typename PB>
 KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
                   int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
@@ -264,12 +297,14 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
   constexpr int WORDS_PER_ROW = PACKS * BITS;
   constexpr int SCALES_PER_ROW = K_IN / GS;
   constexpr int MATS = TWO ? 2 : 1;
+  const int sub = (int)lane % LANES;
+  const int rows0 = row0 + ((int)lane / LANES) * ROWS;
   for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
-  for (int p = (int)lane; p < PACKS; p += 32) {
+  for (int p = sub; p < PACKS; p += LANES) {
     uint32_t words[ROWS * MATS][BITS];
     float scale[ROWS * MATS], bias[ROWS * MATS] = {};
     for (int r = 0; r < ROWS; ++r) {
-      const size_t row = first + (size_t)min(row0 + r, rows_out - 1);
+      const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
       load_pack<MODE, BITS, GS>(w0 + row * WORDS_PER_ROW, s0 + row * SCALES_PER_ROW,
                                 b0 + row * SCALES_PER_ROW, p, words[r * MATS], &scale[r * MATS],
                                 &bias[r * MATS]);
@@ -300,18 +335,20 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    acc0[r] = simd_sum_f(acc0[r]);
-    if (TWO) acc1[r] = simd_sum_f(acc1[r]);
+    acc0[r] = lanes_sum<LANES>(acc0[r]);
+    if (TWO) acc1[r] = lanes_sum<LANES>(acc1[r]);
   }
 }
 """
 
 _GATE_UP_BODY = r"""
-  // grid (32 * 32/ROWS, I/32, tokens*(K+HS)): a threadgroup makes 32 consecutive rows of h (one
-  // fp8 block when ACTQ), each SIMD group ROWS of them. h is [tokens, K+HS, I]; I % 32 == 0.
+  // grid (32 * 32/RW, I/32, tokens*(K+HS)) with RW = ROWS*32/LANES rows per SIMD group: a
+  // threadgroup makes 32 consecutive rows of h (one fp8 block when ACTQ). h is [tokens, K+HS, I];
+  // I % 32 == 0.
+  constexpr int RW = ROWS * 32 / LANES;
   const int pair = group_z;
   const int t = pair / (K + HS), slot = pair % (K + HS);
-  const int row0 = (int)group_y * 32 + (int)warp * ROWS;
+  const int row0 = (int)group_y * 32 + (int)warp * RW;
   const float limit = params[0];
   ROUTE_TOKEN
   // The token's x, fp8-rounded when ACTQ, once per threadgroup in fp32 (XS uint4s per pack),
@@ -327,18 +364,18 @@ _GATE_UP_BODY = r"""
   SELECT_EXPERT
   float g[ROWS], u[ROWS];
   if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, D, XS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
-                                                (size_t)expert * I, row0, I, g, u, lane);
+    rows_dot<MODE, BITS, GS, ROWS, LANES, D, XS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
+                                                       (size_t)expert * I, row0, I, g, u, lane);
   } else {
-    rows_dot<SMODE, SBITS, SGS, ROWS, D, XS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
-                                                   sup_b, 0, row0, I, g, u, lane);
+    rows_dot<SMODE, SBITS, SGS, ROWS, LANES, D, XS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
+                                                          sup_b, 0, row0, I, g, u, lane);
   }
   SHARED float block_h[32];
-  if (lane == 0) {
+  if ((int)lane % LANES == 0) {
     for (int r = 0; r < ROWS; ++r) {
       const float gv = FMIN(float(static_cast<T>(g[r])), limit);
       const float uv = FMIN(FMAX(float(static_cast<T>(u[r])), -limit), limit);
-      block_h[warp * ROWS + r] = float(static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route));
+      block_h[warp * RW + (int)lane / LANES * ROWS + r] = float(static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route));
     }
   }
   BARRIER();
@@ -353,31 +390,32 @@ _GATE_UP_BODY = r"""
 """
 
 _DOWN_BODY = r"""
-  // grid (32*(K+HS), ceil(DO / ROWS), tokens): SIMD group s makes slot s's dots for the
-  // threadgroup's ROWS rows (every expert's weights stream at once); the threadgroup then sums
-  // the slots in slot order. h is [tokens, K+HS, I], y is [tokens, DO].
+  // grid (32*(K+HS), ceil(DO / RW), tokens) with RW = ROWS*32/LANES: SIMD group s makes slot s's
+  // dots for the threadgroup's RW rows (every expert's weights stream at once); the threadgroup
+  // then sums the slots in slot order. h is [tokens, K+HS, I], y is [tokens, DO].
+  constexpr int RW = ROWS * 32 / LANES;
   const int t = group_z;
-  const int row0 = (int)group_y * ROWS;
+  const int row0 = (int)group_y * RW;
   const int slot = (int)warp;
   GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;
   float acc[ROWS], unused[ROWS];
   if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, I, 0, false>(hrow, down_w, down_s, down_b, down_w, down_s,
-                                                down_b, (size_t)idx[t * K + slot] * DO, row0, DO,
-                                                acc, unused, lane);
+    rows_dot<MODE, BITS, GS, ROWS, LANES, I, 0, false>(hrow, down_w, down_s, down_b, down_w, down_s,
+                                                       down_b, (size_t)idx[t * K + slot] * DO, row0, DO,
+                                                       acc, unused, lane);
   } else {
-    rows_dot<SMODE, SBITS, SGS, ROWS, I, 0, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
-                                                   sdown_s, sdown_b, 0, row0, DO, acc, unused, lane);
+    rows_dot<SMODE, SBITS, SGS, ROWS, LANES, I, 0, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
+                                                          sdown_s, sdown_b, 0, row0, DO, acc, unused, lane);
   }
   // Each expert's output is rounded to the activation dtype, as its own matmul would be.
-  SHARED float part[(K + HS) * ROWS];
-  if (lane == 0)
-    for (int r = 0; r < ROWS; ++r) part[slot * ROWS + r] = float(static_cast<T>(acc[r]));
+  SHARED float part[(K + HS) * RW];
+  if ((int)lane % LANES == 0)
+    for (int r = 0; r < ROWS; ++r) part[slot * RW + (int)lane / LANES * ROWS + r] = float(static_cast<T>(acc[r]));
   BARRIER();
   const int o = row0 + (int)tid;
-  if ((int)tid < ROWS && o < DO) {
+  if ((int)tid < RW && o < DO) {
     float total = 0.0f;
-    for (int s = 0; s < K + HS; ++s) total += part[s * ROWS + (int)tid];
+    for (int s = 0; s < K + HS; ++s) total += part[s * RW + (int)tid];
     if (HC == 0) {
       y[(size_t)t * DO + o] = static_cast<T>(total);
     } else {
@@ -426,6 +464,14 @@ _DOWN_INPUTS = ("h", "idx", "down_w", "down_s", "down_b", "sdown_w", "sdown_s", 
                 "residual", "post", "comb")
 
 
+def _gate_up_shape():
+    return [("ROWS", ROWS_GATE_UP), ("LANES", LANES_GATE_UP), ("XS", X_STRIDE)]
+
+
+def _down_shape():
+    return [("ROWS", ROWS_DOWN), ("LANES", LANES_DOWN)]
+
+
 def _check_instances(stage):
     """(mode, bits, group_size, scale dtype) pairs the offline compile gates instantiate."""
     variants = [(("mxfp4", 4, 32, mx.uint8), ("mxfp8", 8, 32, mx.uint8)),
@@ -434,12 +480,11 @@ def _check_instances(stage):
     out = []
     for (m, b, g, st), (sm, sb, sg, sst) in variants:
         tmpl = [("T", mx.bfloat16), ("MODE", MODE_IDS[m]), ("BITS", b), ("GS", g),
-                ("SMODE", MODE_IDS[sm]), ("SBITS", sb), ("SGS", sg), ("HS", 1), ("K", 6),
-                ("ROWS", ROWS_GATE_UP if stage == "gate_up" else ROWS_DOWN)]
+                ("SMODE", MODE_IDS[sm]), ("SBITS", sb), ("SGS", sg), ("HS", 1), ("K", 6)]
         bt = st if m == "affine" else mx.uint8
         sbt = sst if sm == "affine" else mx.uint8
         mats = (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
-        gate_up_tmpl = tmpl + [("ACTQ", True), ("XS", X_STRIDE), ("I", 2304), ("D", 5120)]
+        gate_up_tmpl = tmpl + _gate_up_shape() + [("ACTQ", True), ("I", 2304), ("D", 5120)]
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
             out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
@@ -449,7 +494,7 @@ def _check_instances(stage):
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
-                out.append((ins, (mx.bfloat16,), tuple(tmpl + [("I", 2304), ("DO", 5120), ("HC", hc)])))
+                out.append((ins, (mx.bfloat16,), tuple(tmpl + _down_shape() + [("I", 2304), ("DO", 5120), ("HC", hc)])))
     return tuple(out)
 
 
@@ -511,32 +556,52 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     """The fused GPU path; same contract as `experts` (call that instead). With `routing` =
     (logits, bias, k, temp, scale, norm) in place of indices and weights, the gate/up kernel
     runs the router's tail itself (`routed_experts`)."""
+    h, indices = gate_up_kernel(x, indices, weights, gate, up, shared, swiglu_limit, act_quant, routing)
+    return down_kernel(h, indices, down, shared[2] if shared is not None else None, expand)
+
+
+def _common_template(dtype, K, routed: QuantizedMatrix, shared: QuantizedMatrix | None):
+    """Template values both launches share: the routed and shared experts' layouts, HS and K."""
+    return [("T", dtype)] + _mode_template("", routed, routed) + _mode_template("S", shared, routed) + [
+        ("HS", int(shared is not None)), ("K", K)]
+
+
+def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0, act_quant=False,
+                   routing=None):
+    """The first launch of `experts_kernel`: h [T, K+HS, I] (the routed slots, then the shared
+    expert's) and the indices [T, K] the down kernel reads (routing's choice, or `indices`)."""
     T, D = x.shape
     K = indices.shape[-1] if routing is None else routing[2]
-    HS = 0 if shared is None else 1
     I = gate.out_features
-    DO = down.out_features
-    s_gate, s_up, s_down = shared if shared is not None else (None, None, None)
-    warps = 32 // ROWS_GATE_UP
-    common = [("T", x.dtype)] + _mode_template("", gate, gate) + _mode_template("S", s_gate, gate) + [
-        ("HS", HS), ("K", K)]
+    s_gate, s_up = shared[:2] if shared is not None else (None, None)
+    slots = K + int(shared is not None)
+    threads = 32 * 32 // (ROWS_GATE_UP * 32 // LANES_GATE_UP)   # 32 rows of h per threadgroup
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
-    launch = dict(grid=(32 * warps, I // 32, T * (K + HS)), threadgroup=(32 * warps, 1, 1))
-    gate_up_template = common + [("ROWS", ROWS_GATE_UP), ("ACTQ", bool(act_quant)), ("XS", X_STRIDE),
-                                 ("I", I), ("D", D)]
+    launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),
+                  output_shapes=[(T, slots, I)], output_dtypes=[x.dtype])
+    template = _common_template(x.dtype, K, gate, s_gate) + _gate_up_shape() + [
+        ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     if routing is None:
         indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
         weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
-        (h,) = GATE_UP_KERNEL(
-            inputs=[x, indices, weights, constant((float(swiglu_limit),))] + matrices,
-            output_shapes=[(T, K + HS, I)], output_dtypes=[x.dtype], template=gate_up_template, **launch)
-    else:
-        logits, bias, _, temp, scale, norm = routing
-        h, indices = ROUTED_GATE_UP_KERNEL(
-            inputs=[x, logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32),
-                    constant((float(temp), float(scale))), constant((float(swiglu_limit),))] + matrices,
-            output_shapes=[(T, K + HS, I), (T, K)], output_dtypes=[x.dtype, mx.int32],
-            template=gate_up_template + [("E", logits.shape[-1]), ("NORM", bool(norm))], **launch)
+        (h,) = GATE_UP_KERNEL(inputs=[x, indices, weights, constant((float(swiglu_limit),))] + matrices,
+                              template=template, **launch)
+        return h, indices
+    logits, bias, _, temp, scale, norm = routing
+    launch["output_shapes"].append((T, K))
+    launch["output_dtypes"].append(mx.int32)
+    return tuple(ROUTED_GATE_UP_KERNEL(
+        inputs=[x, logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32),
+                constant((float(temp), float(scale))), constant((float(swiglu_limit),))] + matrices,
+        template=template + [("E", logits.shape[-1]), ("NORM", bool(norm))], **launch))
+
+
+def down_kernel(h, indices, down, s_down=None, expand=None):
+    """The second launch of `experts_kernel`: the down matvecs of h's slots (the routed ones,
+    then the shared expert's when s_down is given) summed, and mHC-expanded with `expand`."""
+    T, slots, I = h.shape
+    K = indices.shape[-1]
+    DO = down.out_features
     if expand is None:
         streams, out_shape, hc = [_placeholder()] * 3, (T, DO), 0
     else:
@@ -544,12 +609,13 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
         hc = residual.shape[-2]
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
+    rows = ROWS_DOWN * 32 // LANES_DOWN
     (y,) = DOWN_KERNEL(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
-        output_shapes=[out_shape], output_dtypes=[x.dtype],
-        grid=(32 * (K + HS), math.ceil(DO / ROWS_DOWN), T), threadgroup=(32 * (K + HS), 1, 1),
+        output_shapes=[out_shape], output_dtypes=[h.dtype],
+        grid=(32 * slots, math.ceil(DO / rows), T), threadgroup=(32 * slots, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
-        template=common + [("ROWS", ROWS_DOWN), ("I", I), ("DO", DO), ("HC", hc)])
+        template=_common_template(h.dtype, K, down, s_down) + _down_shape() + [("I", I), ("DO", DO), ("HC", hc)])
     return y
 
 

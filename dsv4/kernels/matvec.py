@@ -55,7 +55,7 @@ _BODY = r"""
   if (SPLIT == 1) {
     const int row0 = (int)group_y * rows_per_group + (int)warp * ROWS;
     if (row0 >= N) return;
-    rows_dot<MODE, BITS, GS, ROWS, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
+    rows_dot<MODE, BITS, GS, ROWS, 32, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
     if (lane == 0) {
       for (int r = 0; r < ROWS && row0 + r < N; ++r) y[(size_t)t * N + row0 + r] = static_cast<T>(acc[r]);
     }
@@ -63,8 +63,8 @@ _BODY = r"""
     constexpr int KS = K / SPLIT;   // slice length; KS % 32 == 0 and KS % GS == 0
     const int j = (int)warp % SPLIT;
     const int row = min((int)group_y * rows_per_group + (int)warp / SPLIT, N - 1);
-    rows_dot<MODE, BITS, GS, 1, KS, XS, false>(xs + j * (KS / 32) * XS, w, s, b, w, s, b, 0,
-                                              row * SPLIT + j, N * SPLIT, acc, unused, lane);
+    rows_dot<MODE, BITS, GS, 1, 32, KS, XS, false>(xs + j * (KS / 32) * XS, w, s, b, w, s, b, 0,
+                                                   row * SPLIT + j, N * SPLIT, acc, unused, lane);
     if (lane == 0) part[warp] = acc[0];
     BARRIER();
     const int out_row = (int)group_y * rows_per_group + (int)lane;

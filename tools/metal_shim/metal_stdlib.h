@@ -49,6 +49,7 @@ void atomic_store_explicit(threadgroup atomic_uint*, uint, memory_order);
 float simd_sum(float);
 float simd_max(float);
 int simd_shuffle(int, ushort);
+float simd_shuffle_xor(float, ushort);
 
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 void threadgroup_barrier(mem_flags);
