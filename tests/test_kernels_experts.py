@@ -51,6 +51,41 @@ def quantized(rng, shape, mode, bits, gs, scale_dtype=mx.bfloat16):
     return ex.QuantizedMatrix(parts[0], parts[1], parts[2] if mode == "affine" else None, gs, bits, mode)
 
 
+def check_hidden(got_h, want_h, act_quant):
+    """The gate/up stage's h (a kernel's) against hidden_reference's on the same input.
+
+    The same roundings (g and u to bf16, h to bf16 and with act_quant to fp8 per 32) of fp32
+    sums in another order (and, affine, as scale * sum(q x) + bias * sum(x) per group): a value
+    next to a rounding boundary can land on the neighbouring grid point, one step of its grid:
+    2^-3 relative with fp8 (a g or u one bf16 ulp off moves h by ~2^-8, which can cross an fp8
+    boundary), 2^-7 for bf16. A dot product that cancels to near zero carries the sums'
+    absolute error instead (affine most: two large terms): 2^-10 of the largest value of the
+    token's slot covers it. Nearly every value must be exact.
+    """
+    got_h, want_h = f64(got_h), f64(want_h)
+    assert np.isfinite(got_h).all(), "h has unwritten (NaN) or non-finite values"
+    step = 2.0 ** -3 if act_quant else 2.0 ** -7
+    floor = 2.0 ** -10 * np.abs(want_h).max(-1, keepdims=True)
+    assert (np.abs(got_h - want_h) <= step * np.maximum(np.abs(want_h), np.abs(got_h)) + floor).all()
+    assert np.mean(got_h == want_h) > 0.99
+
+
+def check_down(got, h, idx, down, s_down):
+    """The down stage's output (a kernel's, on h) against down_reference(h): each expert's
+    output one bf16 step off at most (<= 2^-7 relative), their fp32 sum rounded once more; 2^-10
+    of the token's largest output for sums that cancel; most values exact."""
+    want = f64(ex.down_reference(h, idx, down, s_down))
+    slots = h.shape[1]
+    alone = [ex.down_reference(h * (mx.arange(slots) == j)[None, :, None].astype(h.dtype), idx, down, s_down)
+             for j in range(slots)]
+    magnitude = sum(np.abs(f64(a)) for a in alone)   # sum over slots of |that expert's output|
+    got = f64(got)
+    assert np.isfinite(got).all(), "y has unwritten (NaN) or non-finite values"
+    floor = 2.0 ** -10 * np.abs(want).max(-1, keepdims=True)
+    assert (np.abs(got - want) <= 2.0 ** -7 * (magnitude + np.abs(want)) + floor).all()
+    assert np.mean(got == want) > 0.9
+
+
 def oracle(x, idx, rw, gate, up, down, shared, limit):
     """Spec §4 with the activation roundings of bf16 matmul outputs, in float64."""
     G, U, Dn = dequantize_np(gate), dequantize_np(up), dequantize_np(down)

@@ -21,6 +21,7 @@ from dsv4.kernels import experts as ex
 from dsv4.kernels import mhc
 from dsv4.kernels import sparse_attention as sa
 from dsv4.quant import qdq_fp8
+from tests.test_kernels_experts import check_down, check_hidden
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
@@ -315,34 +316,12 @@ def test_experts(mode, bits, gs, shared_mode, tokens, act_quant):
     limit = 0.3                    # low enough for both clamps to act
     assert ex.kernel_supports(x, gate, up, down, shared)
     s_down = shared[2] if shared is not None else None
-    # The two launches, each against its reference stage on the same input. The same roundings
-    # (g and u to bf16, h to bf16 and with act_quant to fp8 per 32; each expert's output to
-    # bf16) of fp32 sums in another order (and, affine, as scale * sum(q x) + bias * sum(x)
-    # per group): a value next to a rounding boundary can land on the neighbouring grid point,
-    # one step of its grid: 2^-3 relative for h with fp8 (a g or u one bf16 ulp off moves h by
-    # ~2^-8, which can cross an fp8 boundary), 2^-7 for a bf16 value. A dot product that cancels
-    # to near zero carries the sums' absolute error instead (affine most: two large terms):
-    # 2^-10 of the largest value of the token's slot (2^-10 of the token's largest output for
-    # the down stage) covers it; nearly every value must be exact.
+    # Each launch against its reference stage on the same input (bounds: check_hidden, check_down).
     h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant)
-    got_h, want_h = f32(h), f32(ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant))
-    assert np.isfinite(got_h).all()
-    step = 2.0 ** -3 if act_quant else 2.0 ** -7
-    floor = 2.0 ** -10 * np.abs(want_h).max(-1, keepdims=True)
-    assert (np.abs(got_h - want_h) <= step * np.maximum(np.abs(want_h), np.abs(got_h)) + floor).all()
-    assert np.mean(got_h == want_h) > 0.99
-    # The down stage on the kernel's h: each expert's output one bf16 step off at most (<= 2^-7
-    # relative), their fp32 sum rounded once more.
-    got = f32(ex.down_kernel(h, idx, down, s_down))
-    want = f32(ex.down_reference(h, idx, down, s_down))
-    slots = h.shape[1]
-    alone = [ex.down_reference(h * (mx.arange(slots) == j)[None, :, None].astype(h.dtype), idx, down, s_down)
-             for j in range(slots)]
-    magnitude = sum(np.abs(f32(a)) for a in alone)   # sum over slots of |that expert's output|
-    assert np.isfinite(got).all()
-    floor = 2.0 ** -10 * np.abs(want).max(-1, keepdims=True)
-    assert (np.abs(got - want) <= 2.0 ** -7 * (magnitude + np.abs(want)) + floor).all()
-    assert np.mean(got == want) > 0.9
+    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
+    got = ex.down_kernel(h, idx, down, s_down)
+    check_down(got, h, idx, down, s_down)
     # The whole (one call, two launches) is the composition of the two.
-    np.testing.assert_array_equal(f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared, limit, act_quant)), got)
+    np.testing.assert_array_equal(f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared, limit, act_quant)),
+                                  f32(got))
 

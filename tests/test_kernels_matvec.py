@@ -141,7 +141,7 @@ def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
 # The body and header are compiled with clang++ under test_kernels_decode_host's host prelude
 # and run as a threadgroup of real threads: SHARED is a static shared by the threads of the
 # threadgroup in flight (threadgroups run one after another), BARRIER a std::barrier, and
-# simd_sum_f a sum over the 32 threads of a SIMD group. This checks the kernel's own indexing
+# simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group. This checks the kernel's own indexing
 # (rows per SIMD group, K slices, partial sums, the last threadgroup's clamped rows) for fp32 x;
 # the GPU test runs the same body on the device.
 
@@ -154,16 +154,29 @@ EMULATOR = r"""
 thread_local uint32_t t_lane, t_warp;
 float warp_vals[32][32];
 std::unique_ptr<std::barrier<>> warp_bar[32], group_bar;
-inline float emulated_simd_sum(float v) {
+// Every lane of the SIMD group posts v, then reads what it needs: the lanes' values in order
+// (a sum in lane order, a max) or one lane's.
+template <typename F>
+inline float emulated_warp_op(float v, F read) {
   warp_vals[t_warp][t_lane] = v;
   warp_bar[t_warp]->arrive_and_wait();
-  float s = 0.0f;
-  for (int i = 0; i < 32; ++i) s += warp_vals[t_warp][i];
+  const float r = read(warp_vals[t_warp]);
   warp_bar[t_warp]->arrive_and_wait();
-  return s;
+  return r;
+}
+inline float emulated_simd_sum(float v) {
+  return emulated_warp_op(v, [](const float* w) { float s = 0.0f; for (int i = 0; i < 32; ++i) s += w[i]; return s; });
+}
+inline float emulated_simd_max(float v) {
+  return emulated_warp_op(v, [](const float* w) { float m = w[0]; for (int i = 1; i < 32; ++i) m = std::fmax(m, w[i]); return m; });
+}
+inline float emulated_simd_xor(float v, int mask) {
+  return emulated_warp_op(v, [mask](const float* w) { return w[t_lane ^ (uint32_t)mask]; });
 }
 #undef simd_sum_f
 #define simd_sum_f emulated_simd_sum
+#define simd_max_f emulated_simd_max
+#define simd_xor_f emulated_simd_xor
 #define SHARED static
 #define BARRIER() group_bar->arrive_and_wait()
 struct Shape2 { int v[2]; int operator[](int i) const { return v[i]; } };

@@ -1,0 +1,205 @@
+"""The fused experts kernels' bodies (gate/up, then down) run on the host, CPU, in CI.
+
+Each body is compiled with clang++ under the host prelude and test_kernels_matvec's threadgroup
+emulator (a thread per lane, std::barrier for BARRIER and for the SIMD-group exchanges), with T
+a bf16 type, and run over the launch grid the dispatcher uses at the committed launch shapes
+(rows_dot's ROWS x LANES; the down kernel's 8-lane groups included). Its outputs are checked
+against the plain-MLX stages (hidden_reference, down_reference) with the GPU test's bounds:
+the kernel's own indexing (slots, shared expert, row groups, lane groups, packs per lane, the
+last group's clamped rows, the fp8 block of h) on every machine, not only on a GPU.
+"""
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from dsv4.kernels import experts as ex
+from tests.test_kernels_decode_host import HOST_PRELUDE
+from tests.test_kernels_experts import check_down, check_hidden, quantized
+from tests.test_kernels_matvec import EMULATOR
+
+BF16 = r"""
+struct bf16 {   // the activation type T: bf16 bits, rounded to nearest even from float
+  uint16_t bits;
+  bf16() = default;
+  explicit bf16(float f) { uint32_t u = host_as_uint(f); bits = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
+  operator float() const { return host_as_float((uint32_t)bits << 16); }
+};
+using T = bf16;
+template <class V> void read(V& v) {
+  if (std::fread(v.data(), sizeof(v[0]), v.size(), stdin) != v.size()) std::exit(2);
+}
+template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
+  for (int i = 0; i < threads / 32; ++i) warp_bar[i] = std::make_unique<std::barrier<>>(32);
+  for (int z = 0; z < groups_z; ++z)
+    for (int g = 0; g < groups_y; ++g) {
+      group_bar = std::make_unique<std::barrier<>>(threads);
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t) pool.emplace_back(run, t, g, z, threads);
+      for (auto& th : pool) th.join();
+    }
+}
+"""
+
+# Inputs on stdin in this order; outputs (bf16 bits) on stdout.
+GATE_UP_MAIN = r"""
+void body(const T* x, const int* idx, const float* route_w, const float* params,
+          const uint32_t* gate_w, const SCALE* gate_s, const SCALE* gate_b,
+          const uint32_t* up_w, const SCALE* up_s, const SCALE* up_b,
+          const uint32_t* sgate_w, const SSCALE* sgate_s, const SSCALE* sgate_b,
+          const uint32_t* sup_w, const SSCALE* sup_s, const SSCALE* sup_b, T* h,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  const uint32_t lane = tid & 31u, warp = tid >> 5;
+  t_lane = lane; t_warp = warp;
+  BODY
+}
+int main() {
+  int tokens, experts;
+  if (std::fread(&tokens, 4, 1, stdin) != 1 || std::fread(&experts, 4, 1, stdin) != 1) return 1;
+  std::vector<T> x(tokens * D), h((size_t)tokens * (K + HS) * I, T(NAN));
+  std::vector<int> idx(tokens * K);
+  std::vector<float> route_w(tokens * K), params(1);
+  const size_t rows = (size_t)experts * I;
+  std::vector<uint32_t> gw(rows * D * BITS / 32), uw(gw.size());
+  std::vector<SCALE> gs(rows * D / GS), gb(gs.size()), us(gs.size()), ub(gs.size());
+  std::vector<uint32_t> sgw((size_t)I * D * SBITS / 32), suw(sgw.size());
+  std::vector<SSCALE> sgs((size_t)I * D / SGS), sgb(sgs.size()), sus(sgs.size()), sub(sgs.size());
+  read(x); read(idx); read(route_w); read(params);
+  read(gw); read(gs); read(gb); read(uw); read(us); read(ub);
+  read(sgw); read(sgs); read(sgb); read(suw); read(sus); read(sub);
+  constexpr int RW = ROWS * 32 / LANES;
+  launch(32 * 32 / RW, I / 32, tokens * (K + HS), [&](int t, int g, int z, int threads) {
+    body(x.data(), idx.data(), route_w.data(), params.data(), gw.data(), gs.data(), gb.data(), uw.data(),
+         us.data(), ub.data(), sgw.data(), sgs.data(), sgb.data(), suw.data(), sus.data(), sub.data(), h.data(),
+         t, g, z, threads);
+  });
+  std::fwrite(h.data(), 2, h.size(), stdout);
+  return 0;
+}
+"""
+
+DOWN_MAIN = r"""
+void body(const T* h, const int* idx, const uint32_t* down_w, const SCALE* down_s, const SCALE* down_b,
+          const uint32_t* sdown_w, const SSCALE* sdown_s, const SSCALE* sdown_b, const T* residual,
+          const float* post, const float* comb, T* y,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  const uint32_t lane = tid & 31u, warp = tid >> 5;
+  t_lane = lane; t_warp = warp;
+  BODY
+}
+int main() {
+  int tokens, experts;
+  if (std::fread(&tokens, 4, 1, stdin) != 1 || std::fread(&experts, 4, 1, stdin) != 1) return 1;
+  std::vector<T> h((size_t)tokens * (K + HS) * I), y((size_t)tokens * DO, T(NAN));
+  std::vector<int> idx(tokens * K);
+  const size_t rows = (size_t)experts * DO;
+  std::vector<uint32_t> dw(rows * I * BITS / 32);
+  std::vector<SCALE> ds(rows * I / GS), db(ds.size());
+  std::vector<uint32_t> sdw((size_t)DO * I * SBITS / 32);
+  std::vector<SSCALE> sds((size_t)DO * I / SGS), sdb(sds.size());
+  read(h); read(idx); read(dw); read(ds); read(db); read(sdw); read(sds); read(sdb);
+  constexpr int RW = ROWS * 32 / LANES;
+  launch(32 * (K + HS), (DO + RW - 1) / RW, tokens, [&](int t, int g, int z, int threads) {
+    body(h.data(), idx.data(), dw.data(), ds.data(), db.data(), sdw.data(), sds.data(), sdb.data(), nullptr,
+         nullptr, nullptr, y.data(), t, g, z, threads);
+  });
+  std::fwrite(y.data(), 2, y.size(), stdout);
+  return 0;
+}
+"""
+
+
+def bf16_bits(a: mx.array) -> bytes:
+    return np.array(a.astype(mx.bfloat16).view(mx.uint16)).tobytes()
+
+
+def from_bf16_bits(data: bytes, shape) -> mx.array:
+    return mx.array(np.frombuffer(data, np.uint16).reshape(shape)).view(mx.bfloat16)
+
+
+def matrix_bytes(m: ex.QuantizedMatrix | None, like: ex.QuantizedMatrix, rows: int, cols: int) -> bytes:
+    """weight, scales, biases as the emulator reads them (scales and biases as uint8 for the mx
+    modes, fp32 for affine); zeros standing for an absent matrix of like's layout."""
+    if m is None:
+        scale = np.float32 if like.mode == "affine" else np.uint8
+        n_scales = rows * cols // like.group_size
+        return (np.zeros(rows * cols * like.bits // 32, np.uint32).tobytes()
+                + np.zeros(2 * n_scales, scale).tobytes())
+    if m.mode == "affine":
+        scales = np.array(m.scales.astype(mx.float32))
+        biases = np.array(m.biases.astype(mx.float32))
+    else:
+        scales = np.array(m.scales)
+        biases = np.zeros_like(scales)
+    return np.array(m.weight).tobytes() + scales.tobytes() + biases.tobytes()
+
+
+def build(tmp_path, name, kernel, main, consts, routed, shared):
+    scale = lambda m: "float" if m.mode == "affine" else "uint8_t"
+    src = (HOST_PRELUDE + EMULATOR + BF16 + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
+           + ex._HEADER + main.replace("BODY", kernel.body).replace("SSCALE", scale(shared or routed))
+           .replace("SCALE", scale(routed)))
+    cpp, exe = tmp_path / f"{name}.cpp", tmp_path / name
+    cpp.write_text(src)
+    built = subprocess.run(["clang++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(cpp)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[:3000]
+    return exe
+
+
+def layout(prefix, m):
+    return {prefix + "MODE": ex.MODE_IDS[m.mode], prefix + "BITS": m.bits, prefix + "GS": m.group_size}
+
+
+# I is the hidden width (gate/up rows, down inputs), D the model width. 288 = 9 packs a down row:
+# with 8 lanes a row, lane 0 takes two and the others one; 384 = 12 packs (lanes 0-3 take two).
+# D = 160 leaves the down kernel's last threadgroup of 16 rows half past the end (clamped rows).
+@pytest.mark.parametrize("mode,bits,gs,shared_mode,I,D", [
+    ("mxfp4", 4, 32, ("mxfp8", 8, 32), 288, 160),     # V4.1's experts and shared expert
+    ("mxfp8", 8, 32, None, 288, 96),
+    ("affine", 3, 64, ("affine", 4, 128), 384, 128),  # 3-bit words straddle, scale groups span packs
+])
+@pytest.mark.parametrize("tokens,act_quant", [(1, True), (3, False)])
+def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode, I, D, tokens, act_quant):
+    if shutil.which("clang++") is None:
+        pytest.fail("clang++ is not installed (apt-get install clang)")
+    rng = np.random.default_rng()
+    E, K = 5, 3
+    scale_dtype = mx.float32 if mode == "affine" else mx.bfloat16
+    gate, up = (quantized(rng, (E, I, D), mode, bits, gs, scale_dtype) for _ in range(2))
+    down = quantized(rng, (E, D, I), mode, bits, gs, scale_dtype)
+    shared = None
+    if shared_mode is not None:
+        shared = tuple(quantized(rng, s, *shared_mode) for s in ((I, D), (I, D), (D, I)))
+    x = mx.array((rng.standard_normal((tokens, D)) * 3).astype(np.float32)).astype(mx.bfloat16)
+    idx = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.05, 1.0, (tokens, K)).astype(np.float32))
+    limit = 0.3
+    assert ex.kernel_supports(x, gate, up, down, shared)
+    hs = int(shared is not None)
+    like = shared[0] if shared else gate
+    consts = dict(K=K, HS=hs, I=I, D=D, **layout("", gate), **layout("S", like))
+
+    gate_up = build(tmp_path, "gate_up", ex.GATE_UP_KERNEL, GATE_UP_MAIN,
+                    dict(consts, ROWS=ex.ROWS_GATE_UP, LANES=ex.LANES_GATE_UP, XS=ex.X_STRIDE, ACTQ=act_quant),
+                    gate, shared[0] if shared else None)
+    s_gate, s_up, s_down = shared if shared else (None, None, None)
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
+            + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
+            + matrix_bytes(gate, gate, E * I, D) + matrix_bytes(up, gate, E * I, D)
+            + matrix_bytes(s_gate, gate, I, D) + matrix_bytes(s_up, gate, I, D))
+    out = subprocess.run([str(gate_up)], input=data, capture_output=True, check=True).stdout
+    h = from_bf16_bits(out, (tokens, K + hs, I))
+    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
+
+    down_exe = build(tmp_path, "down", ex.DOWN_KERNEL, DOWN_MAIN,
+                     dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0), down,
+                     s_down)
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
+            + matrix_bytes(down, down, E * D, I) + matrix_bytes(s_down, down, D, I))
+    out = subprocess.run([str(down_exe)], input=data, capture_output=True, check=True).stdout
+    check_down(from_bf16_bits(out, (tokens, D)), h, idx, down, s_down)
