@@ -30,19 +30,6 @@ struct bf16 {   // the activation type T: bf16 bits, rounded to nearest even fro
   operator float() const { return host_as_float((uint32_t)bits << 16); }
 };
 using T = bf16;
-template <class V> void read(V& v) {
-  if (std::fread(v.data(), sizeof(v[0]), v.size(), stdin) != v.size()) std::exit(2);
-}
-template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
-  for (int i = 0; i < threads / 32; ++i) warp_bar[i] = std::make_unique<std::barrier<>>(32);
-  for (int z = 0; z < groups_z; ++z)
-    for (int g = 0; g < groups_y; ++g) {
-      group_bar = std::make_unique<std::barrier<>>(threads);
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) pool.emplace_back(run, t, g, z, threads);
-      for (auto& th : pool) th.join();
-    }
-}
 """
 
 # Inputs on stdin in this order; outputs (bf16 bits) on stdout.
@@ -53,13 +40,11 @@ void body(const T* x, const int* idx, const float* route_w, const float* params,
           const uint32_t* sgate_w, const SSCALE* sgate_s, const SSCALE* sgate_b,
           const uint32_t* sup_w, const SSCALE* sup_s, const SSCALE* sup_b, T* h,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
-  const uint32_t lane = tid & 31u, warp = tid >> 5;
-  t_lane = lane; t_warp = warp;
+  EMULATED_IDS(tid)
   BODY
 }
 int main() {
-  int tokens, experts;
-  if (std::fread(&tokens, 4, 1, stdin) != 1 || std::fread(&experts, 4, 1, stdin) != 1) return 1;
+  const int tokens = read_int(), experts = read_int();
   std::vector<T> x(tokens * D), h((size_t)tokens * (K + HS) * I, T(NAN));
   std::vector<int> idx(tokens * K);
   std::vector<float> route_w(tokens * K), params(1);
@@ -87,13 +72,11 @@ void body(const T* h, const int* idx, const uint32_t* down_w, const SCALE* down_
           const uint32_t* sdown_w, const SSCALE* sdown_s, const SSCALE* sdown_b, const T* residual,
           const float* post, const float* comb, T* y,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
-  const uint32_t lane = tid & 31u, warp = tid >> 5;
-  t_lane = lane; t_warp = warp;
+  EMULATED_IDS(tid)
   BODY
 }
 int main() {
-  int tokens, experts;
-  if (std::fread(&tokens, 4, 1, stdin) != 1 || std::fread(&experts, 4, 1, stdin) != 1) return 1;
+  const int tokens = read_int(), experts = read_int();
   std::vector<T> h((size_t)tokens * (K + HS) * I), y((size_t)tokens * DO, T(NAN));
   std::vector<int> idx(tokens * K);
   const size_t rows = (size_t)experts * DO;

@@ -140,10 +140,11 @@ def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
 # --- the kernel body itself, run on the host --------------------------------------------------
 # The body and header are compiled with clang++ under test_kernels_decode_host's host prelude
 # and run as a threadgroup of real threads: SHARED is a static shared by the threads of the
-# threadgroup in flight (threadgroups run one after another), BARRIER a std::barrier, and
-# simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group. This checks the kernel's own indexing
-# (rows per SIMD group, K slices, partial sums, the last threadgroup's clamped rows) for fp32 x;
-# the GPU test runs the same body on the device.
+# threadgroup in flight (threadgroups run one after another, `launch`), BARRIER a std::barrier,
+# and simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group; a
+# body wrapper starts with EMULATED_IDS(tid) and reads its inputs with `read`. This checks the
+# kernel's own indexing (rows per SIMD group, K slices, partial sums, the last threadgroup's
+# clamped rows) for fp32 x; the GPU test runs the same body on the device.
 
 EMULATOR = r"""
 #include <barrier>
@@ -180,36 +181,47 @@ inline float emulated_simd_xor(float v, int mask) {
 #define SHARED static
 #define BARRIER() group_bar->arrive_and_wait()
 struct Shape2 { int v[2]; int operator[](int i) const { return v[i]; } };
+// The body's lane and SIMD group ids, also told to the exchanges above.
+#define EMULATED_IDS(tid) const uint32_t lane = (tid) & 31u, warp = (tid) >> 5; t_lane = lane; t_warp = warp;
+// Inputs on stdin: an int, or a whole vector.
+inline int read_int() {
+  int v;
+  if (std::fread(&v, 4, 1, stdin) != 1) std::exit(2);
+  return v;
+}
+template <class V> void read(V& v) {
+  if (std::fread(v.data(), sizeof(v[0]), v.size(), stdin) != v.size()) std::exit(2);
+}
+// run(thread, group_y, group_z, threads) for every thread of the grid, a threadgroup at a time.
+template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
+  for (int i = 0; i < threads / 32; ++i) warp_bar[i] = std::make_unique<std::barrier<>>(32);
+  for (int z = 0; z < groups_z; ++z)
+    for (int g = 0; g < groups_y; ++g) {
+      group_bar = std::make_unique<std::barrier<>>(threads);
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t) pool.emplace_back(run, t, g, z, threads);
+      for (auto& th : pool) th.join();
+    }
+}
 """
 
 EMULATOR_MAIN = r"""
 void body(const float* x, const uint32_t* w, Shape2 w_shape, const SCALE* s, const SCALE* b, float* y,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
   using T = float;
-  const uint32_t lane = tid & 31u, warp = tid >> 5;
-  t_lane = lane; t_warp = warp;
+  EMULATED_IDS(tid)
   BODY
 }
 int main() {
-  int n, tokens;
-  if (std::fread(&n, 4, 1, stdin) != 1 || std::fread(&tokens, 4, 1, stdin) != 1) return 1;
+  const int n = read_int(), tokens = read_int();
   std::vector<float> x(tokens * K), y(tokens * n, NAN);
   std::vector<uint32_t> w((size_t)n * K * BITS / 32);
   std::vector<SCALE> s((size_t)n * K / GS), b((size_t)n * K / GS);
-  if (std::fread(x.data(), 4, x.size(), stdin) != x.size()) return 1;
-  if (std::fread(w.data(), 4, w.size(), stdin) != w.size()) return 1;
-  if (std::fread(s.data(), sizeof(SCALE), s.size(), stdin) != s.size()) return 1;
-  if (MODE == 0 && std::fread(b.data(), sizeof(SCALE), b.size(), stdin) != b.size()) return 1;
-  const int threads = 32 * WARPS, groups = (n * SPLIT + WARPS * ROWS - 1) / (WARPS * ROWS);
-  for (int i = 0; i < WARPS; ++i) warp_bar[i] = std::make_unique<std::barrier<>>(32);
-  for (int z = 0; z < tokens; ++z)
-    for (int g = 0; g < groups; ++g) {
-      group_bar = std::make_unique<std::barrier<>>(threads);
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t)
-        pool.emplace_back(body, x.data(), w.data(), Shape2{{n, 0}}, s.data(), b.data(), y.data(), t, g, z, threads);
-      for (auto& th : pool) th.join();
-    }
+  read(x); read(w); read(s);
+  if (MODE == 0) read(b);
+  launch(32 * WARPS, (n * SPLIT + WARPS * ROWS - 1) / (WARPS * ROWS), tokens, [&](int t, int g, int z, int threads) {
+    body(x.data(), w.data(), Shape2{{n, 0}}, s.data(), b.data(), y.data(), t, g, z, threads);
+  });
   std::fwrite(y.data(), 4, y.size(), stdout);
   return 0;
 }
