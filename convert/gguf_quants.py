@@ -29,6 +29,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import IQ2_XXS as _IQ2_XXS
 from gguf.quants import Q4_K as _Q4_K
 
+from dsv4.errors import InputError
+
 GROUP = 32
 QK_K = 256
 BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.Q2_K: 84, T.IQ2_XXS: 66}
@@ -53,7 +55,7 @@ class Affine:
         return {"group_size": GROUP, "bits": self.bits, "mode": "affine"}
 
 
-class QuantError(ValueError):
+class QuantError(InputError):
     """Raw rows that do not hold whole blocks of the type."""
 
 

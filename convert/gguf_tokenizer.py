@@ -14,6 +14,8 @@ DeepSeek's vocabulary every other entry is a merge result (128,000 entries = 256
 
 from __future__ import annotations
 
+from dsv4.errors import InputError
+
 # DeepSeek V3's pre-tokenizer (deepseek-ai/DeepSeek-V3 tokenizer.json, which llama.cpp
 # transcribes for its "deepseek-v3" and "joyai-llm" pre-types): each split Isolated.
 DEEPSEEK_V3_SPLITS = (
@@ -26,7 +28,7 @@ PRE_TOKENIZERS = {"joyai-llm": DEEPSEEK_V3_SPLITS, "deepseek-v3": DEEPSEEK_V3_SP
 CONTROL, USER_DEFINED = 3, 4
 
 
-class TokenizerMetadataError(ValueError):
+class TokenizerMetadataError(InputError):
     """The GGUF's tokenizer metadata is missing, inconsistent or of an unsupported kind."""
 
 

@@ -68,6 +68,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from dsv4.errors import InputError
 from dsv4.progress import Progress, format_bytes
 from dsv4.safetensors_file import dtype_name, read_header, view
 
@@ -80,7 +81,7 @@ PARTIAL = ".partial"
 Tensors = dict[str, tuple[str, np.ndarray]]
 
 
-class ConversionError(ValueError):
+class ConversionError(InputError):
     """Bad input or a broken invariant; the message names the file, tensor and what was expected."""
 
 

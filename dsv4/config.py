@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .errors import InputError
+
 # official inference/config.json name -> our (HF) name
 _OFFICIAL_NAMES = {
     "dim": "hidden_size",
@@ -35,7 +37,7 @@ _OFFICIAL_YARN = {"original_seq_len": "original_max_position_embeddings",
                   "rope_factor": "factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """The configuration is missing a field or is inconsistent; the message names it."""
 
 

@@ -66,6 +66,7 @@ import numpy as np
 
 from dsv4 import flags
 from dsv4.atomic_file import atomic_file
+from dsv4.errors import InputError
 from dsv4.progress import Progress
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
 
@@ -81,7 +82,7 @@ BATCH_ROWS = 64
 CHUNK_ROWS = 1 << 16
 
 
-class EngramError(ValueError):
+class EngramError(InputError):
     """Bad ids, a bad table reference, or a table that holds what it must not."""
 
 

@@ -14,10 +14,16 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from .errors import InputError
+
 Value = Union[bool, int, str]
 
 _TRUE = {"1", "true", "on", "yes"}
 _FALSE = {"0", "false", "off", "no"}
+
+
+class FlagError(InputError):
+    """A DSV4_* variable holds a value its switch does not take."""
 
 
 @dataclass(frozen=True)
@@ -37,12 +43,12 @@ class Flag:
                 return True
             if low in _FALSE:
                 return False
-            raise ValueError(f"{self.env}={text!r}: expected one of 0/1/true/false/on/off")
+            raise FlagError(f"{self.env}={text!r}: expected one of 0/1/true/false/on/off")
         if isinstance(self.default, int):
             try:
                 return int(text)
             except ValueError:
-                raise ValueError(f"{self.env}={text!r}: expected an integer") from None
+                raise FlagError(f"{self.env}={text!r}: expected an integer") from None
         return text
 
 
@@ -82,7 +88,7 @@ def switch(name: str, auto: bool) -> bool:
         return auto
     if low in _TRUE or low in _FALSE:
         return low in _TRUE
-    raise ValueError(f"{FLAGS[name].env}={value!r}: expected auto, on or off")
+    raise FlagError(f"{FLAGS[name].env}={value!r}: expected auto, on or off")
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 import numpy as np
+from .errors import InputError
 
 # safetensors dtype -> numpy storage dtype
 STORAGE = {
@@ -37,7 +38,7 @@ STORAGE = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint file is not what it must be; the message names file and tensor."""
 
 
