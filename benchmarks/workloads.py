@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.ab import RESULT_PREFIX, STAGE_KEY, tokens_md5
-from dsv4 import profiler
+from dsv4 import memory, profiler
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def measure(tokens, prompt_tokens: int) -> dict:
         "prompt_tps": prompt_tokens / (first - start),
         "ttft_s": first - start,
         "prompt_cpu_s": first_cpu - start_cpu,
-        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        "peak_memory_gb": memory.peak()[0],
         "tokens": ids,
         "tokens_md5": tokens_md5(ids),
     }
@@ -157,13 +157,19 @@ def main(argv: list[str] | None = None) -> int:
         tokens = synthetic_tokens(model, prompt, max_tokens)
     else:
         from dsv4 import load
+        from dsv4.generation import warm_up
 
+        loading = time.perf_counter()
         model, tokenizer = load(args.model)
+        warm_up(model)   # the weights' first-use work is load time, not prefill time
+        load_s = time.perf_counter() - loading
         prompt = synthetic_prompt(prompt_tokens, model.args.vocab_size, args.seed)
         tokens = model_tokens(model, tokenizer, prompt, max_tokens)
     name = args.workload if (prompt_tokens, max_tokens) == (workload.prompt_tokens,
                                                              workload.generation_tokens) else "custom"
     result = {"workload": name, "model": args.model or "demo", **measure(tokens, len(prompt))}
+    if args.model != "synthetic":
+        result["load_s"] = load_s
     if profiler.enabled():
         print(profiler.report(), file=sys.stderr)
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -10,7 +10,9 @@ numbers written in code.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from .errors import InputError
@@ -39,6 +41,20 @@ _OFFICIAL_YARN = {"original_seq_len": "original_max_position_embeddings",
 
 class ConfigError(InputError):
     """The configuration is missing a field or is inconsistent; the message names it."""
+
+
+def read_json(file: Path) -> dict:
+    """A JSON object from `file` (config.json, an index, tokenizer_config.json), or a
+    ConfigError naming the file and what is wrong with it."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}: not a text file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data
 
 
 @dataclass

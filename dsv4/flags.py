@@ -9,10 +9,12 @@ and `python -m dsv4.flags` list them with their current values.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import os
+import sys
 from dataclasses import dataclass
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 from .errors import InputError
 
@@ -31,6 +33,8 @@ class Flag:
     name: str
     default: Value
     doc: str
+    choices: tuple[str, ...] = ()   # the words a str switch takes
+    minimum: Optional[int] = None   # the least value an int switch takes
 
     @functools.cached_property   # read on every get(): a decode step reads every switch
     def env(self) -> str:
@@ -46,9 +50,16 @@ class Flag:
             raise FlagError(f"{self.env}={text!r}: expected one of 0/1/true/false/on/off")
         if isinstance(self.default, int):
             try:
-                return int(text)
+                value = int(text)
             except ValueError:
                 raise FlagError(f"{self.env}={text!r}: expected an integer") from None
+            if self.minimum is not None and value < self.minimum:
+                raise FlagError(f"{self.env}={text!r}: expected an integer >= {self.minimum}")
+            return value
+        if self.choices:
+            if text.strip().lower() not in self.choices:
+                raise FlagError(f"{self.env}={text!r}: expected one of {', '.join(self.choices)}")
+            return text.strip().lower()
         return text
 
 
@@ -56,10 +67,14 @@ FLAGS: dict[str, Flag] = {}
 _overrides: dict[str, Value] = {}
 
 
-def define(name: str, default: Value, doc: str) -> Flag:
+AUTO_ON_OFF = ("auto", *sorted(_TRUE | _FALSE))
+
+
+def define(name: str, default: Value, doc: str, choices: tuple[str, ...] = (),
+           minimum: Optional[int] = None) -> Flag:
     if name in FLAGS:
         raise ValueError(f"flag {name!r} is defined twice")
-    flag = Flag(name, default, doc)
+    flag = Flag(name, default, doc, choices, minimum)
     FLAGS[name] = flag
     return flag
 
@@ -106,6 +121,24 @@ def override(**values: Value) -> Iterator[None]:
         _overrides.update(saved)
 
 
+def check_environment(environ=os.environ, warn=sys.stderr) -> None:
+    """Check every DSV4_* variable now, before minutes of loading: a bad value raises a
+    FlagError naming it, an unknown name (a typo, or a switch that was removed) is warned
+    about on `warn`."""
+    known = {flag.env: flag for flag in FLAGS.values()}
+    for env, text in sorted(environ.items()):
+        if not env.startswith("DSV4_"):
+            continue
+        flag = known.get(env)
+        if flag is None:
+            close = difflib.get_close_matches(env, known, n=1, cutoff=0.8)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            print(f"warning: {env} is not a dsv4 switch{hint}; python -m dsv4.flags lists them",
+                  file=warn, flush=True)
+        else:
+            flag.parse(text)
+
+
 def describe() -> str:
     """One line per switch: env var, current value, default, doc."""
     lines = []
@@ -129,12 +162,12 @@ define("indexer_skip", True,
 define("dequant_matmul", "auto",
        "quantized layers keep a dequantized copy of their weight (once, on first use) and "
        "use plain matmuls: auto (on for the CPU device, where MLX's quantized matmul is "
-       "slow; costs the memory of the dense copy), on, off")
+       "slow; costs the memory of the dense copy), on, off", choices=AUTO_ON_OFF)
 
 define("head_quant", "off",
        "keep the output head quantized: off (as loaded, bf16 officially), mxfp8 or affine8 "
        "(group 32); saves ~40% of a decode step's bytes on GPUs, adds the logit error "
-       "reported by benchmarks/head_quant.py")
+       "reported by benchmarks/head_quant.py", choices=("off", "mxfp8", "affine8"))
 
 # --- Engram store (on-disk tables) -----------------------------------------------------
 # Defaults from benchmarks/results/2026-11-29-142127-engram-reads.md (python -m
@@ -143,16 +176,16 @@ define("engram_parallel_decode", True,
        "split each decode read (24 rows per table) over engram_decode_workers pread workers "
        "(13.4 -> 2.3 ms/token for two tables with engram_readahead); off: one serial reader thread")
 define("engram_decode_workers", 4,
-       "pread workers for one decode read of one table (two tables read at once); 4 beat 2 and 8")
+       "pread workers for one decode read of one table (two tables read at once); 4 beat 2 and 8", minimum=1)
 define("engram_prefill_workers", 16,
        "pread workers for a batch read (prefill: all rows of a prompt, sorted and deduplicated); "
-       "1.9x the rows/s of one worker, 32 within noise of 16")
+       "1.9x the rows/s of one worker, 32 within noise of 16", minimum=1)
 define("engram_readahead", True,
        "each read worker first asks the kernel for all its rows (posix_fadvise WILLNEED, Linux) "
        "so the disk serves them at once, then preads them (2.7x on parallel decode)")
 define("engram_row_cache", 0,
        "rows kept per table in a least-recently-used cache of raw rows; 0 = off "
-       "(no measured gain even when every row repeats: the OS page cache serves repeats)")
+       "(no measured gain even when every row repeats: the OS page cache serves repeats)", minimum=0)
 define("engram_io_hints", True,
        "tell the OS the table is read at random: posix_fadvise RANDOM on Linux (no effect beyond "
        "noise there), F_NOCACHE and no read-ahead on macOS (keeps 95 GiB tables out of the cache)")
@@ -165,7 +198,7 @@ define("kernel_sparse_attention", True,
        "plain-MLX reference")
 define("attention_threadgroups", 256,
        "threadgroups the sparse-attention kernel aims for (its rows split between them, then "
-       "merged): more keep a large GPU busy at decode, fewer make the merge cheaper")
+       "merged): more keep a large GPU busy at decode, fewer make the merge cheaper", minimum=1)
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
@@ -197,7 +230,7 @@ define("kernel_matvec", "auto",
        "fused, through the custom GPU matvec kernel: auto (default) where it measured faster than "
        "rounding + MLX's quantized_matmul on the H200, i.e. an input still to be rounded and >= "
        "2048 rows (wo_b: 31.5 vs 37.6 µs, benchmarks/results/2026-11-29-1815-kernels-matvec-h200.md); "
-       "on: every such projection; off: quantized_matmul")
+       "on: every such projection; off: quantized_matmul", choices=AUTO_ON_OFF)
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "
@@ -212,7 +245,7 @@ define("fixed_decode", "auto",
        "in rings, compressed rows in buffers of doubling capacity, positions as device arrays, "
        "so one graph (compiled with DSV4_COMPILE) serves every step: auto (on for GPU "
        "backends; the CPU keeps the reference path, whose results do not depend on chunking), "
-       "on, off")
+       "on, off", choices=AUTO_ON_OFF)
 define("async_decode", True,
        "build and queue the next decode step before the current token reaches the host "
        "(one step in flight, as mlx-lm does); off waits for each token first")

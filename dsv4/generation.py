@@ -8,13 +8,16 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
-from . import flags, profiler
+from . import flags, memory, profiler
 from .cache import Cache
+from .errors import InputError, reported
+from .progress import Progress
+from .sampling import Sampling, check_max_tokens, check_seed, make_sampler, option_name
 from .step import decoder
 
 PREFILL_CHUNK = 512
@@ -27,53 +30,70 @@ class GenerationResponse:
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int
-    generation_tps: float
-    peak_memory: float            # GB
+    generation_tps: float         # decode steps per second; 0 until a step was timed (n >= 2)
+    peak_memory: float            # GB, as memory.peak() measures it
     finish_reason: Optional[str]  # None, "length" or "stop"
 
 
-def make_sampler(temp: float = 0.0, top_p: float = 1.0):
-    """logits [1, V] -> token [1]: argmax at temp 0, else nucleus sampling."""
-    if temp == 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
-
-    sample = mlx_lm_sampler(temp=temp, top_p=top_p)
-    return lambda logits: sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
-def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK) -> mx.array:
-    """Feed ids [1, S] in chunks; returns the logits of the last position [1, V]."""
+def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK,
+            progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+    """Feed ids [1, S] in chunks; returns the logits of the last position [1, V].
+    `progress(done, total)` is called after each chunk."""
     logits = None
-    for lo in range(0, ids.shape[1], chunk):
+    total = ids.shape[1]
+    for lo in range(0, total, chunk):
         logits = model(ids[:, lo:lo + chunk], cache)[:, -1]
         mx.eval(logits)
+        if progress is not None:
+            progress(min(lo + chunk, total), total)
     return logits
+
+
+def check_context(model, prompt_tokens: int, cached: int = 0) -> int:
+    """Room left for generated tokens after the prompt, or an InputError if the prompt does
+    not fit the model's context."""
+    context = model.args.max_position_embeddings
+    used = cached + prompt_tokens
+    if used >= context:
+        raise InputError(f"the prompt has {used} tokens; the model's context is {context} tokens "
+                         f"(room is needed for at least one generated token)")
+    return context - used
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_tokens: int = 256,
                     temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    logit_bias: Optional[Mapping[int, float]] = None,
                     cache: Optional[Cache] = None, ignore_eos: bool = False,
-                    on_prefilled: Optional[Callable[[Cache], None]] = None) -> Iterator[GenerationResponse]:
+                    on_prefilled: Optional[Callable[[Cache], None]] = None,
+                    prefill_progress: Optional[Callable[[int, int], None]] = None) -> Iterator[GenerationResponse]:
     """Yield one response per generated token. A str prompt is encoded as is (no chat
     template); with `cache`, the prompt continues what the cache already holds.
     `ignore_eos` generates exactly max_tokens (benchmarks); `on_prefilled(cache)` is called
-    once the prompt is in the cache, before the first generated token is fed back."""
+    once the prompt is in the cache, before the first generated token is fed back;
+    `prefill_progress(done, total)` after each prefilled chunk. Generation also stops
+    ("length") where the model's context ends. Bad options raise an InputError before any
+    work is done."""
+    check_max_tokens(max_tokens)
+    check_seed(seed)
+    sampling = Sampling(temp, top_p, presence_penalty, frequency_penalty, logit_bias or {}).check(
+        model.args.vocab_size)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise InputError("the prompt is empty")
+    cache = cache if cache is not None else model.make_cache()
+    limit = min(max_tokens, check_context(model, len(ids), cache.offset))
     if seed is not None:
         mx.random.seed(seed)
-    cache = cache if cache is not None else model.make_cache()
-    sampler = make_sampler(temp, top_p)
+    sampler = make_sampler(sampling)
     detok = tokenizer.detokenizer
     start = time.perf_counter()
-    logits = prefill(model, np.array([ids], np.int64), cache)
+    logits = prefill(model, np.array([ids], np.int64), cache, progress=prefill_progress)
     if on_prefilled is not None:
         on_prefilled(cache)
     prompt_time = time.perf_counter() - start
     prompt_tps = len(ids) / prompt_time
-    tokens = decode_tokens(model, cache, sampler(logits), sampler, max_tokens)
+    tokens = decode_tokens(model, cache, sampler(logits), sampler, limit)
     try:
         for n, token in enumerate(tokens, 1):
             if n == 1:
@@ -81,13 +101,13 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             stop = token in tokenizer.eos_token_ids and not ignore_eos
             if not stop:
                 detok.add_token(token)
-            finish = "stop" if stop else ("length" if n == max_tokens else None)
+            finish = "stop" if stop else ("length" if n == limit else None)
             if finish:
                 detok.finalize()
             elapsed = time.perf_counter() - gen_start
             yield GenerationResponse(detok.last_segment, token, len(ids), prompt_tps, n,
                                      (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
-                                     mx.get_peak_memory() / 1e9, finish)
+                                     memory.peak()[0], finish)
             if finish:
                 return
     finally:
@@ -141,11 +161,36 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, verbose: bo
     return "".join(text)
 
 
-def print_stats(r: GenerationResponse, file=sys.stdout) -> None:
+def print_stats(r: GenerationResponse, file=sys.stdout, load_s: Optional[float] = None) -> None:
     print("=" * 10, file=file)
+    if load_s is not None:
+        print(f"Load: {load_s:.3f} s (weights and a one-token warm-up, before the clock starts)", file=file)
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=file)
-    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec", file=file)
-    print(f"Peak memory: {r.peak_memory:.3f} GB", file=file)
+    if r.generation_tokens > 1:
+        print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec", file=file)
+    else:  # the one token came from the prompt's logits: no decode step was timed
+        print(f"Generation: {r.generation_tokens} token (from the prompt's logits; no decode step timed)", file=file)
+    print(f"Peak memory: {r.peak_memory:.3f} GB ({memory.peak()[1]})", file=file)
+
+
+def warm_up(model) -> None:
+    """One token through a throwaway cache: the weights' first-use work (the CPU's dense
+    copies, kernel builds) happens here, not in the first prompt's timing."""
+    mx.eval(model(np.zeros((1, 1), np.int64), model.make_cache()))
+
+
+def prefill_progress(total: int, enabled: bool = True) -> Optional[Callable[[int, int], None]]:
+    """A progress line on stderr for prompts longer than one prefill chunk."""
+    if not enabled or total <= PREFILL_CHUNK:
+        return None
+    shown = Progress("prefill", total, unit="tokens")
+
+    def advance(done: int, _total: int) -> None:
+        shown.advance(done - shown.done)
+        if done == total:
+            shown.finish()
+
+    return advance
 
 
 def chat_prompt(prompt: str, system: Optional[str] = None, think: bool = False) -> str:
@@ -156,11 +201,12 @@ def chat_prompt(prompt: str, system: Optional[str] = None, think: bool = False) 
     return encode_messages(messages, "thinking" if think else "chat")
 
 
-def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: float) -> str:
+def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: float,
+               load_s: Optional[float] = None) -> str:
     tokens = [r.token for r in responses]
     last = responses[-1]
     return "DSV4_RESULT " + json.dumps({
-        "prompt_tokens": prompt_tokens, "prompt_tps": last.prompt_tps, "ttft_s": ttft,
+        "prompt_tokens": prompt_tokens, "prompt_tps": last.prompt_tps, "ttft_s": ttft, "load_s": load_s,
         "generation_tokens": len(tokens), "generation_tps": last.generation_tps,
         "peak_memory_gb": last.peak_memory, "tokens": tokens,
         "tokens_md5": hashlib.md5(",".join(map(str, tokens)).encode()).hexdigest()})
@@ -169,7 +215,7 @@ def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: fl
 def main(argv: Optional[list[str]] = None) -> None:
     import typer
 
-    app = typer.Typer(add_completion=False)
+    app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False)
     switches = "\n\n".join(f"{f.env} (default {f.default}): {f.doc}" for f in flags.FLAGS.values())
 
     @app.command(help="Generate text with DeepSeek V4.1 Flash.",
@@ -177,9 +223,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     def run(model: Optional[str] = typer.Option(None, help="model directory or Hugging Face repo id "
                                                      "(default: the bundled demo checkpoint)"),
             prompt: str = typer.Option("Once upon a time", "--prompt", "-p", help="the prompt ('-' reads stdin)"),
-            max_tokens: int = typer.Option(100, "--max-tokens", "-m", help="tokens to generate"),
+            max_tokens: int = typer.Option(100, "--max-tokens", "-m", help="tokens to generate (>= 1)"),
             temp: float = typer.Option(0.0, help="sampling temperature (0: greedy)"),
-            top_p: float = typer.Option(1.0, help="nucleus sampling mass"),
+            top_p: float = typer.Option(1.0, help="nucleus sampling mass, in (0, 1]"),
             seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
             raw: bool = typer.Option(False, help="feed the prompt as is, without the chat encoding"),
             system: Optional[str] = typer.Option(None, help="system prompt (chat encoding only)"),
@@ -187,24 +233,36 @@ def main(argv: Optional[list[str]] = None) -> None:
             bench_json: bool = typer.Option(False, help="print a DSV4_RESULT line for benchmarks/ab.py")):
         from .loader import load
 
-        if prompt == "-":
-            prompt = sys.stdin.read()
-        net, tokenizer = load(model)
-        text = prompt if raw else chat_prompt(prompt, system, think)
-        ids = tokenizer.encode(text)
-        responses = []
-        start = time.perf_counter()
-        ttft = None
-        for r in stream_generate(net, tokenizer, ids, max_tokens=max_tokens, temp=temp,
-                                 top_p=top_p, seed=seed):
-            ttft = ttft if ttft is not None else time.perf_counter() - start
-            responses.append(r)
-            print(r.text, end="", flush=True)
-        print()
-        print_stats(responses[-1])
-        if profiler.enabled():
-            print(profiler.report())
-        if bench_json:
-            print(bench_line(len(ids), responses, ttft))
+        with reported():
+            check_max_tokens(max_tokens, "--max-tokens")
+            check_seed(seed, "--seed")
+            Sampling(temp, top_p).check(spell=option_name)
+            flags.check_environment()
+            if prompt == "-":
+                prompt = sys.stdin.read()
+            if not prompt:
+                raise InputError("the prompt is empty (--prompt)")
+            start = time.perf_counter()
+            net, tokenizer = load(model)
+            warm_up(net)
+            load_s = time.perf_counter() - start
+            text = prompt if raw else chat_prompt(prompt, system, think)
+            ids = tokenizer.encode(text)
+            if not ids:
+                raise InputError(f"the prompt {prompt!r} encodes to no tokens")
+            responses = []
+            start = time.perf_counter()
+            ttft = None
+            for r in stream_generate(net, tokenizer, ids, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                                     seed=seed, prefill_progress=prefill_progress(len(ids))):
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                responses.append(r)
+                print(r.text, end="", flush=True)
+            print()
+            print_stats(responses[-1], load_s=load_s)
+            if profiler.enabled():
+                print(profiler.report())
+            if bench_json:
+                print(bench_line(len(ids), responses, ttft, load_s))
 
     app(argv)

@@ -12,7 +12,6 @@ holds more than the weights plus one module's source tensors.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import flags
-from .config import ModelArgs
+from .config import ModelArgs, read_json
 from .engram import NgramHasher, build_token_map
 from .linear import QuantizedLinear
 from .model import Model
@@ -32,31 +31,43 @@ DEMO_DIR = Path(__file__).parent / "demo"
 FORMAT_VERSION = 1
 
 
+def looks_local(text: str) -> bool:
+    """A path, not a Hugging Face repo id: it starts with '.', '/' or '~', is not of the form
+    owner/name, or its first part exists here (models/q2 with a models/ folder)."""
+    parts = text.replace("\\", "/").split("/")
+    return text.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts) or \
+        Path(parts[0]).expanduser().exists()
+
+
 def resolve(path_or_repo: Optional[str | Path]) -> Path:
     """A local directory as is; None -> the bundled demo; else a Hugging Face repo id."""
     if path_or_repo is None:
         if not (DEMO_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the bundled demo checkpoint is missing from {DEMO_DIR}")
+            raise CheckpointError(f"the bundled demo checkpoint is missing from {DEMO_DIR}")
         return DEMO_DIR
     path = Path(path_or_repo).expanduser()
-    if path.exists():
+    if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: no config.json (not a model directory)")
+            raise CheckpointError(f"{path}: no config.json (not a model directory)")
         return path
-    if str(path_or_repo).count("/") != 1:
-        raise FileNotFoundError(f"{path_or_repo}: no such directory (and not a repo id owner/name)")
+    if path.exists():
+        raise CheckpointError(f"{path}: a file, not a model directory")
+    if isinstance(path_or_repo, Path) or looks_local(str(path_or_repo)):
+        raise CheckpointError(f"{path_or_repo}: no such directory")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(str(path_or_repo), allow_patterns=[
-        "*.json", "*.safetensors", "tokenizer*", "*.bin"]))
+    try:
+        return Path(snapshot_download(str(path_or_repo), allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.bin"]))
+    except Exception as e:  # the hub's errors: offline, unknown repo, gated, bad name
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path_or_repo}: no such directory here, and not found on the "
+                              f"Hugging Face hub ({reason})") from None
 
 
 def read_config(path: Path) -> tuple[dict, ModelArgs]:
     file = path / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    config = read_json(file)
     return config, ModelArgs.from_dict(config, source=str(file))
 
 
@@ -64,6 +75,10 @@ def _quantize(model: Model, quant: dict[str, dict]) -> None:
     """Turn the named modules into their quantized forms (before weights arrive)."""
     if quant:
         nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if hasattr(m, "to_quantized") else False)
+
+
+def _dtype(a: mx.array) -> str:
+    return str(a.dtype).removeprefix("mlx.core.")
 
 
 def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected: dict, seen: set) -> None:
@@ -75,7 +90,7 @@ def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected
             raise CheckpointError(f"{where}: tensor {name} has shape {list(a.shape)}, "
                                   f"expected {list(want.shape)}")
         if (want.dtype in (mx.uint32, mx.uint8)) != (a.dtype in (mx.uint32, mx.uint8)):
-            raise CheckpointError(f"{where}: tensor {name} is {a.dtype}, expected {want.dtype}")
+            raise CheckpointError(f"{where}: tensor {name} is {_dtype(a)}, expected {_dtype(want)}")
     model.load_weights(list(arrays.items()), strict=False)
     mx.eval(list(arrays.values()))
     seen.update(arrays)

@@ -1,4 +1,5 @@
-"""A one-line progress bar on stderr for long byte streams (converting, copying, loading tables).
+"""A one-line progress bar on stderr for long work: byte streams (converting, copying, loading
+tables) and token streams (prefilling a long prompt).
 
     shown = Progress("copying layers.1.engram", total_bytes, enabled=not quiet)
     for chunk in chunks:
@@ -8,6 +9,7 @@
 
 The line reads `copying layers.1.engram: 1.20 GB of 4.80 GB ( 25%), 310 MB/s, 00:00:11 left`: it
 is redrawn in place (`\\r`) at most twice a second, and `finish()` draws the last one and ends it.
+With `unit="tokens"` it counts tokens: `prefill: 1024 of 3000 tokens ( 34%), 120 tok/s, ...`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ REDRAW_S = 0.5
 
 
 class Progress:
-    """Bytes done of `total`, rate and time left; `done` is where a resumed job starts."""
+    """Bytes (or tokens) done of `total`, rate and time left; `done` is where a resumed job starts."""
 
-    def __init__(self, what: str, total: int, enabled: bool = True, done: int = 0):
-        self.what, self.total, self.enabled = what, total, enabled
+    def __init__(self, what: str, total: int, enabled: bool = True, done: int = 0, unit: str = "bytes"):
+        if unit not in ("bytes", "tokens"):
+            raise ValueError(f"unit {unit!r}: expected bytes or tokens")
+        self.what, self.total, self.enabled, self.unit = what, total, enabled, unit
         self.done = self.start_done = done
         self.start = time.monotonic()
         self.last = 0.0
@@ -41,9 +45,12 @@ class Progress:
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta = "--:--" if left == float("inf") else time.strftime("%H:%M:%S", time.gmtime(left))
         pct = 100 * self.done / max(self.total, 1)
-        done, total = format_bytes(self.done), format_bytes(self.total)
+        if self.unit == "bytes":
+            done, total, speed = format_bytes(self.done), format_bytes(self.total), f"{rate / 1e6:.0f} MB/s"
+        else:
+            done, total, speed = str(self.done), f"{self.total} tokens", f"{rate:.0f} tok/s"
         print(f"\r{self.what}: {done} of {total} ({pct:3.0f}%), "
-              f"{rate / 1e6:.0f} MB/s, {eta} left ", end="\n" if final else "",
+              f"{speed}, {eta} left ", end="\n" if final else "",
               file=sys.stderr, flush=True)
 
     def finish(self) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 import numpy as np
+from .config import read_json
 from .errors import InputError
 
 # safetensors dtype -> numpy storage dtype
@@ -117,7 +118,9 @@ class Checkpoint:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no weight_map object")
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (self.directory / f).is_file()]
             if missing:

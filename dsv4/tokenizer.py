@@ -3,9 +3,11 @@ and a streaming detokenizer that never emits half a UTF-8 character."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Optional
+
+from .config import read_json
+from .safetensors_file import CheckpointError
 
 
 class StreamingDetokenizer:
@@ -49,12 +51,15 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise FileNotFoundError(f"{file}: tokenizer.json not found")
-        self._tok = HFTokenizer.from_file(str(file))
+            raise CheckpointError(f"{file}: not found (the model directory needs its tokenizer)")
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+            raise CheckpointError(f"{file}: not a tokenizer file ({str(e).splitlines()[0]})") from None
         config_file = file.parent / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = read_json(config_file) if config_file.is_file() else {}
         model_config_file = file.parent / "config.json"
-        model_config = json.loads(model_config_file.read_text()) if model_config_file.is_file() else {}
+        model_config = read_json(model_config_file) if model_config_file.is_file() else {}
         text = {**model_config, **model_config.get("text_config", {})}
 
         def token_id(name: str, fallback: Optional[int]) -> Optional[int]:
