@@ -121,10 +121,10 @@ def override(**values: Value) -> Iterator[None]:
         _overrides.update(saved)
 
 
-def check_environment(environ=os.environ, warn=sys.stderr) -> None:
+def check_environment(environ=os.environ, warn=None) -> None:
     """Check every DSV4_* variable now, before minutes of loading: a bad value raises a
     FlagError naming it, an unknown name (a typo, or a switch that was removed) is warned
-    about on `warn`."""
+    about on `warn` (stderr)."""
     known = {flag.env: flag for flag in FLAGS.values()}
     for env, text in sorted(environ.items()):
         if not env.startswith("DSV4_"):
@@ -134,7 +134,7 @@ def check_environment(environ=os.environ, warn=sys.stderr) -> None:
             close = difflib.get_close_matches(env, known, n=1, cutoff=0.8)
             hint = f" (did you mean {close[0]}?)" if close else ""
             print(f"warning: {env} is not a dsv4 switch{hint}; python -m dsv4.flags lists them",
-                  file=warn, flush=True)
+                  file=warn or sys.stderr, flush=True)
         else:
             flag.parse(text)
 

@@ -161,7 +161,8 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, verbose: bo
     return "".join(text)
 
 
-def print_stats(r: GenerationResponse, file=sys.stdout, load_s: Optional[float] = None) -> None:
+def print_stats(r: GenerationResponse, file=None, load_s: Optional[float] = None) -> None:
+    file = file or sys.stdout
     print("=" * 10, file=file)
     if load_s is not None:
         print(f"Load: {load_s:.3f} s (weights and a one-token warm-up, before the clock starts)", file=file)

@@ -102,6 +102,19 @@ class QuantizedExpertLinear(nn.Module):
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)
 
 
+def make_dense_copies(model: nn.Module, dtype: mx.Dtype) -> None:
+    """With DSV4_DEQUANT_MATMUL on, make every quantized layer's dense copy now, for
+    activations of `dtype`: loading takes that time and memory, not the first prompt (and
+    not only the layers a short prompt reaches, such as an indexer that is still skipped)."""
+    if not dequant_matmul():
+        return
+    for _, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            module.dequantized(dtype)
+        elif isinstance(module, QuantizedExpertLinear):
+            _dense(module, mx.float32)
+
+
 MATVEC_AUTO_MIN_ROWS = 2048   # kernel_matvec=auto: measured crossover, see the flag
 
 

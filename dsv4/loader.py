@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from . import flags
 from .config import ModelArgs, read_json
 from .engram import NgramHasher, build_token_map
-from .linear import QuantizedLinear
+from .linear import QuantizedLinear, make_dense_copies
 from .model import Model
 from .safetensors_file import Checkpoint, CheckpointError, to_mx, view
 from .tokenizer import Tokenizer
@@ -77,10 +77,6 @@ def _quantize(model: Model, quant: dict[str, dict]) -> None:
         nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if hasattr(m, "to_quantized") else False)
 
 
-def _dtype(a: mx.array) -> str:
-    return str(a.dtype).removeprefix("mlx.core.")
-
-
 def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected: dict, seen: set) -> None:
     for name, a in arrays.items():
         want = expected.get(name)
@@ -90,7 +86,8 @@ def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected
             raise CheckpointError(f"{where}: tensor {name} has shape {list(a.shape)}, "
                                   f"expected {list(want.shape)}")
         if (want.dtype in (mx.uint32, mx.uint8)) != (a.dtype in (mx.uint32, mx.uint8)):
-            raise CheckpointError(f"{where}: tensor {name} is {_dtype(a)}, expected {_dtype(want)}")
+            kind = "packed quantized codes (uint32/uint8)" if want.dtype in (mx.uint32, mx.uint8) else "floats"
+            raise CheckpointError(f"{where}: tensor {name} is {str(a.dtype).removeprefix('mlx.core.')}, expected {kind}")
     model.load_weights(list(arrays.items()), strict=False)
     mx.eval(list(arrays.values()))
     seen.update(arrays)
@@ -162,6 +159,7 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
     if dtype is not None:
         model.set_dtype(dtype)
     quantize_head(model, flags.get("head_quant"))
+    make_dense_copies(model, model.embed.weight.dtype)
     model.eval()
     return model
 
