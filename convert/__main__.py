@@ -2,7 +2,8 @@
 
 The gguf and exl3 converters live in their own modules (`gguf.py` `gguf_command`, `exl3.py`
 `exl3_command`, plain typer command functions) and are imported only when their subcommand
-runs, so one converter's dependencies never slow down or break another.
+runs, so one converter's dependencies never slow down or break another. Every command runs
+inside `dsv4.errors.reported()`: bad input is one `error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from typing import Optional
 
 import typer
 
+from dsv4.errors import reported
+
+from .writer import ConversionError
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Convert a DeepSeek V4.1 Flash checkpoint into a dsv4 model directory.")
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
 
 
 @app.command()
@@ -51,7 +51,7 @@ def official(
     from dsv4_convert.official import Requant, convert
     from dsv4.progress import format_bytes
 
-    try:
+    with reported():
         experts = Requant(experts_bits, experts_group_size) if experts_bits else None
         dense = Requant(dense_bits, dense_group_size) if dense_bits else None
         result = convert(src, dst, revision=revision, experts=experts, dense=dense,
@@ -59,8 +59,6 @@ def official(
                          overwrite=overwrite, resume=resume, verify=verify,
                          max_shard_bytes=int(shard_gb * 1e9), progress=not quiet,
                          log=lambda line: typer.echo(line, err=True))
-    except ValueError as e:  # bad input: the message names the file and tensor
-        _fail(str(e))
     checked = f", verified {result.verified_tensors} tensors" if verify else ""
     typer.echo(f"wrote {result.dst}: {result.shards} model weight file(s), "
                f"{format_bytes(result.bytes_written)} of weights{checked}")
@@ -68,15 +66,17 @@ def official(
 
 def _delegate(module: str, function: str, ctx: typer.Context) -> None:
     """Run `dsv4_convert.<module>.<function>` as a typer command on the remaining arguments."""
-    try:
-        loaded = importlib.import_module(f"dsv4_convert.{module}")
-    except ModuleNotFoundError as e:
-        if e.name != f"dsv4_convert.{module}":
-            raise
-        _fail(f"the {module} converter is not available yet (convert/{module}.py is missing)")
-    command = getattr(loaded, function, None)
-    if command is None:
-        _fail(f"convert/{module}.py has no function {function}")
+    with reported():
+        try:
+            loaded = importlib.import_module(f"dsv4_convert.{module}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dsv4_convert.{module}":
+                raise
+            raise ConversionError(f"the {module} converter is not available yet "
+                                  f"(convert/{module}.py is missing)") from None
+        command = getattr(loaded, function, None)
+        if command is None:
+            raise ConversionError(f"convert/{module}.py has no function {function}")
     sub = typer.Typer(add_completion=False)
     sub.command()(command)
     typer.main.get_command(sub).main(ctx.args, prog_name=f"{ctx.find_root().info_name} {module}")

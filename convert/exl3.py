@@ -30,6 +30,7 @@ import typer
 
 from dsv4 import layout
 from dsv4.config import ModelArgs
+from dsv4.errors import reported
 from dsv4.safetensors_file import Checkpoint, CheckpointError, TensorInfo, view
 
 from . import exl3_pack, official
@@ -334,7 +335,8 @@ def convert(src: Path | str, dst: Path | str, *, revision: Optional[str] = None,
         modules.update({t.name: decoder.quantization(t) for t in targets if t.stacked})
         verified = 0
         with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
-                            max_shard_bytes=max_shard_bytes, progress=progress) as out:
+                            max_shard_bytes=max_shard_bytes, progress=progress,
+                            sources=official.source_paths(source)) as out:
             shards = out.write_weights({"model": model, **side})
             metadata = out.metadata("model")
             errors, by_kind = module_errors(metadata), official.requant_errors(metadata)
@@ -398,12 +400,9 @@ def exl3_command(
 ) -> None:
     """Convert an EXL3 (exllamav3) pack: routed experts decoded and requantised to MLX affine
     (the added error is reported), other EXL3 Linears to bf16, official tensors as `official`."""
-    try:
+    with reported():
         result = convert(src, dst, revision=revision, bits=bits, group_size=group_size,
                          workers=workers, overwrite=overwrite, resume=resume, verify=verify,
                          max_shard_bytes=int(shard_gb * 1e9), progress=not quiet,
                          log=lambda line: print(line, file=sys.stderr))
-    except ValueError as e:  # bad input: the message names the file and tensor
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     print(f"wrote {result.dst}: {result.bytes_written / 1e9:.2f} GB")

@@ -47,6 +47,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from dsv4.atomic_file import atomic_file
 from dsv4.config import ModelArgs
 from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_sizes
+from dsv4.errors import reported
 from dsv4.layout import expected_tensors
 from dsv4.progress import Progress
 
@@ -631,7 +632,8 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
                    "options": vars(options) | {"copy_engram": copy_engram}}
     try:
         with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
-                            max_shard_bytes=max_shard_bytes, progress=progress) as out:
+                            max_shard_bytes=max_shard_bytes, progress=progress,
+                            sources=[path for path, _ in src.parts]) as out:
             units = [unit(n) for n in order]
             out.write_weights({"model": units})
             if verify:
@@ -729,11 +731,8 @@ def gguf_command(
     verify: Annotated[bool, typer.Option(help="re-read sampled rows of every tensor")] = False,
 ) -> None:
     """Convert a ds4 GGUF of DeepSeek V4.1 Flash into a dsv4 model directory."""
-    try:
+    with reported():
         report = convert(source, dst, Options(iq2_xxs_bits, q2_k_bits, dequantize), workers,
                          copy_engram, overwrite, resume, verify)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     print_report(report)
     print(f"wrote {dst}", file=sys.stderr)

@@ -116,6 +116,12 @@ def download(repo: str, revision: Optional[str]) -> Source:
     return Source(path, repo, found[3] if found else revision)
 
 
+def source_paths(source: Source) -> list[Path]:
+    """What a conversion must leave alone: the checkpoint directory and every file in it (a
+    Hugging Face snapshot's files are links into the cache's blobs; the writer resolves them)."""
+    return [source.path, *source.path.iterdir()]
+
+
 def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
@@ -312,7 +318,8 @@ def convert(src: str | Path, dst: str | Path, *, revision: Optional[str] = None,
     }
     verified = 0
     with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
-                        max_shard_bytes=max_shard_bytes, progress=progress) as out:
+                        max_shard_bytes=max_shard_bytes, progress=progress,
+                        sources=source_paths(source)) as out:
         engram_bytes = sum(r["rows"] for r in engram.values()) * ROW_BYTES if copy_engram else 0
         shards = out.write_weights(groups, other_bytes=engram_bytes)
         errors = requant_errors(out.metadata("model"))

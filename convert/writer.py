@@ -43,6 +43,11 @@ produced on demand (`produce()` -> `{tensor name: (safetensors dtype, storage ar
 Guarantees:
 - Atomic: everything goes to `.<dst name>.partial/` next to `dst`, renamed to `dst` when the
   block ends without error (`overwrite` replaces an existing `dst` only then).
+- Safe: `dst` (symlinks resolved) may not be, contain or lie inside any of `sources` (what the
+  conversion reads and the result references: the checkpoint, its files, GGUF parts), and
+  `overwrite` deletes only what a converter wrote: an empty directory, a dsv4 model directory
+  (only files, a config.json with a `dsv4` block naming its format version) or the writer's own
+  unfinished `.partial` directory. Anything else is refused before anything is written.
 - Resumable: units are assigned to shards greedily, in the order given, by their declared
   `nbytes`; the assignment and the caller's `fingerprint` are recorded in `plan.json` in the
   temporary directory. Each shard is written as `<file>.partial`, fsynced and renamed, so a file
@@ -204,9 +209,13 @@ class ModelDirWriter:
 
     def __init__(self, dst: Path | str, fingerprint: Mapping, overwrite: bool = False,
                  resume: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
-                 progress: bool = True):
-        self.dst = Path(dst).absolute()
+                 progress: bool = True, sources: Sequence[Path | str] = ()):
+        # resolved: the checks compare real paths, and the temporary directory lies on the
+        # destination's file system (where a symlinked destination really is)
+        self.dst = _real(dst)
         self.tmp = self.dst.with_name(f".{self.dst.name}{PARTIAL}")
+        self.old = self.dst.with_name(f".{self.dst.name}.old")  # the replaced dst, while swapping
+        self.sources = [_real(s) for s in sources]
         self.fingerprint = json.loads(json.dumps(fingerprint))  # as it reads back from plan.json
         self.overwrite, self.resume = overwrite, resume
         self.max_shard_bytes = int(max_shard_bytes)
@@ -219,12 +228,13 @@ class ModelDirWriter:
     # -- lifetime ---------------------------------------------------------------------------
 
     def __enter__(self) -> "ModelDirWriter":
-        if self.dst.exists() and not self.overwrite:
-            raise ConversionError(f"{self.dst} already exists (use --overwrite to replace it)")
-        if not self.dst.parent.is_dir():
-            raise ConversionError(f"{self.dst.parent}: the destination's parent directory "
-                                  f"does not exist")
-        if self.tmp.exists():
+        self._check_sources()
+        self._check_destination()
+        if self.tmp.exists() or self.tmp.is_symlink():
+            reason = _not_written_by_dsv4(self.tmp, unfinished=True)
+            if reason:
+                raise ConversionError(f"{self.tmp} is in the way and is not an unfinished dsv4 "
+                                      f"conversion ({reason}): move it away")
             if self.resume:
                 self._resumed = True
                 self._check_fingerprint()
@@ -235,9 +245,50 @@ class ModelDirWriter:
                     f"{self.tmp} holds an unfinished conversion: use --resume to continue it "
                     f"or --overwrite to start again")
         if not self._resumed:
-            self.tmp.mkdir()
+            try:
+                self.tmp.mkdir()
+            except OSError as e:
+                raise ConversionError(f"{self.dst.parent}: cannot create the destination there "
+                                      f"({e.strerror or e})") from None
             self._write_plan()
         return self
+
+    def _check_sources(self) -> None:
+        for source in self.sources:
+            for target in (self.dst, self.tmp, self.old):
+                if target == source:
+                    relation = "is"
+                elif source.is_relative_to(target):
+                    relation = "contains"
+                elif target.is_relative_to(source):
+                    relation = "lies inside"
+                else:
+                    continue
+                raise ConversionError(f"{target} {relation} {source}, which the conversion reads "
+                                      f"or its result references: choose a destination outside it")
+
+    def _check_destination(self) -> None:
+        """dst is absent, or (with overwrite) a directory that may be replaced."""
+        parent = self.dst.parent
+        if not parent.is_dir():
+            state = "is not a directory" if parent.exists() else "does not exist"
+            raise ConversionError(f"{parent}: the destination's parent directory {state}")
+        if not (self.dst.exists() or self.dst.is_symlink()):
+            return
+        if not self.dst.is_dir():
+            raise ConversionError(f"{self.dst} is a file, not a model directory: choose another "
+                                  f"destination")
+        if not self.overwrite:
+            raise ConversionError(f"{self.dst} already exists (use --overwrite to replace it)")
+        reason = _not_written_by_dsv4(self.dst)
+        if reason:
+            raise ConversionError(f"{self.dst} is not a dsv4 model directory ({reason}); "
+                                  f"--overwrite replaces only those: choose another destination")
+        if self.old.exists() or self.old.is_symlink():
+            reason = _not_written_by_dsv4(self.old)
+            if reason:
+                raise ConversionError(f"{self.old} is in the way ({reason}): dsv4 moves the "
+                                      f"replaced directory there; move it away")
 
     def __exit__(self, kind, error, traceback) -> None:
         if kind is None:
@@ -252,15 +303,20 @@ class ModelDirWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _commit(self) -> None:
+        try:  # again: the destination may have changed while the conversion ran
+            self._check_destination()
+        except ConversionError as e:
+            raise ConversionError(f"{e} (the finished conversion is kept in {self.tmp}: "
+                                  f"--resume completes it)") from None
         (self.tmp / PLAN_FILE).unlink(missing_ok=True)
-        old = None
-        if self.dst.exists():
-            old = self.dst.with_name(f".{self.dst.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(self.dst, old)
+        replaced = self.dst.exists()
+        if replaced:
+            if self.old.exists():
+                shutil.rmtree(self.old)
+            os.rename(self.dst, self.old)
         os.rename(self.tmp, self.dst)
-        if old is not None:
-            shutil.rmtree(old)
+        if replaced:
+            shutil.rmtree(self.old)
 
     # -- plan -------------------------------------------------------------------------------
 
@@ -429,6 +485,42 @@ class ModelDirWriter:
                 progress.advance(unit.nbytes)
         progress.finish()
         return checked
+
+
+def _real(path: Path | str) -> Path:
+    try:
+        return Path(path).resolve()
+    except RuntimeError:  # Python < 3.13 (later ones raise OSError ELOOP)
+        raise ConversionError(f"{path}: a symlink loop") from None
+
+
+def _not_written_by_dsv4(path: Path, unfinished: bool = False) -> Optional[str]:
+    """Why `path` is not a directory a dsv4 converter wrote, or None when it is one (or is
+    empty): a model directory holds only files, among them a config.json with a `dsv4` block
+    naming its format version; an `unfinished` conversion may instead hold the writer's plan."""
+    if path.is_symlink() or not path.is_dir():
+        return "not a directory"
+    entries = list(path.iterdir())
+    folders = sorted(p.name for p in entries if p.is_dir() and not p.is_symlink())
+    if folders:
+        return f"it holds the folder {folders[0]}, and dsv4 writes no folders"
+    if not entries:
+        return None
+    if unfinished and _read_json(path / PLAN_FILE).get("format_version") == FORMAT_VERSION:
+        return None
+    block = _read_json(path / "config.json").get("dsv4")
+    if not (isinstance(block, dict) and isinstance(block.get("format_version"), int)):
+        return "no config.json with a dsv4 block"
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or {} when it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def pick_rows(n: int, rows: int, rng: np.random.Generator) -> np.ndarray:

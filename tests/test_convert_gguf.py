@@ -342,7 +342,7 @@ def test_command_line(mixed, tmp_path):
     app.command("other")(lambda: None)
     runner = CliRunner()
     bad = runner.invoke(app, ["gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "x")])
-    assert bad.exit_code == 1 and "missing.gguf: file not found" in bad.output
+    assert bad.exit_code == 2 and bad.output == f"error: {tmp_path / 'missing.gguf'}: file not found\n"
     ok = runner.invoke(app, ["gguf", str(mixed["gguf"]), str(tmp_path / "out"),
                              "--iq2-xxs-bits", "8", "--workers", "1"])
     assert ok.exit_code == 0, ok.output
@@ -352,6 +352,22 @@ def test_command_line(mixed, tmp_path):
     assert q.get("layers.0.ffn.experts.w1", q)["bits"] == 8   # 8-bit is now the default
     assert "added_relative_rms_error" not in config["dsv4"]["conversion"][
         "layers.*.ffn.experts.w1 (IQ2_XXS)"]
+
+
+@pytest.mark.parametrize("dst", ["q2", "."])
+def test_overwrite_never_deletes_the_gguf(mixed, tmp_path, dst):
+    """The result references the GGUF's Engram tables in place: a destination holding the
+    .gguf is refused, with the folder and its other files as they were."""
+    import shutil
+
+    folder = tmp_path / "q2"
+    folder.mkdir()
+    gguf = shutil.copy(mixed["gguf"], folder / "model.gguf")
+    (folder / "README.md").write_text("where I got it")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(ConversionError, match=f"contains {gguf}, which the conversion reads"):
+        conv.convert(gguf, tmp_path / dst, workers=1, overwrite=True, progress=False)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
 
 
 @pytest.mark.parametrize("change, match", [

@@ -417,13 +417,50 @@ def test_destination_exists(source, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    with pytest.raises(ConversionError, match=r"already exists \(use --overwrite"):
-        convert(source, dst, progress=False)
-    assert (dst / "keep.txt").read_text() == "mine"
+    for overwrite in (False, True):  # not a dsv4 model directory: never replaced
+        with pytest.raises(ConversionError, match=r"already exists \(use --overwrite|"
+                                                  r"not a dsv4 model directory"):
+            convert(source, dst, overwrite=overwrite, progress=False)
+        assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+        _only(tmp_path, "out")
+    (dst / "keep.txt").unlink()
+    convert(source, dst, drop_vision=True, overwrite=True, progress=False)  # empty: nothing lost
+    assert not (dst / "vision.safetensors").exists()
+    convert(source, dst, overwrite=True, progress=False)  # an earlier output: replaced
+    assert (dst / "vision.safetensors").is_file()
     _only(tmp_path, "out")
-    convert(source, dst, overwrite=True, progress=False)
-    assert not (dst / "keep.txt").exists() and (dst / "config.json").is_file()
-    _only(tmp_path, "out")
+
+
+def _tree_under(path: Path) -> dict:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("dst", ["models/src", "models", "models/src/out", "models/src-link"])
+def test_overwrite_never_touches_the_source(source, tmp_path, dst):
+    models = tmp_path / "models"
+    src = _copy(source, models)
+    (src / "NOTES.md").write_text("my notes on this checkpoint")
+    (models / "other-model").mkdir()
+    (models / "other-model" / "weights.bin").write_bytes(b"another model")
+    (models / "src-link").symlink_to(src)
+    before = _tree_under(tmp_path)
+    run = CliRunner().invoke(app, ["official", str(src), str(tmp_path / dst), "--overwrite",
+                                   "--quiet"])
+    assert run.exit_code == 2, run.output
+    assert run.output.startswith("error: ") and run.output.count("\n") == 1, run.output
+    assert "which the conversion reads or its result references" in run.output
+    assert _tree_under(tmp_path) == before
+
+
+def test_destination_that_is_a_file(source, tmp_path):
+    dst = tmp_path / "afile"
+    dst.write_text("not a model")
+    run = CliRunner().invoke(app, ["official", str(source), str(dst), "--overwrite", "--quiet"])
+    assert run.exit_code == 2 and run.output == f"error: {dst} is a file, not a model " \
+                                                 f"directory: choose another destination\n"
+    assert dst.read_text() == "not a model"
+    _only(tmp_path, "afile")
 
 
 # --- Hugging Face source ---------------------------------------------------------------------
@@ -492,9 +529,11 @@ def test_cli_official_and_its_errors(source, tmp_path):
     assert "requantization error of ffn.experts.w1" in ok.output and "verified" in ok.output
     assert len(list(dst.glob("model-*.safetensors"))) > 1
     again = runner.invoke(app, ["official", str(source), str(dst), "--quiet"])
-    assert again.exit_code == 1 and "already exists" in again.output
+    assert again.exit_code == 2 and again.output == f"error: {dst} already exists (use " \
+                                                    f"--overwrite to replace it)\n"
     bad = runner.invoke(app, ["official", str(source), str(tmp_path / "x"), "--dense-bits", "5"])
-    assert bad.exit_code == 1 and "bits must be one of" in bad.output
+    assert bad.exit_code == 2 and bad.output == "error: requantization bits must be one of " \
+                                                "(2, 3, 4, 8), got 5\n"
 
 
 def test_cli_delegates_gguf_and_exl3(monkeypatch):
@@ -521,7 +560,7 @@ def test_cli_delegates_gguf_and_exl3(monkeypatch):
         return real_import(name, *a)
     monkeypatch.setattr(importlib, "import_module", missing)
     run = runner.invoke(app, ["exl3", "x", "y"])
-    assert run.exit_code == 1 and "exl3 converter is not available yet" in run.output
+    assert run.exit_code == 2 and "exl3 converter is not available yet" in run.output
 
 
 # --- end to end: dsv4.load -------------------------------------------------------------------

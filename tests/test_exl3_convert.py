@@ -255,6 +255,16 @@ def test_cli_subcommand(converted, tmp_path):
     assert config["quantization"]["layers.0.ffn.experts.w1"]["bits"] == 4
 
 
+@pytest.mark.parametrize("dst", ["pack", "."])
+def test_overwrite_never_deletes_the_pack(converted, tmp_path, dst):
+    pack = shutil.copytree(converted[0] / "pack", tmp_path / "pack")
+    (pack / "NOTES.md").write_text("mine")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(ConversionError, match=f"{pack}, which the conversion reads"):
+        exl3.convert(pack, tmp_path / dst, workers=1, overwrite=True, progress=False)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+
+
 def test_a_single_exl3_linear_becomes_bf16(official, tmp_path):
     from dsv4 import load
 

@@ -133,17 +133,148 @@ def test_declared_size_must_match(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_destination_exists_and_overwrite(tmp_path):
+def _tree(path):
+    """Every file under `path` (relative name -> bytes)."""
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+def _model_dir(dst, seed=0, **options):
+    """A directory as the converters write it: weights and a config.json with a dsv4 block."""
+    with ModelDirWriter(dst, {}, progress=False, **options) as out:
+        out.write_weights({"model": _units(_tensors(seed, 2))})
+        out.write_json("config.json", {"dsv4": {"format_version": 1}, "seed": seed})
+
+
+def test_destination_exists_and_overwrite_replaces_an_earlier_output(tmp_path):
     dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "old.txt").write_text("x")
+    _model_dir(dst, seed=0)
+    before = _tree(dst)
     with pytest.raises(ConversionError, match="already exists.*--overwrite"):
         ModelDirWriter(dst, {}).__enter__()
-    assert (dst / "old.txt").exists() and not (tmp_path / ".out.partial").exists()
-    with ModelDirWriter(dst, {}, overwrite=True, progress=False) as out:
-        out.write_weights({"model": _units(_tensors(0, 2))})
-    assert not (dst / "old.txt").exists()
+    assert _tree(dst) == before and not (tmp_path / ".out.partial").exists()
+    _model_dir(dst, seed=1, overwrite=True)
+    assert json.loads((dst / "config.json").read_text())["seed"] == 1
+    assert _tree(dst) != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # an empty directory holds nothing to lose
+    (tmp_path / "empty").mkdir()
+    _model_dir(tmp_path / "empty", overwrite=True)
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+
+def _not_a_model(dst):
+    (dst / "notes.txt").write_text("my notes")
+
+
+def _foreign_config(dst):
+    (dst / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (dst / "model-00001-of-00001.safetensors").write_bytes(b"their weights")
+
+
+def _model_with_a_folder(dst):
+    (dst / "config.json").write_text(json.dumps({"dsv4": {"format_version": 1}}))
+    (dst / "other-model").mkdir()
+    (dst / "other-model" / "weights.bin").write_bytes(b"precious")
+
+
+@pytest.mark.parametrize("fill, reason", [
+    (_not_a_model, "no config.json with a dsv4 block"),
+    (_foreign_config, "no config.json with a dsv4 block"),
+    (_model_with_a_folder, "it holds the folder other-model"),
+])
+def test_overwrite_refuses_a_directory_dsv4_did_not_write(tmp_path, fill, reason):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    fill(dst)
+    before = _tree(dst)
+    with pytest.raises(ConversionError, match=f"out is not a dsv4 model directory \\({reason}"):
+        _model_dir(dst, overwrite=True)
+    assert _tree(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_destination_that_is_a_file_is_refused(tmp_path, overwrite):
+    dst = tmp_path / "afile"
+    dst.write_text("keep me")
+    with pytest.raises(ConversionError, match="afile is a file, not a model directory"):
+        _model_dir(dst, overwrite=overwrite)
+    assert dst.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_only_the_writers_own_unfinished_directory_is_removed(tmp_path):
+    dst = tmp_path / "out"
+    stranger = tmp_path / ".out.partial"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("not a conversion")
+    for options in ({"overwrite": True}, {"resume": True}):
+        with pytest.raises(ConversionError, match=r"\.out\.partial is in the way and is not an "
+                                                  r"unfinished dsv4 conversion"):
+            _model_dir(dst, **options)
+    assert (stranger / "notes.txt").read_text() == "not a conversion" and not dst.exists()
+    # nor the directory the replaced output is moved to while swapping
+    stranger.rename(tmp_path / ".out.old")
+    _model_dir(dst)
+    with pytest.raises(ConversionError, match=r"\.out\.old is in the way"):
+        _model_dir(dst, overwrite=True)
+    assert (tmp_path / ".out.old" / "notes.txt").read_text() == "not a conversion"
+
+
+@pytest.mark.parametrize("where, relation", [
+    ("src", "is"), (".", "contains"), ("src/inside", "lies inside"), ("link", "is")])
+def test_destination_overlapping_a_source_is_refused(tmp_path, where, relation):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(b"source")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(src)
+    before = _tree(tmp_path)
+    dst = (tmp_path / where)
+    with pytest.raises(ConversionError, match=f" {relation} {src}, which the conversion reads"):
+        _model_dir(dst, overwrite=True, sources=[src, src / "weights.bin"])
+    assert _tree(tmp_path) == before
+    # a source file elsewhere: its folder may not be the destination either
+    with pytest.raises(ConversionError, match=f"contains {src / 'weights.bin'}"):
+        _model_dir(src, overwrite=True, sources=[tmp_path / "link" / "weights.bin"])
+    assert _tree(tmp_path) == before
+
+
+def test_unwritable_parent_is_one_clear_error(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(ConversionError, match=f"^{tmp_path}: cannot create the destination there "
+                                              f"\\(Permission denied\\)$"):
+        _model_dir(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_destination_in_a_symlink_loop_is_one_clear_error(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ConversionError, match="a symlink loop|parent directory does not exist"):
+        _model_dir(tmp_path / "a" / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_destination_that_appears_during_the_conversion_is_kept(tmp_path):
+    dst = tmp_path / "out"
+    with pytest.raises(ConversionError, match="already exists.*finished conversion is kept in"):
+        with ModelDirWriter(dst, {}, progress=False) as out:
+            out.write_weights({"model": _units(_tensors(0, 2))})
+            dst.mkdir()
+            (dst / "notes.txt").write_text("arrived meanwhile")
+    assert (dst / "notes.txt").read_text() == "arrived meanwhile"
+    (dst / "notes.txt").rename(tmp_path / "notes.txt")
+    dst.rmdir()
+    calls = []
+    with ModelDirWriter(dst, {}, resume=True, progress=False) as out:
+        out.write_weights({"model": _units(_tensors(0, 2), calls=calls)})
+    assert calls == [] and (dst / "model-00001-of-00001.safetensors").is_file()
 
 
 def test_resume_redoes_only_unfinished_shards_and_gives_the_same_directory(tmp_path):
