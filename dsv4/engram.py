@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import flags
-from .config import ModelArgs
+from .config import ConfigError, ModelArgs
 from .linear import Linear
 from .quant import qdq_fp8
 
@@ -100,7 +100,7 @@ class NgramHasher:
 
     def __init__(self, args: ModelArgs, token_map: np.ndarray):
         if args.engram_compressed_vocab_size and token_map.max() + 1 != args.engram_compressed_vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the tokenizer's Engram token map has {token_map.max() + 1} compressed ids, "
                 f"the config says engram_compressed_vocab_size={args.engram_compressed_vocab_size}")
         self.args = args
@@ -163,10 +163,13 @@ class Engram(nn.Module):
         key = kv[..., : self.hc * self.dim].reshape(b, s, self.hc, self.dim).astype(mx.float32)
         value = kv[..., self.hc * self.dim:].astype(mx.float32)
         x = streams.astype(mx.float32)
-        wqk = (self.q_weight * self.k_weight).astype(mx.float32)
+        # the product of the fp32 weights, as the reference takes it: a bf16 product keeps 8 of
+        # its 16 significant bits
+        wqk = self.q_weight.astype(mx.float32) * self.k_weight.astype(mx.float32)
         rstd = mx.rsqrt(mx.mean(x * x, axis=-1) + self.eps) * mx.rsqrt(mx.mean(key * key, axis=-1) + self.eps)
         dot = mx.sum(x * wqk * key, axis=-1) * rstd * (self.dim ** -0.5)
-        gate = mx.sigmoid(mx.sign(dot) * mx.sqrt(mx.maximum(mx.abs(dot), 1e-6)))
+        root = mx.sqrt(mx.maximum(mx.abs(dot), 1e-6))
+        gate = mx.sigmoid(mx.where(dot < 0, -root, root))  # the reference's copysign: 0 -> +root
         if gate_mask is not None:
             gate = gate * gate_mask[..., None]
         return (x + gate[..., None] * value[:, :, None, :]).astype(streams.dtype)
