@@ -1,13 +1,12 @@
 """The fused-experts kernel's own decoding and fp8 rounding code, compiled for the CPU.
 
-The kernel header (dsv4.kernels.experts._HEADER) is compiled with clang++ (or g++) under a
-host prelude that gives the dialect names plain C++ meanings (fp16 decoded in software), then
-run on random packs: the decoded values must equal MLX's `mx.dequantize` codes bit for bit,
-and the fp8 act-quant rounding must equal dsv4.quant.qdq_fp8. Needs a C++ compiler: the
-test fails (apt-get install clang) rather than skip.
+The kernel header (dsv4.kernels.experts._HEADER) is compiled with clang (tools/cxx.py: the test
+extra's ziglang wheel) under a host prelude that gives the dialect names plain C++ meanings (fp16
+decoded in software), then run on random packs: the decoded values must equal MLX's
+`mx.dequantize` codes bit for bit, and the fp8 act-quant rounding must equal
+dsv4.quant.qdq_fp8. Without a compiler the tests fail rather than skip.
 """
 
-import shutil
 import subprocess
 
 import numpy as np
@@ -17,6 +16,7 @@ import mlx.core as mx
 
 from dsv4.kernels.experts import _HEADER
 from dsv4.quant import qdq_fp8
+from tools.cxx import cxx_command
 
 HOST_PRELUDE = r"""
 #include <cmath>
@@ -84,14 +84,16 @@ int main(int argc, char** argv) {
 
 
 def build_host(folder, name: str, source: str):
-    """source (C++, after HOST_PRELUDE) compiled in folder -> the executable's path."""
-    cxx = shutil.which("clang++") or shutil.which("g++")
-    if cxx is None:
-        pytest.fail("no C++ compiler: install clang (apt-get install clang)")
+    """source (C++, after HOST_PRELUDE) compiled in folder -> the executable's path. C++20 and
+    threads: the threadgroup emulator (test_kernels_matvec.EMULATOR) uses std::barrier. No FMA
+    contraction: the bit-exact tests check fp32 arithmetic as written, and zig's clang targets
+    the host CPU, which has FMA."""
     src, exe = folder / f"{name}.cpp", folder / name
     src.write_text(HOST_PRELUDE + source)
-    result = subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(exe), str(src)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    flags = ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off"]
+    result = subprocess.run(cxx_command() + flags + ["-o", str(exe), str(src)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[:3000]
     return exe
 
 

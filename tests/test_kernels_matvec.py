@@ -4,7 +4,6 @@ test_kernels_experts, the fp8 rounding of test_quant), `fp8_linear`'s CPU path, 
 dispatch rules and work split, and the kernel body compiled and run on the host (fp32 x)
 against numpy. The kernel on the device: tests/test_kernels_matvec_gpu.py."""
 
-import shutil
 import subprocess
 from unittest import mock
 
@@ -17,7 +16,7 @@ from dsv4.kernels import matvec as mv
 from dsv4.kernels.experts import _HEADER, MODE_IDS, X_STRIDE
 from dsv4.linear import Linear, fp8_linear
 from dsv4.quant import qdq_fp8
-from tests.test_kernels_decode_host import HOST_PRELUDE
+from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import bf16, dequantize_np, quantized
 from tests.test_quant import ref_qdq_fp8
 
@@ -138,7 +137,7 @@ def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
 
 
 # --- the kernel body itself, run on the host --------------------------------------------------
-# The body and header are compiled with clang++ under test_kernels_decode_host's host prelude
+# The body and header are compiled with clang under test_kernels_decode_host's host prelude
 # and run as a threadgroup of real threads: SHARED is a static shared by the threads of the
 # threadgroup in flight (threadgroups run one after another, `launch`), BARRIER a std::barrier,
 # and simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group; a
@@ -235,13 +234,8 @@ def emulated_kernel(tmp_path, q, x, act_quant, split, rows):
     consts = dict(WARPS=mv.WARPS, MODE=MODE_IDS[q.mode], BITS=q.bits, GS=q.group_size, SPLIT=split,
                   ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)))
     scale = "uint8_t" if q.mode != "affine" else "float"
-    src = (HOST_PRELUDE + EMULATOR + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
-           + _HEADER + EMULATOR_MAIN.replace("BODY", mv.MATVEC_KERNEL.body).replace("SCALE", scale))
-    cpp, exe = tmp_path / "matvec.cpp", tmp_path / "matvec"
-    cpp.write_text(src)
-    built = subprocess.run(["clang++", "-std=c++20", "-O1", "-pthread", "-o", str(exe), str(cpp)],
-                           capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[:3000]
+    exe = build_host(tmp_path, "matvec", EMULATOR + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
+                     + _HEADER + EMULATOR_MAIN.replace("BODY", mv.MATVEC_KERNEL.body).replace("SCALE", scale))
     scales = np.array(q.scales.astype(mx.float32) if q.mode == "affine" else q.scales)
     biases = np.array(q.biases.astype(mx.float32)).tobytes() if q.mode == "affine" else b""
     data = (np.array([N, tokens], np.int32).tobytes() + np.asarray(x, np.float32).tobytes()
@@ -258,8 +252,6 @@ def emulated_kernel(tmp_path, q, x, act_quant, split, rows):
     (4100, 32, "mxfp8", 8, 32, False),      # 4 rows per SIMD group, one pack per row
 ])
 def test_kernel_body_on_the_host(tmp_path, n, k, mode, bits, gs, act_quant):
-    if shutil.which("clang++") is None:
-        pytest.fail("clang++ is not installed (apt-get install clang)")
     rng = np.random.default_rng()
     q = quantized(rng, (n, k), mode, bits, gs, mx.float32)
     split, rows = mv.work_split(n, k, gs)

@@ -3,8 +3,8 @@
 Metal (no Mac needed): each kernel body is wrapped exactly the way `mx.fast.metal_kernel`
 wraps it (MLX's `write_signature`: template line, `[[kernel]]` signature with one buffer per
 input and output, the attributes the body names, the explicit template instantiation), then
-parsed and type-checked by clang as C++17 against tools/metal_shim/metal_stdlib.h. A syntax or
-type error fails.
+compiled by clang as C++17 against tools/metal_shim/metal_stdlib.h (tools/cxx.py picks the
+clang). A syntax or type error fails.
 
 CUDA (no GPU needed): the body is wrapped the way `mx.fast.cuda_kernel` wraps it and compiled
 for sm_90, by NVRTC (the library MLX's CUDA backend compiles custom kernels with at run time;
@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv4.kernels.dialect import Kernel  # noqa: E402
+from tools.cxx import cxx_command  # noqa: E402
 
 SHIM = ROOT / "tools" / "metal_shim"
-CLANG_PACKAGE = "clang"
 
 METAL_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
                mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t",
@@ -143,18 +143,11 @@ def _run(cmd: list[str], source: str, suffix: str) -> str | None:
     return result.stderr or result.stdout
 
 
-def clang() -> str:
-    exe = shutil.which("clang++") or shutil.which("clang")
-    if exe is None:
-        raise RuntimeError(f"clang is not installed: install it (Debian/Ubuntu: apt-get install "
-                           f"{CLANG_PACKAGE}) to run the Metal syntax gate")
-    return exe
-
-
 def check_metal(kernel: Kernel) -> list[str]:
     """Errors (empty when clean) of every instantiation of `kernel`'s Metal source."""
-    cmd = [clang(), "-x", "c++", "-std=c++17", "-fsyntax-only", "-Wno-unknown-attributes",
-           "-include", str(SHIM / "metal_stdlib.h")]
+    # An object file, not -fsyntax-only, which zig's driver cannot run (tools/cxx.py).
+    cmd = cxx_command() + ["-x", "c++", "-std=c++17", "-c", "-o", "kernel.o", "-Wno-unknown-attributes",
+                           "-include", str(SHIM / "metal_stdlib.h")]
     errors = []
     for check in kernel.checks:
         err = _run(cmd, metal_source(kernel, check), ".metal.cpp")
@@ -219,6 +212,11 @@ def check_cuda(kernel: Kernel, nvcc: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    try:
+        cxx_command()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     kernels = all_kernels()
     errors = []
     for k in kernels:
