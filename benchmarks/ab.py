@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import hardware
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks import hardware  # noqa: E402
 
 RESULT_PREFIX = "DSV4_RESULT "
 STAGE_KEY = "stage_profile_ms"

@@ -25,7 +25,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import ab, hardware
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks import ab, hardware  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUN_TIMEOUT_S = 3600.0   # one conversion; the default sizes take seconds

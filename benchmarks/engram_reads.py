@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import ab, hardware
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks import ab, hardware  # noqa: E402
 
 ROW = 264
 ALIGN = 16384

@@ -16,14 +16,17 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from benchmarks import hardware
-from convert import exl3_decode
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks import hardware  # noqa: E402
+from convert import exl3_decode  # noqa: E402
 
 MATRICES_PER_PACK = 46_080
 IN_FEATURES, OUT_FEATURES = 5120, 2304

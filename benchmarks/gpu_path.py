@@ -19,9 +19,13 @@ import collections
 import contextlib
 import importlib
 import pkgutil
+import sys
 from datetime import datetime
+from pathlib import Path
 
 import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
 STAND_IN = "Depends"   # the node each custom kernel call becomes (the model itself has none)
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
 # Primitives that only re-describe memory (or order work) and launch nothing when their input
 # is contiguous, as it is in a decode step: what is left is the work a GPU launches.

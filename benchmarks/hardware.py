@@ -7,6 +7,7 @@ accelerator); `to_markdown(info)` renders it as a small Markdown table. Every be
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -99,4 +100,5 @@ def to_markdown(info: dict) -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(prog="python -m benchmarks.hardware", description=__doc__).parse_args()
     print(to_markdown(describe()))

@@ -11,11 +11,14 @@ argmax agreement and the head's bytes. Writes a dated report to benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import sys
 from datetime import datetime
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
 TEXT = ("Errors should never pass silently. Unless explicitly silenced. In the face of "
         "ambiguity, refuse the temptation to guess. There should be one obvious way to do it. "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
 from dsv4.kernels import experts as ex  # noqa: E402
 from dsv4.kernels import matvec as mv  # noqa: E402

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
 ROLES = dict(num_hidden_layers=7, compress_ratios=[0, 0, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 4],
              index_source_layer_ids=[2, 4, 5], candidate_source_layer_id=4, engram_layer_ids=[])

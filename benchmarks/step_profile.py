@@ -36,6 +36,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
 NCU_METRICS = "gpu__time_duration.sum,dram__bytes_read.sum"
 
 

@@ -22,12 +22,15 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.ab import RESULT_PREFIX, STAGE_KEY, tokens_md5
-from dsv4 import memory, profiler
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks.ab import RESULT_PREFIX, STAGE_KEY, tokens_md5  # noqa: E402
+from dsv4 import memory, profiler  # noqa: E402
 
 
 @dataclass(frozen=True)
