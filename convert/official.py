@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4.config import ModelArgs
-from dsv4.engram_store import ROW_BYTES, copy_table, interleaved_reference, open_table
+from dsv4.engram_store import copy_reference, copy_table, open_table, stored_rows
 from dsv4.layout import MXFP4, MXFP8, Item, engram_table_refs, plan
 from dsv4.safetensors_file import Checkpoint, view
 
@@ -320,13 +320,14 @@ def convert(src: str | Path, dst: str | Path, *, revision: Optional[str] = None,
     with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
                         max_shard_bytes=max_shard_bytes, progress=progress,
                         sources=source_paths(source)) as out:
-        engram_bytes = sum(r["rows"] for r in engram.values()) * ROW_BYTES if copy_engram else 0
+        engram_bytes = sum(r["rows"] * stored_rows(r, args.engram_head_dim).row_bytes
+                           for r in engram.values()) if copy_engram else 0
         shards = out.write_weights(groups, other_bytes=engram_bytes)
         errors = requant_errors(out.metadata("model"))
         if verify:
             verified = out.verify(groups, rows=verify_rows)
         if copy_engram:
-            engram = _copy_engram(engram, source.path, out, progress)
+            engram = _copy_engram(engram, args.engram_head_dim, source.path, out, progress)
         requant = {}
         for kind, spec in (("experts", experts), ("dense", dense)):
             if spec is not None:
@@ -347,15 +348,17 @@ def _is_kind(kind: str, what: str) -> bool:
     return (".experts." in f".{kind}.") == (what == "experts")
 
 
-def _copy_engram(refs: dict, src_dir: Path, out: ModelDirWriter, progress: bool) -> dict:
+def _copy_engram(refs: dict, head_dim: int, src_dir: Path, out: ModelDirWriter,
+                 progress: bool) -> dict:
     """Each table to `engram-LL.bin` in the model directory (skipped when a resumed run has it)."""
     copied = {}
     for layer, ref in refs.items():
         name = f"engram-{int(layer):02d}.bin"
         if out.exists(name):
-            copied[layer] = interleaved_reference(out.path(name), 0, ref["rows"], out.tmp)
+            copied[layer] = copy_reference(stored_rows(ref, head_dim), out.path(name),
+                                           ref["rows"], out.tmp)
             continue
-        table = open_table(ref, src_dir, name=f"layer {layer} engram table")
+        table = open_table(ref, src_dir, name=f"layer {layer} engram table", head_dim=head_dim)
         try:
             copied[layer] = copy_table(table, out.path(name), base_dir=out.tmp, progress=progress)
         finally:

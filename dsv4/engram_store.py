@@ -1,18 +1,26 @@
-"""Engram tables: rows of 256 fp8 e4m3 codes + 8 e8m0 scales, read where they lie on disk.
+"""Engram tables: rows of engram_head_dim values, read where they lie on disk.
 
 Each of the model's two Engram tables has ~384 M rows (~95 GiB); every token reads 24 rows of
-each (model-spec 6). A table hands rows out as bf16, exactly `e4m3 * 2**(e8m0 - 127)` per group
-of 32 values (MLX `mxfp8`):
+each (model-spec 6). A row of the released model is 256 fp8 e4m3 codes and 8 e8m0 scales; the
+width comes from the config (`engram_head_dim`: that many codes and one scale per 32), and a
+dequantised upload may store the rows as BF16 or F32 instead (`Fp8Rows`, `FloatRows`: the
+bytes of a row and their decoding). A table hands rows out as bf16: exactly
+`e4m3 * 2**(e8m0 - 127)` per group of 32 values (MLX `mxfp8`), or the float values as stored
+(F32 rounded to bf16, as the reference's lookup returns them):
 
     request = table.start(ids)    # validates ids, starts the reads, returns at once
-    rows = request.wait()         # [*ids.shape, 256] bfloat16; raises a worker's error
+    rows = request.wait()         # [*ids.shape, width] bfloat16; raises a worker's error
 
 Kinds of table:
-- `InterleavedTable`: 264-byte rows (256 e4m3 bytes, then 8 e8m0 bytes) at a 64-bit offset of
-  a file: the ds4 GGUF layout and the layout `copy_table` writes. One `pread` per row.
-- `SplitTable`: the official safetensors layout, a weight tensor [rows, 256] F8_E4M3 and a scale
-  tensor [rows, 8] F8_E8M0, possibly in different shard files. Two `pread`s per row.
-- `ResidentTable`: the rows in memory as MLX mxfp8 (weight viewed as uint32, uint8 scales).
+- `InterleavedTable`: fp8 rows with their scales behind them (264 bytes at width 256) from a
+  64-bit offset of a file: the ds4 GGUF layout and the layout `copy_table` writes. One `pread`
+  per row.
+- `SplitTable`: the official safetensors layout, a weight tensor [rows, width] F8_E4M3 and a
+  scale tensor [rows, width / 32] F8_E8M0, possibly in different shard files. Two `pread`s per
+  row.
+- `FloatTable`: a BF16 or F32 tensor [rows, width] (a dequantised upload), or `copy_table`'s
+  copy of one.
+- `ResidentTable`: the raw rows in memory, decoded as the file tables decode them.
 
 Reads run on one persistent thread pool shared by all tables. A call is sorted by row and
 de-duplicated, then split into contiguous partitions, one per worker; each worker writes only
@@ -24,7 +32,8 @@ pread per row, one after another); a larger call (prefill) uses `engram_prefill_
 With `engram_readahead` a worker first hands all its rows to the kernel (posix_fadvise
 WILLNEED), so their disk reads are in flight together before its preads wait for them.
 Errors name the table, the row and the file offset. A short read is an error, never zeros.
-NaN codes (e4m3 0x7F/0xFF, e8m0 0xFF) are rejected with the row that holds them.
+NaN codes (e4m3 0x7F/0xFF, e8m0 0xFF; float NaN and infinities) are rejected with the row that
+holds them.
 
 Table reference (JSON), as a dsv4 model directory's config.json records it for each Engram
 layer under `config["dsv4"]["engram"]["<layer id>"]`; a relative "file" is relative to the
@@ -40,11 +49,18 @@ model directory:
      "scale":  {"file": "/ckpt/model-00005-of-00048.safetensors",
                 "tensor": "layers.1.engram.embed.scale", "offset": 789}}
 
-In a split entry "tensor" and "offset" may each be left out (not both): the tensor is found
-with `safetensors_file.read_header`, its dtype and shape are checked, and a recorded offset
-must agree with it. `interleaved_reference` and `split_reference` build these dicts;
-`open_table` turns one into a table (a `ResidentTable` when `engram_resident` is on);
-`copy_table` writes a self-contained interleaved file and returns its reference.
+    {"layout": "bf16", "rows": 384006168,       # or "f32": a dequantised upload's tensor
+     "weight": {"file": "/ckpt/model-00003-of-00048.safetensors",
+                "tensor": "layers.1.engram.embed.weight", "offset": 123456}}
+
+An interleaved layout is named by its row's bytes, `interleaved<width + width / 32>`
+(interleaved264 at width 256, the ds4 GGUF's); the width itself is the config's
+engram_head_dim, which `open_table` takes and checks the reference against. In a split or
+float entry "tensor" and "offset" may each be left out (not both): the tensor is found with
+`safetensors_file.read_header`, its dtype and shape are checked, and a recorded offset must
+agree with it. `interleaved_reference`, `split_reference` and `float_reference` build these
+dicts; `open_table` turns one into a table (a `ResidentTable` when `engram_resident` is on);
+`copy_table` writes a self-contained file of the table's raw rows and returns its reference.
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ import bisect
 import concurrent.futures
 import itertools
 import os
+import re
 import sys
 import threading
 import weakref
@@ -70,11 +87,10 @@ from dsv4.errors import InputError
 from dsv4.progress import Progress
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
 
-WEIGHT_BYTES = 256   # e4m3 codes per row
-SCALE_BYTES = 8      # one e8m0 exponent per 32 codes
-ROW_BYTES = WEIGHT_BYTES + SCALE_BYTES
-GROUP = WEIGHT_BYTES // SCALE_BYTES
-LAYOUTS = ("interleaved264", "split")
+GROUP = 32           # e4m3 codes per e8m0 scale
+RELEASED_WIDTH = 256  # engram_head_dim of DeepSeek V4.1 Flash: the ds4 GGUF's 264-byte rows
+FLOAT_STORAGE = {"BF16": np.dtype(np.uint16), "F32": np.dtype(np.float32)}
+LAYOUTS = ("interleaved<row bytes>", "split", "bf16", "f32")
 # Decode steps read 24 rows per table per token; calls above this many distinct rows are
 # batch reads (prefill) and fan out over engram_prefill_workers.
 BATCH_ROWS = 64
@@ -150,30 +166,104 @@ def _validate_ids(ids, rows: int, name: str) -> tuple[np.ndarray, tuple[int, ...
     return flat.astype(np.int64), array.shape
 
 
-def dequantize_rows(raw: np.ndarray, shape: tuple[int, ...] = None) -> mx.array:
-    """Raw rows [n, 264] uint8 -> bf16 [*shape, 256], exactly e4m3 * 2**(e8m0 - 127) (mxfp8)."""
-    shape = (raw.shape[0],) if shape is None else tuple(shape)
-    if raw.shape[0] == 0:
-        return mx.zeros((*shape, WEIGHT_BYTES), dtype=mx.bfloat16)
-    weight = mx.array(np.ascontiguousarray(raw[:, :WEIGHT_BYTES]).view(np.uint32))
-    scales = mx.array(np.ascontiguousarray(raw[:, WEIGHT_BYTES:]))
-    out = mx.dequantize(weight, scales, group_size=GROUP, bits=8, mode="mxfp8", dtype=mx.bfloat16)
-    return out.reshape(*shape, WEIGHT_BYTES)
+@dataclass(frozen=True)
+class Fp8Rows:
+    """A row of `width` fp8 e4m3 codes followed by its width / 32 e8m0 scales."""
+    width: int = RELEASED_WIDTH
+
+    def __post_init__(self):
+        if self.width <= 0 or self.width % GROUP:
+            raise EngramError(f"an fp8 Engram row needs a positive multiple of {GROUP} values "
+                              f"(one e8m0 scale per {GROUP}), got engram_head_dim {self.width}")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width + self.width // GROUP
+
+    @property
+    def layout(self) -> str:
+        """The name of the interleaved layout of these rows."""
+        return f"interleaved{self.row_bytes}"
+
+    def decode(self, raw: np.ndarray, shape: tuple[int, ...]) -> mx.array:
+        """Raw rows [n, row_bytes] uint8 -> bf16 [*shape, width], exactly e4m3 * 2**(e8m0 - 127)."""
+        if raw.shape[0] == 0:
+            return mx.zeros((*shape, self.width), dtype=mx.bfloat16)
+        weight = mx.array(np.ascontiguousarray(raw[:, :self.width]).view(np.uint32))
+        scales = mx.array(np.ascontiguousarray(raw[:, self.width:]))
+        out = mx.dequantize(weight, scales, group_size=GROUP, bits=8, mode="mxfp8",
+                            dtype=mx.bfloat16)
+        return out.reshape(*shape, self.width)
+
+    def first_nan(self, raw: np.ndarray) -> Optional[tuple[int, str]]:
+        """(index of the first row holding a NaN code, what it holds), or None."""
+        weight_nan = (raw[:, :self.width] & 0x7F) == 0x7F
+        scale_nan = raw[:, self.width:] == 0xFF
+        bad = np.flatnonzero(weight_nan.any(axis=1) | scale_nan.any(axis=1))
+        if not bad.size:
+            return None
+        i = int(bad[0])
+        if weight_nan[i].any():
+            j = int(np.argmax(weight_nan[i]))
+            return i, f"the e4m3 NaN code 0x{raw[i, j]:02X} at column {j}"
+        j = int(np.argmax(scale_nan[i]))
+        return i, f"the e8m0 NaN code 0xFF as scale {j}"
 
 
-def _first_nan(raw: np.ndarray) -> Optional[tuple[int, str]]:
-    """(index of the first row holding a NaN code, what it holds), or None."""
-    weight_nan = (raw[:, :WEIGHT_BYTES] & 0x7F) == 0x7F
-    scale_nan = raw[:, WEIGHT_BYTES:] == 0xFF
-    bad = np.flatnonzero(weight_nan.any(axis=1) | scale_nan.any(axis=1))
-    if not bad.size:
-        return None
-    i = int(bad[0])
-    if weight_nan[i].any():
-        j = int(np.argmax(weight_nan[i]))
-        return i, f"the e4m3 NaN code 0x{raw[i, j]:02X} at column {j}"
-    j = int(np.argmax(scale_nan[i]))
-    return i, f"the e8m0 NaN code 0xFF as scale {j}"
+@dataclass(frozen=True)
+class FloatRows:
+    """A row of `width` BF16 or F32 values (little-endian), as a dequantised upload stores its
+    tables. Handed out as bf16, as the reference's lookup returns rows (F32 rounded, RNE)."""
+    width: int
+    dtype: str = "BF16"
+
+    def __post_init__(self):
+        if self.width <= 0:
+            raise EngramError(f"an Engram row needs a positive width, got {self.width}")
+        if self.dtype not in FLOAT_STORAGE:
+            raise EngramError(f"float Engram rows are {' or '.join(FLOAT_STORAGE)}, "
+                              f"not {self.dtype}")
+
+    @property
+    def layout(self) -> str:
+        return self.dtype.lower()
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * FLOAT_STORAGE[self.dtype].itemsize
+
+    def _values(self, raw: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(raw).view(FLOAT_STORAGE[self.dtype]).reshape(-1, self.width)
+
+    def decode(self, raw: np.ndarray, shape: tuple[int, ...]) -> mx.array:
+        values = mx.array(self._values(raw))
+        values = values.view(mx.bfloat16) if self.dtype == "BF16" else values.astype(mx.bfloat16)
+        return values.reshape(*shape, self.width)
+
+    def first_nan(self, raw: np.ndarray) -> Optional[tuple[int, str]]:
+        """(index of the first row holding a NaN or an infinity, what it holds), or None."""
+        values = self._values(raw)
+        if self.dtype == "BF16":
+            bad = (values & 0x7F80) == 0x7F80  # exponent all ones
+        else:
+            bad = ~np.isfinite(values)
+        rows = np.flatnonzero(bad.any(axis=1))
+        if not rows.size:
+            return None
+        i = int(rows[0])
+        j = int(np.argmax(bad[i]))
+        value = float(values[i, j]) if self.dtype == "F32" else \
+            float((values[i, j:j + 1].astype(np.uint32) << 16).view(np.float32)[0])
+        return i, f"the {self.dtype} value {value} at column {j}"
+
+
+RowFormat = Union[Fp8Rows, FloatRows]
+
+
+def dequantize_rows(raw: np.ndarray, shape: Optional[tuple[int, ...]] = None) -> mx.array:
+    """Raw interleaved fp8 rows [n, width + width / 32] uint8 -> bf16 [*shape, width]."""
+    rows = Fp8Rows(raw.shape[1] * GROUP // (GROUP + 1))
+    return rows.decode(raw, (raw.shape[0],) if shape is None else tuple(shape))
 
 
 class _RowCache:
@@ -300,11 +390,13 @@ def _open_fd(path: Path) -> int:
 class FileTable:
     """A table over regions of existing files, read with pread on the shared pool."""
 
-    def __init__(self, name: str, rows: int, regions: Sequence[tuple]):
-        """regions: (file, offset of row 0, bytes per row in the file, position in the row);
-        `file` is a path or a list of a split file's parts (offsets then run over them all)."""
+    def __init__(self, name: str, rows: int, regions: Sequence[tuple], row_format: RowFormat):
+        """regions: (file, offset of row 0, bytes per row in the file, position in the row),
+        together the `row_format.row_bytes` of a row; `file` is a path or a list of a split
+        file's parts (offsets then run over them all)."""
         self.name = name
         self.rows = int(rows)
+        self.row_format = row_format
         if self.rows <= 0:
             raise EngramError(f"{name}: a table needs at least one row, got {rows}")
         fds: dict[Path, int] = {}
@@ -355,29 +447,31 @@ class FileTable:
     def start(self, ids: np.ndarray) -> RowRequest:
         flat, shape = _validate_ids(ids, self.rows, self.name)
         futures, raw = self._dispatch(flat)
-        return RowRequest(futures, lambda: dequantize_rows(raw(), shape))
+        return RowRequest(futures, lambda: self.row_format.decode(raw(), shape))
 
     def read(self, ids) -> mx.array:
         return self.start(ids).wait()
 
     def read_raw(self, ids, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """The raw rows [*ids.shape, 264] uint8, written into `out` when given (checked first)."""
+        """The raw rows [*ids.shape, row bytes] uint8, written into `out` when given (checked
+        first)."""
         flat, shape = _validate_ids(ids, self.rows, self.name)
-        _check_out(out, (*shape, ROW_BYTES), self.name)
+        row_bytes = self.row_format.row_bytes
+        _check_out(out, (*shape, row_bytes), self.name)
         futures, raw = self._dispatch(flat)
-        rows = RowRequest(futures, raw).wait().reshape(*shape, ROW_BYTES)
+        rows = RowRequest(futures, raw).wait().reshape(*shape, row_bytes)
         if out is None:
             return rows
         out[...] = rows
         return out
 
     def read_range(self, first: int, count: int) -> np.ndarray:
-        """Rows first..first+count-1 as [count, 264] uint8, one bulk read per region."""
+        """Rows first..first+count-1 as [count, row bytes] uint8, one bulk read per region."""
         if first < 0 or count < 0 or first + count > self.rows:
             raise EngramError(f"{self.name}: rows [{first}, {first + count}) are outside [0, {self.rows})")
-        out = np.empty((count, ROW_BYTES), np.uint8)
+        out = np.empty((count, self.row_format.row_bytes), np.uint8)
         for seg in self._segments:
-            part = out if seg.width == ROW_BYTES else np.empty((count, seg.width), np.uint8)
+            part = out if seg.width == out.shape[1] else np.empty((count, seg.width), np.uint8)
             try:
                 got = seg.file.pread(memoryview(part).cast("B"), seg.at(first))
             except OSError as e:
@@ -397,13 +491,14 @@ class FileTable:
     def _dispatch(self, flat: np.ndarray):
         """Start reading the rows `flat`; (futures, a function giving the rows in `flat`'s order)."""
         unique, inverse = np.unique(flat, return_inverse=True)  # sorted rows = sorted offsets
-        buf = np.empty((len(unique), ROW_BYTES), np.uint8)
+        row_bytes = self.row_format.row_bytes
+        buf = np.empty((len(unique), row_bytes), np.uint8)
         capacity = int(flags.get("engram_row_cache"))
         missing = None
         if capacity > 0:
             missing = np.flatnonzero(~self._cache.fill(unique, buf))
         todo = unique if missing is None else unique[missing]
-        target = buf if missing is None else np.empty((len(todo), ROW_BYTES), np.uint8)
+        target = buf if missing is None else np.empty((len(todo), row_bytes), np.uint8)
 
         if len(unique) > BATCH_ROWS:
             workers = int(flags.get("engram_prefill_workers"))
@@ -428,15 +523,17 @@ class FileTable:
         return futures, rows_in_call_order
 
     def _read_partition(self, rows: np.ndarray, out: np.ndarray, readahead: bool) -> None:
-        """Read `rows` into `out` [len(rows), 264]; runs on a worker and writes nothing else."""
+        """Read `rows` into `out` [len(rows), row bytes]; runs on a worker and writes nothing
+        else."""
         view = memoryview(out).cast("B")
         row_list = rows.tolist()
+        row_bytes = out.shape[1]
         if readahead:  # the kernel starts every page read now; the preads below then wait less
             for row in row_list:
                 for seg in self._segments:
                     seg.file.will_need(seg.at(row), seg.width)
         for i, row in enumerate(row_list):
-            base = i * ROW_BYTES
+            base = i * row_bytes
             for seg in self._segments:
                 offset = seg.at(row)
                 try:
@@ -452,7 +549,7 @@ class FileTable:
         self._check_codes(rows, out)
 
     def _check_codes(self, rows: np.ndarray, raw: np.ndarray) -> None:
-        found = _first_nan(raw)
+        found = self.row_format.first_nan(raw)
         if found is not None:
             i, what = found
             row = int(rows[i])
@@ -476,59 +573,68 @@ def _check_out(out: Optional[np.ndarray], shape: tuple[int, ...], name: str) -> 
 
 
 class InterleavedTable(FileTable):
-    """264-byte rows (256 e4m3 codes, then 8 e8m0 scales) from byte `offset` of `path`."""
+    """fp8 rows, each `width` e4m3 codes then its scales (264 bytes at width 256), from byte
+    `offset` of `path`."""
 
     def __init__(self, path: Union[Path, str, Sequence[Union[Path, str]]], offset: int, rows: int,
-                 name: str):
+                 name: str, width: int = RELEASED_WIDTH):
         """`path` is one file, or the parts of a byte-split file in order (offset into all)."""
-        super().__init__(name, rows, [(path, int(offset), ROW_BYTES, 0)])
+        row_format = Fp8Rows(width)
+        super().__init__(name, rows, [(path, int(offset), row_format.row_bytes, 0)], row_format)
 
 
 class SplitTable(FileTable):
-    """Weight rows [rows, 256] and scale rows [rows, 8] at their own offsets, maybe in two files."""
+    """Weight rows [rows, width] and scale rows [rows, width / 32] at their own offsets, maybe in
+    two files."""
 
     def __init__(self, weight_path: Path | str, weight_offset: int,
-                 scale_path: Path | str, scale_offset: int, rows: int, name: str):
-        super().__init__(name, rows, [(Path(weight_path), int(weight_offset), WEIGHT_BYTES, 0),
-                                      (Path(scale_path), int(scale_offset), SCALE_BYTES, WEIGHT_BYTES)])
+                 scale_path: Path | str, scale_offset: int, rows: int, name: str,
+                 width: int = RELEASED_WIDTH):
+        row_format = Fp8Rows(width)
+        super().__init__(name, rows, [(Path(weight_path), int(weight_offset), width, 0),
+                                      (Path(scale_path), int(scale_offset), width // GROUP, width)],
+                         row_format)
+
+
+class FloatTable(FileTable):
+    """BF16 or F32 rows [rows, width] from byte `offset` of `path` (a tensor of a dequantised
+    upload, or a copy of one)."""
+
+    def __init__(self, path: Path | str, offset: int, rows: int, name: str, width: int,
+                 dtype: str = "BF16"):
+        row_format = FloatRows(width, dtype)
+        super().__init__(name, rows, [(Path(path), int(offset), row_format.row_bytes, 0)],
+                         row_format)
 
 
 # --- resident table --------------------------------------------------------------------------
 
 class ResidentTable:
-    """Rows held in memory as MLX mxfp8: weight [rows, 64] uint32 (the e4m3 bytes), scales [rows, 8]."""
+    """A table's raw rows [rows, row bytes] uint8 in memory, decoded as the file tables do."""
 
-    def __init__(self, weight_u8: np.ndarray, scale_u8: np.ndarray, name: str):
+    def __init__(self, raw: np.ndarray, row_format: RowFormat, name: str):
         self.name = name
-        weight_u8, scale_u8 = np.asarray(weight_u8), np.asarray(scale_u8)
-        if (weight_u8.dtype != np.uint8 or weight_u8.ndim != 2 or weight_u8.shape[1] != WEIGHT_BYTES
-                or scale_u8.dtype != np.uint8 or scale_u8.shape != (weight_u8.shape[0], SCALE_BYTES)):
-            raise EngramError(
-                f"{name}: a resident table needs weight uint8[rows, {WEIGHT_BYTES}] and scale "
-                f"uint8[rows, {SCALE_BYTES}], got {weight_u8.dtype}{list(weight_u8.shape)} and "
-                f"{scale_u8.dtype}{list(scale_u8.shape)}")
-        self.rows = weight_u8.shape[0]
+        self.row_format = row_format
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != row_format.row_bytes:
+            raise EngramError(f"{name}: a resident table needs rows uint8[rows, "
+                              f"{row_format.row_bytes}], got {raw.dtype}{list(raw.shape)}")
+        self.rows = raw.shape[0]
         if self.rows == 0:
             raise EngramError(f"{name}: a table needs at least one row")
         for first in range(0, self.rows, CHUNK_ROWS):
-            last = min(first + CHUNK_ROWS, self.rows)
-            found = _first_nan(np.concatenate([weight_u8[first:last], scale_u8[first:last]], axis=1))
+            found = row_format.first_nan(raw[first:first + CHUNK_ROWS])
             if found is not None:
                 raise EngramError(f"{name}: row {first + found[0]} holds {found[1]}; "
                                   f"Engram rows must be finite")
-        self._weight = mx.array(np.ascontiguousarray(weight_u8).view(np.uint32))
-        self._scales = mx.array(np.ascontiguousarray(scale_u8))
+        self._raw = raw
 
     def __repr__(self) -> str:
         return f"ResidentTable({self.name!r}, rows={self.rows})"
 
     def start(self, ids: np.ndarray) -> RowRequest:
         flat, shape = _validate_ids(ids, self.rows, self.name)
-        if not flat.size:
-            return RowRequest([], lambda: mx.zeros((*shape, WEIGHT_BYTES), dtype=mx.bfloat16))
-        index = mx.array(flat)
-        rows = mx.dequantize(self._weight[index], self._scales[index], group_size=GROUP, bits=8,
-                             mode="mxfp8", dtype=mx.bfloat16).reshape(*shape, WEIGHT_BYTES)
+        rows = self.row_format.decode(self._raw[flat], shape)
         return RowRequest([], lambda: rows)
 
     def read(self, ids) -> mx.array:
@@ -537,8 +643,7 @@ class ResidentTable:
     def read_range(self, first: int, count: int) -> np.ndarray:
         if first < 0 or count < 0 or first + count > self.rows:
             raise EngramError(f"{self.name}: rows [{first}, {first + count}) are outside [0, {self.rows})")
-        weight = np.array(self._weight[first:first + count]).view(np.uint8)
-        return np.concatenate([weight, np.array(self._scales[first:first + count])], axis=1)
+        return self._raw[first:first + count].copy()
 
     def close(self) -> None:
         pass
@@ -550,22 +655,20 @@ class ResidentTable:
         pass
 
 
-Table = Union[InterleavedTable, SplitTable, ResidentTable]
+Table = Union[InterleavedTable, SplitTable, FloatTable, ResidentTable]
 
 
 def load_resident(table: Table, progress: bool = True) -> ResidentTable:
-    """Read a whole table into memory (transiently twice its size while MLX copies it in)."""
-    weight = np.empty((table.rows, WEIGHT_BYTES), np.uint8)
-    scale = np.empty((table.rows, SCALE_BYTES), np.uint8)
-    shown = Progress(f"loading {table.name}", table.rows * ROW_BYTES, progress)
+    """Read a whole table into memory."""
+    row_bytes = table.row_format.row_bytes
+    raw = np.empty((table.rows, row_bytes), np.uint8)
+    shown = Progress(f"loading {table.name}", table.rows * row_bytes, progress)
     for first in range(0, table.rows, CHUNK_ROWS):
         count = min(CHUNK_ROWS, table.rows - first)
-        raw = table.read_range(first, count)
-        weight[first:first + count] = raw[:, :WEIGHT_BYTES]
-        scale[first:first + count] = raw[:, WEIGHT_BYTES:]
-        shown.advance(count * ROW_BYTES)
+        raw[first:first + count] = table.read_range(first, count)
+        shown.advance(count * row_bytes)
     shown.finish()
-    return ResidentTable(weight, scale, table.name)
+    return ResidentTable(raw, table.row_format, table.name)
 
 
 # --- references ------------------------------------------------------------------------------
@@ -582,21 +685,56 @@ def _recorded_path(path: Path | str, base_dir: Optional[Path | str]) -> str:
 
 
 def interleaved_reference(file: Union[Path, str, Sequence[Union[Path, str]]], offset: int, rows: int,
-                          base_dir: Optional[Path | str] = None) -> dict:
+                          base_dir: Optional[Path | str] = None, width: int = RELEASED_WIDTH) -> dict:
     """`file` is one file, or the parts of a byte-split file in order ("parts" in the reference)."""
     where = ({"parts": [_recorded_path(p, base_dir) for p in file]}
              if isinstance(file, (list, tuple)) else {"file": _recorded_path(file, base_dir)})
-    return {"layout": "interleaved264", **where, "offset": int(offset), "rows": int(rows)}
+    return {"layout": Fp8Rows(width).layout, **where, "offset": int(offset), "rows": int(rows)}
+
+
+def _tensor_entry(tensor: TensorInfo, base_dir: Optional[Path | str]) -> dict:
+    return {"file": _recorded_path(tensor.file, base_dir), "tensor": tensor.name,
+            "offset": tensor.offset}
 
 
 def split_reference(weight: TensorInfo, scale: TensorInfo,
                     base_dir: Optional[Path | str] = None) -> dict:
-    """The reference of an official-layout table (weight [rows, 256] F8_E4M3, scale [rows, 8] F8_E8M0)."""
+    """The reference of an official-layout table (weight [rows, width] F8_E4M3, scale
+    [rows, width / 32] F8_E8M0)."""
     return {"layout": "split", "rows": int(weight.shape[0]),
-            "weight": {"file": _recorded_path(weight.file, base_dir), "tensor": weight.name,
-                       "offset": weight.offset},
-            "scale": {"file": _recorded_path(scale.file, base_dir), "tensor": scale.name,
-                      "offset": scale.offset}}
+            "weight": _tensor_entry(weight, base_dir), "scale": _tensor_entry(scale, base_dir)}
+
+
+def float_reference(weight: TensorInfo, base_dir: Optional[Path | str] = None) -> dict:
+    """The reference of a dequantised upload's table (a BF16 or F32 tensor [rows, width])."""
+    return {"layout": weight.dtype.lower(), "rows": int(weight.shape[0]),
+            "weight": _tensor_entry(weight, base_dir)}
+
+
+def copy_reference(row_format: RowFormat, file: Path | str, rows: int,
+                   base_dir: Optional[Path | str] = None) -> dict:
+    """The reference of a file of raw rows from its first byte, as `copy_table` writes one."""
+    if isinstance(row_format, FloatRows):
+        return {"layout": row_format.layout, "rows": int(rows),
+                "weight": {"file": _recorded_path(file, base_dir), "offset": 0}}
+    return interleaved_reference(file, 0, rows, base_dir, row_format.width)
+
+
+def stored_rows(ref: dict, head_dim: int, where: str = "engram table reference") -> RowFormat:
+    """How the rows of the table `ref` describes are stored, `head_dim` (the config's
+    engram_head_dim) values a row; a reference that disagrees with it is an EngramError."""
+    layout = _field(ref, "layout", str, where)
+    if layout.upper() in FLOAT_STORAGE:
+        return FloatRows(head_dim, layout.upper())
+    fp8 = Fp8Rows(head_dim)
+    if layout in ("split", fp8.layout):
+        return fp8
+    other = re.fullmatch(r"interleaved(\d+)", layout)
+    if other:
+        raise EngramError(f"{where}: layout {layout} has rows of {other[1]} bytes, but "
+                          f"engram_head_dim {head_dim} makes them {fp8.row_bytes} ({head_dim} "
+                          f"e4m3 codes and {head_dim // GROUP} e8m0 scales)")
+    raise EngramError(f"{where}: layout {layout!r} is not one of {list(LAYOUTS)}")
 
 
 def _field(ref: dict, key: str, kind, where: str):
@@ -637,9 +775,11 @@ def _split_region(entry: dict, part: str, dtype: str, width: int, rows: int,
     return path, offset
 
 
-def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> Table:
-    """The table a reference describes; a relative file is found under `base_dir`. `name`
-    (e.g. "layers.1.engram") is what errors call the table; by default its file's name."""
+def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None, *,
+               head_dim: int) -> Table:
+    """The table a reference describes, rows of `head_dim` values (the config's
+    engram_head_dim); a relative file is found under `base_dir`. `name` (e.g.
+    "layers.1.engram") is what errors call the table; by default its file's name."""
     base_dir = Path(base_dir)
     if not isinstance(ref, dict):
         raise EngramError(f"{name or 'engram table'}: its reference must be a JSON object, "
@@ -648,9 +788,19 @@ def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> T
         file = ref.get("file") or (ref.get("parts") or [None])[0] or (ref.get("weight") or {}).get("file", "?")
         name = f"engram table in {Path(str(file)).name}"
     where = f"{name}: engram table reference"
-    layout = _field(ref, "layout", str, where)
+    rows_as = stored_rows(ref, head_dim, where)
     rows = _field(ref, "rows", int, where)
-    if layout == "interleaved264":
+    if isinstance(rows_as, FloatRows):
+        weight = _split_region(_field(ref, "weight", dict, where), "weight", rows_as.dtype,
+                               head_dim, rows, base_dir, where)
+        table: Table = FloatTable(*weight, rows, name, head_dim, rows_as.dtype)
+    elif ref["layout"] == "split":
+        weight = _split_region(_field(ref, "weight", dict, where), "weight", "F8_E4M3",
+                               head_dim, rows, base_dir, where)
+        scale = _split_region(_field(ref, "scale", dict, where), "scale", "F8_E8M0",
+                              head_dim // GROUP, rows, base_dir, where)
+        table = SplitTable(*weight, *scale, rows, name, head_dim)
+    else:
         if "parts" in ref:
             parts = _field(ref, "parts", list, where)
             if not parts or not all(isinstance(p, str) for p in parts):
@@ -658,15 +808,7 @@ def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> T
             path = [base_dir / p for p in parts]
         else:
             path = base_dir / _field(ref, "file", str, where)
-        table: Table = InterleavedTable(path, _field(ref, "offset", int, where), rows, name)
-    elif layout == "split":
-        weight = _split_region(_field(ref, "weight", dict, where), "weight", "F8_E4M3",
-                               WEIGHT_BYTES, rows, base_dir, where)
-        scale = _split_region(_field(ref, "scale", dict, where), "scale", "F8_E8M0",
-                              SCALE_BYTES, rows, base_dir, where)
-        table = SplitTable(*weight, *scale, rows, name)
-    else:
-        raise EngramError(f"{where}: layout {layout!r} is not one of {list(LAYOUTS)}")
+        table = InterleavedTable(path, _field(ref, "offset", int, where), rows, name, head_dim)
     if flags.get("engram_resident"):
         with table:
             return load_resident(table)
@@ -675,16 +817,18 @@ def open_table(ref: dict, base_dir: Path | str, name: Optional[str] = None) -> T
 
 def copy_table(table: Table, dst_file: Path | str, base_dir: Optional[Path | str] = None,
                progress: bool = True) -> dict:
-    """Write `table` as a self-contained interleaved file; its reference (file relative to
-    `base_dir`, by default the file's directory). Written under a temporary name and renamed
-    at the end, so a failed copy leaves nothing behind."""
+    """Write `table`'s raw rows as a self-contained file (fp8 rows interleaved with their
+    scales, float rows as they are); its reference (file relative to `base_dir`, by default the
+    file's directory). Written under a temporary name and renamed at the end, so a failed copy
+    leaves nothing behind."""
     dst_file = Path(dst_file)
-    shown = Progress(f"copying {table.name} to {dst_file}", table.rows * ROW_BYTES, progress)
+    row_bytes = table.row_format.row_bytes
+    shown = Progress(f"copying {table.name} to {dst_file}", table.rows * row_bytes, progress)
     with atomic_file(dst_file) as f:
         for first in range(0, table.rows, CHUNK_ROWS):
             count = min(CHUNK_ROWS, table.rows - first)
             f.write(table.read_range(first, count).data)
-            shown.advance(count * ROW_BYTES)
+            shown.advance(count * row_bytes)
     shown.finish()
-    return interleaved_reference(dst_file, 0, table.rows,
-                                 dst_file.parent if base_dir is None else base_dir)
+    return copy_reference(table.row_format, dst_file, table.rows,
+                          dst_file.parent if base_dir is None else base_dir)

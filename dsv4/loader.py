@@ -154,7 +154,8 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
             ref = refs.get(str(layer))
             if ref is None:
                 raise CheckpointError(f"{path}: no Engram table reference for layer {layer}")
-            tables[layer] = engram_store.open_table(ref, path, name=f"layers.{layer}.engram")
+            tables[layer] = engram_store.open_table(ref, path, name=f"layers.{layer}.engram",
+                                                    head_dim=args.engram_head_dim)
         model.set_engram(hasher, tables)
     if dtype is not None:
         model.set_dtype(dtype)

@@ -184,7 +184,7 @@ def test_engram_rows_through_the_store(mixed):
     assert sorted(refs) == ["1", "3"]
     assert all(ref["offset"] % 16384 == 0 for ref in refs.values())  # as ds4 aligns them
     for layer, ref in refs.items():
-        with open_table(ref, mixed["out"]) as table:
+        with open_table(ref, mixed["out"], head_dim=256) as table:
             rows = table.read_range(0, table.rows)
             ids = np.array([0, table.rows - 1, table.rows // 2])
             got = np.array(table.read(ids).astype(mx.float32))
@@ -233,7 +233,7 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]["engram"]
     assert refs["1"]["file"] == str(tmp_path / "m.gguf.part2")
     assert refs["1"]["offset"] == first_table - cut
-    with open_table(refs["1"], tmp_path / "out") as table:
+    with open_table(refs["1"], tmp_path / "out", head_dim=256) as table:
         in_file = np.frombuffer(data, np.uint8, table.rows * 264, first_table).reshape(-1, 264)
         assert np.array_equal(table.read_range(0, table.rows), in_file)
     # a missing last part: the tensor that ends past the data is named
@@ -248,7 +248,7 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     refs = json.loads((tmp_path / "out2" / "config.json").read_text())["dsv4"]["engram"]
     assert any("parts" in ref for ref in refs.values())
     for layer, ref in refs.items():
-        with open_table(ref, tmp_path / "out2") as table:
+        with open_table(ref, tmp_path / "out2", head_dim=256) as table:
             assert np.array_equal(table.read_range(0, table.rows),
                                   mixed["tables"][f"blk.{layer}.engram_embd.weight"])
     # ... and --copy-engram copies it out of both parts
@@ -257,7 +257,7 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     refs = json.loads((tmp_path / "out3" / "config.json").read_text())["dsv4"]["engram"]
     for layer, ref in refs.items():
         assert "parts" not in ref
-        with open_table(ref, tmp_path / "out3") as table:
+        with open_table(ref, tmp_path / "out3", head_dim=256) as table:
             assert np.array_equal(table.read_range(0, table.rows),
                                   mixed["tables"][f"blk.{layer}.engram_embd.weight"])
 
@@ -328,7 +328,7 @@ def test_small_tasks_copied_tables_and_verify(mixed, tmp_path, monkeypatch):
     assert refs["1"] == {"layout": "interleaved264", "file": "engram-01.bin", "offset": 0,
                          "rows": mixed["tables"]["blk.1.engram_embd.weight"].shape[0]}
     for layer, ref in refs.items():
-        with open_table(ref, tmp_path / "out") as table:
+        with open_table(ref, tmp_path / "out", head_dim=256) as table:
             assert np.array_equal(table.read_range(0, table.rows),
                                   mixed["tables"][f"blk.{layer}.engram_embd.weight"])
 

@@ -170,7 +170,7 @@ def test_engram_references_point_at_the_source_rows(source, tmp_path):
         codes = weights[f"layers.{layer}.engram.embed.weight"].view(np.uint8)
         scales = weights[f"layers.{layer}.engram.embed.scale"].view(np.uint8)
         rows = np.array([0, 5, ref["rows"] - 1])
-        with open_table(ref, dst) as table:
+        with open_table(ref, dst, head_dim=256) as table:
             raw = table.read_raw(rows)
         assert ref["rows"] == codes.shape[0]
         assert np.array_equal(raw[:, :256], codes[rows]) and np.array_equal(raw[:, 256:], scales[rows])
@@ -189,7 +189,7 @@ def test_copy_engram_writes_self_contained_tables(source, tmp_path):
         raw = np.fromfile(dst / ref["file"], np.uint8).reshape(ref["rows"], 264)
         assert np.array_equal(raw[:, :256], weights[f"layers.{layer}.engram.embed.weight"].view(np.uint8))
         assert np.array_equal(raw[:, 256:], weights[f"layers.{layer}.engram.embed.scale"].view(np.uint8))
-        with open_table(ref, dst) as table:
+        with open_table(ref, dst, head_dim=256) as table:
             assert table.rows == ref["rows"]
 
 
@@ -587,6 +587,25 @@ def test_converted_directory_gives_bit_identical_logits(source, tmp_path, copy_e
     got = _logits(converted_model, ids, prefill=ids.shape[1] - 4)
     assert np.isfinite(want).all() and want.std() > 0
     assert np.array_equal(got, want)
+
+
+def test_engram_tables_of_another_width_are_copied_with_their_rows(tmp_path):
+    import dsv4
+
+    src = write_tiny_checkpoint(tmp_path / "src", seed=5, config_overrides={"engram_head_dim": 64})
+    dst = tmp_path / "out"
+    convert(src, dst, copy_engram=True, progress=False)
+    ckpt = sf.Checkpoint(src)
+    for layer, ref in json.loads((dst / "config.json").read_text())["dsv4"]["engram"].items():
+        weight = sf.view(ckpt[f"layers.{layer}.engram.embed.weight"])
+        scale = sf.view(ckpt[f"layers.{layer}.engram.embed.scale"])
+        assert ref == {"layout": "interleaved66", "file": f"engram-{int(layer):02d}.bin",
+                       "offset": 0, "rows": len(weight)}
+        assert (dst / ref["file"]).read_bytes() == np.concatenate([weight, scale], 1).tobytes()
+    official_model, tokenizer = dsv4.load(src)
+    converted_model, _ = dsv4.load(dst)
+    ids = np.array([tokenizer.encode("In the face of ambiguity, refuse the temptation to guess.")])
+    assert np.array_equal(_logits(converted_model, ids, 6), _logits(official_model, ids, 6))
 
 
 def test_requantized_modules_deviate_by_the_reported_error(source, tmp_path):

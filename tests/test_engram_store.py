@@ -20,7 +20,12 @@ from dsv4 import flags
 from dsv4 import safetensors_file as sf
 from tests.formats import e4m3_value
 
-ROW = es.ROW_BYTES
+WIDTH = 256                       # values per row: the released model's engram_head_dim
+ROW = es.Fp8Rows(WIDTH).row_bytes
+
+
+def open_table(ref, base_dir, name=None):
+    return es.open_table(ref, base_dir, name, head_dim=WIDTH)
 
 
 # --- oracle ---------------------------------------------------------------------------------
@@ -32,10 +37,10 @@ def bf16_bits(value: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def oracle_bits(raw: np.ndarray) -> np.ndarray:
-    """Raw rows [..., 264] -> expected bf16 bits [..., 256]."""
-    scale = np.repeat(raw[..., 256:].astype(np.int64), 32, axis=-1)
-    return bf16_bits(e4m3_value(raw[..., :256]) * np.exp2((scale - 127).astype(np.float64)))
+def oracle_bits(raw: np.ndarray, width: int = WIDTH) -> np.ndarray:
+    """Raw rows [..., width + width / 32] -> expected bf16 bits [..., width]."""
+    scale = np.repeat(raw[..., width:].astype(np.int64), 32, axis=-1)
+    return bf16_bits(e4m3_value(raw[..., :width]) * np.exp2((scale - 127).astype(np.float64)))
 
 
 def bits(rows: mx.array) -> np.ndarray:
@@ -44,11 +49,11 @@ def bits(rows: mx.array) -> np.ndarray:
 
 # --- table files ----------------------------------------------------------------------------
 
-def random_rows(rng: np.random.Generator, rows: int) -> np.ndarray:
-    raw = rng.integers(0, 256, (rows, ROW), dtype=np.uint8)
-    weight = raw[:, :256]
+def random_rows(rng: np.random.Generator, rows: int, width: int = WIDTH) -> np.ndarray:
+    raw = rng.integers(0, 256, (rows, es.Fp8Rows(width).row_bytes), dtype=np.uint8)
+    weight = raw[:, :width]
     weight[(weight & 0x7F) == 0x7F] ^= 1          # no NaN codes
-    raw[:, 256:] = rng.integers(100, 150, (rows, 8))
+    raw[:, width:] = rng.integers(100, 150, (rows, width // 32))
     return raw
 
 
@@ -86,10 +91,10 @@ def tables(tmp_path, rng):
     """(raw rows, {kind: table}) over one random table, in each layout."""
     raw = random_rows(rng, 3000)
     write_interleaved(tmp_path / "t.bin", raw, offset=777)
-    interleaved = es.open_table({"layout": "interleaved264", "file": "t.bin", "offset": 777,
+    interleaved = open_table({"layout": "interleaved264", "file": "t.bin", "offset": 777,
                                  "rows": len(raw)}, tmp_path, name="layers.1.engram")
-    split = es.open_table(write_split(tmp_path, raw), tmp_path, name="layers.1.engram")
-    resident = es.ResidentTable(raw[:, :256], raw[:, 256:], "layers.1.engram")
+    split = open_table(write_split(tmp_path, raw), tmp_path, name="layers.1.engram")
+    resident = es.ResidentTable(raw, es.Fp8Rows(WIDTH), "layers.1.engram")
     yield raw, {"interleaved": interleaved, "split": split, "resident": resident}
     interleaved.close()
     split.close()
@@ -127,7 +132,7 @@ def test_every_e4m3_code_dequantizes_exactly(tmp_path, scale):
     raw[:, 3 * 32] = codes
     expected = oracle_bits(raw)
     table = es.InterleavedTable(write_interleaved(tmp_path / "codes.bin", raw), 0, len(raw), "codes")
-    resident = es.ResidentTable(raw[:, :256], raw[:, 256:], "codes")
+    resident = es.ResidentTable(raw, es.Fp8Rows(WIDTH), "codes")
     ids = np.arange(len(raw))
     np.testing.assert_array_equal(bits(table.read(ids)), expected)
     np.testing.assert_array_equal(bits(resident.read(ids)), expected)
@@ -332,7 +337,7 @@ def test_short_read_on_truncated_file_raises(tmp_path, rng, kind):
         cut = 98 * ROW + 10                          # row 98 is cut short, row 99 is gone
     else:
         ref = write_split(tmp_path, raw)
-        table = es.open_table(ref, tmp_path, name="layers.1.engram")
+        table = open_table(ref, tmp_path, name="layers.1.engram")
         path = tmp_path / "shard-b.safetensors"
         cut = ref["scale"]["offset"] + 98 * 8 + 3
     os.truncate(path, cut)
@@ -344,7 +349,7 @@ def test_short_read_on_truncated_file_raises(tmp_path, rng, kind):
         table.read_range(90, 10)
     table.close()
     with pytest.raises(es.EngramError, match=f"has {cut} bytes") as info:
-        es.open_table(ref if kind == "split" else
+        open_table(ref if kind == "split" else
                       {"layout": "interleaved264", "file": str(path), "offset": 0, "rows": 100},
                       tmp_path, name="layers.1.engram")
     assert str(path) in str(info.value) and "layers.1.engram" in str(info.value)
@@ -363,7 +368,7 @@ def test_nan_codes_rejected_naming_the_row(tmp_path, rng, where, code):
     with pytest.raises(es.EngramError, match="row 31 .* holds"):
         table.read_range(0, 50)
     with pytest.raises(es.EngramError, match=f"layers.1.engram: row 31 holds the {what}"):
-        es.ResidentTable(raw[:, :256], raw[:, 256:], "layers.1.engram")
+        es.ResidentTable(raw, es.Fp8Rows(WIDTH), "layers.1.engram")
     dst = tmp_path / "copy.bin"
     with pytest.raises(es.EngramError, match="row 31"):
         es.copy_table(table, dst, progress=False)
@@ -394,7 +399,7 @@ def test_rows_straddling_4gib_offsets(tmp_path, rng):
     with open(tmp_path / "s.bin", "wb") as f:
         f.seek(scale_at)
         f.write(raw[:, 256:].tobytes())
-    split = es.open_table({"layout": "split", "rows": 40,
+    split = open_table({"layout": "split", "rows": 40,
                            "weight": {"file": "w.bin", "offset": weight_at},
                            "scale": {"file": "s.bin", "offset": scale_at}}, tmp_path, name="far")
     np.testing.assert_array_equal(split.read_raw(ids), raw[ids])
@@ -411,7 +416,7 @@ def test_references_round_trip_through_json(tables, tmp_path):
     again = json.loads(json.dumps(ref))
     del again["weight"]["tensor"]                          # an offset alone is enough
     del again["scale"]["offset"]                           # so is a tensor name
-    table = es.open_table(again, tmp_path, name="x")
+    table = open_table(again, tmp_path, name="x")
     ids = np.array([5, 2999, 5])
     np.testing.assert_array_equal(table.read_raw(ids), raw[ids])
     table.close()
@@ -420,7 +425,7 @@ def test_references_round_trip_through_json(tables, tmp_path):
     assert es.interleaved_reference(tmp_path / "t.bin", 0, 1, "/elsewhere")["file"] == \
         str((tmp_path / "t.bin").resolve())
     with pytest.raises(es.EngramError, match=r"engram table in t.bin: 10 rows of 264 bytes"):
-        es.open_table({"layout": "interleaved264", "file": "t.bin", "offset": 2**20, "rows": 10},
+        open_table({"layout": "interleaved264", "file": "t.bin", "offset": 2**20, "rows": 10},
                       tmp_path)                     # no name given: errors name the file
 
 
@@ -440,7 +445,7 @@ def test_bad_references_name_the_field(tables, tmp_path, change, expected):
     ref = write_split(tmp_path, raw)
     change(ref)
     with pytest.raises(es.EngramError, match=f"layers.14.engram: engram table reference.*{expected}"):
-        es.open_table(ref, tmp_path, name="layers.14.engram")
+        open_table(ref, tmp_path, name="layers.14.engram")
 
 
 def test_copy_table_writes_a_self_contained_interleaved_file(tables, tmp_path, monkeypatch, capsys):
@@ -453,7 +458,7 @@ def test_copy_table_writes_a_self_contained_interleaved_file(tables, tmp_path, m
         assert ref == {"layout": "interleaved264", "file": f"engram-{kind}.bin", "offset": 0,
                        "rows": len(raw)}
         assert (model_dir / ref["file"]).read_bytes() == raw.tobytes()
-        copy = es.open_table(ref, model_dir)
+        copy = open_table(ref, model_dir)
         np.testing.assert_array_equal(bits(copy.read(np.arange(0, 3000, 7))),
                                       oracle_bits(raw[::7]))
         copy.close()
@@ -467,7 +472,7 @@ def test_resident_mode_loads_tables_into_memory(tables, tmp_path, rng):
     raw, _ = tables
     ref = write_split(tmp_path, raw)
     with flags.override(engram_resident=True):
-        with es.open_table(ref, tmp_path, name="layers.1.engram") as table:
+        with open_table(ref, tmp_path, name="layers.1.engram") as table:
             pass                                     # a context manager like the file tables
     assert isinstance(table, es.ResidentTable) and table.rows == len(raw)
     ids = rng.integers(0, len(raw), (3, 24))
@@ -483,7 +488,7 @@ def test_io_hints_do_not_change_rows(tmp_path, rng, hints, readahead):
         table = es.InterleavedTable(write_interleaved(tmp_path / "t.bin", raw), 0, 500, "t")
         for ids in (rng.integers(0, 500, 24), rng.integers(0, 500, 1000)):
             np.testing.assert_array_equal(table.read_raw(ids), raw[ids])
-        split = es.open_table(write_split(tmp_path, raw), tmp_path, name="t")
+        split = open_table(write_split(tmp_path, raw), tmp_path, name="t")
         np.testing.assert_array_equal(split.read_raw(ids), raw[ids])
     table.close()
     split.close()
@@ -501,7 +506,7 @@ def test_tables_of_a_tiny_official_checkpoint(tmp_path, rng):
     refs = json.loads(json.dumps(engram_table_refs(ckpt, args)))
     assert sorted(refs) == sorted(str(layer) for layer in args.engram_layer_ids)
     for layer, ref in refs.items():
-        table = es.open_table(ref, path, name=f"layers.{layer}.engram")
+        table = open_table(ref, path, name=f"layers.{layer}.engram")
         weight = sf.view(ckpt[f"layers.{layer}.engram.embed.weight"])
         scale = sf.view(ckpt[f"layers.{layer}.engram.embed.scale"])
         assert table.rows == len(weight)
@@ -509,6 +514,95 @@ def test_tables_of_a_tiny_official_checkpoint(tmp_path, rng):
         raw = np.concatenate([weight[ids], scale[ids]], axis=-1)
         np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(raw))
         table.close()
+
+
+# --- row layouts from the config ----------------------------------------------------------------
+
+def test_a_model_of_another_engram_width_reads_its_rows_from_the_config(tmp_path, rng):
+    """engram_head_dim 64: rows of 64 e4m3 codes and 2 e8m0 scales, read exactly from the
+    shards' bytes, and the model runs with them."""
+    import dsv4
+    from dsv4.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "ckpt", seed=2,
+                                 config_overrides={"engram_head_dim": 64})
+    model, tokenizer = dsv4.load(path)
+    ckpt = sf.Checkpoint(path)
+    for layer in model.args.engram_layer_ids:
+        table = model._engram_tables[layer]
+        weight = ckpt[f"layers.{layer}.engram.embed.weight"]
+        scale = ckpt[f"layers.{layer}.engram.embed.scale"]
+        assert weight.shape == (table.rows, 64) and scale.shape == (table.rows, 2)
+        on_disk = np.concatenate([  # the bytes in the files, read without the store
+            np.fromfile(weight.file, np.uint8, 64 * table.rows, offset=weight.offset).reshape(-1, 64),
+            np.fromfile(scale.file, np.uint8, 2 * table.rows, offset=scale.offset).reshape(-1, 2),
+        ], axis=1)
+        ids = rng.integers(0, table.rows, (2, 3, 24))
+        np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(on_disk[ids], 64))
+    ids = np.array([tokenizer.encode("Flat is better than nested.")])
+    logits = np.array(model(ids))
+    assert logits.shape == (1, ids.shape[1], model.args.vocab_size) and np.isfinite(logits).all()
+
+
+def test_a_reference_must_agree_with_the_configs_width(tables, tmp_path, rng):
+    raw, _ = tables
+    ref = {"layout": "interleaved264", "file": "t.bin", "offset": 777, "rows": len(raw)}
+    with pytest.raises(es.EngramError, match="layout interleaved264 has rows of 264 bytes, but "
+                                             r"engram_head_dim 64 makes them 66 \(64 e4m3 codes "
+                                             r"and 2 e8m0 scales\)"):
+        es.open_table(ref, tmp_path, "t", head_dim=64)
+    with pytest.raises(es.EngramError, match=r"expected F8_E4M3\[3000, 64\]"):
+        es.open_table(write_split(tmp_path, raw), tmp_path, "t", head_dim=64)
+    with pytest.raises(es.EngramError, match="positive multiple of 32 values.*got engram_head_dim 48"):
+        es.open_table(ref, tmp_path, "t", head_dim=48)
+    narrow = random_rows(rng, 700, width=64)
+    write_interleaved(tmp_path / "narrow.bin", narrow, offset=5)
+    table = es.open_table({"layout": "interleaved66", "file": "narrow.bin", "offset": 5,
+                           "rows": 700}, tmp_path, "t", head_dim=64)
+    ids = rng.integers(0, 700, (3, 24))
+    np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(narrow[ids], 64))
+    assert es.copy_table(table, tmp_path / "copy.bin", progress=False) == {
+        "layout": "interleaved66", "file": "copy.bin", "offset": 0, "rows": 700}
+    assert (tmp_path / "copy.bin").read_bytes() == narrow.tobytes()
+    table.close()
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_float_tables_of_a_dequantised_upload(tmp_path, rng, dtype):
+    """BF16/F32 rows [rows, width] as stored (F32 rounded to bf16), in every table kind; a NaN
+    or an infinity is refused naming the row."""
+    values = rng.normal(0, 3, (500, 64)).astype(np.float32)
+    stored = bf16_bits(values) if dtype == "BF16" else values
+    want = bf16_bits(values)
+    sf.write(tmp_path / "shard.safetensors", {"a.first": ("U8", np.zeros(3, np.uint8)),
+                                              "layers.1.engram.embed.weight": (dtype, stored)})
+    info = sf.read_header(tmp_path / "shard.safetensors")[0]["layers.1.engram.embed.weight"]
+    ref = json.loads(json.dumps(es.float_reference(info, tmp_path)))
+    assert ref == {"layout": dtype.lower(), "rows": 500, "weight": {
+        "file": "shard.safetensors", "tensor": info.name, "offset": info.offset}}
+    ids = rng.integers(0, 500, (4, 24))
+    table = es.open_table(ref, tmp_path, "layers.1.engram", head_dim=64)
+    np.testing.assert_array_equal(bits(table.read(ids)), want[ids])
+    (tmp_path / "model").mkdir()
+    copied = es.copy_table(table, tmp_path / "model" / "engram-01.bin", progress=False)
+    assert copied == {"layout": dtype.lower(), "rows": 500,
+                      "weight": {"file": "engram-01.bin", "offset": 0}}
+    with flags.override(engram_resident=True):
+        resident = es.open_table(copied, tmp_path / "model", "copy", head_dim=64)
+    assert isinstance(resident, es.ResidentTable)
+    np.testing.assert_array_equal(bits(resident.read(ids)), want[ids])
+    table.close()
+    with pytest.raises(es.EngramError, match=r"expected F32\[500, 32\]|expected BF16\[500, 32\]"):
+        es.open_table(ref, tmp_path, "t", head_dim=32)
+    for bad in (np.inf, np.nan):
+        broken = stored.copy()
+        broken[77, 5] = bf16_bits(np.float32(bad)) if dtype == "BF16" else bad
+        path = tmp_path / f"broken-{bad}.bin"
+        path.write_bytes(broken.tobytes())
+        with es.FloatTable(path, 0, 500, "layers.1.engram", 64, dtype) as table:
+            with pytest.raises(es.EngramError, match=f"row 77 .* holds the {dtype} value {bad} "
+                                                     "at column 5"):
+                table.read(np.array([3, 77]))
 
 
 # --- a byte-split file (GGUF .part1/.part2) ------------------------------------------------------
@@ -532,7 +626,7 @@ def test_a_table_straddling_parts_reads_like_the_whole_file(tmp_path, rng, paral
     # One cut inside row 100 (not at a row boundary), one at the end of row 250.
     parts = split_into_parts(whole, [4096 + 100 * ROW + 77, 4096 + 251 * ROW])
     ref = es.interleaved_reference(parts, 4096, 300)
-    table = es.open_table(json.loads(json.dumps(ref)), tmp_path, "parted")
+    table = open_table(json.loads(json.dumps(ref)), tmp_path, "parted")
     ids = np.concatenate([[99, 100, 101, 250, 251, 0, 299], rng.integers(0, 300, 200)])
     with flags.override(engram_parallel_decode=parallel):
         np.testing.assert_array_equal(bits(table.read(ids)), oracle_bits(raw[ids]))
@@ -544,8 +638,8 @@ def test_a_truncated_last_part_is_a_short_read_naming_the_part(tmp_path, rng):
     whole = write_interleaved(tmp_path / "t.gguf", raw)
     parts = split_into_parts(whole, [20 * ROW + 5])
     with pytest.raises(es.EngramError, match="end at byte"):
-        es.open_table(es.interleaved_reference(parts[:1], 0, 50), tmp_path, "cut")
-    table = es.open_table(es.interleaved_reference(parts, 0, 50), tmp_path, "cut")
+        open_table(es.interleaved_reference(parts[:1], 0, 50), tmp_path, "cut")
+    table = open_table(es.interleaved_reference(parts, 0, 50), tmp_path, "cut")
     os.truncate(parts[1], parts[1].stat().st_size - 110)  # the 100 padding bytes and 10 of row 49
     with pytest.raises(es.EngramReadError, match=r"short read of row 49 at byte \d+ of .*part2"):
         table.read(np.array([49]))
