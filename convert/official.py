@@ -8,6 +8,12 @@ dequantized exactly (bf16 holds every e4m3/e2m1 value times a power of two) and 
 `mx.quantize`; the relative error this adds, sqrt(sum |W' - W|^2 / sum |W|^2), is printed per
 tensor kind and recorded in `config.json` (`dsv4.requantization`).
 
+A dequantised upload of the official checkpoint (BF16/F32 weights, no `.scale` tensors, see
+`dsv4.layout`) converts the same way: its float weights are written as they are (dense
+projections as float Linears, experts stacked [E, out, in]), and the requantization options
+quantize them from their values (an F32 weight rounded to bf16 first; the error counts that).
+BF16/F32 Engram tables are referenced in place, or copied as they are stored.
+
 MTP tensors (`mtp.*`) go verbatim (official names and packing) to `mtp.safetensors`, vision
 tensors (`vision.*`, `aligner.*`, `image_*`, and the image routing bias `*.gate.bias_vl`) to
 `vision.safetensors`. Engram tables are referenced where they lie in the source shards, or
@@ -29,7 +35,7 @@ import numpy as np
 from dsv4.config import ModelArgs
 from dsv4.engram_store import copy_reference, copy_table, open_table, stored_rows
 from dsv4.layout import MXFP4, MXFP8, Item, engram_table_refs, plan
-from dsv4.safetensors_file import Checkpoint, view
+from dsv4.safetensors_file import Checkpoint, to_mx, view
 
 from .writer import (FORMAT_VERSION, MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit,
                      pick_rows)
@@ -155,10 +161,16 @@ def lossless_unit(item: Item) -> Unit:
 
 
 def requantized_unit(item: Item, spec: Requant) -> Unit:
-    """The item's weight dequantized exactly and quantized to `spec`; the squared error and
-    squared norm go to the shard metadata under `dsv4.requant_error.<module>`."""
-    elements = _weight_elements(item)
-    in_dim = item.sources[0].shape[-1] * 8 // item.quantization["bits"]
+    """The item's weight (mxfp8/mxfp4 dequantized exactly, or float as stored) quantized to
+    `spec`; the squared error and squared norm go to the shard metadata under
+    `dsv4.requant_error.<module>`."""
+    module = item.name.removesuffix(".weight")  # a float item is named by its tensor
+    if item.quantization is None:
+        elements = sum(int(np.prod(s.shape)) for s in item.sources)
+        in_dim = item.sources[0].shape[-1]
+    else:
+        elements = _weight_elements(item)
+        in_dim = item.sources[0].shape[-1] * 8 // item.quantization["bits"]
     if in_dim % spec.group_size:
         raise ConversionError(f"{item.sources[0].file.name}: tensor {item.sources[0].name} has "
                               f"{in_dim} inputs, not a multiple of the group size "
@@ -168,35 +180,50 @@ def requantized_unit(item: Item, spec: Requant) -> Unit:
     stats = {}
 
     def produce():
-        packed = item.produce()
-        weight, scales = packed[f"{item.name}.weight"][1], packed[f"{item.name}.scales"][1]
-        out, err2, ref2 = _requantize(weight, scales, item.quantization, spec)
+        lead, rows, exact = _weight_rows(item, item.produce())
+        out, err2, ref2 = _requantize(rows, in_dim, exact, spec)
         stats["value"] = f"{err2!r},{ref2!r}"
-        return {f"{item.name}.{k}": v for k, v in out.items()}
+        return {f"{module}.{k}": (dtype, a.reshape(*lead, a.shape[-1]))
+                for k, (dtype, a) in out.items()}
 
     def metadata():
-        return {ERROR_KEY + item.name: stats["value"]}
+        return {ERROR_KEY + module: stats["value"]}
 
     def sample(rows, rng):
         # affine groups lie along a row, so requantizing some rows gives exactly their output
-        packed = item.produce()
-        weight, scales = packed[f"{item.name}.weight"][1], packed[f"{item.name}.scales"][1]
-        w_rows = weight.reshape(-1, weight.shape[-1])
-        picks = pick_rows(w_rows.shape[0], rows, rng)
-        out, _, _ = _requantize(w_rows[picks], scales.reshape(-1, scales.shape[-1])[picks],
-                                item.quantization, spec)
-        return {f"{item.name}.{k}": (dtype, (*weight.shape[:-1], a.shape[-1]), picks, a)
+        lead, count, exact = _weight_rows(item, item.produce())
+        picks = pick_rows(count, rows, rng)
+        out, _, _ = _requantize(len(picks), in_dim, lambda some: exact(picks[some]), spec)
+        return {f"{module}.{k}": (dtype, (*lead, a.shape[-1]), picks, a)
                 for k, (dtype, a) in out.items()}
-    return Unit(item.name, nbytes, produce, metadata, sample)
+    return Unit(module, nbytes, produce, metadata, sample)
 
 
-def _requantize(weight: np.ndarray, scales: np.ndarray, source: dict, spec: Requant):
-    """MLX-packed weight (any leading dims) -> affine (weight, scales, biases), chunked by rows."""
-    lead = weight.shape[:-1]
+def _weight_rows(item: Item, produced: dict):
+    """(leading dims, rows, rows -> their exact fp32 values) of an item's produced weight."""
+    module = item.name.removesuffix(".weight")
+    dtype, weight = produced[f"{module}.weight"]
     w_rows = weight.reshape(-1, weight.shape[-1])
-    s_rows = scales.reshape(-1, scales.shape[-1])
-    in_dim = weight.shape[-1] * 32 // source["bits"]
-    n = w_rows.shape[0]
+    q = item.quantization
+    if q is None:
+        def exact(rows):
+            return to_mx(np.ascontiguousarray(w_rows[rows]), dtype).astype(mx.float32)
+    else:
+        scales = produced[f"{module}.scales"][1]
+        s_rows = scales.reshape(-1, scales.shape[-1])
+
+        def exact(rows):
+            return mx.dequantize(mx.array(np.ascontiguousarray(w_rows[rows])),
+                                 mx.array(np.ascontiguousarray(s_rows[rows])),
+                                 group_size=q["group_size"], bits=q["bits"], mode=q["mode"],
+                                 dtype=mx.float32)
+    return weight.shape[:-1], w_rows.shape[0], exact
+
+
+def _requantize(n: int, in_dim: int, exact, spec: Requant):
+    """Rows 0..n-1 of `exact(rows)` (fp32 [rows, in_dim]) -> affine (weight, scales, biases)
+    [n, ...] and the squared error and norm, chunked by rows. Quantized from bf16, which holds
+    every mxfp8/mxfp4 value (an F32 weight is rounded to it first; the error counts that)."""
     q_weight = np.empty((n, in_dim * spec.bits // 32), np.uint32)
     q_scales = np.empty((n, in_dim // spec.group_size), np.uint16)
     q_biases = np.empty_like(q_scales)
@@ -204,15 +231,12 @@ def _requantize(weight: np.ndarray, scales: np.ndarray, source: dict, spec: Requ
     step = max(1, _REQUANT_ELEMENTS // in_dim)
     for first in range(0, n, step):
         rows = slice(first, min(first + step, n))
-        exact = mx.dequantize(mx.array(np.ascontiguousarray(w_rows[rows])),
-                              mx.array(np.ascontiguousarray(s_rows[rows])),
-                              group_size=source["group_size"], bits=source["bits"],
-                              mode=source["mode"], dtype=mx.bfloat16)
-        qw, qs, qb = mx.quantize(exact, group_size=spec.group_size, bits=spec.bits, mode="affine")
+        ref = exact(rows)
+        qw, qs, qb = mx.quantize(ref.astype(mx.bfloat16), group_size=spec.group_size,
+                                 bits=spec.bits, mode="affine")
         # fp32 scales: with bf16 ones MLX would round every dequantized value to bf16
         back = mx.dequantize(qw, qs.astype(mx.float32), qb.astype(mx.float32),
                              group_size=spec.group_size, bits=spec.bits, mode="affine")
-        ref = exact.astype(mx.float32)
         e2, r2 = mx.sum(mx.square(back - ref)), mx.sum(mx.square(ref))
         mx.eval(qw, qs, qb, e2, r2)
         q_weight[rows] = np.array(qw)
@@ -220,9 +244,8 @@ def _requantize(weight: np.ndarray, scales: np.ndarray, source: dict, spec: Requ
         q_biases[rows] = np.array(qb.view(mx.uint16))
         err2 += float(e2)
         ref2 += float(r2)
-    out = {"weight": ("U32", q_weight), "scales": ("BF16", q_scales), "biases": ("BF16", q_biases)}
-    return ({k: (dtype, a.reshape(*lead, a.shape[-1])) for k, (dtype, a) in out.items()},
-            err2, ref2)
+    return ({"weight": ("U32", q_weight), "scales": ("BF16", q_scales),
+             "biases": ("BF16", q_biases)}, err2, ref2)
 
 
 def side_units(ckpt: Checkpoint, pattern: re.Pattern) -> list[Unit]:
@@ -294,10 +317,10 @@ def convert(src: str | Path, dst: str | Path, *, revision: Optional[str] = None,
     units, modules = [], {}
     for item in items:
         spec = {MXFP4["mode"]: experts, MXFP8["mode"]: dense}.get(
-            (item.quantization or {}).get("mode"))
+            (item.official or {}).get("mode"))
         if spec is not None:
             units.append(requantized_unit(item, spec))
-            modules[item.name] = spec.quantization
+            modules[item.name.removesuffix(".weight")] = spec.quantization
         else:
             units.append(lossless_unit(item))
             if item.quantization is not None:

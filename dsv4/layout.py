@@ -7,9 +7,13 @@ dsv4 keeps the official tensor names (`layers.3.attn.wq_a`, `layers.3.ffn.expert
   * fp4 experts `experts.<e>.w1.weight` + `.scale` -> stacked mxfp4
     `experts.w1.weight` [E, out, in/8] + `experts.w1.scales` [E, out, in/32];
   * BF16 / F32 tensors as they are.
+A dequantised upload (the same names, an fp8 or fp4 module's `.weight` stored as BF16 or F32
+[out, in] with no `.scale`; its other float tensors BF16 or F32) loads as it is stored: such a
+module is a float Linear (experts stacked [E, out, in]), never requantized; the fp8/fp4
+roundings of activations and KV stay the runtime switches' business.
 Engram tables (`engram.embed.*`) are not weights: they stay where they lie and are
-referenced (see `engram_table_refs`). MTP, vision tensors and `gate.bias_vl` (image
-routing) are not used by the text model and are left out.
+referenced (see `engram_table_refs`; fp8 + scale, or BF16/F32 in an upload). MTP, vision
+tensors and `gate.bias_vl` (image routing) are not used by the text model and are left out.
 
 Both `dsv4.load` (official directory loaded directly) and the official converter use
 `plan()`, so a converted directory is bit-identical to loading the source.
@@ -29,6 +33,7 @@ from .safetensors_file import Checkpoint, CheckpointError, TensorInfo, view
 
 MXFP8 = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+FLOAT = ("BF16", "F32")  # a float tensor of the official layout may be stored as either
 
 _UNUSED = re.compile(r"^(mtp\.|vision\.|aligner\.|image_)|\.gate\.bias_vl$|\.engram\.embed\.")
 
@@ -48,6 +53,9 @@ class Item:
     sources: list[TensorInfo]
     quantization: Optional[dict]   # MLX quantization of a module, None for plain tensors
     produce: Callable[[], dict[str, tuple[str, np.ndarray]]]
+    # the module's quantization in the official checkpoint (MXFP8 / MXFP4), also when this
+    # checkpoint stores it as float; None for the tensors the official stores as float
+    official: Optional[dict] = None
 
     @property
     def nbytes(self) -> int:
@@ -115,30 +123,75 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def check(ckpt: Checkpoint, args: ModelArgs) -> None:
-    """Every needed tensor present with the right dtype and shape; nothing unknown."""
-    expected = expected_tensors(args)
+def _scale_of(name: str) -> str:
+    return f"{name.removesuffix('.weight')}.scale"
+
+
+def _float_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The [out, in] of an fp8 weight, or of an fp4 one packed two values a byte."""
+    return (*shape[:-1], 2 * shape[-1]) if dtype == "I8" else shape
+
+
+def stored_tensors(ckpt: Checkpoint, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`expected_tensors(args)` in the form this checkpoint stores them: an fp8 or fp4 module
+    whose `.weight` is BF16/F32 [out, in] and which has no `.scale` is stored as float, and a
+    float tensor may be BF16 or F32: the entry is then the dtype found."""
+    official = expected_tensors(args)
+    out = {}
+    for name, (dtype, shape) in official.items():
+        if name.endswith(".scale"):
+            continue  # goes with its weight
+        info = ckpt.tensors.get(name)
+        found = info is not None and info.dtype in FLOAT
+        if _scale_of(name) in official:
+            if found and info.shape == _float_shape(dtype, shape) and _scale_of(name) not in ckpt:
+                out[name] = (info.dtype, info.shape)
+            else:
+                out[name], out[_scale_of(name)] = (dtype, shape), official[_scale_of(name)]
+        else:
+            out[name] = (info.dtype if found and dtype in FLOAT else dtype, shape)
+    return out
+
+
+def _expectation(name: str, dtype: str, shape: tuple[int, ...], official: dict) -> str:
+    """What `name` must be, with the float forms a dequantised upload may use."""
+    if _scale_of(name) in official and not name.endswith(".scale"):
+        return (f"{dtype}{list(shape)} with its .scale, or BF16/F32"
+                f"{list(_float_shape(dtype, shape))} without one")
+    if dtype in FLOAT:
+        return f"{dtype}{list(shape)} (or {'/'.join(f for f in FLOAT if f != dtype)})"
+    return f"{dtype}{list(shape)}"
+
+
+def check(ckpt: Checkpoint, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every needed tensor present with the right dtype and shape; nothing unknown. Returns
+    `stored_tensors`."""
+    official = expected_tensors(args)
+    expected = stored_tensors(ckpt, args)
     problems = []
     for name, (dtype, shape) in expected.items():
         info = ckpt.tensors.get(name)
+        want = _expectation(name, *official[name], official)
         if info is None:
-            problems.append(f"tensor {name} is missing (expected {dtype}{list(shape)})")
+            problems.append(f"tensor {name} is missing (expected {want})")
         elif info.dtype != dtype or info.shape != shape:
             problems.append(f"{info.file.name}: tensor {name} is {info.dtype}{list(info.shape)}, "
-                            f"expected {dtype}{list(shape)}")
-    extra = [n for n in ckpt.names() if n not in expected and not is_unused(n)]
+                            f"expected {want}")
+    extra = [n for n in ckpt.names() if n not in official and not is_unused(n)]
     problems += [f"{ckpt[n].file.name}: unexpected tensor {n}" for n in sorted(extra)[:20]]
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise CheckpointError(f"{ckpt.directory}: " + "; ".join(problems[:10]) + more)
+    return expected
 
 
 def plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
     """The dsv4 tensors of an official checkpoint, in a stable order, each produced lazily."""
-    check(ckpt, args)
+    stored = check(ckpt, args)
+    official = expected_tensors(args)
     items: list[Item] = []
     experts: dict[tuple[str, str], dict[int, dict[str, TensorInfo]]] = {}
-    for name in sorted(expected_tensors(args)):
+    for name in sorted(stored):
         info = ckpt[name]
         m = _EXPERT.match(name)
         if m:
@@ -152,9 +205,14 @@ def plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
             items.append(_fp8_item(module, info, ckpt[f"{module}.scale"]))
         else:
             items.append(Item(name, [info], None,
-                              lambda info=info: {info.name: (info.dtype, view(info))}))
+                              lambda info=info: {info.name: (info.dtype, view(info))},
+                              MXFP8 if _scale_of(name) in official else None))
     for (base, w), by_index in sorted(experts.items()):
-        items.append(_experts_item(f"{base}.{w}", [by_index[e] for e in sorted(by_index)]))
+        parts = [by_index[e] for e in sorted(by_index)]
+        if all("scale" in p for p in parts):
+            items.append(_experts_item(f"{base}.{w}", parts))
+        else:
+            items.append(_float_experts_item(f"{base}.{w}", [p["weight"] for p in parts]))
     items.sort(key=lambda it: it.name)
     return items
 
@@ -163,7 +221,7 @@ def _fp8_item(module: str, weight: TensorInfo, scale: TensorInfo) -> Item:
     def produce():
         w, s = pack_fp8_block32(view(weight), view(scale))
         return {f"{module}.weight": ("U32", w), f"{module}.scales": ("U8", s)}
-    return Item(module, [weight, scale], MXFP8, produce)
+    return Item(module, [weight, scale], MXFP8, produce, MXFP8)
 
 
 def _experts_item(module: str, parts: list[dict[str, TensorInfo]]) -> Item:
@@ -173,21 +231,41 @@ def _experts_item(module: str, parts: list[dict[str, TensorInfo]]) -> Item:
         w, s = pack_fp4(w, s)
         return {f"{module}.weight": ("U32", w), f"{module}.scales": ("U8", s)}
     sources = [t for p in parts for t in (p["weight"], p["scale"])]
-    return Item(module, sources, MXFP4, produce)
+    return Item(module, sources, MXFP4, produce, MXFP4)
+
+
+def _float_experts_item(module: str, weights: list[TensorInfo]) -> Item:
+    """Float experts stacked [E, out, in], in their one storage dtype."""
+    kinds = {}  # dtype -> the first expert stored so
+    for info in weights:
+        kinds.setdefault(info.dtype, info)
+    if len(kinds) > 1:  # check() let each through: fp4 with its scale, or float without
+        found = ", ".join(f"{info.name} is {dtype}" for dtype, info in sorted(kinds.items()))
+        raise CheckpointError(f"{module}: the experts of one stack must all be fp4 with their "
+                              f".scale or all BF16, or all F32; {found}")
+
+    def produce():
+        return {f"{module}.weight": (weights[0].dtype, np.stack([view(w) for w in weights]))}
+    return Item(f"{module}.weight", weights, None, produce, MXFP4)
 
 
 def engram_table_refs(ckpt: Checkpoint, args: ModelArgs) -> dict[str, dict]:
-    """Where each Engram table lies in the official shards (split layout), by layer id."""
-    from .engram_store import split_reference
+    """Where each Engram table lies in the official shards, by layer id: fp8 weight and scale
+    tensors (split layout), or one BF16/F32 tensor (a dequantised upload)."""
+    from .engram_store import float_reference, split_reference
 
     refs = {}
     for layer, rows in zip(args.engram_layer_ids, _engram_rows(ckpt, args)):
         w = ckpt[f"layers.{layer}.engram.embed.weight"]
-        s = ckpt[f"layers.{layer}.engram.embed.scale"]
         width = args.engram_head_dim
+        if w.dtype in FLOAT and w.shape == (rows, width) and _scale_of(w.name) not in ckpt:
+            refs[str(layer)] = float_reference(w)
+            continue
         if w.dtype != "F8_E4M3" or w.shape != (rows, width):
             raise CheckpointError(f"{w.file.name}: tensor {w.name} is {w.dtype}{list(w.shape)}, "
-                                  f"expected F8_E4M3[{rows}, {width}]")
+                                  f"expected F8_E4M3[{rows}, {width}] with its .scale, or "
+                                  f"BF16/F32[{rows}, {width}] without one")
+        s = ckpt[_scale_of(w.name)]
         if s.dtype != "F8_E8M0" or s.shape != (rows, width // 32):
             raise CheckpointError(f"{s.file.name}: tensor {s.name} is {s.dtype}{list(s.shape)}, "
                                   f"expected F8_E8M0[{rows}, {width // 32}]")

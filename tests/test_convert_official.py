@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from dsv4 import safetensors_file as sf
 from dsv4.config import ModelArgs
 from dsv4.layout import plan
-from dsv4.testing import write_tiny_checkpoint
+from dsv4.testing import to_bf16_bits, write_sharded, write_tiny_checkpoint
 from dsv4_convert import official
 from dsv4_convert.__main__ import app
 from dsv4_convert.official import Requant, convert
@@ -402,6 +402,24 @@ def test_dtype_mismatch(source, tmp_path):
          r"tensor norm\.weight is F16\[64\], expected BF16\[64\]")
 
 
+def _as_float(src, module, shape):
+    _edit_tensor(src, f"{module}.weight", lambda d, a: ("BF16", np.zeros(shape, np.uint16)))
+    _edit_tensor(src, f"{module}.scale", lambda d, a: None)
+
+
+def test_a_stack_of_fp4_and_float_experts(source, tmp_path):
+    _bad(tmp_path, source, lambda s: _as_float(s, "layers.3.ffn.experts.5.w1", (64, 64)),
+         r"layers\.3\.ffn\.experts\.w1: the experts of one stack must all be fp4 with their "
+         r"\.scale or all BF16, or all F32; layers\.3\.ffn\.experts\.5\.w1\.weight is BF16, "
+         r"layers\.3\.ffn\.experts\.0\.w1\.weight is I8")
+
+
+def test_a_float_weight_of_the_wrong_shape(source, tmp_path):
+    _bad(tmp_path, source, lambda s: _as_float(s, "layers.2.attn.wq_a", (32, 32)),
+         r"tensor layers\.2\.attn\.wq_a\.weight is BF16\[32, 32\], expected F8_E4M3\[32, 64\] "
+         r"with its \.scale, or BF16/F32\[32, 64\] without one")
+
+
 def test_truncated_shard(source, tmp_path):
     def cut(src):
         path = src / "model-00003-of-00003.safetensors"
@@ -561,6 +579,125 @@ def test_cli_delegates_gguf_and_exl3(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", missing)
     run = runner.invoke(app, ["exl3", "x", "y"])
     assert run.exit_code == 2 and "exl3 converter is not available yet" in run.output
+
+
+# --- a dequantised upload (BF16 / F32, no .scale) ------------------------------------------------
+
+def dequantised(source: Path, dst: Path, dtype: str) -> Path:
+    """The checkpoint as dequantised uploads store it: every fp8/fp4 weight and Engram table
+    as `dtype` values (exact: bf16 holds every e4m3/e2m1 value times a power of two), no
+    `.scale` tensors, no quantization_config; with F32 also every BF16 tensor as F32."""
+    ckpt = sf.Checkpoint(source)
+    tensors = {}
+    for name, info in ckpt.tensors.items():
+        scale = ckpt.tensors.get(f"{name.removesuffix('.weight')}.scale")
+        if name.endswith(".scale"):
+            continue
+        stored = sf.view(info)
+        if info.dtype == "I8":
+            value = fp4_source_value(stored, sf.view(scale))
+        elif info.dtype == "F8_E4M3" and ".engram.embed." in name:
+            value = e4m3_value(stored) * np.repeat(e8m0_scale(sf.view(scale)), 32, 1)
+        elif info.dtype == "F8_E4M3":
+            value = fp8_source_value(stored, sf.view(scale))
+        elif info.dtype == "BF16" and dtype == "F32":
+            value = (stored.astype(np.uint32) << 16).view(np.float32)
+        else:
+            tensors[name] = (info.dtype, stored)
+            continue
+        value = value.astype(np.float32)
+        tensors[name] = (dtype, value if dtype == "F32" else to_bf16_bits(value))
+        if dtype == "BF16":
+            assert np.array_equal(bf16_value(tensors[name][1]), value), name  # exact
+    dst.mkdir()
+    write_sharded(dst, tensors, shards=3)
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"]
+    config["torch_dtype"] = dtype.lower()
+    (dst / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, dst / name)
+    return dst
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def uploads(source, tmp_path_factory):
+    root = tmp_path_factory.mktemp("uploads")
+    return {dtype: dequantised(source, root / dtype.lower(), dtype) for dtype in ("BF16", "F32")}
+
+
+def _relative(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_dequantised_upload_loads_as_the_original(source, uploads, dtype):
+    """The same model: float Linears where the original has mxfp8/mxfp4, the same Engram rows,
+    and the runtime's fp8/fp4 roundings (act_quant, KV QDQ at their defaults) on both."""
+    import dsv4
+
+    original, tokenizer = dsv4.load(source, dtype=mx.float32)
+    upload, _ = dsv4.load(uploads[dtype], dtype=mx.float32)
+    assert type(upload.layers[2].attn.wq_a).__name__ == "Linear"
+    assert type(upload.layers[2].ffn.experts.w1).__name__ == "ExpertLinear"
+    layer = original.args.engram_layer_ids[0]
+    ids = np.arange(0, upload._engram_tables[layer].rows, 997)
+    assert np.array_equal(np.array(upload._engram_tables[layer].read(ids).view(mx.uint16)),
+                          np.array(original._engram_tables[layer].read(ids).view(mx.uint16)))
+    ids = np.array([tokenizer.encode("Sparse is better than dense. Readability counts, 1234.")])
+    want = _logits(original, ids, prefill=ids.shape[1] - 4)
+    got = _logits(upload, ids, prefill=ids.shape[1] - 4)
+    assert np.isfinite(want).all() and want.std() > 0
+    assert _relative(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32"])
+def test_dequantised_upload_converts_keeping_its_float_weights(source, uploads, tmp_path, dtype):
+    import dsv4
+
+    upload = uploads[dtype]
+    dst = tmp_path / "out"
+    convert(upload, dst, copy_engram=True, verify=True, progress=False)
+    config = json.loads((dst / "config.json").read_text())
+    assert "quantization" not in config  # nothing is quantized
+    weights = _read_weights(dst)
+    ckpt = sf.Checkpoint(upload)
+    assert weights["layers.2.attn.wq_a.weight"].tobytes() == \
+        sf.view(ckpt["layers.2.attn.wq_a.weight"]).tobytes()
+    assert weights["layers.3.ffn.experts.w2.weight"].tobytes() == np.stack(
+        [sf.view(ckpt[f"layers.3.ffn.experts.{e}.w2.weight"]) for e in range(8)]).tobytes()
+    for layer, ref in config["dsv4"]["engram"].items():
+        assert ref == {"layout": dtype.lower(), "rows": ref["rows"],
+                       "weight": {"file": f"engram-{int(layer):02d}.bin", "offset": 0}}
+        assert (dst / ref["weight"]["file"]).read_bytes() == \
+            sf.view(ckpt[f"layers.{layer}.engram.embed.weight"]).tobytes()
+    direct, tokenizer = dsv4.load(upload, dtype=mx.float32)
+    converted, _ = dsv4.load(dst, dtype=mx.float32)
+    ids = np.array([tokenizer.encode("Errors should never pass silently.")])
+    assert np.array_equal(np.array(converted(ids)), np.array(direct(ids)))
+
+
+def test_requantizing_an_upload_equals_requantizing_the_original(source, uploads, tmp_path):
+    """The upload's float weights are the original's values: quantized to affine they give
+    the same tensors, and the same reported errors."""
+    options = dict(experts=Requant(4, 32), dense=Requant(8, 32), progress=False)
+    want = convert(source, tmp_path / "from-fp8", **options)
+    expected = _read_weights(tmp_path / "from-fp8")
+    affine = [n for n in expected if f"{n.rsplit('.', 1)[0]}.biases" in expected]
+    for dtype, upload in uploads.items():
+        got = convert(upload, tmp_path / dtype, **options)
+        weights = _read_weights(tmp_path / dtype)
+        assert weights.keys() == expected.keys(), dtype
+        for name in affine:
+            assert weights[name].tobytes() == expected[name].tobytes(), (dtype, name)
+        assert got.requant_errors == want.requant_errors
+    kinds = {official.tensor_kind(n.rsplit(".", 1)[0]) for n in affine}
+    assert {"ffn.experts.w2", "ffn.shared_experts.w1", "attn.wo_a", "attn.indexer.wq_b",
+            "engram.wkv"} <= kinds
 
 
 # --- end to end: dsv4.load -------------------------------------------------------------------
