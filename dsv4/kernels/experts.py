@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels import gguf_dot
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
+from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.kernels.mhc import hc_expand
 from dsv4.kernels.router import HEADER as ROUTER_HEADER
 from dsv4.kernels.router import kernel_applies as route_kernel_applies
@@ -49,7 +51,6 @@ MAX_KERNEL_TOKENS = 8
 ROWS_GATE_UP = 4
 LANES_GATE_UP = 32
 X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
-SHARED_BYTES = 48 * 1024   # static threadgroup memory every backend allows
 ROWS_DOWN = 2
 LANES_DOWN = 8
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
@@ -88,6 +89,22 @@ class QuantizedMatrix:
     def kwargs(self) -> dict:
         return dict(group_size=self.group_size, bits=self.bits, mode=self.mode)
 
+    @property
+    def layout(self) -> tuple:
+        """What the kernels' decoding depends on: matrices of one layout share an instantiation."""
+        return (self.mode, self.bits, self.group_size, self.scales.dtype)
+
+    @property
+    def block_values(self) -> int:
+        return self.group_size
+
+    def template(self, prefix: str = "") -> list:
+        return [(prefix + "MODE", MODE_IDS[self.mode]), (prefix + "BITS", self.bits), (prefix + "GS", self.group_size)]
+
+    def operands(self) -> list:
+        """weight, scales, biases as kernel inputs (a placeholder for absent biases)."""
+        return [self.weight, self.scales, self.biases if self.biases is not None else _placeholder()]
+
 
 def _swiglu(g, u, limit):
     g = mx.minimum(g.astype(mx.float32), limit)
@@ -105,8 +122,12 @@ def experts_reference(x, indices, weights, gate, up, down, shared=None, swiglu_l
 
 def _matmul(a, m, idx=None):
     """a @ m.T in fp32 (MLX's CPU kernels accumulate in the input dtype, so the input is fp32
-    on every backend), for the rows idx of stacked experts when given."""
+    on every backend), for the rows idx of stacked experts when given; GGUF blocks decoded
+    exactly first."""
     a = a.astype(mx.float32)
+    if isinstance(m, GGUFMatrix):
+        w = m.dequantized().swapaxes(-1, -2)
+        return a @ w if idx is None else mx.gather_mm(a, w, rhs_indices=idx)
     if idx is None:
         return mx.quantized_matmul(a, m.weight, m.scales, m.biases, transpose=True, **m.kwargs())
     return mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True, **m.kwargs())
@@ -144,10 +165,10 @@ def down_reference(h, indices, down, s_down=None):
     return total.astype(h.dtype)
 
 
-_HEADER = r"""
-// A pack = 32 consecutive values of one row = BITS uint32 words. MODE 0 affine, 1 mxfp4, 2 mxfp8.
-KFN float e8m0_scale(uint32_t s) { return s == 0 ? AS_FLOAT(0x00400000u) : AS_FLOAT(s << 23); }
-
+# What every decode kernel of a few tokens shares: the official fp8 rounding, bf16 loads, the
+# threadgroup copy of x (XChunk) and lane-group sums. The matrix decoders come on top: MLX's
+# packs here (PACKS_HEADER), GGUF blocks in gguf_dot.py; each defines rows_dot.
+X_HEADER = r"""
 KFN float e4m3_round(float x) {
   const float a = FABS(x);
   float r;
@@ -186,6 +207,45 @@ KFN void load_bf16_8(P row, int p, int c, LOCAL float* v) {
     v[2 * j + 1] = AS_FLOAT(w[j] & 0xffff0000u);
   }
 }
+
+// Chunk c of pack p of the input row: XS == 0 reads a row of bf16 in device memory; XS > 0
+// reads the threadgroup's fp32 copy, 4 floats (as bits) per uint4 and XS uint4s per pack
+// (XS = 9 puts the 16-byte reads of 8 consecutive lanes on distinct banks).
+template <int XS> struct XChunk {
+  template <typename P> static KFN void load(P x4, int p, int c, LOCAL float* v) {
+    const uint4 a = x4[p * XS + 2 * c], b = x4[p * XS + 2 * c + 1];
+    v[0] = AS_FLOAT(a.x); v[1] = AS_FLOAT(a.y); v[2] = AS_FLOAT(a.z); v[3] = AS_FLOAT(a.w);
+    v[4] = AS_FLOAT(b.x); v[5] = AS_FLOAT(b.y); v[6] = AS_FLOAT(b.z); v[7] = AS_FLOAT(b.w);
+  }
+};
+template <> struct XChunk<0> {
+  template <typename P> static KFN void load(P x, int p, int c, LOCAL float* v) { load_bf16_8(x, p, c, v); }
+};
+
+// Pack p (the 32 values v) into the threadgroup copy of x that XChunk<XS> reads.
+template <int XS, typename P>
+KFN void store_x_pack(P xs, int p, LOCAL const float* v) {
+  for (int k = 0; k < 8; ++k) {
+    uint4 q;
+    q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
+    q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
+    xs[p * XS + k] = q;
+  }
+}
+
+// Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
+// lane of the group.
+template <int LANES>
+KFN float lanes_sum(float v) {
+  if (LANES == 32) return simd_sum_f(v);
+  for (int o = LANES / 2; o > 0; o >>= 1) v += simd_xor_f(v, o);
+  return v;
+}
+"""
+
+PACKS_HEADER = r"""
+// A pack = 32 consecutive values of one row = BITS uint32 words. MODE 0 affine, 1 mxfp4, 2 mxfp8.
+KFN float e8m0_scale(uint32_t s) { return s == 0 ? AS_FLOAT(0x00400000u) : AS_FLOAT(s << 23); }
 
 template <int BITS, typename P>
 KFN void load_words(P w, LOCAL uint32_t* out) {
@@ -247,40 +307,6 @@ KFN void load_pack(PW w_row, PS s_row, PB b_row, int p, LOCAL uint32_t* words, L
   }
 }
 
-// Chunk c of pack p of the input row: XS == 0 reads a row of bf16 in device memory; XS > 0
-// reads the threadgroup's fp32 copy, 4 floats (as bits) per uint4 and XS uint4s per pack
-// (XS = 9 puts the 16-byte reads of 8 consecutive lanes on distinct banks).
-template <int XS> struct XChunk {
-  template <typename P> static KFN void load(P x4, int p, int c, LOCAL float* v) {
-    const uint4 a = x4[p * XS + 2 * c], b = x4[p * XS + 2 * c + 1];
-    v[0] = AS_FLOAT(a.x); v[1] = AS_FLOAT(a.y); v[2] = AS_FLOAT(a.z); v[3] = AS_FLOAT(a.w);
-    v[4] = AS_FLOAT(b.x); v[5] = AS_FLOAT(b.y); v[6] = AS_FLOAT(b.z); v[7] = AS_FLOAT(b.w);
-  }
-};
-template <> struct XChunk<0> {
-  template <typename P> static KFN void load(P x, int p, int c, LOCAL float* v) { load_bf16_8(x, p, c, v); }
-};
-
-// Pack p (the 32 values v) into the threadgroup copy of x that XChunk<XS> reads.
-template <int XS, typename P>
-KFN void store_x_pack(P xs, int p, LOCAL const float* v) {
-  for (int k = 0; k < 8; ++k) {
-    uint4 q;
-    q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
-    q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
-    xs[p * XS + k] = q;
-  }
-}
-
-// Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
-// lane of the group.
-template <int LANES>
-KFN float lanes_sum(float v) {
-  if (LANES == 32) return simd_sum_f(v);
-  for (int o = LANES / 2; o > 0; o >>= 1) v += simd_xor_f(v, o);
-  return v;
-}
-
 // Dot products of one input row x of K_IN values (read as XChunk<XS> reads it) with the rows
 // of the matrices at w0 (and w1 if TWO) starting at row `first` (expert e's first row). The
 // SIMD group's lanes form 32 / LANES groups of LANES lanes; group g makes the ROWS consecutive
@@ -340,6 +366,8 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
   }
 }
 """
+
+_HEADER = X_HEADER + PACKS_HEADER
 
 _GATE_UP_BODY = r"""
   // grid (32 * 32/RW, I/32, tokens*(K+HS)) with RW = ROWS*32/LANES rows per SIMD group: a
@@ -508,8 +536,64 @@ DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
 
 
-def matrix_supported(m: QuantizedMatrix) -> bool:
-    """Whether the kernels' packed-matrix decoding (load_pack, unpack8) handles m's layout."""
+# The same bodies over rows of GGUF blocks (gguf_dot.py's rows_dot). Launch shapes (ROWS, LANES)
+# by the routed experts' type: a lane's unit is 32-128 values (gguf_dot.UNIT_VALUES), so fewer
+# lanes share a row where the units are large.
+GGUF_GATE_UP_SHAPES = {"Q8_0": (4, 32), "IQ2_XXS": (4, 32), "Q4_K": (4, 16), "Q2_K": (4, 8)}
+GGUF_DOWN_SHAPES = {"Q8_0": (2, 8), "IQ2_XXS": (2, 8), "Q4_K": (2, 4), "Q2_K": (2, 2)}
+_GGUF_HEADER = X_HEADER + gguf_dot.HEADER
+
+
+def _gguf_checks(stage):
+    """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's widths."""
+    out = []
+    for routed, shared in (("IQ2_XXS", "Q8_0"), ("Q4_K", "Q8_0"), ("Q2_K", "Q4_K")):
+        tmpl = [("T", mx.bfloat16), ("MODE", gguf_dot.GGUF_MODE_IDS[routed]), ("BITS", 0), ("GS", 0),
+                ("SMODE", gguf_dot.GGUF_MODE_IDS[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
+        mats = (mx.uint8, mx.uint32, mx.uint32) * 4
+        rows, lanes = GGUF_GATE_UP_SHAPES[routed]
+        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", True),
+                               ("I", 2304), ("D", 5120)]
+        if stage == "gate_up":
+            ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
+            out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
+        elif stage == "routed_gate_up":
+            ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
+            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True)])))
+        else:
+            rows, lanes = GGUF_DOWN_SHAPES[routed]
+            for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
+                ins = (mx.bfloat16, mx.int32) + (mx.uint8, mx.uint32, mx.uint32) * 2 + extra
+                out.append((ins, (mx.bfloat16,), tuple(tmpl + [("ROWS", rows), ("LANES", lanes), ("I", 2304),
+                                                               ("DO", 5120), ("HC", hc)])))
+    return tuple(out)
+
+
+GGUF_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf", input_names=_GATE_UP_INPUTS,
+                             output_names=("h",), body=_gate_up_body(_GIVEN), header=_GGUF_HEADER,
+                             checks=_gguf_checks("gate_up"))
+GGUF_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf", input_names=_ROUTED_GATE_UP_INPUTS,
+                                    output_names=("h", "ids"), body=_gate_up_body(_ROUTED),
+                                    header=_GGUF_HEADER + ROUTER_HEADER, checks=_gguf_checks("routed_gate_up"))
+GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUTS, output_names=("y",),
+                          body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
+
+
+def _kernels(m):
+    """(gate/up, routed gate/up, down) kernels and the (gate/up, down) launch shapes for
+    routed experts m."""
+    if isinstance(m, GGUFMatrix):
+        return (GGUF_GATE_UP_KERNEL, GGUF_ROUTED_GATE_UP_KERNEL, GGUF_DOWN_KERNEL,
+                GGUF_GATE_UP_SHAPES[m.qtype], GGUF_DOWN_SHAPES[m.qtype])
+    return (GATE_UP_KERNEL, ROUTED_GATE_UP_KERNEL, DOWN_KERNEL, (ROWS_GATE_UP, LANES_GATE_UP),
+            (ROWS_DOWN, LANES_DOWN))
+
+
+def matrix_supported(m) -> bool:
+    """Whether the kernels' decoding handles m's layout: MLX's packs (load_pack, unpack8) or
+    GGUF blocks (gguf_dot)."""
+    if isinstance(m, GGUFMatrix):
+        return gguf_dot.supported(m)
     if m.mode in ("mxfp4", "mxfp8"):
         ok_bits = m.bits == (4 if m.mode == "mxfp4" else 8) and m.group_size == 32
     else:
@@ -521,7 +605,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     mats = [gate, up, down] + (list(shared) if shared is not None else [])
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[0] > MAX_KERNEL_TOKENS:
         return False
-    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > SHARED_BYTES:   # x's copy + block_h
+    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > shared_memory_limit():   # x's copy + block_h
         return False
     if not all(matrix_supported(m) for m in mats):
         return False
@@ -529,9 +613,10 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
             for m_g, m_u, m_d in [(gate, up, down)] + ([tuple(shared)] if shared is not None else [])]
     if any(d != x.shape[-1] or not (i == j == k) for d, i, j, k in dims):
         return False
-    same = lambda a, b: (a.mode, a.bits, a.group_size, a.scales.dtype) == (b.mode, b.bits, b.group_size, b.scales.dtype)
+    same = lambda a, b: a.layout == b.layout
+    family = lambda m: isinstance(m, GGUFMatrix)   # one rows_dot per kernel: GGUF or MLX packs
     return same(gate, up) and same(gate, down) and (shared is None or (
-        same(shared[0], shared[1]) and same(shared[0], shared[2])))
+        same(shared[0], shared[1]) and same(shared[0], shared[2]) and family(shared[0]) == family(gate)))
 
 
 def _placeholder():
@@ -539,18 +624,22 @@ def _placeholder():
     return constant((0,) * 8, mx.uint32)
 
 
-def matrix_operands(m: QuantizedMatrix | None):
-    """weight, scales, biases of m as kernel inputs (placeholders where absent)."""
-    if m is None:
-        return [_placeholder()] * 3
-    return [m.weight, m.scales, m.biases if m.biases is not None else _placeholder()]
+def matrix_operands(m) -> list:
+    """m's kernel inputs (placeholders for an absent matrix)."""
+    return [_placeholder()] * 3 if m is None else m.operands()
 
 
-def _mode_template(prefix, m: QuantizedMatrix | None, like: QuantizedMatrix):
-    m = m or like
-    return [(prefix + "MODE", MODE_IDS[m.mode]), (prefix + "BITS", m.bits), (prefix + "GS", m.group_size)]
+def experts_kernel_reference(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
+                             act_quant=False, expand=None, routing=None):
+    """What `experts_kernel` computes, without its kernels: the router's choice (with
+    `routing`), `experts_reference`, then the mHC expand (with `expand`)."""
+    if routing is not None:
+        indices, weights = route(*routing)
+    y = experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
+    return y if expand is None else hc_expand(y, *expand)
 
 
+@falls_back(experts_kernel_reference, "kernel_moe")
 def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
                    act_quant=False, expand=None, routing=None):
     """The fused GPU path; same contract as `experts` (call that instead). With `routing` =
@@ -562,7 +651,7 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
 
 def _common_template(dtype, K, routed: QuantizedMatrix, shared: QuantizedMatrix | None):
     """Template values both launches share: the routed and shared experts' layouts, HS and K."""
-    return [("T", dtype)] + _mode_template("", routed, routed) + _mode_template("S", shared, routed) + [
+    return [("T", dtype)] + routed.template() + (shared or routed).template("S") + [
         ("HS", int(shared is not None)), ("K", K)]
 
 
@@ -575,22 +664,23 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     I = gate.out_features
     s_gate, s_up = shared[:2] if shared is not None else (None, None)
     slots = K + int(shared is not None)
-    threads = 32 * 32 // (ROWS_GATE_UP * 32 // LANES_GATE_UP)   # 32 rows of h per threadgroup
+    given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
+    threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
     launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),
                   output_shapes=[(T, slots, I)], output_dtypes=[x.dtype])
-    template = _common_template(x.dtype, K, gate, s_gate) + _gate_up_shape() + [
-        ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
+    template = _common_template(x.dtype, K, gate, s_gate) + [
+        ("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     if routing is None:
         indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
         weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
-        (h,) = GATE_UP_KERNEL(inputs=[x, indices, weights, constant((float(swiglu_limit),))] + matrices,
+        (h,) = given_kernel(inputs=[x, indices, weights, constant((float(swiglu_limit),))] + matrices,
                               template=template, **launch)
         return h, indices
     logits, bias, _, temp, scale, norm = routing
     launch["output_shapes"].append((T, K))
     launch["output_dtypes"].append(mx.int32)
-    return tuple(ROUTED_GATE_UP_KERNEL(
+    return tuple(routed_kernel(
         inputs=[x, logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32),
                 constant((float(temp), float(scale))), constant((float(swiglu_limit),))] + matrices,
         template=template + [("E", logits.shape[-1]), ("NORM", bool(norm))], **launch))
@@ -609,13 +699,15 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
         hc = residual.shape[-2]
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
-    rows = ROWS_DOWN * 32 // LANES_DOWN
-    (y,) = DOWN_KERNEL(
+    *_, kernel, _, (rows, lanes) = _kernels(down)
+    per_group = rows * 32 // lanes
+    (y,) = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
         output_shapes=[out_shape], output_dtypes=[h.dtype],
-        grid=(32 * slots, math.ceil(DO / rows), T), threadgroup=(32 * slots, 1, 1),
+        grid=(32 * slots, math.ceil(DO / per_group), T), threadgroup=(32 * slots, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
-        template=_common_template(h.dtype, K, down, s_down) + _down_shape() + [("I", I), ("DO", DO), ("HC", hc)])
+        template=_common_template(h.dtype, K, down, s_down) + [("ROWS", rows), ("LANES", lanes), ("I", I),
+                                                                ("DO", DO), ("HC", hc)])
     return y
 
 
@@ -647,8 +739,7 @@ def experts(x, indices, weights, gate, up, down, shared=None, swiglu_limit=10.0,
     """
     if _kernel_runs(x, indices.shape[-1], gate, up, down, shared, expand):
         return experts_kernel(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant, expand)
-    y = experts_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant)
-    return y if expand is None else hc_expand(y, *expand)
+    return experts_kernel_reference(x, indices, weights, gate, up, down, shared, swiglu_limit, act_quant, expand)
 
 
 def routed_experts(x, logits, bias, k, temp, scale, norm, gate, up, down, shared=None,

@@ -24,9 +24,11 @@ import math
 
 import mlx.core as mx
 
-from dsv4.kernels.dialect import Kernel, backend
-from dsv4.kernels.experts import (_HEADER, MODE_IDS, SHARED_BYTES, X_STRIDE, QuantizedMatrix,
-                                  matrix_operands, matrix_supported)
+from dsv4.kernels.dialect import Kernel, backend, falls_back, shared_memory_limit
+from dsv4.kernels import gguf_dot
+from dsv4.kernels.experts import (_HEADER, MODE_IDS, X_HEADER, X_STRIDE, QuantizedMatrix,
+                                  matrix_supported)
+from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
 
 MAX_TOKENS = 8
@@ -97,6 +99,22 @@ MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec", input_names=("x", "w", "s",
                        output_names=("y",), body=_BODY, header=_HEADER, checks=_checks())
 
 
+def _gguf_checks():
+    """GGUF dense projections: ds4's Q8_0 (split and rows) and the Q4_K of its q4 attention option."""
+    out = []
+    for qtype, split, rows, k in (("Q8_0", 1, 2, 4096), ("Q8_0", 4, 1, 1024), ("Q4_K", 2, 1, 4096)):
+        template = (("T", mx.bfloat16), ("MODE", gguf_dot.GGUF_MODE_IDS[qtype]), ("BITS", 0), ("GS", 0),
+                    ("SPLIT", split), ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", True))
+        out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))
+    return tuple(out)
+
+
+# The same body over rows of GGUF blocks (gguf_dot.py's rows_dot).
+GGUF_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec", input_names=("x", "w", "s", "b"),
+                            output_names=("y",), body=_BODY, header=X_HEADER + gguf_dot.HEADER,
+                            checks=_gguf_checks())
+
+
 def work_split(n: int, k: int, group_size: int) -> tuple[int, int]:
     """(SPLIT, ROWS) for an [n, k] matrix: SIMD groups per row when n is small, so that about
     IN_FLIGHT_ROWS rows' packs are in flight; rows per SIMD group when n is large, while
@@ -122,26 +140,31 @@ def kernel_supports(x: mx.array, q: QuantizedMatrix) -> bool:
     tokens = x.size // K if K else 0
     return (1 <= tokens <= MAX_TOKENS and K % 32 == 0 and q.weight.ndim == 2
             and q.in_features == K and matrix_supported(q)
-            and K // 32 * X_STRIDE * 16 + 4 * 32 <= SHARED_BYTES)   # x's copy + partial sums
+            and K // 32 * X_STRIDE * 16 + 4 * 32 <= shared_memory_limit())   # x's copy + partial sums
 
 
-def matvec_reference(x: mx.array, q: QuantizedMatrix, act_quant: bool) -> mx.array:
+def matvec_reference(x: mx.array, q, act_quant: bool) -> mx.array:
     """Plain MLX: the quantized matmul on the (fp8-rounded) input in fp32, so that it
-    accumulates in fp32 on every backend, rounded to x's dtype (as in experts_reference)."""
+    accumulates in fp32 on every backend, rounded to x's dtype (as in experts_reference);
+    GGUF blocks decoded exactly, then a fp32 matmul."""
     xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
+    if isinstance(q, GGUFMatrix):
+        return (xin @ q.dequantized().T).astype(x.dtype)
     y = mx.quantized_matmul(xin, q.weight, q.scales, q.biases, transpose=True, **q.kwargs())
     return y.astype(x.dtype)
 
 
+@falls_back(matvec_reference, "kernel_matvec")
 def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool) -> mx.array:
     """x [..., K] (at most MAX_TOKENS rows) -> y [..., N] in x's dtype, one launch; the same
     contract as `matvec_reference`. Call only where `kernel_supports(x, q)`."""
     K, N = x.shape[-1], q.out_features
     tokens = x.size // K
-    split, rows = work_split(N, K, q.group_size)
-    (y,) = MATVEC_KERNEL(
-        inputs=[x] + matrix_operands(q), output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype],
+    split, rows = work_split(N, K, q.block_values)
+    kernel = GGUF_MATVEC_KERNEL if isinstance(q, GGUFMatrix) else MATVEC_KERNEL
+    (y,) = kernel(
+        inputs=[x] + q.operands(), output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype],
         grid=(32 * WARPS, math.ceil(N * split / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
-        template=[("T", x.dtype), ("MODE", MODE_IDS[q.mode]), ("BITS", q.bits), ("GS", q.group_size),
-                  ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant))])
+        template=[("T", x.dtype)] + q.template() + [
+            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant))])
     return y

@@ -1,0 +1,238 @@
+"""GGUF blocks in the decode kernels: `rows_dot` over rows of raw GGUF blocks.
+
+The matvec and fused-experts kernels (matvec.py, experts.py) are written against
+`rows_dot<MODE, BITS, GS, ROWS, LANES, K_IN, XS, TWO>`: dot products of one input row with
+ROWS rows of one or two matrices, the SIMD group's lanes in groups of LANES, each lane taking
+units of the row in turn. experts.PACKS_HEADER defines it for MLX's packed matrices; the
+header here defines it for rows of GGUF blocks (dsv4/gguf_blocks.py), so the same bodies
+(the shared expert, the router's tail, the mHC expand, the fp8 rounding of x and h) run over
+GGUF weights. MODE is a GGUF type id (GGUF_MODE_IDS); BITS and GS are unused.
+
+A row is the tensor's own bytes (K_IN / BLOCK_VALUES blocks), read in place: no repacking,
+so a weight is exactly as big as in the GGUF file. A lane's unit is what it decodes from one
+set of loads:
+
+  Q8_0     32 values: a block (34 B, 2-byte aligned: 17 u16 loads), d * sum(q x)
+  IQ2_XXS  32 values: a sub-block (8 B + the block's f16 d, u16 loads), db * sum(+-grid x);
+           the grid (256 x 8 bytes) and the sign table come in the matrix's `scales` operand
+  Q4_K     64 values: two sub-blocks sharing 32 bytes of nibbles (16-byte loads: a block is
+           144 B), (d sc) sum(q x) - (dmin m) sum(x) per 32
+  Q2_K    128 values: half a block, whose 32 bytes hold 4 bit planes (4-byte loads: 84 B),
+           (d sc) sum(q x) - (dmin m) sum(x) per 16
+
+Each unit accumulates in fp32 (a different order from the reference's fp32 matmul of the
+decoded weights: within the fp32 summation bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from dsv4 import gguf_blocks
+
+GGUF_MODE_IDS = {"Q8_0": 10, "Q4_K": 11, "Q2_K": 12, "IQ2_XXS": 13}
+# Values a lane decodes per unit (see above).
+UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
+
+HEADER = r"""
+KFN float f16_bits(uint32_t h) { return half2_bits_to_float2(h).x; }
+template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
+template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
+
+// One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
+// for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
+template <int MODE> struct GgufUnit;
+
+template <> struct GgufUnit<10> {   // Q8_0
+  static constexpr int VALUES = 32, BLOCK_VALUES = 32, BLOCK_BYTES = 34;
+  uint32_t q[8];
+  float d;
+  template <typename P> KFN void load(P row, int u) {
+    P b = row + 34 * u;
+    d = f16_bits(u16_at(b, 0));
+    for (int k = 0; k < 8; ++k) q[k] = u16_at(b, 1 + 2 * k) | (u16_at(b, 2 + 2 * k) << 16);
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j)
+      for (int k = 0; k < 4; ++k) s += float((int)(q[2 * c + j] << (24 - 8 * k)) >> 24) * x[4 * j + k];
+    return d * s;
+  }
+};
+
+template <> struct GgufUnit<13> {   // IQ2_XXS: tables = grid (512 words), then the 128 sign bytes
+  static constexpr int VALUES = 32, BLOCK_VALUES = 256, BLOCK_BYTES = 66;
+  uint32_t grid_index, aux;
+  float db;
+  template <typename P> KFN void load(P row, int u) {
+    P b = row + 66 * (u / 8);
+    const int j = u % 8;
+    grid_index = u16_at(b, 1 + 4 * j) | (u16_at(b, 2 + 4 * j) << 16);
+    aux = u16_at(b, 3 + 4 * j) | (u16_at(b, 4 + 4 * j) << 16);
+    db = f16_bits(u16_at(b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
+    const uint32_t lo = tables[2 * g], hi = tables[2 * g + 1];
+    const uint32_t signs = (tables[512 + si / 4] >> (8 * (si % 4))) & 255u;
+    float s = 0.0f;
+    for (int k = 0; k < 8; ++k) {
+      const float v = (float)(((k < 4 ? lo : hi) >> (8 * (k % 4))) & 255u);
+      s += ((signs >> k) & 1u ? -v : v) * x[k];
+    }
+    return db * s;
+  }
+};
+
+template <> struct GgufUnit<11> {   // Q4_K
+  static constexpr int VALUES = 64, BLOCK_VALUES = 256, BLOCK_BYTES = 144;
+  uint32_t q[8];
+  float scale[2], low[2];
+  template <typename P> KFN void load(P row, int u) {
+    P b = row + 144 * (u / 4);
+    const int i = u % 4;
+    const uint4 head = LOAD_U4(b, 0), lo = LOAD_U4(b + 16, 2 * i), hi = LOAD_U4(b + 16, 2 * i + 1);
+    const uint32_t sc[3] = {head.y, head.z, head.w};
+    const float d = f16_bits(head.x & 0xffffu), dmin = f16_bits(head.x >> 16);
+    for (int h = 0; h < 2; ++h) {   // sub-block j = 2i + h: ggml's get_scale_min_k4
+      const int j = 2 * i + h;
+      uint32_t s, m;
+      if (j < 4) {
+        s = (sc[0] >> (8 * j)) & 63u;
+        m = (sc[1] >> (8 * j)) & 63u;
+      } else {
+        const uint32_t b8 = (sc[2] >> (8 * (j - 4))) & 255u;
+        s = (b8 & 15u) | (((sc[0] >> (8 * (j - 4))) >> 6 & 3u) << 4);
+        m = (b8 >> 4) | (((sc[1] >> (8 * (j - 4))) >> 6 & 3u) << 4);
+      }
+      scale[h] = d * (float)s;
+      low[h] = dmin * (float)m;
+    }
+    q[0] = lo.x; q[1] = lo.y; q[2] = lo.z; q[3] = lo.w; q[4] = hi.x; q[5] = hi.y; q[6] = hi.z; q[7] = hi.w;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const int h = c / 4, k8 = c % 4, shift = 4 * h;   // chunk c: bytes 8 k8.. of the 32, nibble h
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j)
+      for (int k = 0; k < 4; ++k) s += (float)((q[2 * k8 + j] >> (8 * k + shift)) & 15u) * x[4 * j + k];
+    return scale[h] * s - low[h] * x_sum;
+  }
+};
+
+template <> struct GgufUnit<12> {   // Q2_K
+  static constexpr int VALUES = 128, BLOCK_VALUES = 256, BLOCK_BYTES = 84;
+  uint32_t q[8], sc[2];
+  float d, dmin;
+  template <typename P> KFN void load(P row, int u) {
+    P b = row + 84 * (u / 2);
+    const int h = u % 2;
+    for (int k = 0; k < 8; ++k) q[k] = u32_at(b, 4 + 8 * h + k);
+    sc[0] = u32_at(b, 2 * h);
+    sc[1] = u32_at(b, 2 * h + 1);
+    const uint32_t dd = u32_at(b, 20);
+    d = f16_bits(dd & 0xffffu);
+    dmin = f16_bits(dd >> 16);
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const int plane = c / 4, k8 = c % 4;           // bits 2 plane of bytes 8 k8.. of the 32
+    const int sub = 2 * plane + k8 / 2;            // its sub-block of 16 within the half
+    const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j)
+      for (int k = 0; k < 4; ++k) s += (float)((q[2 * k8 + j] >> (8 * k + 2 * plane)) & 3u) * x[4 * j + k];
+    return d * (float)(s8 & 15u) * s - dmin * (float)(s8 >> 4) * x_sum;
+  }
+};
+
+template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
+          typename PW, typename PS, typename PB>
+KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
+                  int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
+  typedef GgufUnit<MODE> U;
+  constexpr int UNITS = K_IN / U::VALUES;
+  constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
+  const int sub = (int)lane % LANES;
+  const int rows0 = row0 + ((int)lane / LANES) * ROWS;
+  for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
+  for (int u = sub; u < UNITS; u += LANES) {
+    U a[ROWS], b[TWO ? ROWS : 1];
+    for (int r = 0; r < ROWS; ++r) {
+      const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
+      a[r].load(w0 + row * ROW_BYTES, u);
+      if (TWO) b[r].load(w1 + row * ROW_BYTES, u);
+    }
+    for (int c = 0; c < U::VALUES / 8; ++c) {
+      float xv[8];
+      XChunk<XS>::load(x, u * (U::VALUES / 32) + c / 4, c % 4, xv);
+      float x_sum = 0.0f;
+      for (int i = 0; i < 8; ++i) x_sum += xv[i];
+      for (int r = 0; r < ROWS; ++r) {
+        acc0[r] += a[r].dot8(c, xv, x_sum, s0);
+        if (TWO) acc1[r] += b[TWO ? r : 0].dot8(c, xv, x_sum, s1);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    acc0[r] = lanes_sum<LANES>(acc0[r]);
+    if (TWO) acc1[r] = lanes_sum<LANES>(acc1[r]);
+  }
+}
+"""
+
+
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """One weight kept as GGUF blocks: routed experts [E, out, row bytes] or a matrix
+    [out, row bytes], uint8, in the GGUF's own byte order."""
+
+    weight: mx.array
+    qtype: str
+
+    @property
+    def in_features(self) -> int:
+        return gguf_blocks.in_features(self.qtype, self.weight.shape[-1])
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[-2]
+
+    @property
+    def layout(self) -> tuple:
+        return ("gguf", self.qtype)
+
+    @property
+    def block_values(self) -> int:
+        return gguf_blocks.BLOCK_WEIGHTS[self.qtype]
+
+    def template(self, prefix: str = "") -> list:
+        return [(prefix + "MODE", GGUF_MODE_IDS[self.qtype]), (prefix + "BITS", 0), (prefix + "GS", 0)]
+
+    def operands(self) -> list:
+        """weight, tables (IQ2_XXS's grid and signs; else a placeholder), and a placeholder bias."""
+        tables = iq2_xxs_tables() if self.qtype == "IQ2_XXS" else _placeholder()
+        return [self.weight, tables, _placeholder()]
+
+    def dequantized(self, dtype=mx.float32) -> mx.array:
+        return gguf_blocks.dequantize(self.weight, self.qtype).astype(dtype)
+
+
+def supported(m: GGUFMatrix) -> bool:
+    """Whether rows_dot decodes m: a known type whose rows hold whole units."""
+    return (m.qtype in GGUF_MODE_IDS and m.weight.dtype == mx.uint8
+            and m.in_features % UNIT_VALUES[m.qtype] == 0)
+
+
+@lru_cache(maxsize=1)
+def iq2_xxs_tables() -> mx.array:
+    """IQ2_XXS's grid as bytes (256 entries x 8 values, 512 words), then its 128 sign bytes."""
+    grid = gguf_blocks.iq2_xxs_grid().astype(np.uint8).reshape(-1)
+    return mx.array(np.concatenate([grid, gguf_blocks.iq2_xxs_signs()]).view(np.uint32))
+
+
+@lru_cache(maxsize=1)
+def _placeholder() -> mx.array:
+    return mx.zeros((8,), mx.uint32)

@@ -1,0 +1,219 @@
+"""The GGUF-block decode kernels (gguf_dot.py's rows_dot under the matvec and fused-experts
+bodies) run on the host, CPU, in CI: compiled with clang under the threadgroup emulator of
+test_kernels_matvec (a thread per lane, std::barrier for BARRIER and the SIMD exchanges) at
+the dispatchers' launch shapes, on random GGUF blocks, against the plain-MLX references
+(exact decoding as gguf-py's, then fp32 matmuls) with the bounds of the MLX-pack kernels'
+tests. This checks the unit decoding (nibble, bit-plane and grid layouts, sub-block scales
+and mins, unaligned 34- and 66-byte blocks) and the indexing of lanes over units."""
+
+import subprocess
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from dsv4 import gguf_blocks
+from dsv4.kernels import experts as ex
+from dsv4.kernels import gguf_dot
+from dsv4.kernels import matvec as mv
+from dsv4.kernels.gguf_dot import GGUFMatrix
+from dsv4.quant import qdq_fp8
+from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_experts import check_down, check_hidden
+from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
+from tests.test_kernels_matvec import EMULATOR
+
+# f16 scale fields per type and a magnitude that keeps weights ~0.05
+SCALE_FIELDS = {"Q8_0": ((0, 4e-4),), "IQ2_XXS": ((0, 1.5e-4),), "Q4_K": ((0, 1e-4), (2, 1e-4)),
+                "Q2_K": ((80, 2e-3), (82, 2e-3))}
+
+
+def gguf_matrix(rng, shape, qtype) -> GGUFMatrix:
+    """Random valid blocks of `qtype` for a weight of `shape` [..., out, in]."""
+    *lead, n_in = shape
+    rows = int(np.prod(lead))
+    per_row = n_in // gguf_blocks.BLOCK_WEIGHTS[qtype]
+    size = gguf_blocks.BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, (rows * per_row, size), dtype=np.uint8)
+    for at, scale in SCALE_FIELDS[qtype]:
+        d = (rng.uniform(0.2, 1.0, len(blocks)) * scale).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return GGUFMatrix(mx.array(blocks.reshape(*lead, per_row * size)), qtype)
+
+
+def matrix_bytes(m: GGUFMatrix | None, like: GGUFMatrix, rows: int) -> bytes:
+    """weight bytes, tables (IQ2_XXS; 8 zero words otherwise) and a placeholder bias, as read."""
+    if m is None:
+        return np.zeros(rows * gguf_blocks.row_bytes(like.qtype, like.in_features), np.uint8).tobytes() \
+            + np.zeros(16, np.uint32).tobytes()
+    tables, bias = (np.array(a) for a in m.operands()[1:])
+    return np.array(m.weight).tobytes() + np.resize(tables, 544 if m.qtype == "IQ2_XXS" else 8).tobytes() \
+        + bias.tobytes()
+
+
+# A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
+READ_MATRIX = r"""
+inline size_t row_bytes(int qtype, int n_in) {
+  return qtype == 10 ? n_in / 32 * 34 : qtype == 11 ? n_in / 256 * 144 : qtype == 12 ? n_in / 256 * 84 : n_in / 256 * 66;
+}
+struct Matrix {
+  std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
+  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 ? 544 : 8), bias(8) {
+    read(w); read(tables); read(bias);
+  }
+};
+"""
+
+GATE_UP_MAIN = r"""
+void body(const T* x, const int* idx, const float* route_w, const float* params,
+          const uint8_t* gate_w, const uint32_t* gate_s, const uint32_t* gate_b,
+          const uint8_t* up_w, const uint32_t* up_s, const uint32_t* up_b,
+          const uint8_t* sgate_w, const uint32_t* sgate_s, const uint32_t* sgate_b,
+          const uint8_t* sup_w, const uint32_t* sup_s, const uint32_t* sup_b, T* h,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int tokens = read_int(), experts = read_int();
+  std::vector<T> x(tokens * D), h((size_t)tokens * (K + HS) * I, T(NAN));
+  std::vector<int> idx(tokens * K);
+  std::vector<float> route_w(tokens * K), params(1);
+  read(x); read(idx); read(route_w); read(params);
+  Matrix g((size_t)experts * I, MODE, D), u((size_t)experts * I, MODE, D), sg(I, SMODE, D), su(I, SMODE, D);
+  constexpr int RW = ROWS * 32 / LANES;
+  launch(32 * 32 / RW, I / 32, tokens * (K + HS), [&](int t, int gy, int z, int threads) {
+    body(x.data(), idx.data(), route_w.data(), params.data(), g.w.data(), g.tables.data(), g.bias.data(),
+         u.w.data(), u.tables.data(), u.bias.data(), sg.w.data(), sg.tables.data(), sg.bias.data(),
+         su.w.data(), su.tables.data(), su.bias.data(), h.data(), t, gy, z, threads);
+  });
+  std::fwrite(h.data(), 2, h.size(), stdout);
+  return 0;
+}
+"""
+
+DOWN_MAIN = r"""
+void body(const T* h, const int* idx, const uint8_t* down_w, const uint32_t* down_s, const uint32_t* down_b,
+          const uint8_t* sdown_w, const uint32_t* sdown_s, const uint32_t* sdown_b, const T* residual,
+          const float* post, const float* comb, T* y,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int tokens = read_int(), experts = read_int();
+  std::vector<T> h((size_t)tokens * (K + HS) * I), y((size_t)tokens * DO, T(NAN));
+  std::vector<int> idx(tokens * K);
+  read(h); read(idx);
+  Matrix d((size_t)experts * DO, MODE, I), sd(DO, SMODE, I);
+  constexpr int RW = ROWS * 32 / LANES;
+  launch(32 * (K + HS), (DO + RW - 1) / RW, tokens, [&](int t, int gy, int z, int threads) {
+    body(h.data(), idx.data(), d.w.data(), d.tables.data(), d.bias.data(), sd.w.data(), sd.tables.data(),
+         sd.bias.data(), nullptr, nullptr, nullptr, y.data(), t, gy, z, threads);
+  });
+  std::fwrite(y.data(), 2, y.size(), stdout);
+  return 0;
+}
+"""
+
+MATVEC_MAIN = r"""
+void body(const float* x, const uint8_t* w, Shape2 w_shape, const uint32_t* s, const uint32_t* b, float* y,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  using T = float;
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int n = read_int(), tokens = read_int();
+  std::vector<float> x(tokens * K), y(tokens * n, NAN);
+  read(x);
+  Matrix m(n, MODE, K);
+  launch(32 * WARPS, (n * SPLIT + WARPS * ROWS - 1) / (WARPS * ROWS), tokens, [&](int t, int g, int z, int threads) {
+    body(x.data(), m.w.data(), Shape2{{n, 0}}, m.tables.data(), m.bias.data(), y.data(), t, g, z, threads);
+  });
+  std::fwrite(y.data(), 4, y.size(), stdout);
+  return 0;
+}
+"""
+
+
+def build(tmp_path, name, kernel, main, consts):
+    source = (EMULATOR + BF16 + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
+              + READ_MATRIX + ex.X_HEADER + gguf_dot.HEADER + main.replace("BODY", kernel.body))
+    return build_host(tmp_path, name, source)
+
+
+def mode(m: GGUFMatrix) -> int:
+    return gguf_dot.GGUF_MODE_IDS[m.qtype]
+
+
+# (routed, shared, I, D): ds4's q2 and q4 recipes at toy widths whose rows hold several units
+# per lane and leave lanes without one (Q2_K at I=512: 4 units a down row over 2 lanes; Q4_K
+# gate/up at D=768: 12 units over 16 lanes), and D = 768 leaving the down kernel's last
+# threadgroup partly past the end.
+@pytest.mark.parametrize("routed,shared,I,D", [
+    (("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768),
+    (("Q4_K", "Q4_K", "Q4_K"), "Q8_0", 256, 768),
+    (("Q8_0", "Q8_0", "Q8_0"), None, 96, 160),
+])
+@pytest.mark.parametrize("tokens,act_quant", [(1, True), (2, False)])
+def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant):
+    rng = np.random.default_rng()
+    E, K = 4, 3
+    gate, up = (gguf_matrix(rng, (E, I, D), q) for q in routed[:2])
+    down = gguf_matrix(rng, (E, D, I), routed[2])
+    shared_m = None if shared is None else tuple(gguf_matrix(rng, s, shared) for s in ((I, D), (I, D), (D, I)))
+    x = mx.array((rng.standard_normal((tokens, D)) * 3).astype(np.float32)).astype(mx.bfloat16)
+    idx = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.05, 1.0, (tokens, K)).astype(np.float32))
+    limit = 0.3
+    hs = int(shared_m is not None)
+    s_gate, s_up, s_down = shared_m if shared_m else (None, None, None)
+
+    rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
+    consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate), SMODE=mode(s_gate or gate), BITS=0, GS=0,
+                  SBITS=0, SGS=0)
+    exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNEL, GATE_UP_MAIN,
+                dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_STRIDE, ACTQ=act_quant))
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
+            + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
+            + matrix_bytes(gate, gate, E * I) + matrix_bytes(up, gate, E * I)
+            + matrix_bytes(s_gate, gate, I) + matrix_bytes(s_up, gate, I))
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    h = from_bf16_bits(out, (tokens, K + hs, I))
+    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared_m, limit, act_quant), act_quant)
+
+    rows, lanes = ex.GGUF_DOWN_SHAPES[down.qtype]
+    consts.update(MODE=mode(down), SMODE=mode(s_down or down))
+    exe = build(tmp_path, "down", ex.GGUF_DOWN_KERNEL, DOWN_MAIN, dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0))
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
+            + matrix_bytes(down, down, E * D) + matrix_bytes(s_down, down, D))
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    check_down(from_bf16_bits(out, (tokens, D)), h, idx, down, s_down)
+
+
+@pytest.mark.parametrize("qtype,n,k", [
+    ("Q8_0", 40, 512),      # split in 4 slices of 4 blocks
+    ("Q8_0", 2100, 64),     # 2 rows per SIMD group; the last threadgroup clamps
+    ("Q4_K", 37, 1024),     # 4 slices of one block
+    ("Q2_K", 300, 512),
+    ("IQ2_XXS", 64, 768),
+])
+def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
+    rng = np.random.default_rng()
+    q = gguf_matrix(rng, (n, k), qtype)
+    split, rows = mv.work_split(n, k, q.block_values)
+    consts = dict(WARPS=mv.WARPS, MODE=mode(q), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k, XS=ex.X_STRIDE, ACTQ=1)
+    exe = build(tmp_path, "matvec", mv.GGUF_MATVEC_KERNEL, MATVEC_MAIN, consts)
+    x = (rng.standard_normal((2, k)) * 2).astype(np.float32)
+    data = np.array([n, 2], np.int32).tobytes() + x.tobytes() + matrix_bytes(q, q, n)
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    got = np.frombuffer(out, np.float32).reshape(2, n).astype(np.float64)
+    xq = np.array(qdq_fp8(mx.array(x))).astype(np.float64)
+    w = np.array(q.dequantized()).astype(np.float64)
+    want, mag = xq @ w.T, np.abs(xq) @ np.abs(w).T
+    # fp32 sums in some order: within 2 K 2^-24 sum|w x| of the exact float64 product.
+    assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
+    ref = np.array(mv.matvec_reference(mx.array(x), q, True)).astype(np.float64)
+    assert np.all(np.abs(ref - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30)
