@@ -257,15 +257,15 @@ class ModelDirWriter:
         for source in self.sources:
             for target in (self.dst, self.tmp, self.old):
                 if target == source:
-                    relation = "is"
+                    where = "is a path"
                 elif source.is_relative_to(target):
-                    relation = "contains"
+                    where = f"contains {source}, a path"
                 elif target.is_relative_to(source):
-                    relation = "lies inside"
+                    where = f"lies inside {source}, a path"
                 else:
                     continue
-                raise ConversionError(f"{target} {relation} {source}, which the conversion reads "
-                                      f"or its result references: choose a destination outside it")
+                raise ConversionError(f"{target} {where} the conversion reads or its result "
+                                      f"references: choose a destination outside it")
 
     def _check_destination(self) -> None:
         """dst is absent, or (with overwrite) a directory that may be replaced."""

@@ -467,7 +467,7 @@ def test_overwrite_never_touches_the_source(source, tmp_path, dst):
                                    "--quiet"])
     assert run.exit_code == 2, run.output
     assert run.output.startswith("error: ") and run.output.count("\n") == 1, run.output
-    assert "which the conversion reads or its result references" in run.output
+    assert "the conversion reads or its result references" in run.output
     assert _tree_under(tmp_path) == before
 
 

@@ -260,7 +260,7 @@ def test_overwrite_never_deletes_the_pack(converted, tmp_path, dst):
     pack = shutil.copytree(converted[0] / "pack", tmp_path / "pack")
     (pack / "NOTES.md").write_text("mine")
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    with pytest.raises(ConversionError, match=f"{pack}, which the conversion reads"):
+    with pytest.raises(ConversionError, match=f"{pack}(, a path| is a path) the conversion reads"):
         exl3.convert(pack, tmp_path / dst, workers=1, overwrite=True, progress=False)
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
 

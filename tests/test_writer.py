@@ -223,7 +223,8 @@ def test_only_the_writers_own_unfinished_directory_is_removed(tmp_path):
 
 
 @pytest.mark.parametrize("where, relation", [
-    ("src", "is"), (".", "contains"), ("src/inside", "lies inside"), ("link", "is")])
+    ("src", "{src} is a path"), (".", "{tmp} contains {src}, a path"),
+    ("src/inside", "{src}/inside lies inside {src}, a path"), ("link", "{src} is a path")])
 def test_destination_overlapping_a_source_is_refused(tmp_path, where, relation):
     src = tmp_path / "src"
     src.mkdir()
@@ -232,11 +233,12 @@ def test_destination_overlapping_a_source_is_refused(tmp_path, where, relation):
     (tmp_path / "link").symlink_to(src)
     before = _tree(tmp_path)
     dst = (tmp_path / where)
-    with pytest.raises(ConversionError, match=f" {relation} {src}, which the conversion reads"):
+    with pytest.raises(ConversionError, match=f"^{relation.format(src=src, tmp=tmp_path)} the "
+                                              f"conversion reads or its result references"):
         _model_dir(dst, overwrite=True, sources=[src, src / "weights.bin"])
     assert _tree(tmp_path) == before
     # a source file elsewhere: its folder may not be the destination either
-    with pytest.raises(ConversionError, match=f"contains {src / 'weights.bin'}"):
+    with pytest.raises(ConversionError, match=f"contains {src / 'weights.bin'}, a path the"):
         _model_dir(src, overwrite=True, sources=[tmp_path / "link" / "weights.bin"])
     assert _tree(tmp_path) == before
 
