@@ -161,11 +161,14 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, verbose: bo
     return "".join(text)
 
 
-def print_stats(r: GenerationResponse, file=None, load_s: Optional[float] = None) -> None:
+def print_stats(r: GenerationResponse, file=None, load_s: Optional[float] = None,
+                weight_bytes: Optional[int] = None) -> None:
     file = file or sys.stdout
     print("=" * 10, file=file)
     if load_s is not None:
-        print(f"Load: {load_s:.3f} s (weights and a one-token warm-up, before the clock starts)", file=file)
+        weights = f", {weight_bytes / 1e9:.3f} GB of weights resident" if weight_bytes is not None else ""
+        print(f"Load: {load_s:.3f} s (weights and a one-token warm-up, before the clock starts){weights}",
+              file=file)
     print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=file)
     if r.generation_tokens > 1:
         print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec", file=file)
@@ -232,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             system: Optional[str] = typer.Option(None, help="system prompt (chat encoding only)"),
             think: bool = typer.Option(False, help="thinking mode of the chat encoding"),
             bench_json: bool = typer.Option(False, help="print a DSV4_RESULT line for benchmarks/ab.py")):
-        from .loader import load
+        from .loader import load, resident_bytes
 
         with reported():
             check_max_tokens(max_tokens, "--max-tokens")
@@ -260,7 +263,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 responses.append(r)
                 print(r.text, end="", flush=True)
             print()
-            print_stats(responses[-1], load_s=load_s)
+            print_stats(responses[-1], load_s=load_s, weight_bytes=resident_bytes(net))
             if profiler.enabled():
                 print(profiler.report())
             if bench_json:

@@ -9,6 +9,9 @@ count takes the same kernel, so prefill chunking and prompt reuse give bit-ident
 results, and the price is memory: the dense copy (bf16; float32 for the experts,
 whose CPU gather_mm takes float32 only). GPUs keep MLX's quantized kernels.
 
+`GGUFLinear` and `GGUFExpertLinear` keep a GGUF's blocks as they are (Q8_0, Q4_K, Q2_K,
+IQ2_XXS: dsv4/gguf_blocks.py), decoded exactly where no kernel multiplies by them.
+
 `fp8_linear` is a projection whose input the official model rounds to fp8 (act_quant); on a
 GPU, for 1-8 tokens, it runs as one fused kernel (dsv4/kernels/matvec.py).
 """
@@ -21,9 +24,12 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import flags
+import numpy as np
+
+from . import flags, gguf_blocks
 from .constants import derived, kept
 from .kernels.experts import QuantizedMatrix
+from .kernels.gguf_dot import GGUFMatrix
 from .kernels.matvec import kernel_supports, quantized_matvec
 from .quant import qdq_fp8
 
@@ -75,6 +81,10 @@ class ExpertLinear(nn.Module):
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if dequant_matmul() and self["weight"].dtype != mx.float32:   # the CPU's gather_mm: fp32 only
+            w = kept(self, "dense_float32", self["weight"], lambda: self["weight"].astype(mx.float32))
+            return mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=indices,
+                                sorted_indices=sorted_indices).astype(x.dtype)
         return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices,
                             sorted_indices=sorted_indices)
 
@@ -84,6 +94,86 @@ class ExpertLinear(nn.Module):
         if biases:
             q.biases = biases[0]
         return q
+
+
+class GGUFLinear(nn.Module):
+    """A projection kept as GGUF blocks (dsv4/gguf_blocks.py): weight uint8 [out, row bytes],
+    the file's own bytes. 1-8 tokens on a GPU take the GGUF matvec kernel; otherwise the
+    blocks are decoded exactly (fp32) and multiplied in fp32, the CPU from a dense copy made
+    once (DSV4_DEQUANT_MATMUL)."""
+
+    def __init__(self, input_dims: int, output_dims: int, qtype: str):
+        super().__init__()
+        self.qtype = qtype
+        self.weight = mx.zeros((output_dims, gguf_blocks.row_bytes(qtype, input_dims)), mx.uint8)
+
+    def matrix(self) -> GGUFMatrix:
+        return GGUFMatrix(self["weight"], self.qtype)
+
+    def dequantized(self) -> mx.array:
+        return kept(self, "dense_float32", self["weight"], lambda: self.matrix().dequantized())
+
+    def __call__(self, x: mx.array) -> mx.array:
+        q = _matvec_operand(self, x)
+        if q is not None:
+            return quantized_matvec(x, q, act_quant=False)
+        w = self.dequantized() if dequant_matmul() else self.matrix().dequantized()
+        return (x.astype(mx.float32) @ w.T).astype(x.dtype)
+
+
+class GGUFExpertLinear(nn.Module):
+    """Stacked experts kept as GGUF blocks: weight uint8 [E, out, row bytes]; row m of x
+    through expert indices[m], as ExpertLinear. Decode (1-8 tokens on a GPU) runs in the fused
+    experts kernel (moe.py); here, prefill and the CPU: the CPU multiplies by a dense fp32 copy,
+    a GPU decodes only the experts the rows select, DEQUANT_BYTES of them at a time."""
+
+    DEQUANT_BYTES = 1 << 30
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, qtype: str):
+        super().__init__()
+        self.qtype = qtype
+        self.weight = mx.zeros((num_experts, output_dims, gguf_blocks.row_bytes(qtype, input_dims)), mx.uint8)
+
+    def matrix(self) -> GGUFMatrix:
+        return GGUFMatrix(self["weight"], self.qtype)
+
+    def dequantized(self) -> mx.array:
+        return kept(self, "dense_float32", self["weight"], lambda: self.matrix().dequantized())
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if dequant_matmul():
+            w = self.dequantized().swapaxes(-1, -2)
+            return mx.gather_mm(x.astype(mx.float32), w, rhs_indices=indices,
+                                sorted_indices=sorted_indices).astype(x.dtype)
+        # x [..., 1, in] broadcasts against indices [...]: one row per (row, expert) pair, sorted
+        # by expert so that each batch of experts takes a contiguous run of rows.
+        d = x.shape[-1]
+        shape = tuple(mx.broadcast_shapes(x.shape[:-2], indices.shape))
+        rows = mx.broadcast_to(x, shape + (1, d)).reshape(-1, 1, d).astype(mx.float32)
+        flat = mx.broadcast_to(indices, shape).reshape(-1)
+        order = mx.argsort(flat)
+        experts = np.array(flat[order])
+        out_dims, in_dims = self["weight"].shape[1], self.matrix().in_features
+        per_batch = max(1, self.DEQUANT_BYTES // (4 * out_dims * in_dims))
+        used = np.unique(experts)
+        parts = []
+        for lo in range(0, len(used), per_batch):
+            batch = used[lo:lo + per_batch]
+            first, last = np.searchsorted(experts, [batch[0], batch[-1] + 1])
+            w = gguf_blocks.dequantize(self["weight"][mx.array(batch)], self.qtype).swapaxes(-1, -2)
+            local = mx.array(np.searchsorted(batch, experts[first:last]).astype(np.uint32))
+            parts.append(mx.gather_mm(rows[order[first:last]], w, rhs_indices=local, sorted_indices=True))
+        y = mx.concatenate(parts)[mx.argsort(order)]
+        return y.reshape(shape + (1, out_dims)).astype(x.dtype)
+
+
+def matrix_operand(layer: nn.Module):
+    """The kernels' view of a quantized layer's weight (QuantizedMatrix or GGUFMatrix), or None."""
+    if isinstance(layer, (GGUFLinear, GGUFExpertLinear)):
+        return layer.matrix()
+    if isinstance(layer, (nn.QuantizedLinear, QuantizedExpertLinear)):
+        return QuantizedMatrix.of(layer)
+    return None
 
 
 class QuantizedExpertLinear(nn.Module):
@@ -113,6 +203,8 @@ def make_dense_copies(model: nn.Module, dtype: mx.Dtype) -> None:
             module.dequantized(dtype)
         elif isinstance(module, QuantizedExpertLinear):
             _dense(module, mx.float32)
+        elif isinstance(module, (GGUFLinear, GGUFExpertLinear)):
+            module.dequantized()
 
 
 MATVEC_AUTO_MIN_ROWS = 2048   # kernel_matvec=auto: measured crossover, see the flag
@@ -121,13 +213,15 @@ MATVEC_AUTO_MIN_ROWS = 2048   # kernel_matvec=auto: measured crossover, see the 
 def _matvec_operand(layer: nn.Module, x: mx.array, rounds: bool = False):
     """The layer's weight for the fused matvec kernel, or None where the kernel does not run:
     flag `kernel_matvec` off (auto: only where the kernel would also do the input's rounding,
-    `rounds`, for at least MATVEC_AUTO_MIN_ROWS rows), a layer with a bias or not quantized, or
-    what `kernel_supports` refuses (the CPU, more than 8 tokens)."""
-    if not (isinstance(layer, nn.QuantizedLinear) and "bias" not in layer):
+    `rounds`, for at least MATVEC_AUTO_MIN_ROWS rows; GGUF blocks always, MLX has no matmul of
+    its own for them), a layer with a bias or not quantized, or what `kernel_supports` refuses
+    (the CPU, more than 8 tokens)."""
+    gguf = isinstance(layer, GGUFLinear)
+    if not (gguf or isinstance(layer, nn.QuantizedLinear) and "bias" not in layer):
         return None
-    if not flags.switch("kernel_matvec", rounds and layer["weight"].shape[0] >= MATVEC_AUTO_MIN_ROWS):
+    if not flags.switch("kernel_matvec", gguf or rounds and layer["weight"].shape[0] >= MATVEC_AUTO_MIN_ROWS):
         return None
-    q = QuantizedMatrix.of(layer)
+    q = matrix_operand(layer)
     return q if kernel_supports(x, q) else None
 
 

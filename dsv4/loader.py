@@ -17,12 +17,12 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import flags
+from . import flags, gguf_blocks, tensor_refs
 from .config import ModelArgs, read_json
 from .engram import NgramHasher, build_token_map
-from .linear import QuantizedLinear, make_dense_copies
+from .linear import ExpertLinear, GGUFExpertLinear, GGUFLinear, QuantizedLinear, make_dense_copies
 from .model import Model
 from .safetensors_file import Checkpoint, CheckpointError, to_mx, view
 from .tokenizer import Tokenizer
@@ -77,6 +77,34 @@ def _quantize(model: Model, quant: dict[str, dict]) -> None:
         nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if hasattr(m, "to_quantized") else False)
 
 
+def _keep_gguf_blocks(model: Model, types: dict[str, str], where: Path) -> None:
+    """Turn the named modules into GGUF-block modules of their types (before weights arrive)."""
+    def convert(path, module):
+        qtype = types.get(path)
+        if qtype is None:
+            return module
+        gguf_blocks.check_type(qtype)
+        if isinstance(module, ExpertLinear):
+            e, out, n_in = module.weight.shape
+            return GGUFExpertLinear(n_in, out, e, qtype)
+        if isinstance(module, nn.Linear) and "bias" not in module:
+            out, n_in = module.weight.shape
+            return GGUFLinear(n_in, out, qtype)
+        raise CheckpointError(f"{where}: quantization of {path} is GGUF {qtype}, but {path} is not a "
+                              f"projection without bias")
+    leaves = tree_map_with_path(convert, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
+    found = {p for p, _ in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)}
+    unknown = sorted(set(types) - found)
+    if unknown:
+        raise CheckpointError(f"{where}: quantization names modules the model does not have: {unknown[:5]}")
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (the weights a forward reads; not the CPU's dense copies)."""
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
 def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected: dict, seen: set) -> None:
     for name, a in arrays.items():
         want = expected.get(name)
@@ -122,11 +150,28 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs) -> tuple[Model, dict]:
         raise CheckpointError(f"{path / 'config.json'}: dsv4 format_version "
                               f"{block.get('format_version')}, this dsv4 reads {FORMAT_VERSION}")
     ckpt = Checkpoint(path, "model*.safetensors")
+    refs = block.get("tensors") or {}
+    if not isinstance(refs, dict):
+        raise CheckpointError(f"{path / 'config.json'}: dsv4.tensors must map tensor names to references")
     quant = config.get("quantization") or {}
-    default = {k: quant[k] for k in ("group_size", "bits", "mode") if k in quant}
+    default = {k: quant[k] for k in ("group_size", "bits", "mode", "type") if k in quant}
+    setting = lambda module: quant.get(module, default)
     modules = {n.removesuffix(".scales") for n in ckpt.names() if n.endswith(".scales")}
+    # GGUF blocks: a uint8 weight without scales, named "gguf" in the quantization block
+    dtypes = {**{n: ckpt[n].dtype for n in ckpt.names()}, **{n: r.get("dtype") for n, r in refs.items()
+                                                             if isinstance(r, dict)}}
+    blocks = {n.removesuffix(".weight") for n, d in dtypes.items()
+              if n.endswith(".weight") and d == "U8" and n.removesuffix(".weight") not in modules}
     model = Model(args)
-    _quantize(model, {m: quant.get(m, default) for m in modules})
+    types = {}
+    for module in sorted(blocks):
+        q = setting(module)
+        if not isinstance(q, dict) or q.get("mode") != "gguf" or "type" not in q:
+            raise CheckpointError(f"{path / 'config.json'}: {module}.weight holds bytes, but the "
+                                  f"quantization block gives {module} no GGUF type ({q!r})")
+        types[module] = q["type"]
+    _keep_gguf_blocks(model, types, path)
+    _quantize(model, {m: setting(m) for m in modules})
     expected = dict(tree_flatten(model.parameters()))
     seen: set = set()
     by_file: dict[Path, list[str]] = {}
@@ -135,6 +180,9 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs) -> tuple[Model, dict]:
     for file, names in sorted(by_file.items()):
         arrays = {n: to_mx(view(ckpt[n]), ckpt[n].dtype) for n in names}
         _load_arrays(model, arrays, str(file), expected, seen)
+    for name, ref in sorted(refs.items()):   # one at a time: a stacked expert tensor is GBs
+        _load_arrays(model, {name: to_mx(tensor_refs.read(name, ref, path), ref["dtype"])},
+                     str(path / "config.json"), expected, seen)
     _check_complete(model, seen, path)
     return model, block.get("engram", {})
 

@@ -14,12 +14,11 @@ from .constants import derived
 from . import flags
 from .kernels.dialect import backend
 from .kernels import head as head_kernel
-from .kernels.experts import QuantizedMatrix, routed_experts
+from .kernels.experts import routed_experts
 from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
 from .kernels.router import route
-from .linear import (ExpertLinear, Linear, QuantizedExpertLinear, QuantizedLinear, fp8_input, fp8_linear,
-                     fp8_linears)
+from .linear import ExpertLinear, Linear, fp8_input, fp8_linear, fp8_linears, matrix_operand
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -133,12 +132,10 @@ class MoE(nn.Module):
         """The fused experts kernel's result (routing by the gate's logits), or None where it
         does not run."""
         e, sh = self.experts, self.shared_experts
-        mods = (e.w1, e.w3, e.w2, sh.w1, sh.w3, sh.w2)
-        if not (flags.get("kernel_moe") and backend() is not None
-                and all(isinstance(m, (QuantizedExpertLinear, QuantizedLinear)) for m in mods)):
+        if not (flags.get("kernel_moe") and backend() is not None):
             return None
-        q = [QuantizedMatrix.of(m) for m in mods]
-        if not experts_kernel_supports(flat, q[0], q[1], q[2], q[3:]):
+        q = [matrix_operand(m) for m in (e.w1, e.w3, e.w2, sh.w1, sh.w3, sh.w2)]
+        if None in q or not experts_kernel_supports(flat, q[0], q[1], q[2], q[3:]):
             return None
         if expand is not None:
             streams, post, comb = expand
