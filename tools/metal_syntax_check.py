@@ -12,7 +12,10 @@ from NVIDIA's PyPI wheels nvidia-cuda-nvrtc-cu12, -runtime-cu12 and -cccl-cu12, 
 extra installs on Linux x86-64) or by nvcc; MLX's device utilities are replaced by the CUDA
 headers they include, which is all the bodies use.
 
-    python tools/metal_syntax_check.py          # Metal gate
+Launches (tools/launch_limits.py): every launch the dispatchers make at V4.1's widths fits the
+GPU's limits (threadgroup memory, threads, whole SIMD groups), on Metal and on CUDA.
+
+    python tools/metal_syntax_check.py          # Metal gate and launch limits
     python tools/metal_syntax_check.py --cuda   # also the CUDA gate (NVRTC, else nvcc)
 """
 
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from dsv4.kernels.dialect import Kernel  # noqa: E402
 from tools.cxx import cxx_command  # noqa: E402
+from tools.launch_limits import v41_problems  # noqa: E402
 
 SHIM = ROOT / "tools" / "metal_shim"
 
@@ -223,6 +227,7 @@ def main(argv: list[str]) -> int:
         if not k.checks:
             errors.append(f"{k.name}: no instantiations listed in Kernel.checks")
         errors += check_metal(k)
+    errors += v41_problems()
     if "--cuda" in argv:
         paths, nvcc = nvrtc_paths(), shutil.which("nvcc")
         if paths is not None:

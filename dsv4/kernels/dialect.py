@@ -31,12 +31,16 @@ Vocabulary available to bodies:
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
+
+from dsv4 import flags
 
 METAL_HEADER = r"""
 #define KFN inline
@@ -137,7 +141,16 @@ CUDA_BODY_PRELUDE = r"""
 """
 
 
+# What one launch may use. Apple GPUs: 32 KB of threadgroup memory, 1024 threads per
+# threadgroup, 32-lane SIMD groups; CUDA: 48 KB of static shared memory, 1024 threads, 32-lane
+# warps. Dispatchers size their launches within these; tools/launch_limits.py checks every
+# launch they make at V4.1's widths against them.
+SHARED_MEMORY_BYTES = {"metal": 32 * 1024, "cuda": 48 * 1024}
+MAX_THREADS = 1024
+SIMD_WIDTH = 32
+
 _poison = False
+_pretend = None   # (dialect, launch) inside `pretend_gpu`
 
 
 @contextlib.contextmanager
@@ -152,8 +165,29 @@ def poisoned_outputs() -> Iterator[None]:
         _poison = saved
 
 
+@contextlib.contextmanager
+def pretend_gpu(dialect: str, launch: Callable) -> Iterator[None]:
+    """Checks on any machine (a CPU in CI): dispatchers see `dialect`'s GPU backend, and each
+    kernel launch becomes launch(kernel, inputs=..., output_shapes=..., output_dtypes=...,
+    grid=..., threadgroup=..., template=..., init_value=...), which returns the outputs,
+    instead of a kernel MLX builds and runs."""
+    global _pretend
+    saved, _pretend = _pretend, (dialect, launch)
+    try:
+        yield
+    finally:
+        _pretend = saved
+
+
+def shared_memory_limit(dialect: str | None) -> int:
+    """Bytes of threadgroup memory a launch may use on `dialect` (the least of all for None)."""
+    return SHARED_MEMORY_BYTES.get(dialect, min(SHARED_MEMORY_BYTES.values()))
+
+
 def backend() -> str | None:
     """'metal' or 'cuda' when custom kernels can run on the default device, else None (CPU)."""
+    if _pretend is not None:
+        return _pretend[0]
     if mx.default_device() != mx.gpu:
         return None
     if mx.metal.is_available():
@@ -206,10 +240,53 @@ class Kernel:
         if bad:
             # CUDA names the instantiation after its template values: a minus sign breaks the name.
             raise ValueError(f"kernel {self.name}: template values must be >= 0, got {bad}")
-        fn = _compiled(self, dialect)
-        return fn(inputs=list(inputs), output_shapes=list(output_shapes),
-                  output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
-                  template=list(template), init_value=float("nan") if _poison else init_value)
+        try:
+            fn = functools.partial(_pretend[1], self) if _pretend is not None else _compiled(self, dialect)
+            return fn(inputs=list(inputs), output_shapes=list(output_shapes),
+                      output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
+                      template=list(template), init_value=float("nan") if _poison else init_value)
+        except Exception as e:
+            raise KernelFailed(self.name) from e
+
+
+class KernelFailed(RuntimeError):
+    """A custom kernel could not be built or launched (its cause is the exception MLX raised)."""
+
+    def __init__(self, kernel: str):
+        super().__init__(f"kernel {kernel} could not be built or launched")
+        self.kernel = kernel
+
+
+_fallen: set = set()   # kernel paths that failed in this process: their references run instead
+
+
+def falls_back(reference: Callable, *switches: str) -> Callable:
+    """Decorator of an op's kernel path (every function that launches its kernels): once one
+    of them fails to build or launch, one warning names the kernel and the switches that turn
+    it off, and `reference` (the same arguments, the same contract, plain MLX) runs in its
+    place for the rest of the process, so that a kernel error never stops a user.
+
+    Only what fails at the call is caught: making the kernel object and MLX's checks of the
+    launch. MLX compiles a kernel's source, and the GPU takes its launch shape, at the first
+    eval that needs it, after this has returned; those errors are the offline gates' to catch
+    (tools/metal_syntax_check.py: every body compiles; tools/launch_limits.py: every launch at
+    V4.1's widths fits the GPU's limits)."""
+    envs = " or ".join(f"{flags.FLAGS[s].env}=0" for s in switches)
+
+    def wrap(kernel_path: Callable) -> Callable:
+        @functools.wraps(kernel_path)
+        def call(*args, **kwargs):
+            if call not in _fallen:
+                try:
+                    return kernel_path(*args, **kwargs)
+                except KernelFailed as e:
+                    _fallen.add(call)
+                    warnings.warn(f"{e} ({e.__cause__!r}): {kernel_path.__name__} runs its plain-MLX "
+                                  f"reference from now on (the kernel's switch: {envs})",
+                                  RuntimeWarning, stacklevel=2)
+            return reference(*args, **kwargs)
+        return call
+    return wrap
 
 
 # MLX's CUDA backend hashes a custom kernel's whole source at every launch (on the H200's

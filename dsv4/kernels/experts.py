@@ -605,7 +605,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     mats = [gate, up, down] + (list(shared) if shared is not None else [])
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[0] > MAX_KERNEL_TOKENS:
         return False
-    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > shared_memory_limit():   # x's copy + block_h
+    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
         return False
     if not all(matrix_supported(m) for m in mats):
         return False

@@ -140,7 +140,7 @@ def kernel_supports(x: mx.array, q: QuantizedMatrix) -> bool:
     tokens = x.size // K if K else 0
     return (1 <= tokens <= MAX_TOKENS and K % 32 == 0 and q.weight.ndim == 2
             and q.in_features == K and matrix_supported(q)
-            and K // 32 * X_STRIDE * 16 + 4 * 32 <= shared_memory_limit())   # x's copy + partial sums
+            and K // 32 * X_STRIDE * 16 + 4 * 32 <= shared_memory_limit(backend()))   # x's copy + partial sums
 
 
 def matvec_reference(x: mx.array, q, act_quant: bool) -> mx.array:
