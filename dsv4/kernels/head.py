@@ -23,7 +23,7 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend
+from dsv4.kernels.dialect import Kernel, backend, falls_back
 
 MAX_TOKENS = 8
 ROWS = 4            # rows per SIMD group
@@ -92,6 +92,13 @@ def kernel_applies(x: mx.array, weight: mx.array) -> bool:
     return bool(flags.get("kernel_head")) and supports(x, weight)
 
 
+def head_logits_reference(x: mx.array, weight: mx.array) -> mx.array:
+    """Plain-MLX definition of `head_logits`."""
+    return x.astype(mx.float32) @ weight.astype(mx.float32).T
+
+
+# The model's head (kernel_head) and the router's gate (kernel_router) take this kernel.
+@falls_back(head_logits_reference, "kernel_head", "kernel_router")
 def head_logits(x: mx.array, weight: mx.array) -> mx.array:
     """x [..., D] -> fp32 logits [..., V] = x_fp32 @ weight_fp32.T (weight [V, D] bf16),
     through the kernel (see `supports`); a bf16 x is read as it is, other dtypes as fp32."""

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.constants import ramp
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 
 MAX_QUERIES = 8
 MAX_HEADS = 64      # fp32 sums per thread; and h * d <= 8192 (the query in 32 KB of threadgroup memory)
@@ -100,6 +100,7 @@ def kernel_applies(q, keys) -> bool:
             and keys.shape[1] > 0)
 
 
+@falls_back(indexer_scores_reference, "kernel_indexer")
 def indexer_scores(q, keys, w, scale, positions, ratio, candidates=None):
     """Scores [B, S, N] fp32 of the index keys for each query.
 

@@ -20,7 +20,7 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 from dsv4.kernels.qdq import HEADER as QDQ_HEADER
 from dsv4.kernels.qdq import kernel_applies as qdq_kernel_applies
 from dsv4.quant import qdq_fp8
@@ -58,11 +58,12 @@ def hc_collapse_norm_reference(streams, pre, weight, eps, shape=None):
     return out if shape is None else out.reshape(shape)
 
 
-def hc_expand_reference(y, residual, post, comb):
-    """Plain-MLX definition; see `hc_expand`."""
+def hc_expand_reference(y, residual, post, comb, fn=None):
+    """Plain-MLX definition; see `hc_expand` (with fn: (streams, None), no projection made)."""
     y = y.reshape(*residual.shape[:-2], y.shape[-1])   # the same tokens, maybe laid out otherwise
     mixed = comb.swapaxes(-1, -2) @ residual.astype(mx.float32)
-    return (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
+    out = (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
+    return out if fn is None else (out, None)
 
 
 _STREAM_HEADER = r"""
@@ -363,6 +364,7 @@ def _project(streams, fn):
     return partial, splits
 
 
+@falls_back(hc_mixes_reference, "kernel_mhc")
 def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     """The three mixes of one mHC site from the streams entering it.
 
@@ -385,6 +387,7 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
     return pre, post, comb
 
 
+@falls_back(hc_collapse_norm_reference, "kernel_mhc")
 def hc_collapse_norm(streams, pre, weight, eps, shape=None):
     """RMSNorm of the collapse sum_c pre_c X_c (fp32 sum rounded to the streams' dtype).
 
@@ -407,13 +410,16 @@ def hc_collapse_norm(streams, pre, weight, eps, shape=None):
 
 
 def hc_mixes_collapse_norm_reference(streams, pre_in, fn, scale, base, norm_weight, rms_eps,
-                                     norm_eps, hc_eps, iterations=20, x_shape=None, fp8_copy=False):
-    """Plain-MLX definition; see `hc_mixes_collapse_norm`."""
+                                     norm_eps, hc_eps, iterations=20, x_shape=None, fp8_copy=False,
+                                     projection=None):
+    """Plain-MLX definition; see `hc_mixes_collapse_norm` (the mixes made from the streams:
+    `projection` is not used)."""
     x = hc_collapse_norm_reference(streams, pre_in, norm_weight, rms_eps, x_shape)
     copy = (qdq_fp8(x),) if fp8_copy else ()
     return (x, *copy, *hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations))
 
 
+@falls_back(hc_mixes_collapse_norm_reference, "kernel_mhc")
 def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_eps, norm_eps,
                            hc_eps, iterations=20, x_shape=None, fp8_copy=False, projection=None):
     """One mHC site's entry: the sublayer input and this site's mixes, from the same streams.
@@ -454,6 +460,7 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     return (x, *copy, pre, post, comb)
 
 
+@falls_back(hc_expand_reference, "kernel_mhc")
 def hc_expand(y, residual, post, comb, fn=None):
     """New streams X'_j = post_j y + sum_i comb[i, j] R_i, computed in fp32.
 
@@ -467,8 +474,7 @@ def hc_expand(y, residual, post, comb, fn=None):
     `hc_mixes_collapse_norm(..., projection=...)`; elsewhere projection is None.
     """
     if not _use_kernel(residual.dtype) or y.dtype != residual.dtype:
-        out = hc_expand_reference(y, residual, post, comb)
-        return out if fn is None else (out, None)
+        return hc_expand_reference(y, residual, post, comb, fn)
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
     splits = math.ceil(D / ROW_THREADS)

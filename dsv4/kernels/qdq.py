@@ -17,8 +17,8 @@ import struct
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend
-from dsv4.quant import FP4, FP4_E4M3_FLOOR, FP8, POW2_FORMATS
+from dsv4.kernels.dialect import Kernel, backend, falls_back
+from dsv4.quant import FP4, FP4_E4M3_FLOOR, FP8, POW2_FORMATS, _qdq_pow2
 
 BLOCK = 32
 
@@ -108,6 +108,12 @@ def kernel_applies(x: mx.array, block: int) -> bool:
             and x.shape[-1] % BLOCK == 0)
 
 
+def qdq_pow2_reference(x: mx.array, fmt: int) -> mx.array:
+    """Plain-MLX definition of `qdq_pow2_kernel` (dsv4.quant's)."""
+    return _qdq_pow2(x, BLOCK, fmt)
+
+
+@falls_back(qdq_pow2_reference, "kernel_qdq")
 def qdq_pow2_kernel(x: mx.array, fmt: int) -> mx.array:
     """x rounded per 32 values to e4m3 (fmt FP8) or e2m1 (FP4) with a power-of-two scale."""
     kernel = QDQ_FP8_KERNEL if fmt == FP8 else QDQ_FP4_KERNEL

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 from dsv4.kernels.topk import topk_indices
 
 # Shared with the experts kernel, which can run the router's tail itself (dsv4/kernels/experts.py).
@@ -101,17 +101,6 @@ def kernel_applies(logits: mx.array, k: int) -> bool:
             and logits.ndim == 2 and logits.shape[0] > 0 and 1 <= k <= min(e, 32) and e <= MAX_EXPERTS)
 
 
-def route_kernel(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
-                 norm: bool) -> tuple[mx.array, mx.array]:
-    """The one-launch path of `route` (call that instead)."""
-    n, e = logits.shape
-    ids, weights = ROUTER_KERNEL(
-        inputs=[logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32), constant((float(temp), float(scale)))],
-        output_shapes=[(n, k), (n, k)], output_dtypes=[mx.int32, mx.float32],
-        grid=(32, n, 1), threadgroup=(32, 1, 1), template=[("E", e), ("K", k), ("NORM", bool(norm))])
-    return ids, weights
-
-
 def route_reference(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
                     norm: bool) -> tuple[mx.array, mx.array]:
     """Plain-MLX definition of `route`."""
@@ -121,6 +110,18 @@ def route_reference(logits: mx.array, bias: mx.array, k: int, temp: float, scale
     if norm:
         weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return chosen, weights * scale
+
+
+@falls_back(route_reference, "kernel_router")
+def route_kernel(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,
+                 norm: bool) -> tuple[mx.array, mx.array]:
+    """The one-launch path of `route` (call that instead)."""
+    n, e = logits.shape
+    ids, weights = ROUTER_KERNEL(
+        inputs=[logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32), constant((float(temp), float(scale)))],
+        output_shapes=[(n, k), (n, k)], output_dtypes=[mx.int32, mx.float32],
+        grid=(32, n, 1), threadgroup=(32, 1, 1), template=[("E", e), ("K", k), ("NORM", bool(norm))])
+    return ids, weights
 
 
 def route(logits: mx.array, bias: mx.array, k: int, temp: float, scale: float,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 from dsv4.kernels.qdq import FP4, FP8, HEADER as QDQ_HEADER
 
 THREADS = 256
@@ -116,6 +116,7 @@ def rope_angles_reference(offset: mx.array, freqs: mx.array, scale: float) -> tu
     return mx.cos(theta), mx.sin(theta)
 
 
+@falls_back(rope_angles_reference, "kernel_rows")
 def rope_angles(offset: mx.array, freqs: mx.array, scale: float) -> tuple[mx.array, mx.array]:
     """`rope_angles_reference` in one launch where the projection tails run as kernels (flag
     `kernel_rows` and a GPU: three launches otherwise, the angles and one per function)."""
@@ -137,6 +138,27 @@ def kernel_applies(x: mx.array, qdq: int, width: int = None) -> bool:
             and width <= MAX_WIDTH and (qdq == NO_QDQ or width % 32 == 0))
 
 
+def row_tail_reference(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple = None,
+                       dtype: mx.Dtype = None) -> mx.array:
+    """Plain-MLX definition of `row_tail`: dsv4.attention's RMSNorm formula, the RoPE of
+    sparse_attention.rope_reference, dsv4.quant's roundings."""
+    from dsv4.kernels.sparse_attention import rope_reference
+    from dsv4.quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
+
+    x = x if shape is None else x.reshape(shape)
+    if norm is not None:
+        weight, eps = norm
+        h = x.astype(mx.float32)
+        h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + eps)
+        x = (h * weight.astype(mx.float32)).astype(x.dtype)
+    if rope is not None:
+        x = rope_reference(x, *rope)
+    if qdq != NO_QDQ:
+        x = {FP8: qdq_fp8, FP4: qdq_fp4_pow2, FP4_E4M3: qdq_fp4_e4m3}[qdq](x)
+    return x if dtype is None else x.astype(dtype)
+
+
+@falls_back(row_tail_reference, "kernel_rows")
 def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple = None,
              dtype: mx.Dtype = None) -> mx.array:
     """x [..., D] -> the same shape and dtype, through the stages asked for.

@@ -26,7 +26,7 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 from dsv4.kernels.experts import _HEADER as EXPERTS_HEADER
 
 HEADS_PER_GROUP = 8
@@ -318,6 +318,7 @@ def _float32(a):
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
 
 
+@falls_back(sparse_attention_reference, "kernel_sparse_attention")
 def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
                             rope_cos=None, rope_sin=None, shape=None, rotate_queries=False):
     """The GPU kernel path; same contract as `sparse_attention` (call that instead)."""

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.constants import ramp
-from dsv4.kernels.dialect import Kernel, backend, constant
+from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 
 THREADS = 1024
 MAX_QUERIES = 8
@@ -150,6 +150,7 @@ def kernel_applies(scores, k) -> bool:
             and scores.dtype == mx.float32 and 1 <= k <= n)
 
 
+@falls_back(topk_visible_reference, "kernel_topk")
 def topk_visible(scores, k, positions, ratio):
     """scores [B, S, N] fp32, positions [S] int32 -> [B, S, k] int32: the rows of the k largest
     scores of each query (ties to the lower row), -1 for a row the query cannot see (>=
