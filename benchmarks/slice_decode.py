@@ -50,8 +50,61 @@ FP32 = ("hc_attn_", "hc_ffn_", "attn_sink", "gate.bias")
 DENSE_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts")
 
 
-def build(config: dict):
-    """dsv4 and mlx-lm models sharing the same random quantized weights."""
+# ds4's GGUF recipes for the routed experts (gate, up, down); their shared expert is Q8_0.
+GGUF_EXPERTS = {"q2": ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "q4": ("Q4_K", "Q4_K", "Q4_K")}
+
+
+def gguf_blocks_on_device(shape, qtype: str) -> mx.array:
+    """Random valid GGUF blocks for a weight of `shape` [..., out, in], made on the device
+    (dsv4.testing.gguf_block_weight's distribution; numpy would take minutes at real widths)."""
+    from dsv4 import gguf_blocks
+    from dsv4.testing import GGUF_SCALE_FIELDS
+
+    *lead, n_in = shape
+    per_row = n_in // gguf_blocks.BLOCK_WEIGHTS[qtype]
+    raw = mx.random.randint(0, 256, (*lead, per_row, gguf_blocks.BLOCK_BYTES[qtype])).astype(mx.uint8)
+    for at, scale in GGUF_SCALE_FIELDS[qtype]:
+        d = (mx.random.uniform(0.2, 1.0, (*lead, per_row, 1)) * scale).astype(mx.float16).view(mx.uint8)
+        raw = mx.concatenate([raw[..., :at], d, raw[..., at + 2:]], axis=-1)
+    return raw.reshape(*lead, -1)
+
+
+def keep_gguf(model, experts: str, dense: str) -> None:
+    """Routed experts in a ds4 recipe (and their shared expert in Q8_0), and/or the dense
+    projections in Q8_0, as GGUF-block layers with random blocks."""
+    from dsv4.linear import GGUFExpertLinear, GGUFLinear, matrix_operand
+
+    def dims(module):   # (out, in) of a quantized layer
+        q = matrix_operand(module)
+        return q.out_features, q.in_features
+
+    for layer in model.layers:
+        mods = {}
+        if experts != "mxfp4":
+            for w, qtype in zip(("w1", "w3", "w2"), GGUF_EXPERTS[experts]):
+                e, (out, n_in) = layer.ffn.experts[w].weight.shape[0], dims(layer.ffn.experts[w])
+                m = GGUFExpertLinear(n_in, out, e, qtype)
+                m.weight = gguf_blocks_on_device((e, out, n_in), qtype)
+                mods[f"ffn.experts.{w}"] = m
+        targets = [f"ffn.shared_experts.{w}" for w in ("w1", "w3", "w2")] if experts != "mxfp4" else []
+        if dense == "q8_0":
+            targets += [p for p, m in layer.named_modules() if isinstance(m, nn.QuantizedLinear)
+                        and "experts" not in p]
+        for path in targets:
+            old = dict(layer.named_modules())[path]
+            out, n_in = dims(old)
+            m = GGUFLinear(n_in, out, "Q8_0")
+            m.weight = gguf_blocks_on_device((out, n_in), "Q8_0")
+            mods[path] = m
+        for path, m in mods.items():
+            parent_path, name = path.rsplit(".", 1)
+            mx.eval(m.weight)
+            setattr(dict(layer.named_modules())[parent_path], name, m)
+
+
+def build(config: dict, experts: str = "mxfp4", dense: str = "mxfp8"):
+    """dsv4 and mlx-lm models sharing the same random quantized weights (no mlx-lm model when
+    dsv4's keeps GGUF blocks: mlx-lm has no such layers)."""
     from mlx_lm.models import deepseek_v41 as ref
 
     from dsv4.config import ModelArgs
@@ -78,6 +131,9 @@ def build(config: dict):
         mx.eval(p)
         params[name] = p
     model.update(tree_unflatten(list(params.items())))
+    if experts != "mxfp4" or dense != "mxfp8":
+        keep_gguf(model, experts, dense)
+        return model, None, dict(tree_flatten(model.parameters()))
 
     rargs = ref.ModelArgs.from_dict({**config, "model_type": "deepseek_v41"})
     rmodel = ref.Model(rargs)
@@ -157,6 +213,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--experts", choices=("mxfp4", *GGUF_EXPERTS), default="mxfp4",
+                   help="routed experts in mxfp4 (official) or a ds4 GGUF recipe (q2: IQ2_XXS gate/up, "
+                        "Q2_K down; q4: Q4_K), the shared expert then Q8_0")
+    p.add_argument("--dense", choices=("mxfp8", "q8_0"), default="mxfp8",
+                   help="dense projections in mxfp8 (official) or GGUF Q8_0 (ds4)")
     p.add_argument("--variants", default="mlx-lm,dsv4 reference path,dsv4",
                    help="comma-separated, from: mlx-lm, dsv4 reference path, dsv4 fixed not compiled, dsv4")
     p.add_argument("--ab", action="append", default=[], metavar="SWITCH=VALUE[+SWITCH=VALUE]",
@@ -174,7 +235,9 @@ def main(argv=None) -> int:
 
     config = {**(SMALL if a.small else REAL), **ROLES}
     t0 = time.perf_counter()
-    model, rmodel, params = build(config)
+    model, rmodel, params = build(config, a.experts, a.dense)
+    if rmodel is None:
+        a.variants = ",".join(v for v in a.variants.split(",") if v != "mlx-lm")
     args = model.args
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     nbytes = step_bytes(params, args)
@@ -233,7 +296,8 @@ def main(argv=None) -> int:
     work = {path: sum(launches(c).values()) / args.num_hidden_layers for path, c in counts.items()}
     top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
     when = datetime.now()
-    lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice: dsv4 vs mlx-lm", "",
+    weights = f"experts {a.experts}, dense {a.dense}"
+    lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice ({weights}): dsv4 vs mlx-lm", "",
              f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}), "
              f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats "
              "after one warm-up run of each variant.",
@@ -247,7 +311,8 @@ def main(argv=None) -> int:
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
              "tokens/s).", "", to_markdown(describe())]
     a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-slice-decode{'-small' if a.small else ''}.md"
+    tag = "" if (a.experts, a.dense) == ("mxfp4", "mxfp8") else f"-{a.experts}-{a.dense}"
+    out = a.out / f"{when:%Y-%m-%d-%H%M}-slice-decode{tag}{'-small' if a.small else ''}.md"
     out.write_text("\n".join(lines) + "\n")
     (out.with_suffix(".json")).write_text(json.dumps(results, indent=1))
     print("\n".join(lines[:12 + len(rows)]))

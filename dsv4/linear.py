@@ -125,9 +125,12 @@ class GGUFExpertLinear(nn.Module):
     """Stacked experts kept as GGUF blocks: weight uint8 [E, out, row bytes]; row m of x
     through expert indices[m], as ExpertLinear. Decode (1-8 tokens on a GPU) runs in the fused
     experts kernel (moe.py); here, prefill and the CPU: the CPU multiplies by a dense fp32 copy,
-    a GPU decodes only the experts the rows select, DEQUANT_BYTES of them at a time."""
+    a GPU decodes only the experts the rows select: up to FEW_PAIRS (row, expert) pairs each
+    pair's own (traceable, as in mx.compile), beyond that each expert once, DEQUANT_BYTES of
+    them at a time."""
 
     DEQUANT_BYTES = 1 << 30
+    FEW_PAIRS = 64
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, qtype: str):
         super().__init__()
@@ -145,15 +148,19 @@ class GGUFExpertLinear(nn.Module):
             w = self.dequantized().swapaxes(-1, -2)
             return mx.gather_mm(x.astype(mx.float32), w, rhs_indices=indices,
                                 sorted_indices=sorted_indices).astype(x.dtype)
-        # x [..., 1, in] broadcasts against indices [...]: one row per (row, expert) pair, sorted
-        # by expert so that each batch of experts takes a contiguous run of rows.
+        # x [..., 1, in] broadcasts against indices [...]: one row per (row, expert) pair.
         d = x.shape[-1]
         shape = tuple(mx.broadcast_shapes(x.shape[:-2], indices.shape))
         rows = mx.broadcast_to(x, shape + (1, d)).reshape(-1, 1, d).astype(mx.float32)
         flat = mx.broadcast_to(indices, shape).reshape(-1)
+        out_dims = self["weight"].shape[1]
+        if flat.size <= self.FEW_PAIRS:   # decode the pairs' experts as they come: no host sync
+            w = gguf_blocks.dequantize(self["weight"][flat], self.qtype).swapaxes(-1, -2)
+            return (rows @ w).reshape(shape + (1, out_dims)).astype(x.dtype)
+        # Sorted by expert, each batch of experts takes a contiguous run of rows.
         order = mx.argsort(flat)
         experts = np.array(flat[order])
-        out_dims, in_dims = self["weight"].shape[1], self.matrix().in_features
+        in_dims = self.matrix().in_features
         per_batch = max(1, self.DEQUANT_BYTES // (4 * out_dims * in_dims))
         used = np.unique(experts)
         parts = []

@@ -130,6 +130,27 @@ def fp4_weight(rng: np.random.Generator, shape: tuple[int, ...], std: float):
     return packed.view(np.int8), (exp + 127).astype(np.uint8)
 
 
+# The f16 fields of each GGUF block type (byte offset) and a magnitude that keeps its weights
+# around 0.05, as a trained model's are.
+GGUF_SCALE_FIELDS = {"Q8_0": ((0, 4e-4),), "IQ2_XXS": ((0, 1.5e-4),), "Q4_K": ((0, 1e-4), (2, 1e-4)),
+                     "Q2_K": ((80, 2e-3), (82, 2e-3))}
+
+
+def gguf_block_weight(rng: np.random.Generator, shape: tuple[int, ...], qtype: str) -> np.ndarray:
+    """Random valid GGUF blocks of `qtype` for a weight of `shape` [..., out, in]: uint8
+    [..., out, row bytes] (random codes, grid indices and signs; finite f16 scales)."""
+    from . import gguf_blocks
+
+    *lead, n_in = shape
+    per_row = n_in // gguf_blocks.BLOCK_WEIGHTS[qtype]
+    size = gguf_blocks.BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, (int(np.prod(lead)) * per_row, size), dtype=np.uint8)
+    for at, scale in GGUF_SCALE_FIELDS[qtype]:
+        d = (rng.uniform(0.2, 1.0, len(blocks)) * scale).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*lead, per_row * size)
+
+
 def engram_table(rng: np.random.Generator, rows: int, width: int = 256):
     codes = encode_e4m3(np.clip(rng.normal(0, 1.5, (rows, width)), -448, 448))
     scales = rng.integers(120, 126, (rows, width // 32)).astype(np.uint8)

@@ -32,8 +32,8 @@ def test_gguf_linear_is_the_decoded_product(qtype, dense_copy):
 
 
 @pytest.mark.parametrize("qtype", ["IQ2_XXS", "Q4_K"])
-@pytest.mark.parametrize("dense_copy", [True, False])
-def test_gguf_experts_are_the_decoded_products(qtype, dense_copy, monkeypatch):
+@pytest.mark.parametrize("dense_copy,few_pairs", [(True, 64), (False, 64), (False, 0)])
+def test_gguf_experts_are_the_decoded_products(qtype, dense_copy, few_pairs, monkeypatch):
     rng = np.random.default_rng(2)
     E, out, n_in = 6, 32, 256
     m = gguf_matrix(rng, (E, out, n_in), qtype)
@@ -41,6 +41,7 @@ def test_gguf_experts_are_the_decoded_products(qtype, dense_copy, monkeypatch):
     layer.weight = m.weight
     # a batch of one or two experts at a time: the batching and its bookkeeping get exercised
     monkeypatch.setattr(GGUFExpertLinear, "DEQUANT_BYTES", 4 * out * n_in * 2)
+    monkeypatch.setattr(GGUFExpertLinear, "FEW_PAIRS", few_pairs)
     w = f64(m.dequantized())                                                  # [E, out, in]
     x = rng.standard_normal((5, n_in)).astype(np.float32)
     ids = np.stack([rng.choice(E - 1, 3, replace=False) for _ in range(5)])  # expert E-1 unused

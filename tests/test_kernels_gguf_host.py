@@ -19,27 +19,15 @@ from dsv4.kernels import gguf_dot
 from dsv4.kernels import matvec as mv
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
+from dsv4.testing import gguf_block_weight
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import check_down, check_hidden
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_matvec import EMULATOR
 
-# f16 scale fields per type and a magnitude that keeps weights ~0.05
-SCALE_FIELDS = {"Q8_0": ((0, 4e-4),), "IQ2_XXS": ((0, 1.5e-4),), "Q4_K": ((0, 1e-4), (2, 1e-4)),
-                "Q2_K": ((80, 2e-3), (82, 2e-3))}
-
-
 def gguf_matrix(rng, shape, qtype) -> GGUFMatrix:
     """Random valid blocks of `qtype` for a weight of `shape` [..., out, in]."""
-    *lead, n_in = shape
-    rows = int(np.prod(lead))
-    per_row = n_in // gguf_blocks.BLOCK_WEIGHTS[qtype]
-    size = gguf_blocks.BLOCK_BYTES[qtype]
-    blocks = rng.integers(0, 256, (rows * per_row, size), dtype=np.uint8)
-    for at, scale in SCALE_FIELDS[qtype]:
-        d = (rng.uniform(0.2, 1.0, len(blocks)) * scale).astype(np.float16)
-        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
-    return GGUFMatrix(mx.array(blocks.reshape(*lead, per_row * size)), qtype)
+    return GGUFMatrix(mx.array(gguf_block_weight(rng, shape, qtype)), qtype)
 
 
 def matrix_bytes(m: GGUFMatrix | None, like: GGUFMatrix, rows: int) -> bytes:

@@ -1,0 +1,213 @@
+"""GGUF blocks kept as they are (issue 21) at V4.1's expert shapes, on a GPU.
+
+    python benchmarks/gguf_native.py [--out benchmarks/results]
+
+Routed experts 384 x (2304 x 5120), top-6, the shared expert, act_quant (the model's numerics):
+ds4's q2 (IQ2_XXS gate/up, Q2_K down, Q8_0 shared) and q4 (Q4_K, Q8_0 shared) recipes in the
+fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fused mx kernels.
+
+1. Decode: the fused experts (gate/up + down launches) for 1, 2, 4 and 8 tokens of distinct
+   experts: time per call (interleaved variants, medians, host share included) and the rate
+   at which it reads the weights it uses; the same for the GGUF dense matvec at the dense
+   projections' shapes.
+2. Prefill: one MoE layer's experts over a 512-token chunk, 8 chunks (4096 tokens), through
+   the path prefill takes: GGUF (only the selected experts decoded, a batch at a time) against
+   the affine mapping the converter used to write (IQ2_XXS -> 3-bit, Q2_K -> 4-bit, Q4_K ->
+   4-bit; gather_qmm), tokens per second.
+
+Also measures the device copy roofline with torch where torch is installed (the H200 has it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, random_mx  # noqa: E402
+from benchmarks.slice_decode import GGUF_EXPERTS, gguf_blocks_on_device  # noqa: E402
+from dsv4.kernels import experts as ex  # noqa: E402
+from dsv4.kernels import matvec as mv  # noqa: E402
+from dsv4.kernels.gguf_dot import GGUFMatrix  # noqa: E402
+
+E, I, D, K = 384, 2304, 5120, 6
+AFFINE_BITS = {"IQ2_XXS": 3, "Q2_K": 4, "Q4_K": 4, "Q8_0": 8}
+
+
+def torch_copy_bandwidth() -> float | None:
+    """Bytes read + written per second by torch's device copy of 4 GiB, or None without torch/CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    a = torch.empty(2 ** 31, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 2 * a.numel() * a.element_size() / statistics.median(times)
+
+
+def gguf(shape, qtype) -> GGUFMatrix:
+    m = GGUFMatrix(gguf_blocks_on_device(shape, qtype), qtype)
+    mx.eval(m.weight)
+    return m
+
+
+def recipe_weights(name: str):
+    if name == "mxfp4":
+        mats = [random_mx(s, "mxfp4") for s in ((E, I, D), (E, I, D), (E, D, I))]
+        shared = tuple(random_mx(s, "mxfp8") for s in ((I, D), (I, D), (D, I)))
+    else:
+        g, u, d = GGUF_EXPERTS[name]
+        mats = [gguf((E, I, D), g), gguf((E, I, D), u), gguf((E, D, I), d)]
+        shared = tuple(gguf(s, "Q8_0") for s in ((I, D), (I, D), (D, I)))
+    mx.eval([m.weight for m in mats + list(shared)])
+    return (*mats, shared)
+
+
+def expert_bytes(m) -> float:
+    per = m.weight.nbytes + (m.scales.nbytes if hasattr(m, "scales") else 0)
+    return per / (E if m.weight.ndim == 3 else 1)
+
+
+def decode_rows(name, weights, tokens_list):
+    gate, up, down, shared = weights
+    rows = []
+    for tokens in tokens_list:
+        x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)
+        perm = mx.random.permutation(E)[: tokens * K].reshape(tokens, K).astype(mx.int32)   # distinct experts
+        w = mx.random.uniform(0.1, 1.0, (tokens, K))
+        mx.eval(x, perm, w)
+        call = lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True)
+        t = compare({"kernel": call})["kernel"]
+        nbytes = tokens * K * (expert_bytes(gate) + expert_bytes(up) + expert_bytes(down)) + sum(
+            expert_bytes(m) for m in shared)
+        rows.append((name, tokens, t, nbytes))
+    return rows
+
+
+def matvec_rows():
+    rows = []
+    for n, k in ((1280, 5120), (32768, 1280), (5120, 8192), (2304, 5120)):
+        q = gguf((n, k), "Q8_0")
+        x = (mx.random.normal((1, k))).astype(mx.bfloat16)
+        mx.eval(x)
+        t = compare({"k": lambda: mv.quantized_matvec(x, q, True)})["k"]
+        rows.append((n, k, t, q.weight.nbytes))
+    return rows
+
+
+def affine_of(m: GGUFMatrix) -> ex.QuantizedMatrix:
+    """The affine mapping's layout (group 32, the converter's default bits) with random codes:
+    what the converter wrote before blocks were kept (speed only, not its values)."""
+    bits = AFFINE_BITS[m.qtype]
+    w = mx.random.normal((*m.weight.shape[:-1], m.in_features)).astype(mx.bfloat16) * 0.05
+    q, s, b = mx.quantize(w, group_size=32, bits=bits)
+    mx.eval(q, s, b)
+    return ex.QuantizedMatrix(q, s, b, 32, bits, "affine")
+
+
+def prefill_rows(name, weights, chunk=512, chunks=8):
+    """One MoE layer's routed experts over chunks of tokens: the GGUF layers' prefill path
+    against gather_qmm on the affine mapping."""
+    from dsv4.linear import GGUFExpertLinear, QuantizedExpertLinear
+    from dsv4.moe import clamped_swiglu
+
+    gate, up, down, _ = weights
+    layers = {}
+    for label, mats in (("gguf", (gate, up, down)), ("affine", tuple(affine_of(m) for m in (gate, up, down)))):
+        mods = []
+        for m in mats:
+            if isinstance(m, GGUFMatrix):
+                layer = GGUFExpertLinear(m.in_features, m.out_features, E, m.qtype)
+                layer.weight = m.weight
+            else:
+                layer = QuantizedExpertLinear(32, m.bits, "affine")
+                layer.weight, layer.scales, layer.biases = m.weight, m.scales, m.biases
+            mods.append(layer)
+        layers[label] = mods
+    x = (mx.random.normal((chunk, D)) * 2).astype(mx.bfloat16)
+    ids = mx.stack([mx.random.permutation(E)[:K] for _ in range(chunk)]).astype(mx.int32)
+    mx.eval(x, ids)
+    flat = ids.reshape(-1)
+    order = mx.argsort(flat)
+    xs = x[order // K][:, None, :]
+    e = flat[order]
+
+    def moe(mods):
+        w1, w3, w2 = mods
+        h = clamped_swiglu(w1(xs, e, True), w3(xs, e, True), 10.0).astype(mx.bfloat16)
+        return w2(h, e, True)
+
+    out = []
+    for label, mods in layers.items():
+        mx.eval(moe(mods))
+        t = time.perf_counter()
+        for _ in range(chunks):
+            mx.eval(moe(mods))
+        out.append((name, label, chunk * chunks / (time.perf_counter() - t)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--tokens", default="1,2,4,8")
+    a = p.parse_args(argv)
+    tokens = [int(t) for t in a.tokens.split(",")]
+    torch_bw = torch_copy_bandwidth()
+    mlx_bw = copy_bandwidth()
+    lines = [f"# GGUF blocks in the decode kernels at V4.1's expert shapes ({datetime.datetime.now():%Y-%m-%d %H:%M})", "",
+             (f"Copy roofline: torch {torch_bw / 1e12:.2f} TB/s" if torch_bw else "Copy roofline: no torch")
+             + f"; MLX elementwise {mlx_bw / 1e12:.2f} TB/s (read + write).", "",
+             "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
+             "| experts | tokens | µs/call | weights read (MB) | effective TB/s |", "|---|---|---|---|---|"]
+    prefill = []
+    for name in ("mxfp4", "q2", "q4"):
+        weights = recipe_weights(name)
+        for n, t, sec, nbytes in decode_rows(name, weights, tokens):
+            lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} |")
+            print(lines[-1], flush=True)
+        if name != "mxfp4":
+            prefill += prefill_rows(name, weights)
+            print(prefill[-2:], flush=True)
+        del weights
+    lines += ["", "## GGUF Q8_0 dense matvec, one token (act_quant fused)", "",
+              "| N x K | µs/call | MB | effective TB/s |", "|---|---|---|---|"]
+    for n, k, sec, nbytes in matvec_rows():
+        lines.append(f"| {n} x {k} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} |")
+        print(lines[-1], flush=True)
+    lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
+              "| recipe | path | tokens/s |", "|---|---|---|"]
+    lines += [f"| {n} | {label} | {tps:.0f} |" for n, label, tps in prefill]
+    by = {(n, label): tps for n, label, tps in prefill}
+    for n in ("q2", "q4"):
+        if (n, "gguf") in by:
+            lines.append(f"\n{n}: GGUF path at {by[n, 'affine'] / by[n, 'gguf']:.2f}x the affine path's time.")
+    lines += ["", hardware()]
+    a.out.mkdir(parents=True, exist_ok=True)
+    out = a.out / f"{datetime.datetime.now():%Y-%m-%d-%H%M}-gguf-native.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"report: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The GGUF-block kernels (matvec and fused experts over gguf_dot's rows_dot) on a GPU, against
+their plain-MLX references (exact decoding, fp32 matmuls), at V4.1's shapes: gate/up 5120 ->
+2304 for 6 routed experts + the shared one, down 2304 -> 5120, the dense projections, 1-8
+tokens; ds4's q2 (IQ2_XXS gate/up, Q2_K down, Q8_0 shared) and q4 (Q4_K, Q8_0 shared) recipes.
+
+Run on the GPU machine: `pytest -m gpu tests/test_kernels_gguf_gpu.py`. Every output starts as
+NaN (`kernels_poisoned`); TF32 off so the references' fp32 matmuls are fp32.
+"""
+
+import os
+
+os.environ.setdefault("MLX_ENABLE_TF32", "0")   # read by MLX at its first fp32 matmul
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from dsv4 import flags  # noqa: E402
+from dsv4.kernels import experts as ex  # noqa: E402
+from dsv4.kernels import matvec as mv  # noqa: E402
+from dsv4.kernels import mhc  # noqa: E402
+from tests.test_kernels_experts import check_down, check_hidden  # noqa: E402
+from tests.test_kernels_gguf_host import gguf_matrix  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
+
+RNG = np.random.default_rng()
+RECIPES = {"q2": (("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0"), "q4": (("Q4_K", "Q4_K", "Q4_K"), "Q8_0")}
+
+
+def f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def arr(a, dtype=mx.float32):
+    return mx.array(np.asarray(a, np.float32)).astype(dtype)
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def experts(request):
+    """V4.1's widths with 24 experts (each kernel reads only its 6 rows of experts)."""
+    (g, u, d), s = RECIPES[request.param]
+    E, I, D = 24, 2304, 5120
+    gate, up, down = gguf_matrix(RNG, (E, I, D), g), gguf_matrix(RNG, (E, I, D), u), gguf_matrix(RNG, (E, D, I), d)
+    shared = tuple(gguf_matrix(RNG, shape, s) for shape in ((I, D), (I, D), (D, I)))
+    mx.eval(gate.weight, up.weight, down.weight, *[m.weight for m in shared])
+    return gate, up, down, shared
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 8])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_gguf_experts_against_their_stages(experts, tokens, act_quant):
+    gate, up, down, shared = experts
+    E, D = gate.weight.shape[0], gate.in_features
+    x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
+    idx = mx.array(np.stack([RNG.choice(E, 6, replace=False) for _ in range(tokens)]).astype(np.int32))
+    rw = arr(RNG.uniform(0.05, 1.0, (tokens, 6)))
+    limit = 10.0
+    assert ex.kernel_supports(x, gate, up, down, shared)
+    h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant)
+    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
+    y = ex.down_kernel(h, idx, down, shared[2])
+    check_down(y, h, idx, down, shared[2])
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gguf_routed_experts_with_expand(experts, tokens):
+    """The router's tail and the mHC expand fused around the GGUF experts: the same as routing
+    with the router kernel, then the two launches, then hc_expand."""
+    from dsv4.kernels import router
+    gate, up, down, shared = experts
+    E, D = gate.weight.shape[0], gate.in_features
+    x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
+    logits, bias = arr(RNG.standard_normal((tokens, E))), arr(RNG.standard_normal(E) * 0.1)
+    routing = (6, 1.0, 1.5, True)
+    expand = (arr(RNG.standard_normal((tokens, 4, D)), mx.bfloat16), arr(RNG.uniform(0, 2, (tokens, 4))),
+              arr(RNG.uniform(0, 1, (tokens, 4, 4))))
+    got = ex.routed_experts(x, logits, bias, *routing, gate, up, down, shared, 10.0, True, expand)
+    ids, weights = router.route_kernel(logits, bias, *routing)
+    y = ex.experts_kernel(x, ids, weights, gate, up, down, shared, 10.0, True)
+    want = f32(mhc.hc_expand(y, *expand))
+    np.testing.assert_allclose(f32(got), want, rtol=2.0 ** -7, atol=1e-6)
+    assert np.mean(f32(got) == want) > 0.99
+
+
+# The dense projections of a ds4 file (Q8_0: wq_a, wq_b, wkv, wo_b, the shared expert's) and the
+# Q4_K of its q4 attention option, at V4.1's shapes.
+@pytest.mark.parametrize("qtype,n,k", [("Q8_0", 1280, 5120), ("Q8_0", 32768, 1280), ("Q8_0", 512, 5120),
+                                       ("Q8_0", 5120, 8192), ("Q4_K", 1280, 5120), ("Q2_K", 512, 5120),
+                                       ("IQ2_XXS", 2304, 5120)])
+@pytest.mark.parametrize("tokens", [1, 5, 8])
+def test_gguf_matvec(qtype, n, k, tokens):
+    q = gguf_matrix(RNG, (n, k), qtype)
+    x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
+    assert mv.kernel_supports(x, q)
+    got = f32(mv.quantized_matvec(x, q, True))
+    want = f32(mv.matvec_reference(x, q, True))
+    # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation
+    scale = np.abs(want).max(-1, keepdims=True)
+    assert (np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 2.0 ** -12 * scale).all()
+    assert np.mean(got == want) > 0.9
+
+
+def test_gguf_layers_dispatch_to_the_kernels():
+    """A GGUF model's layers reach the kernels: GGUFLinear for 1-8 tokens, and with the kernel
+    switched off the same values from the reference."""
+    from dsv4.linear import GGUFLinear, fp8_linear
+    q = gguf_matrix(RNG, (1280, 5120), "Q8_0")
+    layer = GGUFLinear(5120, 1280, "Q8_0")
+    layer.weight = q.weight
+    x = arr(RNG.standard_normal((2, 5120)), mx.bfloat16)
+    fast = f32(fp8_linear(layer, x))
+    with flags.override(kernel_matvec="off"):
+        slow = f32(fp8_linear(layer, x))
+    scale = np.abs(slow).max(-1, keepdims=True)
+    assert (np.abs(fast - slow) <= 2.0 ** -7 * np.abs(slow) + 2.0 ** -12 * scale).all()
