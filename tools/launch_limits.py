@@ -143,10 +143,22 @@ def _mx_matrix(shape, mode):
                            _zeros(*lead, rows, cols // 32, dtype=mx.uint8), None, 32, bits, mode)
 
 
+def _gguf_matrix(shape, qtype):
+    from dsv4.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
+    from dsv4.kernels.gguf_dot import GGUFMatrix
+
+    *lead, rows, cols = shape
+    return GGUFMatrix(_zeros(*lead, rows, cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype], dtype=mx.uint8), qtype)
+
+
+# (routed experts, shared expert and dense projections) of ds4's GGUF recipes
+GGUF_RECIPES = (("IQ2_XXS", "Q8_0"), ("Q2_K", "Q4_K"), ("Q4_K", "Q8_0"))
+
+
 def v41_calls():
     """Each dispatcher with a custom kernel, at V4.1's widths: what the model's decode and
     draft-verification steps call, with the official checkpoint's layouts (experts mxfp4,
-    dense projections mxfp8)."""
+    dense projections mxfp8) and ds4 GGUFs' (GGUF_RECIPES)."""
     from benchmarks.slice_decode import REAL, ROLES
     from dsv4.config import ModelArgs
     from dsv4.kernels import experts, head, indexer, matvec, mhc, rows, sparse_attention, topk
@@ -160,8 +172,9 @@ def v41_calls():
     nm = hc * (2 + hc)
     projections = {tuple(m.weight.shape) for _, m in Model(a).named_modules()
                    if isinstance(m, nn.Linear) and "bias" not in m}
-    gate, up, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
-    shared = (_mx_matrix((I, D), "mxfp8"), _mx_matrix((I, D), "mxfp8"), _mx_matrix((D, I), "mxfp8"))
+    layouts = [(lambda shape: _mx_matrix(shape, "mxfp4"), lambda shape: _mx_matrix(shape, "mxfp8"))]
+    layouts += [(lambda shape, r=r: _gguf_matrix(shape, r), lambda shape, d=d: _gguf_matrix(shape, d))
+                for r, d in GGUF_RECIPES]
     for t in TOKENS:
         streams, pre = _zeros(1, t, hc, D), _zeros(1, t, hc, dtype=mx.float32)
         fn, scale, base = _zeros(nm, hc * D, dtype=mx.float32), _zeros(3, dtype=mx.float32), _zeros(nm, dtype=mx.float32)
@@ -186,20 +199,23 @@ def v41_calls():
         logits = _zeros(t, E, dtype=mx.float32)
         route(logits, _zeros(E, dtype=mx.float32), k, 1.0, a.routed_scaling_factor, True)
         expand = (_zeros(t, hc, D), _zeros(t, hc, dtype=mx.float32), _zeros(t, hc, hc, dtype=mx.float32))
-        for e in (None, expand):
-            experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up, down,
-                            shared, a.swiglu_limit, True, e)
-            experts.routed_experts(x, logits, _zeros(E, dtype=mx.float32), k, 1.0, a.routed_scaling_factor, True,
-                                   gate, up, down, shared, a.swiglu_limit, True, e)
+        for routed, dense in layouts:
+            gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
+            shared = (dense((I, D)), dense((I, D)), dense((D, I)))
+            for e in (None, expand):
+                experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up, down,
+                                shared, a.swiglu_limit, True, e)
+                experts.routed_experts(x, logits, _zeros(E, dtype=mx.float32), k, 1.0, a.routed_scaling_factor,
+                                       True, gate, up, down, shared, a.swiglu_limit, True, e)
+            for n, d in projections:
+                q = dense((n, d))
+                if matvec.kernel_supports(_zeros(t, d), q):
+                    matvec.quantized_matvec(_zeros(t, d), q, True)
 
-        for n, d in projections:
-            q = _mx_matrix((n, d), "mxfp8")
-            if matvec.kernel_supports(_zeros(t, d), q):
-                matvec.quantized_matvec(_zeros(t, d), q, True)
-            if n <= a.vocab_size:
-                for dtype in (mx.float32, mx.bfloat16):
-                    if head.kernel_applies(_zeros(t, d, dtype=dtype), _zeros(n, d)):
-                        head.head_logits(_zeros(t, d, dtype=dtype), _zeros(n, d))
+        for n, d in projections:   # the head product of a bf16 weight (the head, the gate, ...)
+            for dtype in (mx.float32, mx.bfloat16):
+                if head.kernel_applies(_zeros(t, d, dtype=dtype), _zeros(n, d)):
+                    head.head_logits(_zeros(t, d, dtype=dtype), _zeros(n, d))
 
         for width in (a.index_head_dim, Dh, a.q_lora_rank, rows.MAX_WIDTH):
             for fmt in (rows.NO_QDQ, rows.FP8, rows.FP4, rows.FP4_E4M3):
