@@ -7,12 +7,10 @@ them the tests fail, they do not skip."""
 import dataclasses
 import platform
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import metal_syntax_check as gate  # noqa: E402
+from tools import metal_syntax_check as gate
 
 
 @pytest.mark.parametrize("kernel", gate.all_kernels(), ids=lambda k: k.name)
