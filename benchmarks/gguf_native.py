@@ -117,8 +117,10 @@ def affine_of(m: GGUFMatrix) -> ex.QuantizedMatrix:
     """The affine mapping's layout (group 32, the converter's default bits) with random codes:
     what the converter wrote before blocks were kept (speed only, not its values)."""
     bits = AFFINE_BITS[m.qtype]
-    w = mx.random.normal((*m.weight.shape[:-1], m.in_features)).astype(mx.bfloat16) * 0.05
-    q, s, b = mx.quantize(w, group_size=32, bits=bits)
+    lead = m.weight.shape[:-1]
+    q = mx.random.randint(-2 ** 31, 2 ** 31 - 1, (*lead, m.in_features * bits // 32)).view(mx.uint32)
+    s = (mx.random.uniform(0.001, 0.01, (*lead, m.in_features // 32))).astype(mx.bfloat16)
+    b = -s * (2 ** (bits - 1))
     mx.eval(q, s, b)
     return ex.QuantizedMatrix(q, s, b, 32, bits, "affine")
 

@@ -40,6 +40,11 @@ def matrix_bytes(m: GGUFMatrix | None, like: GGUFMatrix, rows: int) -> bytes:
         + bias.tobytes()
 
 
+# The Metal/CUDA vector types the GGUF header uses beyond the host prelude's.
+HOST_TYPES = r"""
+struct uint2 { uint32_t x, y; };
+"""
+
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = r"""
 inline size_t row_bytes(int qtype, int n_in) {
@@ -128,7 +133,7 @@ int main() {
 
 def build(tmp_path, name, kernel, main, consts):
     source = (EMULATOR + BF16 + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
-              + READ_MATRIX + ex.X_HEADER + gguf_dot.HEADER + main.replace("BODY", kernel.body))
+              + HOST_TYPES + READ_MATRIX + ex.X_HEADER + gguf_dot.HEADER + main.replace("BODY", kernel.body))
     return build_host(tmp_path, name, source)
 
 

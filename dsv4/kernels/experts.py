@@ -540,7 +540,7 @@ DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_
 # by the routed experts' type: a lane's unit is 32-128 values (gguf_dot.UNIT_VALUES), so fewer
 # lanes share a row where the units are large.
 GGUF_GATE_UP_SHAPES = {"Q8_0": (4, 32), "IQ2_XXS": (4, 32), "Q4_K": (4, 16), "Q2_K": (4, 8)}
-GGUF_DOWN_SHAPES = {"Q8_0": (2, 8), "IQ2_XXS": (2, 8), "Q4_K": (2, 4), "Q2_K": (2, 2)}
+GGUF_DOWN_SHAPES = {"Q8_0": (2, 8), "IQ2_XXS": (2, 8), "Q4_K": (1, 4), "Q2_K": (1, 4)}
 _GGUF_HEADER = X_HEADER + gguf_dot.HEADER
 
 
@@ -614,9 +614,13 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     if any(d != x.shape[-1] or not (i == j == k) for d, i, j, k in dims):
         return False
     same = lambda a, b: a.layout == b.layout
-    family = lambda m: isinstance(m, GGUFMatrix)   # one rows_dot per kernel: GGUF or MLX packs
+    gguf = lambda m: isinstance(m, GGUFMatrix)   # one rows_dot per kernel: GGUF or MLX packs
+    if not all(gguf(m) == gguf(gate) for m in mats):
+        return False
+    if gguf(gate):   # the down launch has its own types: ds4's q2 recipe has Q2_K down, IQ2_XXS gate/up
+        return same(gate, up) and (shared is None or same(shared[0], shared[1]))
     return same(gate, up) and same(gate, down) and (shared is None or (
-        same(shared[0], shared[1]) and same(shared[0], shared[2]) and family(shared[0]) == family(gate)))
+        same(shared[0], shared[1]) and same(shared[0], shared[2])))
 
 
 def _placeholder():

@@ -40,6 +40,13 @@ UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
 HEADER = r"""
 KFN float f16_bits(uint32_t h) { return half2_bits_to_float2(h).x; }
+// The two integers at bits 0 and 16 of `w` (each < 1024), minus `offset`, as exact floats:
+// fp16 0x6400 is 1024 with a mantissa step of 1, so OR-ing them in and widening the half2 is one
+// conversion for two values (taking 1024 + offset off is exact too; no cancellation in the sums).
+KFN float2 ints2(uint32_t w, float offset) {
+  const float2 f = half2_bits_to_float2(w | 0x64006400u);
+  return {f.x - (1024.0f + offset), f.y - (1024.0f + offset)};
+}
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
 
@@ -58,8 +65,11 @@ template <> struct GgufUnit<10> {   // Q8_0
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     float s = 0.0f;
-    for (int j = 0; j < 2; ++j)
-      for (int k = 0; k < 4; ++k) s += float((int)(q[2 * c + j] << (24 - 8 * k)) >> 24) * x[4 * j + k];
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = q[2 * c + j] ^ 0x80808080u;   // int8 + 128, as bytes
+      const float2 a = ints2(u & 0x00ff00ffu, 128.0f), b = ints2((u >> 8) & 0x00ff00ffu, 128.0f);
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
     return d * s;
   }
 };
@@ -77,7 +87,8 @@ template <> struct GgufUnit<13> {   // IQ2_XXS: tables = grid (512 words), then 
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
-    const uint32_t lo = tables[2 * g], hi = tables[2 * g + 1];
+    const uint2 entry = ((GLOBAL uint2*)tables)[g];
+    const uint32_t lo = entry.x, hi = entry.y;
     const uint32_t signs = (tables[512 + si / 4] >> (8 * (si % 4))) & 255u;
     float s = 0.0f;
     for (int k = 0; k < 8; ++k) {
@@ -117,8 +128,11 @@ template <> struct GgufUnit<11> {   // Q4_K
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     const int h = c / 4, k8 = c % 4, shift = 4 * h;   // chunk c: bytes 8 k8.. of the 32, nibble h
     float s = 0.0f;
-    for (int j = 0; j < 2; ++j)
-      for (int k = 0; k < 4; ++k) s += (float)((q[2 * k8 + j] >> (8 * k + shift)) & 15u) * x[4 * j + k];
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = q[2 * k8 + j] >> shift;
+      const float2 a = ints2(u & 0x000f000fu, 0.0f), b = ints2((u >> 8) & 0x000f000fu, 0.0f);
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
     return scale[h] * s - low[h] * x_sum;
   }
 };
@@ -142,8 +156,11 @@ template <> struct GgufUnit<12> {   // Q2_K
     const int sub = 2 * plane + k8 / 2;            // its sub-block of 16 within the half
     const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
     float s = 0.0f;
-    for (int j = 0; j < 2; ++j)
-      for (int k = 0; k < 4; ++k) s += (float)((q[2 * k8 + j] >> (8 * k + 2 * plane)) & 3u) * x[4 * j + k];
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = q[2 * k8 + j] >> (2 * plane);
+      const float2 a = ints2(u & 0x00030003u, 0.0f), b = ints2((u >> 8) & 0x00030003u, 0.0f);
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
     return d * (float)(s8 & 15u) * s - dmin * (float)(s8 >> 4) * x_sum;
   }
 };

@@ -25,6 +25,7 @@ struct bfloat16_t {
 using float16_t = half;
 
 struct uint3 { uint x, y, z; };
+struct uint2 { uint x, y; };
 struct uint4 { uint x, y, z, w; };
 struct half2 { half x, y; };
 struct float2 {
