@@ -10,6 +10,12 @@ streams back into OpenAI responses. The worker keeps the cache of the previous r
 a request that repeats an earlier conversation prefills only what is new, and
 `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were reused. A
 client that disconnects cancels its generation.
+
+Sampling parameters: temperature, top_p, seed, presence_penalty, frequency_penalty and
+logit_bias (token ids as strings, values in [-100, 100]), checked as dsv4.sampling checks
+them. Parameters it does not implement get a 400 naming them instead of being ignored: n,
+best_of, echo, suffix, logprobs, top_logprobs, functions, function_call, audio and
+non-text modalities.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from typing import Any, Callable, Optional
 import typer
 
 from .encoding import REASONING_EFFORTS, Delta, StreamParser, encode_messages, longest_marker_prefix
+from .errors import InputError
 from .prompt_cache import PromptCache
+from .sampling import Sampling, check_max_tokens, check_seed
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -56,8 +64,7 @@ class Job:
     token), then ("end", finish_reason)."""
     tokens: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    sampling: Sampling = Sampling()
     seed: Optional[int] = None
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -79,6 +86,7 @@ class Worker(threading.Thread):
         self.ready = threading.Event()
         self.load_error: Optional[BaseException] = None
         self.tokenizer = None
+        self.vocab_size: Optional[int] = None
         self._stats_lock = threading.Lock()
         self.stats = {"requests": 0, "cancelled": 0, "prompt_tokens": 0, "cached_tokens": 0,
                       "completion_tokens": 0, "last": None}
@@ -90,6 +98,7 @@ class Worker(threading.Thread):
             else:
                 stream_generate = self._generate
             model, self.tokenizer = self._load()
+            self.vocab_size = model.args.vocab_size
             cache = PromptCache(model, enabled=self.prompt_cache_enabled)
         except BaseException as error:  # reported by main(); the thread has nothing else to do
             self.load_error = error
@@ -100,6 +109,8 @@ class Worker(threading.Thread):
             job = self.jobs.get()
             try:
                 self._run_job(job, model, cache, stream_generate)
+            except InputError as error:  # what the request checks could not know
+                job.events.put(("error", RequestError(str(error))))
             except Exception as error:  # one bad job must not take the server down
                 cache.reset()
                 job.events.put(("error", RequestError(f"generation failed: {error}", status=500,
@@ -128,9 +139,12 @@ class Worker(threading.Thread):
         produced: list[int] = []
         finish = "length"
         end_tokens = set(self.tokenizer.eos_token_ids)
+        sampling = job.sampling
         responses = stream_generate(model, self.tokenizer, reuse.new_tokens,
-                                    max_tokens=min(job.max_tokens, room), temp=job.temperature,
-                                    top_p=job.top_p, seed=job.seed, cache=reuse.cache,
+                                    max_tokens=min(job.max_tokens, room), temp=sampling.temp,
+                                    top_p=sampling.top_p, presence_penalty=sampling.presence_penalty,
+                                    frequency_penalty=sampling.frequency_penalty,
+                                    logit_bias=sampling.logit_bias, seed=job.seed, cache=reuse.cache,
                                     on_prefilled=reuse.on_prefilled)
         try:
             for response in responses:
@@ -163,17 +177,6 @@ class Worker(threading.Thread):
 # --- request validation ----------------------------------------------------------------------
 
 
-def _number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
-    value = body.get(name)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
-        kind = "an integer" if integer else "a number"
-        raise RequestError(f"'{name}' must be {kind} in [{low}, {high}], got {value!r}", param=name)
-    return value
-
-
 def _stop_strings(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -185,26 +188,82 @@ def _stop_strings(body: dict) -> list[str]:
     return [s for s in stop if s]
 
 
-def _common_options(body: dict, default_max_tokens: int) -> dict:
-    if body.get("n") not in (None, 1):
-        raise RequestError("only n=1 is supported", param="n")
-    if body.get("logprobs"):
-        raise RequestError("logprobs are not supported", param="logprobs")
+def _checked(param: str, check: Callable, *args):
+    """check(*args), its InputError turned into a 400 naming `param`."""
+    try:
+        return check(*args)
+    except InputError as error:
+        raise RequestError(str(error), param=param) from None
+
+
+# OpenAI's sampling parameters and their names in dsv4.sampling.Sampling.
+_SAMPLING_FIELDS = {"temperature": "temp", "top_p": "top_p", "presence_penalty": "presence_penalty",
+                    "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias"}
+
+
+def _logit_bias(value) -> dict:
+    """JSON's logit_bias (its keys are strings) as token id -> bias; the ranges are Sampling's to check."""
+    if not isinstance(value, dict):
+        raise RequestError("'logit_bias' must be an object mapping token ids to numbers", param="logit_bias")
+    bias = {}
+    for key, number in value.items():
+        try:
+            bias[int(key)] = number
+        except ValueError:
+            raise RequestError(f"logit_bias: {key!r} is not a token id", param="logit_bias") from None
+    return bias
+
+
+def _sampling(body: dict, vocab_size: Optional[int]) -> Sampling:
+    given = {name: body[param] for param, name in _SAMPLING_FIELDS.items() if body.get(param) is not None}
+    if "logit_bias" in given:
+        given["logit_bias"] = _logit_bias(given["logit_bias"])
+    spell = {name: param for param, name in _SAMPLING_FIELDS.items()}.get
+    for name, value in given.items():  # one at a time, so that the 400 names the parameter
+        _checked(spell(name), Sampling(**{name: value}).check, vocab_size, spell)
+    return Sampling(**given)
+
+
+# Parameters this server does not implement, what they may be when a client leaves them
+# neutral, and what the refusal says.
+_UNSUPPORTED = {
+    "n": (lambda v: v in (None, 1), "only n=1 is supported"),
+    "best_of": (lambda v: v in (None, 1), "only best_of=1 is supported"),
+    "echo": (lambda v: v in (None, False), "echo is not supported"),
+    "suffix": (lambda v: v in (None, ""), "suffix is not supported"),
+    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
+    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs are not supported"),
+    "functions": (lambda v: v is None, "'functions' is not supported; use 'tools'"),
+    "function_call": (lambda v: v is None, "'function_call' is not supported; use 'tool_choice'"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only the text modality is supported"),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for param, (neutral, refusal) in _UNSUPPORTED.items():
+        if not neutral(body.get(param)):
+            raise RequestError(refusal, param=param)
+
+
+def _common_options(body: dict, default_max_tokens: int, vocab_size: Optional[int]) -> dict:
+    _refuse_unsupported(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be true or false", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError("'stream_options' must be an object", param="stream_options")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(name)
+    if max_tokens is not None:
+        _checked(name, check_max_tokens, max_tokens, name)
     return {
         "stream": stream,
         "include_usage": bool(options.get("include_usage")),
-        "max_tokens": _number({name: max_tokens}, name, default_max_tokens, 1, 1 << 30, integer=True),
-        "temperature": _number(body, "temperature", 0.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 1e-9, 1.0),
-        "seed": _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
+        "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "sampling": _sampling(body, vocab_size),
+        "seed": _checked("seed", check_seed, body.get("seed")),
         "stop": _stop_strings(body),
     }
 
@@ -236,10 +295,27 @@ def _thinking_mode(body: dict, default: bool) -> tuple[str, Any]:
     return ("thinking" if thinking else "chat"), effort
 
 
+def _check_contents(messages: list) -> None:
+    """Messages the encoder would read as empty text (it takes a missing content for ""):
+    user and tool messages must say something, a system message must have content, an
+    assistant message content or tool calls."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue  # the encoder names what is wrong with it
+        role, content, where = message.get("role"), message.get("content"), f"messages[{i}]"
+        if role in ("user", "tool") and content in (None, "", []):
+            raise RequestError(f"{where}: a {role} message needs a non-empty 'content'", param="messages")
+        if role == "system" and content is None:
+            raise RequestError(f"{where}: a system message needs 'content'", param="messages")
+        if role == "assistant" and content is None and not message.get("tool_calls"):
+            raise RequestError(f"{where}: an assistant message needs 'content' or 'tool_calls'", param="messages")
+
+
 def _chat_prompt(body: dict, default_thinking: bool) -> tuple[str, str]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
+    _check_contents(messages)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
@@ -381,12 +457,12 @@ class Handler(BaseHTTPRequestHandler):
                 if not isinstance(prompt, str) or not prompt:
                     raise RequestError("'prompt' must be a non-empty string", param="prompt")
                 kind = "text"
-            options = _common_options(body, self.service.default_max_tokens)
-            tokens = self.service.worker.tokenizer.encode(prompt, add_special_tokens=False)
+            worker = self.service.worker
+            options = _common_options(body, self.service.default_max_tokens, worker.vocab_size)
+            tokens = worker.tokenizer.encode(prompt, add_special_tokens=False)
             if not tokens:
                 raise RequestError("the prompt encodes to no tokens", param="prompt")
-            job = self.service.worker.submit(Job(tokens, options["max_tokens"], options["temperature"],
-                                                 options["top_p"], options["seed"]))
+            job = worker.submit(Job(tokens, options["max_tokens"], options["sampling"], options["seed"]))
             event = self._wait_for_start(job)
             if event is None:
                 return

@@ -177,46 +177,165 @@ def test_seeded_sampling_repeats(live):
     assert a == b
 
 
-@pytest.mark.parametrize("path, body, status, message", [
-    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
-    ("/v1/chat/completions", b"[1, 2]", 400, "must be a JSON object"),
-    ("/v1/chat/completions", {}, 400, "'messages' must be a non-empty list"),
-    ("/v1/chat/completions", {"messages": []}, 400, "'messages' must be a non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "unsupported role 'robot'"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "is an image"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
-     "'max_tokens' must be an integer"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400,
-     "'max_tokens' must be an integer"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400,
-     "'temperature' must be a number"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400,
-     "'top_p' must be a number"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1]}, 400, "'stop' must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "only n=1"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400,
-     "'stream' must be true or false"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
-     "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, 400,
-     "'tools' must be a list"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"}, 400,
-     "'reasoning_effort' must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "thinking": True}, 400,
-     "'thinking' must be"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1}, 400,
-     "'chat_template_kwargs' must be an object"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400,
-     "messages[0].content: expected a string"),
-    ("/v1/completions", {"prompt": ""}, 400, "'prompt' must be a non-empty string"),
-    ("/v1/embeddings", {"input": "x"}, 404, "no route POST /v1/embeddings"),
+def greedy_with_penalties(oracle, tokens, max_tokens, presence_penalty=0.0, frequency_penalty=0.0,
+                          logit_bias=None) -> list[int]:
+    """OpenAI's penalties and logit_bias applied in numpy to the model's fp32 logits, token by
+    token, each chosen token fed back (the reference decoder's path, as on the CPU)."""
+    import mlx.core as mx
+    import numpy as np
+
+    cache = oracle.model.make_cache()
+    logits = oracle.model(np.array([tokens]), cache)[:, -1]
+    bias = np.zeros(logits.shape[-1], np.float32)
+    for token, value in (logit_bias or {}).items():
+        bias[token] = value
+    counts = np.zeros_like(bias)
+    out = []
+    for _ in range(max_tokens):
+        scores = np.array(logits[0].astype(mx.float32)) + bias - np.float32(frequency_penalty) * counts \
+            - np.float32(presence_penalty) * (counts > 0).astype(np.float32)
+        out.append(int(np.argmax(scores)))
+        if out[-1] in oracle.tokenizer.eos_token_ids:
+            break
+        counts[out[-1]] += 1
+        logits = oracle.model(np.array([[out[-1]]]), cache)[:, -1]
+    return out
+
+
+def detokenize(tokenizer, tokens) -> str:
+    """The text the server streams for these tokens (end of sentence left out)."""
+    detok, pieces = tokenizer.detokenizer, []
+    for token in tokens:
+        if token not in tokenizer.eos_token_ids:
+            detok.add_token(token)
+            pieces.append(detok.last_segment)
+    detok.finalize()
+    return "".join(pieces) + detok.last_segment
+
+
+@pytest.mark.parametrize("settings", [
+    {"frequency_penalty": 2.0},
+    {"presence_penalty": 2.0},
+    {"frequency_penalty": -0.5, "presence_penalty": 1.0},
+    {"logit_bias": {"fox": 5.0}, "frequency_penalty": 1.0},
+    {"logit_bias": {"fox": 5.0}, "presence_penalty": 1.5},
 ])
-def test_malformed_requests_get_clear_errors(live, path, body, status, message):
+def test_penalties_and_logit_bias_act_as_the_numpy_oracle_predicts(live, oracle, settings):
+    prompt, max_tokens = "The quick brown fox", 12
+    tokens = oracle.encode(prompt)
+    fox = oracle.encode("fox")[0]
+    bias = {fox: v for v in settings.get("logit_bias", {}).values()}
+    expected = greedy_with_penalties(oracle, tokens, max_tokens, settings.get("presence_penalty", 0.0),
+                                     settings.get("frequency_penalty", 0.0), bias)
+    assert expected != greedy_with_penalties(oracle, tokens, max_tokens), "the settings must change the answer"
+    body = {**settings, **({"logit_bias": {str(t): v for t, v in bias.items()}} if bias else {})}
+    reply = live.client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, extra_body=body)
+    assert reply.choices[0].text == detokenize(oracle.tokenizer, expected)
+    assert reply.usage.completion_tokens == sum(t not in oracle.tokenizer.eos_token_ids for t in expected)
+
+
+def test_logit_bias_of_100_forces_its_token(live, oracle):
+    fox = oracle.encode("fox")[0]
+    messages = [{"role": "user", "content": "Say anything."}]
+    reply = chat(live.client, messages, max_tokens=5, logit_bias={str(fox): 100})
+    assert reply.choices[0].message.content == detokenize(oracle.tokenizer, [fox] * 5)
+    assert reply.choices[0].finish_reason == "length"
+
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+HI = [{"role": "user", "content": "x"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("path, body, status, message, param", [
+    (CHAT, b"{not json", 400, "not valid JSON", None),
+    (CHAT, b"[1, 2]", 400, "must be a JSON object", None),
+    (CHAT, {}, 400, "'messages' must be a non-empty list", "messages"),
+    (CHAT, {"messages": []}, 400, "'messages' must be a non-empty list", "messages"),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "unsupported role 'robot'", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "is an image", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content: expected a string",
+     "messages"),
+    # Messages that would encode as empty text.
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0]: a user message needs a non-empty 'content'",
+     "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "a user message needs", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": ""}]}, 400, "a user message needs", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": []}]}, 400, "a user message needs", "messages"),
+    (CHAT, {"messages": [{"role": "system"}, *HI]}, 400, "messages[0]: a system message needs 'content'",
+     "messages"),
+    (CHAT, {"messages": HI + [{"role": "assistant"}, *HI]}, 400,
+     "messages[1]: an assistant message needs 'content' or 'tool_calls'", "messages"),
+    (CHAT, {"messages": HI + [{"role": "assistant", "tool_calls": [CALL]},
+                              {"role": "tool", "tool_call_id": "call_1"}]}, 400,
+     "messages[2]: a tool message needs a non-empty 'content'", "messages"),
+    # Counts and sampling values, as dsv4.sampling checks them.
+    (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens=0: expected an integer >= 1", "max_tokens"),
+    (CHAT, {"messages": HI, "max_tokens": "5"}, 400, "max_tokens='5': expected an integer", "max_tokens"),
+    (CHAT, {"messages": HI, "max_completion_tokens": 2.5}, 400, "max_completion_tokens=2.5: expected an integer",
+     "max_completion_tokens"),
+    (CHAT, {"messages": HI, "temperature": -1}, 400, "temperature=-1: expected a number >= 0", "temperature"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400,
+     "temperature=nan: expected a finite number", "temperature"),
+    (CHAT, {"messages": HI, "top_p": 0}, 400, "top_p=0: expected a number > 0 and <= 1", "top_p"),
+    (CHAT, {"messages": HI, "top_p": 1.5}, 400, "top_p=1.5", "top_p"),
+    (CHAT, {"messages": HI, "seed": -1}, 400, "seed=-1: expected an integer >= 0", "seed"),
+    (CHAT, {"messages": HI, "seed": 1.5}, 400, "seed=1.5", "seed"),
+    (CHAT, {"messages": HI, "presence_penalty": 2.5}, 400, "presence_penalty=2.5: expected a number >= -2",
+     "presence_penalty"),
+    (CHAT, {"messages": HI, "frequency_penalty": "high"}, 400, "frequency_penalty='high': expected a finite",
+     "frequency_penalty"),
+    (TEXT, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty=-3", "frequency_penalty"),
+    (CHAT, {"messages": HI, "logit_bias": [1, 2]}, 400, "'logit_bias' must be an object", "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"fox": 1}}, 400, "logit_bias: 'fox' is not a token id", "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"-1": 1}}, 400, "logit_bias: token -1 is not a token id", "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"512": 1}}, 400, "logit_bias: token 512 is not a token id "
+     "(expected an integer >= 0 < 512)", "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"5": 101}}, 400,
+     "logit_bias[5]=101: expected a number >= -100 and <= 100", "logit_bias"),
+    (CHAT, {"messages": HI, "logit_bias": {"5": "up"}}, 400, "logit_bias[5]='up'", "logit_bias"),
+    # Parameters the server does not implement.
+    (CHAT, {"messages": HI, "n": 2}, 400, "only n=1", "n"),
+    (TEXT, {"prompt": "x", "best_of": 3}, 400, "only best_of=1", "best_of"),
+    (TEXT, {"prompt": "x", "echo": True}, 400, "echo is not supported", "echo"),
+    (TEXT, {"prompt": "x", "suffix": "end"}, 400, "suffix is not supported", "suffix"),
+    (TEXT, {"prompt": "x", "logprobs": 0}, 400, "logprobs are not supported", "logprobs"),
+    (CHAT, {"messages": HI, "logprobs": True}, 400, "logprobs are not supported", "logprobs"),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs are not supported", "top_logprobs"),
+    (CHAT, {"messages": HI, "functions": [{"name": "f"}]}, 400, "use 'tools'", "functions"),
+    (CHAT, {"messages": HI, "function_call": "auto"}, 400, "use 'tool_choice'", "function_call"),
+    (CHAT, {"messages": HI, "audio": {"voice": "alloy"}}, 400, "audio output is not supported", "audio"),
+    (CHAT, {"messages": HI, "modalities": ["text", "audio"]}, 400, "only the text modality", "modalities"),
+    (CHAT, {"messages": HI, "stop": [1]}, 400, "'stop' must be", "stop"),
+    (CHAT, {"messages": HI, "stream": "yes"}, 400, "'stream' must be true or false", "stream"),
+    (CHAT, {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
+    (CHAT, {"messages": HI, "tools": {"a": 1}}, 400, "'tools' must be a list", "tools"),
+    (CHAT, {"messages": HI, "reasoning_effort": "extreme"}, 400, "'reasoning_effort' must be", "reasoning_effort"),
+    (CHAT, {"messages": HI, "thinking": True}, 400, "'thinking' must be", "thinking"),
+    (CHAT, {"messages": HI, "chat_template_kwargs": 1}, 400, "'chat_template_kwargs' must be an object",
+     "chat_template_kwargs"),
+    (TEXT, {"prompt": ""}, 400, "'prompt' must be a non-empty string", "prompt"),
+    ("/v1/embeddings", {"input": "x"}, 404, "no route POST /v1/embeddings", None),
+])
+def test_malformed_requests_get_clear_errors(live, path, body, status, message, param):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     code, reply = post_raw(live.host, live.port, path, data)
     assert code == status
     assert message in reply["error"]["message"]
+    assert reply["error"]["param"] == param
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": HI, "n": 1, "best_of": None, "logprobs": False, "top_logprobs": 0, "modalities": ["text"],
+     "presence_penalty": 0, "logit_bias": {}},
+    {"messages": HI + [{"role": "assistant", "tool_calls": [CALL]},  # tool calls need no content
+                       {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
+    {"messages": [{"role": "system", "content": ""}, *HI]},
+])
+def test_neutral_values_and_content_free_tool_calls_are_accepted(live, body):
+    code, reply = post_raw(live.host, live.port, CHAT, json.dumps({**body, "max_tokens": 1}).encode())
+    assert code == 200, reply
+    assert reply["usage"]["completion_tokens"] <= 1
 
 
 def test_missing_length_and_unknown_get(live):
@@ -263,19 +382,25 @@ class ListCache:
 
 
 class Script:
-    """Generates `pieces` (one per token) whatever the prompt, then end of sentence; records
-    the prompts it saw and how many generations ever ran at once."""
+    """Generates `pieces` (one per token) whatever the prompt, then end of sentence, after a
+    prefill of `prefill_chunks` chunks of `delay` seconds each; records the prompts it saw,
+    the sampling options and how many generations ever ran at once."""
 
-    def __init__(self, pieces, delay=0.0):
-        self.pieces, self.delay = pieces, delay
-        self.prompts, self.active, self.most_active = [], 0, 0
-        self.args = SimpleNamespace(compress_ratios=())
+    def __init__(self, pieces, delay=0.0, prefill_chunks=1):
+        self.pieces, self.delay, self.prefill_chunks = pieces, delay, prefill_chunks
+        self.prompts, self.options, self.active, self.most_active = [], [], 0, 0
+        self.args = SimpleNamespace(compress_ratios=(), max_position_embeddings=1 << 20, vocab_size=257)
 
     def make_cache(self):
         return ListCache()
 
-    def __call__(self, model, tokenizer, prompt, *, max_tokens, temp, top_p, seed, cache,
-                 on_prefilled=None):
+    def __call__(self, model, tokenizer, prompt, *, max_tokens, cache, on_prefilled=None, prefill_progress=None,
+                 **options):
+        self.options.append(options)
+        for chunk in range(1, self.prefill_chunks + 1):
+            time.sleep(self.delay)
+            if prefill_progress is not None:
+                prefill_progress(chunk, self.prefill_chunks)
         cache.tokens.extend(prompt)
         self.prompts.append(bytes(t for t in cache.tokens if t < 256).decode())
         self.active += 1
