@@ -16,29 +16,42 @@ logit_bias (token ids as strings, values in [-100, 100]), checked as dsv4.sampli
 them. Parameters it does not implement get a 400 naming them instead of being ignored: n,
 best_of, echo, suffix, logprobs, top_logprobs, functions, function_call, audio and
 non-text modalities.
+
+Ctrl-C or SIGTERM stops the server (exit status 0): the running generation is cancelled
+(between two tokens or two prefill chunks), its client and every queued one get a 503
+error (in the stream if it has begun), and the process exits once the worker is out of
+MLX. The interpreter must not shut down under a thread that is inside MLX or ending (its
+thread-local MLX state is freed then): Python would pthread_exit that thread, unwinding
+its C++ frames, and the process would abort ("terminate called without an active
+exception").
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import select
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 
 from .encoding import REASONING_EFFORTS, Delta, StreamParser, encode_messages, longest_marker_prefix
-from .errors import InputError
+from .errors import EXIT_INTERRUPTED, InputError, reported
 from .prompt_cache import PromptCache
 from .sampling import Sampling, check_max_tokens, check_seed
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+SHUTDOWN_WAIT_S = 10.0  # for the worker to leave MLX (a decode step, a prefill chunk) and clients to be told
 
 
 class RequestError(Exception):
@@ -51,6 +64,15 @@ class RequestError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def shutting_down() -> RequestError:
+    return RequestError("the server is shutting down; the generation was stopped", status=503,
+                        kind="server_error")
+
+
+class Cancelled(Exception):
+    """Raised from stream_generate's prefill callback: the job was cancelled mid-prefill."""
 
 
 # --- the worker ------------------------------------------------------------------------------
@@ -71,12 +93,13 @@ class Job:
 
 
 class Worker(threading.Thread):
-    """Loads the model, then runs jobs one at a time."""
+    """Loads the model, then runs jobs one at a time until stopped."""
 
-    def __init__(self, load: Callable[[], tuple], max_context: int, prompt_cache: bool = True,
+    def __init__(self, load: Callable[[], tuple], max_context: Optional[int] = None, prompt_cache: bool = True,
                  generate: Optional[Callable] = None):
         """load() -> (model, tokenizer) runs in this thread; generate defaults to
-        dsv4.generation.stream_generate (tests pass a scripted one)."""
+        dsv4.generation.stream_generate (tests pass a scripted one). max_context defaults
+        to the model's context and may not exceed it."""
         super().__init__(name="dsv4-generation", daemon=True)
         self._load = load
         self._generate = generate
@@ -84,6 +107,9 @@ class Worker(threading.Thread):
         self.prompt_cache_enabled = prompt_cache
         self.jobs: queue.Queue = queue.Queue()
         self.ready = threading.Event()
+        self.stopping = threading.Event()
+        self.finished = threading.Event()  # no job runs any more, nor will (see run)
+        self._submitting = threading.Lock()  # no job is queued once stop() has begun
         self.load_error: Optional[BaseException] = None
         self.tokenizer = None
         self.vocab_size: Optional[int] = None
@@ -93,11 +119,23 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         try:
+            self._work()
+        finally:
+            self.finished.set()
+            # This thread never ends. Its end would run MLX's thread-local destructors (the
+            # compile cache holds Python functions), which take the GIL: if the interpreter
+            # is shutting down by then, the thread is unwound inside C++ and the process
+            # aborts. A daemon thread blocked here just goes with the process.
+            threading.Event().wait()
+
+    def _work(self) -> None:
+        try:
             if self._generate is None:
                 from .generation import stream_generate
             else:
                 stream_generate = self._generate
             model, self.tokenizer = self._load()
+            self.max_context = self._context(model.args.max_position_embeddings)
             self.vocab_size = model.args.vocab_size
             cache = PromptCache(model, enabled=self.prompt_cache_enabled)
         except BaseException as error:  # reported by main(); the thread has nothing else to do
@@ -105,8 +143,10 @@ class Worker(threading.Thread):
             self.ready.set()
             return
         self.ready.set()
-        while True:
+        while not self.stopping.is_set():
             job = self.jobs.get()
+            if job is None:  # stop() woke us
+                continue
             try:
                 self._run_job(job, model, cache, stream_generate)
             except InputError as error:  # what the request checks could not know
@@ -115,17 +155,47 @@ class Worker(threading.Thread):
                 cache.reset()
                 job.events.put(("error", RequestError(f"generation failed: {error}", status=500,
                                                       kind="server_error")))
+        while not self.jobs.empty():
+            job = self.jobs.get()
+            if job is not None:
+                job.events.put(("error", shutting_down()))
+
+    def _context(self, model_context: int) -> int:
+        if self.max_context is None:
+            return model_context
+        if self.max_context > model_context:
+            raise InputError(f"--max-context {self.max_context} is more than the model's context "
+                             f"({model_context} tokens)")
+        return self.max_context
 
     def submit(self, job: Job) -> Job:
-        self.jobs.put(job)
+        with self._submitting:
+            if self.stopping.is_set():
+                raise shutting_down()
+            self.jobs.put(job)
         return job
+
+    def stop(self, timeout: float) -> bool:
+        """Cancel the running job, refuse the queued ones and wait until no job runs; False
+        if the model is still loading or a job did not stop within `timeout`."""
+        with self._submitting:
+            self.stopping.set()
+            self.jobs.put(None)
+        if not self.ready.is_set():
+            return False
+        return self.finished.wait(timeout)
 
     def snapshot(self) -> dict:
         with self._stats_lock:
             return json.loads(json.dumps(self.stats))
 
+    def _abandoned(self, job: Job) -> bool:
+        return job.cancelled.is_set() or self.stopping.is_set()
+
     def _run_job(self, job: Job, model, cache: PromptCache, stream_generate) -> None:
-        if job.cancelled.is_set():
+        if self._abandoned(job):
+            if self.stopping.is_set():
+                job.events.put(("error", shutting_down()))
             return
         room = self.max_context - len(job.tokens)
         if room <= 0:
@@ -139,16 +209,21 @@ class Worker(threading.Thread):
         produced: list[int] = []
         finish = "length"
         end_tokens = set(self.tokenizer.eos_token_ids)
+
+        def prefilled(done: int, total: int) -> None:
+            if self._abandoned(job):
+                raise Cancelled
+
         sampling = job.sampling
         responses = stream_generate(model, self.tokenizer, reuse.new_tokens,
                                     max_tokens=min(job.max_tokens, room), temp=sampling.temp,
                                     top_p=sampling.top_p, presence_penalty=sampling.presence_penalty,
                                     frequency_penalty=sampling.frequency_penalty,
                                     logit_bias=sampling.logit_bias, seed=job.seed, cache=reuse.cache,
-                                    on_prefilled=reuse.on_prefilled)
+                                    on_prefilled=reuse.on_prefilled, prefill_progress=prefilled)
         try:
             for response in responses:
-                if job.cancelled.is_set():
+                if self._abandoned(job):
                     finish = "cancelled"
                     break
                 produced.append(response.token)
@@ -157,6 +232,8 @@ class Worker(threading.Thread):
                 job.events.put(("token", response.text, response.token not in end_tokens))
                 if response.finish_reason:
                     finish = response.finish_reason
+        except Cancelled:
+            finish = "cancelled"
         finally:
             responses.close()
             cache.record(job.tokens + produced)
@@ -171,7 +248,10 @@ class Worker(threading.Thread):
             s["last"] = {"prompt_tokens": len(job.tokens), "cached_tokens": reuse.cached,
                          "prefilled_tokens": len(reuse.new_tokens),
                          "completion_tokens": completion, "finish_reason": finish}
-        job.events.put(("end", finish))  # after the stats, so a client that saw the end sees them
+        if finish == "cancelled" and self.stopping.is_set():
+            job.events.put(("error", shutting_down()))
+        else:
+            job.events.put(("end", finish))  # after the stats, so a client that saw the end sees them
 
 
 # --- request validation ----------------------------------------------------------------------
@@ -372,6 +452,24 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.thinking = thinking
         self.started = int(time.time())
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Counts a request being answered, so that shutting down can wait for its last bytes."""
+        with self._idle:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
 
 class ClientGone(Exception):
@@ -447,6 +545,10 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0].rstrip("/")
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return self._send_json(404, RequestError(f"no route POST {self.path}", status=404).body())
+        with self.service.request():
+            self._complete(path)
+
+    def _complete(self, path: str) -> None:
         try:
             body = self._read_body()
             if path == "/v1/chat/completions":
@@ -580,10 +682,27 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def make_server(service: Service, host: str, port: int) -> ThreadingHTTPServer:
+    """A server listening on host:port (an InputError if it cannot), not yet serving."""
     handler = type("BoundHandler", (Handler,), {"service": service})
-    server = ThreadingHTTPServer((host, port), handler)
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as error:  # the port is taken, the address is not this machine's...
+        raise InputError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     server.daemon_threads = True
     return server
+
+
+def shut_down(worker: Worker, service: Service) -> None:
+    """Stop the worker and let the clients get their last event. If the worker cannot be
+    stopped in time (still loading, or stuck), leave at once without finalizing the
+    interpreter: that would abort the process under the worker (see the module docstring)."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_INTERRUPTED))  # a second Ctrl-C: leave now
+    if not worker.stop(SHUTDOWN_WAIT_S):
+        doing = "loading the model" if not worker.ready.is_set() else "generating"
+        print(f"stopped while {doing}; leaving without waiting for it", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
+    service.wait_idle(SHUTDOWN_WAIT_S)
 
 
 app = typer.Typer(add_completion=False)
@@ -594,33 +713,50 @@ def main(
     model: Optional[str] = typer.Option(None, help="dsv4 model directory or repo; default: the bundled demo"),
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback by default)"),
     port: int = typer.Option(8080, help="port to listen on (0 picks a free one)"),
-    max_context: int = typer.Option(32768, help="prompt + completion tokens allowed per request"),
-    max_tokens: int = typer.Option(512, help="completion tokens when a request does not say"),
+    max_context: Optional[int] = typer.Option(
+        None, help="prompt + completion tokens allowed per request; default: the model's context"),
+    max_tokens: int = typer.Option(512, help="completion tokens when a request does not say (>= 1; a "
+                                             "completion also ends where the context does)"),
     thinking: bool = typer.Option(False, help="thinking mode unless a request says otherwise"),
     prompt_cache: bool = typer.Option(True, help="reuse the previous request's cache for a shared prefix"),
     model_name: Optional[str] = typer.Option(None, help="the id /v1/models reports; default: the path"),
 ):
-    """Serve a dsv4 model over an OpenAI-compatible HTTP API."""
+    """Serve a dsv4 model over an OpenAI-compatible HTTP API. Ctrl-C or SIGTERM stops it."""
+    from . import flags
 
     def load():
-        import dsv4
-        return dsv4.load(model) if model else dsv4.load()
+        from .generation import warm_up
+        from .loader import load as load_model
 
-    worker = Worker(load, max_context, prompt_cache)
-    worker.start()
-    print(f"loading {model or 'the bundled demo model'} ...", flush=True)
-    worker.ready.wait()
-    if worker.load_error is not None:
-        raise SystemExit(f"could not load the model: {worker.load_error}")
-    service = Service(worker, model_name or model or "dsv4-demo", max_tokens, thinking)
-    server = make_server(service, host, port)
-    print(f"dsv4 server listening on http://{host}:{server.server_address[1]}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+        loaded = load_model(model)
+        warm_up(loaded[0])
+        return loaded
+
+    with reported():
+        check_max_tokens(max_tokens, "--max-tokens")
+        if max_context is not None:
+            check_max_tokens(max_context, "--max-context")
+        if not 0 <= port <= 65535:
+            raise InputError(f"--port={port}: expected a port number 0..65535")
+        flags.check_environment()
+        worker = Worker(load, max_context, prompt_cache)
+        service = Service(worker, model_name or model or "dsv4-demo", max_tokens, thinking)
+        server = make_server(service, host, port)  # a taken port is found before minutes of loading
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
+        try:
+            worker.start()
+            print(f"loading {model or 'the bundled demo model'} ...", flush=True)
+            worker.ready.wait()
+            if worker.load_error is not None:
+                raise worker.load_error
+            print(f"dsv4 server listening on http://{host}:{server.server_address[1]}", flush=True)
+            try:
+                server.serve_forever()
+            except KeyboardInterrupt:
+                print("stopping ...", file=sys.stderr, flush=True)
+        finally:
+            server.server_close()
+            shut_down(worker, service)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 
@@ -59,17 +62,18 @@ def oracle(checkpoint):
 
 
 def start_server(args: list[str]):
+    """-> (process, host, port); process.output collects what it prints (stdout and stderr)."""
     process = subprocess.Popen([sys.executable, "-m", "dsv4.server", "--port", "0", *args],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    process.output = []
     for line in process.stdout:
-        lines.append(line)
+        process.output.append(line)
         found = re.search(r"listening on http://([\d.]+):(\d+)", line)
         if found:
-            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+            threading.Thread(target=lambda: process.output.extend(process.stdout), daemon=True).start()
             return process, found.group(1), int(found.group(2))
     process.wait()
-    raise RuntimeError("the server did not start:\n" + "".join(lines))
+    raise RuntimeError("the server did not start:\n" + "".join(process.output))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +83,7 @@ def live(checkpoint):
     client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     yield SimpleNamespace(client=client, host=host, port=port)
     process.terminate()
-    process.wait(timeout=30)
+    assert process.wait(timeout=30) == 0  # SIGTERM stops it as Ctrl-C does
 
 
 def get_json(host, port, path):
@@ -422,25 +426,27 @@ class Script:
 
 @pytest.fixture
 def scripted():
-    """-> start(pieces, delay) returning (client, script, host, port)."""
+    """-> start(pieces, delay, max_tokens, prefill_chunks) returning a namespace of client,
+    script, host, port and worker."""
     servers = []
 
-    def start(pieces, delay=0.0, max_tokens=64):
-        script = Script(pieces, delay)
+    def start(pieces, delay=0.0, max_tokens=64, prefill_chunks=1):
+        script = Script(pieces, delay, prefill_chunks)
         worker = Worker(lambda: (script, ByteTokenizer()), max_context=100_000, generate=script)
         worker.start()
         worker.ready.wait()
         server = make_server(Service(worker, "scripted", max_tokens, False), "127.0.0.1", 0)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
+        servers.append((server, worker))
         host, port = server.server_address
         client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        return client, script, host, port
+        return SimpleNamespace(client=client, script=script, host=host, port=port, worker=worker)
 
     yield start
-    for server in servers:
+    for server, worker in servers:
         server.shutdown()
         server.server_close()
+        assert worker.stop(timeout=30)
 
 
 CALL_TEXT = ('<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
@@ -455,7 +461,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_call_round_trip(scripted, stream):
     pieces = ["Let me ", "check.", "\n", "\n"] + [CALL_TEXT[i:i + 7] for i in range(0, len(CALL_TEXT), 7)]
-    client, script, _, _ = scripted(pieces)
+    served = scripted(pieces)
+    client, script = served.client, served.script
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     if stream:
         chunks = list(chat(client, messages, tools=[WEATHER], stream=True))
@@ -485,7 +492,7 @@ def test_tool_call_round_trip(scripted, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_cut_the_output(scripted, stream):
-    client, script, host, port = scripted(["alpha ", "be", "ta S", "TOP gam", "ma"])
+    client = scripted(["alpha ", "be", "ta S", "TOP gam", "ma"]).client
     messages = [{"role": "user", "content": "go"}]
     if stream:
         chunks = list(chat(client, messages, stop=["STOP", "zzz"], stream=True))
@@ -498,7 +505,8 @@ def test_stop_strings_cut_the_output(scripted, stream):
 
 
 def test_thinking_and_reasoning_effort(scripted):
-    client, script, _, _ = scripted(["I should ", "greet.", "</think>", "Hello!"])
+    served = scripted(["I should ", "greet.", "</think>", "Hello!"])
+    client, script = served.client, served.script
     messages = [{"role": "user", "content": "hi"}]
     reply = chat(client, messages, reasoning_effort="max")
     assert reply.choices[0].message.content == "Hello!"
@@ -509,7 +517,8 @@ def test_thinking_and_reasoning_effort(scripted):
 
 
 def test_requests_run_one_at_a_time(scripted):
-    client, script, _, _ = scripted(["a", "b", "c"], delay=0.02)
+    served = scripted(["a", "b", "c"], delay=0.02)
+    client, script = served.client, served.script
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda i: chat(client, [{"role": "user", "content": f"q{i}"}]), range(4)))
     assert [r.choices[0].message.content for r in replies] == ["abc"] * 4
@@ -536,7 +545,8 @@ def wait_for_cancel(host, port, requests_before):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_cancels_generation(scripted, stream):
-    client, script, host, port = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
+    served = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
+    client, script, host, port = served.client, served.script, served.host, served.port
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go on forever"}],
                        "stream": stream}).encode()
     sock = socket.create_connection((host, port))
@@ -554,7 +564,8 @@ def test_client_disconnect_cancels_generation(scripted, stream):
 
 
 def test_client_that_leaves_while_queued_is_skipped(scripted):
-    client, script, host, port = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
+    served = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
+    client, script, host, port = served.client, served.script, served.host, served.port
 
     def send(stream):
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": stream}).encode()
@@ -591,3 +602,107 @@ def test_prompt_cache_can_be_switched_off(live, checkpoint):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_stop_cancels_a_prefill_and_refuses_the_queued_requests(scripted):
+    # A prefill of 2000 chunks of 10 ms: 20 s unless the worker cancels it between chunks.
+    served = scripted(["x"], delay=0.01, prefill_chunks=2000)
+    running = socket.create_connection((served.host, served.port), timeout=30)
+    body = json.dumps({"messages": [{"role": "user", "content": "go"}], "stream": True}).encode()
+    running.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+    read_until(running, b"data:")  # it started: its prefill is running
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(post_raw, served.host, served.port, "/v1/chat/completions",
+                             json.dumps({"messages": [{"role": "user", "content": "next"}]}).encode())
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert served.worker.stop(timeout=10)
+        assert time.monotonic() - start < 5
+        status, reply = queued.result(timeout=10)
+    assert status == 503 and "shutting down" in reply["error"]["message"]
+    stream = b""
+    while b"[DONE]" not in stream:
+        piece = running.recv(65536)
+        assert piece, stream
+        stream += piece
+    assert b'"type": "server_error"' in stream and b"shutting down" in stream
+    assert served.script.prompts == []  # the prefill never finished
+    stats = get_json(served.host, served.port, "/v1/stats")[1]
+    assert stats["cancelled"] == 1 and stats["last"]["finish_reason"] == "cancelled"
+    # Nothing new is taken once stopped.
+    status, reply = post_raw(served.host, served.port, "/v1/chat/completions", json.dumps({"messages": HI}).encode())
+    assert status == 503
+
+
+def test_ctrl_c_while_generating_stops_cleanly(checkpoint):
+    process, host, port = start_server(["--model", str(checkpoint), "--max-tokens", "3000"])
+    try:
+        running = socket.create_connection((host, port), timeout=60)
+        body = json.dumps({"messages": [{"role": "user", "content": "Go on forever"}], "stream": True}).encode()
+        running.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                        + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while received.count(b"data:") < 6:  # generating
+            piece = running.recv(65536)
+            assert piece, received
+            received += piece
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        while piece := running.recv(65536):
+            received += piece
+    finally:
+        process.kill()
+    output = "".join(process.output)
+    assert "terminate called" not in output and "Traceback" not in output, output
+    assert received.endswith(b"data: [DONE]\n\n") and b"the server is shutting down" in received
+
+
+def server_cli(*args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv4.server", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and all(w in error for w in words), result.stderr
+
+
+@pytest.mark.parametrize("args, env, words", [
+    # Checked before the model is loaded: the bad model path is not what gets reported.
+    (["--max-tokens", "0"], {}, ["--max-tokens=0", "expected an integer >= 1"]),
+    (["--max-context", "0"], {}, ["--max-context=0"]),
+    (["--port", "70000"], {}, ["--port=70000", "0..65535"]),
+    ([], {"DSV4_KV_QDQ": "maybe"}, ["DSV4_KV_QDQ"]),
+    ([], {}, ["/nonexistent/model: no such directory"]),
+])
+def test_bad_command_lines_get_one_error_line(args, env, words):
+    assert_one_error_line(server_cli("--model", "/nonexistent/model", *args, env=env), *words)
+
+
+def test_a_taken_port_is_reported_before_the_model_is_loaded():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = server_cli("--model", "/nonexistent/model", "--port", str(port))
+    assert_one_error_line(result, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_the_context_defaults_to_the_models(checkpoint, oracle):
+    context = oracle.model.args.max_position_embeddings
+    assert_one_error_line(server_cli("--model", str(checkpoint), "--max-context", str(context + 1)),
+                          f"--max-context {context + 1} is more than the model's context ({context} tokens)")
+    process, host, port = start_server(["--model", str(checkpoint)])
+    try:
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        words = "word " * context
+        assert len(oracle.encode(words)) >= context
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model="tiny", prompt=words, max_tokens=1)
+        assert error.value.code == "context_length_exceeded" and f"context is {context} tokens" in str(error.value)
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0
