@@ -386,7 +386,8 @@ def main(
     think: bool = typer.Option(False, help="start in thinking mode"),
     prompt_cache: bool = typer.Option(True, help="reuse the cache across turns (off: prefill everything)"),
 ):
-    """Chat with a dsv4 model."""
+    """Chat with a dsv4 model. In the chat, /help lists the commands, how to enter several
+    lines and what Ctrl-C does."""
     from . import flags
     from .generation import warm_up
     from .loader import load
