@@ -16,8 +16,8 @@ name the `.part1` and the others are found next to it.
 - Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
   IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
   tensor kind; --dequantize bf16|f32 writes every quantized tensor as plain floats instead
-  (gguf's own decoder: the full-precision reference of the same model). The mapping runs in
-  worker processes, in row tasks a few steps ahead of the writer.
+  (dsv4.gguf_blocks' exact decoding: the full-precision reference of the same model). The
+  mapping runs in worker processes, in row tasks a few steps ahead of the writer.
 - Output through convert/writer.py: atomic, resumable, sharded. The report (config.json,
   `dsv4.conversion`) counts the errors of the modules converted by the run that finished;
   after --resume, those of shards written earlier are not in it.
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -421,15 +422,14 @@ def run_job(job: _Job) -> tuple[dict, float, float]:
     raw = read_bytes(job.parts, t.offset + job.first * row_bytes, (job.last - job.first) * row_bytes)
     raw = raw.reshape(job.last - job.first, row_bytes)
     if job.mode in DEQUANTIZED:
-        from gguf.quants import dequantize
-
-        values = dequantize(raw, t.qtype)  # gguf's own decoder: an independent reference
-        if job.mode == "f32":
-            return {job.name: ("F32", values.astype(np.float32))}, 0.0, 0.0
         import mlx.core as mx
 
-        bits = mx.array(values).astype(mx.bfloat16).view(mx.uint16)
-        return {job.name: ("BF16", np.array(bits))}, 0.0, 0.0
+        from dsv4 import gguf_blocks
+
+        values = gguf_blocks.dequantize(mx.array(raw), t.qtype.name)  # the runtime's decoder
+        if job.mode == "f32":
+            return {job.name: ("F32", np.array(values))}, 0.0, 0.0
+        return {job.name: ("BF16", np.array(values.astype(mx.bfloat16).view(mx.uint16)))}, 0.0, 0.0
     try:
         a = gguf_quants.to_affine(raw, t.qtype, job.bits)
     except gguf_quants.QuantError as e:
@@ -459,7 +459,9 @@ class _Ahead:
         self.tasks = {name: _tasks(job) for name, job in jobs.items()}
         self.queue = [(name, k) for name, ts in self.tasks.items() for k in range(len(ts))]
         self.pos = {key: i for i, key in enumerate(self.queue)}
-        self.pool = concurrent.futures.ProcessPoolExecutor(workers) if workers > 1 else None
+        # spawned, not forked: MLX (the decoders) hangs in a child forked after it started
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None
         self.window = workers + 1
         self.pending: dict[tuple[str, int], concurrent.futures.Future] = {}
 
@@ -721,7 +723,7 @@ def gguf_command(
     q2_k_bits: Annotated[int, typer.Option(
         help="Q2_K -> affine 2, 3, 4, 5, 6 or 8 bits (lossy fit; ~3-5% added error at 4)")] = 4,
     dequantize: Annotated[Optional[str], typer.Option(
-        help="bf16 or f32: write quantized tensors as plain floats (gguf's own dequantisation)")] = None,
+        help="bf16 or f32: write quantized tensors as plain floats (their exact decoding)")] = None,
     workers: Annotated[int, typer.Option(
         help="worker processes; 0 = one per core but one (1 = no pool, all in this process)")] = 0,
     copy_engram: Annotated[bool, typer.Option(

@@ -18,23 +18,25 @@ Every function takes the raw rows of a tensor, uint8 [..., bytes per row] (one G
 one output neuron, blocks along the input), and returns an `Affine` whose arrays have the
 same leading shape. Lossy mappings also return the squared error they add and the squared
 norm of the source values, so a converter can report relative RMS errors.
+
+Block sizes, the IQ2_XXS grid and sign table and Q4_K's packed scales are dsv4.gguf_blocks'
+(the runtime's decoders); gguf-py is the tests' independent oracle, not a code path here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf.quants import IQ2_XXS as _IQ2_XXS
-from gguf.quants import Q4_K as _Q4_K
 
+from dsv4 import gguf_blocks
 from dsv4.errors import InputError
 
 GROUP = 32
-QK_K = 256
-BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.Q2_K: 84, T.IQ2_XXS: 66}
-BLOCK_WEIGHTS = {T.Q8_0: 32, T.Q4_K: QK_K, T.Q2_K: QK_K, T.IQ2_XXS: QK_K}
+BLOCK_BYTES = {T[name]: size for name, size in gguf_blocks.BLOCK_BYTES.items()}
+BLOCK_WEIGHTS = {T[name]: n for name, n in gguf_blocks.BLOCK_WEIGHTS.items()}
 # IQ2_XXS levels in code order and their least-squares line code -> level (3-bit map).
 _IQ2_LEVELS = np.array([-43, -25, -8, 8, 25, 43], np.float64)
 _IQ2_SLOPE = float(np.polyfit(np.arange(6), _IQ2_LEVELS, 1)[0])
@@ -106,7 +108,7 @@ def q4_k(raw: np.ndarray) -> Affine:
     n = len(blocks)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = _Q4_K.get_scale_min(blocks[:, 4:16].copy())          # [n, 8] 6-bit each
+    sc, m = (np.array(a) for a in gguf_blocks.q4_k_scale_min(mx.array(blocks[:, 4:16])))  # [n, 8]
     # 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c+1.
     qs = blocks[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(*lead, -1)
@@ -121,10 +123,8 @@ def _iq2_xxs_tables():
     the six levels occurs. 256 x 128 entries, built once."""
     global _IQ2_TABLES
     if _IQ2_TABLES is None:
-        if _IQ2_XXS.grid is None:
-            _IQ2_XXS.init_grid()
-        grid = _IQ2_XXS.grid.reshape(256, 1, 8).astype(np.int16)              # 8, 25 or 43
-        signs = np.frombuffer(_IQ2_XXS.ksigns, np.uint8).reshape(1, 128, 1)
+        grid = gguf_blocks.iq2_xxs_grid().reshape(256, 1, 8).astype(np.int16)  # 8, 25 or 43
+        signs = gguf_blocks.iq2_xxs_signs().reshape(1, 128, 1)
         negative = (signs >> np.arange(8, dtype=np.uint8)) & 1                 # [1, 128, 8]
         levels = np.where(negative == 1, -grid, grid)                          # [256, 128, 8]
         index = np.searchsorted(_IQ2_LEVELS, levels).astype(np.uint32)         # 0..5
