@@ -13,11 +13,16 @@ name the `.part1` and the others are found next to it.
   stay in the GGUF and are referenced in place (264-byte rows at their absolute offset), or
   copied with --copy-engram. A table that straddles two parts of a byte-split file is
   referenced by all the parts (the store reads across them).
-- Weights (types read per tensor): F16/F32/BF16 copied; Q8_0 and Q4_K exact in MLX affine;
-  IQ2_XXS and Q2_K mapped lossily (convert/gguf_quants.py), the added error reported per
-  tensor kind; --dequantize bf16|f32 writes every quantized tensor as plain floats instead
-  (dsv4.gguf_blocks' exact decoding: the full-precision reference of the same model). The
-  mapping runs in worker processes, in row tasks a few steps ahead of the writer.
+- Weights (types read per tensor): F16/F32/BF16 copied. Q8_0, Q4_K, Q2_K and IQ2_XXS blocks
+  are kept as they are (quantization `{"mode": "gguf", "type": ...}`, the weight uint8
+  [..., out, row bytes] in the GGUF's byte layout) and, like the Engram tables, referenced
+  where they lie in the GGUF (`dsv4.tensors`: file or parts, offset, dtype, shape), so the
+  conversion writes only the float tensors; --copy-weights writes the blocks into the shards
+  instead (a self-contained directory). --affine maps them into MLX affine instead (Q8_0 and
+  Q4_K exact, IQ2_XXS and Q2_K lossily, convert/gguf_quants.py, the added error reported per
+  tensor kind); --dequantize bf16|f32 writes them as plain floats (dsv4.gguf_blocks' exact
+  decoding: the full-precision reference of the same model). Mapping and dequantizing run in
+  worker processes, in row tasks a few steps ahead of the writer.
 - Output through convert/writer.py: atomic, resumable, sharded. The report (config.json,
   `dsv4.conversion`) counts the errors of the modules converted by the run that finished;
   after --resume, those of shards written earlier are not in it.
@@ -48,18 +53,21 @@ from gguf.constants import GGML_QUANT_SIZES
 from dsv4.atomic_file import atomic_file
 from dsv4.config import ModelArgs
 from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_sizes
+from dsv4.engram_store import _recorded_path
 from dsv4.errors import reported
 from dsv4.layout import expected_tensors
 from dsv4.progress import Progress
 
 from . import gguf_quants, gguf_tokenizer
-from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit
+from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit, pick_rows
 
 ENGRAM_ENCODING = "e4m3_e8m0_32_row264"
 ENGRAM_ROW_BYTES = 264
 FLOAT_TYPES = {T.F32: ("F32", np.float32), T.F16: ("F16", np.float16), T.BF16: ("BF16", np.uint16),
                T.I32: ("I32", np.int32)}
 DEQUANTIZED = {"bf16": 2, "f32": 4}  # --dequantize targets: bytes per weight
+VIEWS = ("copy", "blocks")  # job modes whose output is a view of the mapped file: one task
+IN_PLACE = "GGUF, in place"  # the report's target of referenced blocks
 # Tensors ds4 writes that the text model does not use (image-token routing bias).
 UNUSED = re.compile(r"^blk\.\d+\.exp_probs_b_vl\.bias$")
 _TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
@@ -386,9 +394,28 @@ def _expected_logical(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 @dataclass
 class Options:
+    """What becomes of the quantized tensors: GGUF blocks kept (referenced in the GGUF, or
+    copied), mapped into MLX affine, or dequantized."""
     iq2_xxs_bits: int = 3
     q2_k_bits: int = 4
     dequantize: Optional[str] = None   # "bf16" or "f32": quantized tensors as plain floats
+    affine: bool = False               # MLX affine (the bits above) instead of GGUF blocks
+    copy_weights: bool = False         # kept blocks written into the shards, not referenced
+
+    def __post_init__(self):
+        if self.dequantize is not None and self.dequantize not in DEQUANTIZED:
+            raise ConversionError(f"dequantize to {self.dequantize!r}: expected one of "
+                                  f"{list(DEQUANTIZED)}")
+        if self.affine and self.dequantize:
+            raise ConversionError("--affine and --dequantize exclude each other")
+        if self.copy_weights and (self.affine or self.dequantize):
+            raise ConversionError("--copy-weights applies to GGUF blocks kept as they are; "
+                                  "--affine and --dequantize write their weights anyway")
+
+    @property
+    def mode(self) -> str:
+        """The job mode of a quantized tensor."""
+        return self.dequantize or ("affine" if self.affine else "blocks")
 
     def bits(self, qtype: T) -> int:
         return {T.IQ2_XXS: self.iq2_xxs_bits, T.Q2_K: self.q2_k_bits}.get(
@@ -401,7 +428,7 @@ class _Job:
     parts: tuple
     tensor: GGUFTensor
     name: str            # dsv4 tensor name
-    mode: str            # "copy", "affine", "bf16" or "f32" (dequantized)
+    mode: str            # "copy" (floats), "blocks" (GGUF bytes), "affine", "bf16" or "f32"
     bits: int = 0
     first: int = 0       # rows of the tensor flattened to [rows, inputs]
     last: int = 0
@@ -414,9 +441,11 @@ def run_job(job: _Job) -> tuple[dict, float, float]:
     """(tensors of rows first..last as [rows, ...], squared error added, squared norm of the
     source) for one task; copies return the whole tensor in its shape."""
     t = job.tensor
-    if job.mode == "copy":
-        dtype, storage = FLOAT_TYPES[t.qtype]
+    if job.mode in VIEWS:
         raw = read_bytes(job.parts, t.offset, t.nbytes)
+        if job.mode == "blocks":
+            return {job.name: ("U8", raw.reshape(t.byte_shape))}, 0.0, 0.0
+        dtype, storage = FLOAT_TYPES[t.qtype]
         return {job.name: (dtype, raw.view(storage).reshape(t.shape))}, 0.0, 0.0
     row_bytes = t.byte_shape[-1]
     raw = read_bytes(job.parts, t.offset + job.first * row_bytes, (job.last - job.first) * row_bytes)
@@ -442,7 +471,7 @@ def run_job(job: _Job) -> tuple[dict, float, float]:
 
 def _tasks(job: _Job) -> list[_Job]:
     """A module's rows cut into worker tasks of at most CHUNK_WEIGHTS weights."""
-    if job.mode == "copy":
+    if job.mode in VIEWS:
         return [job]
     rows = int(np.prod(job.tensor.shape[:-1]))
     step = max(1, CHUNK_WEIGHTS // job.tensor.shape[-1])
@@ -467,11 +496,11 @@ class _Ahead:
 
     def _result(self, key: tuple[str, int]):
         name, k = key
-        if self.pool is None or self.tasks[name][k].mode == "copy":
-            return run_job(self.tasks[name][k])  # copies are views of the mapped file
+        if self.pool is None or self.tasks[name][k].mode in VIEWS:
+            return run_job(self.tasks[name][k])
         first = self.pos[key]
         for ahead in self.queue[first: first + self.window]:
-            if ahead not in self.pending and self.tasks[ahead[0]][ahead[1]].mode != "copy":
+            if ahead not in self.pending and self.tasks[ahead[0]][ahead[1]].mode not in VIEWS:
                 self.pending[ahead] = self.pool.submit(run_job, self.tasks[ahead[0]][ahead[1]])
         return self.pending.pop(key).result()
 
@@ -479,7 +508,7 @@ class _Ahead:
         """The module's tensors in their final shapes, with its summed error terms."""
         tasks = self.tasks[name]
         tensors, err_sq, ref_sq = self._result((name, 0))
-        if tasks[0].mode == "copy":
+        if tasks[0].mode in VIEWS:
             return tensors, err_sq, ref_sq
         rows, lead = tasks[-1].last, tasks[0].tensor.shape[:-1]
         out = {}
@@ -524,8 +553,9 @@ class KindStats:
 
 
 def plan(src: GGUFSource, args: ModelArgs, options: Options):
-    """(jobs by dsv4 name in order, stats by kind, quantization by module); every tensor the
-    model needs present with its shape, every GGUF tensor accounted for."""
+    """(jobs by dsv4 name in order, their output bytes, stats by kind, quantization by module,
+    references by tensor name); every tensor the model needs present with its shape, every
+    GGUF tensor accounted for, each either a job or (kept blocks, not copied) a reference."""
     expected = _expected_logical(args)
     jobs: dict[str, _Job] = {}
     problems, unknown = [], []
@@ -547,10 +577,7 @@ def plan(src: GGUFSource, args: ModelArgs, options: Options):
                 problems.append(f"tensor {t.name}: {t.qtype.name} needs inputs in multiples of "
                                 f"{gguf_quants.BLOCK_WEIGHTS[t.qtype]}, has {t.shape[-1]}")
                 continue
-            mode = options.dequantize or "affine"
-            if mode not in ("affine", *DEQUANTIZED):
-                raise ConversionError(f"dequantize to {mode!r}: expected one of {list(DEQUANTIZED)}")
-            jobs[name] = _Job(src.parts, t, name, mode, options.bits(t.qtype))
+            jobs[name] = _Job(src.parts, t, name, options.mode, options.bits(t.qtype))
         else:
             problems.append(f"tensor {t.name} has type {t.qtype.name}, which ds4 files do not use "
                             f"(expected F16, F32, BF16, Q8_0, Q4_K, Q2_K or IQ2_XXS)")
@@ -563,25 +590,69 @@ def plan(src: GGUFSource, args: ModelArgs, options: Options):
     stats: dict[str, KindStats] = {}
     quantization: dict[str, dict] = {}
     sizes: dict[str, int] = {}
+    references: dict[str, dict] = {}
     for name in sorted(jobs):
         job = jobs[name]
         t = job.tensor
         rows = int(np.prod(t.shape[:-1]))
+        module = name.removesuffix(".weight")
         if job.mode == "copy":
             target, nbytes = t.qtype.name, t.nbytes
+        elif job.mode == "blocks":  # resident at their GGUF size, wherever they are stored
+            target, nbytes = "GGUF blocks" if options.copy_weights else IN_PLACE, t.nbytes
+            quantization[module] = {"mode": "gguf", "type": t.qtype.name}
+            if not options.copy_weights:
+                references[name] = tensor_reference(src, t)
         elif job.mode in DEQUANTIZED:
             target, nbytes = job.mode.upper(), DEQUANTIZED[job.mode] * rows * t.shape[-1]
         else:
             target = f"affine {job.bits}-bit g32"
             nbytes = gguf_quants.affine_nbytes(t.qtype, job.bits, rows, t.shape[-1])
-            quantization[name.removesuffix(".weight")] = {
-                "group_size": gguf_quants.GROUP, "bits": job.bits, "mode": "affine"}
+            quantization[module] = {"group_size": gguf_quants.GROUP, "bits": job.bits,
+                                    "mode": "affine"}
         s = stats.setdefault(f"{_kind(name)} ({t.qtype.name})", KindStats(t.qtype.name, target))
         s.tensors += 1
         s.bytes_in += t.nbytes
         s.bytes_out += nbytes
         sizes[name] = nbytes
-    return {n: jobs[n] for n in sorted(jobs)}, sizes, stats, quantization
+    written = {n: jobs[n] for n in sorted(jobs) if n not in references}
+    return written, sizes, stats, quantization, references
+
+
+def tensor_reference(src: GGUFSource, t: GGUFTensor) -> dict:
+    """Where the runtime reads a tensor's blocks: uint8 `shape` = [..., out, row bytes] at
+    `offset` of `file`, or of the concatenation of `parts` when the bytes straddle two parts
+    of a byte-split file (paths recorded as the Engram tables' are)."""
+    place = src.locate(t.offset, t.nbytes)
+    if place is None:
+        where = {"parts": [_recorded_path(p, None) for p, _ in src.parts], "offset": t.offset}
+    else:
+        where = {"file": _recorded_path(place[0], None), "offset": place[1]}
+    return {**where, "dtype": "U8", "shape": list(t.byte_shape)}
+
+
+def verify_references(src: GGUFSource, references: dict[str, dict], rows: int = 8,
+                      seed: int = 0) -> int:
+    """Read sampled rows (first, last, random) of each referenced tensor the way its reference
+    says (file or parts, offset, shape) and compare them with the GGUF tensor's rows as the
+    header places them; returns the number of tensors checked."""
+    rng = np.random.default_rng(seed)
+    by_name = {dsv4_name(t.name): t for t in src.tensors.values()}
+    for name, ref in references.items():
+        t = by_name[name]
+        if ref["dtype"] != "U8" or tuple(ref["shape"]) != t.byte_shape:
+            raise ConversionError(f"reference of {name} is {ref['dtype']}{ref['shape']}, expected "
+                                  f"U8{list(t.byte_shape)} (verification failed)")
+        files = ref["parts"] if "parts" in ref else [ref["file"]]
+        parts = tuple((f, os.stat(f).st_size) for f in files)
+        row_bytes = t.byte_shape[-1]
+        for r in pick_rows(t.nbytes // row_bytes, rows, rng):
+            got = read_bytes(parts, ref["offset"] + int(r) * row_bytes, row_bytes)
+            want = read_bytes(src.parts, t.offset + int(r) * row_bytes, row_bytes)
+            if not np.array_equal(got, want):
+                raise ConversionError(f"{files[0]}: the reference of {name} reads row {r} wrong "
+                                      f"(verification failed)")
+    return len(references)
 
 
 def quantization_block(per_module: dict[str, dict]) -> Optional[dict]:
@@ -611,7 +682,7 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
     tokenizer = read_tokenizer(src)
     tables = check_engram(src, args, tokenizer)
     refs = {} if copy_engram else engram_references(src, tables)
-    jobs, sizes, stats, per_module = plan(src, args, options)
+    jobs, sizes, stats, per_module, references = plan(src, args, options)
     # the main process assembles and writes: leave it a core (on 2 cores, in-process was faster)
     workers = workers or max(1, (os.cpu_count() or 2) - 1)
     order = list(jobs)
@@ -640,10 +711,12 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
             out.write_weights({"model": units})
             if verify:
                 out.verify({"model": units})
+                verify_references(src, references)
             if copy_engram:
                 refs = _copy_tables(src, tables, out, progress)
             report = {k: s.summary() for k, s in sorted(stats.items())}
-            out.write_json("config.json", _output_config(src, config, per_module, refs, report))
+            out.write_json("config.json", _output_config(src, config, per_module, refs,
+                                                         references, report))
             out.write_json("tokenizer.json", json.loads(tokenizer.to_str()))
             out.write_json("tokenizer_config.json", gguf_tokenizer.tokenizer_config(
                 src.need("tokenizer.ggml.tokens"), src.need("tokenizer.ggml.bos_token_id"),
@@ -685,7 +758,8 @@ def _copy_span(src: GGUFSource, t: GGUFTensor, dst: Path, progress: bool,
     shown.finish()
 
 
-def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict, report: dict) -> dict:
+def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict,
+                   references: dict, report: dict) -> dict:
     out = {k: v for k, v in config.items() if k != "quantization_config"}
     block = quantization_block(per_module)
     if block is not None:
@@ -697,6 +771,7 @@ def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict, 
                    "repo": src.get("general.source.url"), "revision": src.get("general.source.revision"),
                    "recipe": src.get("deepseek41.quantization")},
         "engram": refs,
+        **({"tensors": references} if references else {}),
         "conversion": report,
     }
     return out
@@ -713,15 +788,26 @@ def print_report(report: dict, file=None) -> None:
     total_in = sum(r["bytes_in"] for r in report.values())
     total_out = sum(r["bytes_out"] for r in report.values())
     print(f"{'total':<44} {'':>8} {'':>18} {total_in / 1e6:>9.1f} {total_out / 1e6:>9.1f}", file=file)
+    in_place = sum(r["bytes_out"] for r in report.values() if r["to"] == IN_PLACE)
+    if in_place:
+        print(f"MB out is what the model holds; {in_place / 1e6:.1f} MB of it stay in the GGUF "
+              f"(referenced, not copied)", file=file)
 
 
 def gguf_command(
     source: Annotated[Path, typer.Argument(help="the ds4 .gguf file (for a split file, its .part1)")],
     dst: Annotated[Path, typer.Argument(help="the dsv4 model directory to write")],
-    iq2_xxs_bits: Annotated[int, typer.Option(
-        help="IQ2_XXS -> affine 3-bit (level map, ~2% added error) or 8-bit (exact)")] = 3,
-    q2_k_bits: Annotated[int, typer.Option(
-        help="Q2_K -> affine 2, 3, 4, 5, 6 or 8 bits (lossy fit; ~3-5% added error at 4)")] = 4,
+    copy_weights: Annotated[bool, typer.Option(
+        help="write the GGUF blocks into DST instead of reading them in the GGUF")] = False,
+    affine: Annotated[bool, typer.Option(
+        help="map the blocks into MLX affine (Q8_0, Q4_K exact; IQ2_XXS, Q2_K lossy) instead of "
+             "keeping them")] = False,
+    iq2_xxs_bits: Annotated[Optional[int], typer.Option(
+        help="with --affine: IQ2_XXS -> 3-bit (level map, ~2% added error, the default) or "
+             "8-bit (exact)")] = None,
+    q2_k_bits: Annotated[Optional[int], typer.Option(
+        help="with --affine: Q2_K -> 2, 3, 4 (the default), 5, 6 or 8 bits (lossy fit; "
+             "~3-5% added error at 4)")] = None,
     dequantize: Annotated[Optional[str], typer.Option(
         help="bf16 or f32: write quantized tensors as plain floats (their exact decoding)")] = None,
     workers: Annotated[int, typer.Option(
@@ -734,7 +820,11 @@ def gguf_command(
 ) -> None:
     """Convert a ds4 GGUF of DeepSeek V4.1 Flash into a dsv4 model directory."""
     with reported():
-        report = convert(source, dst, Options(iq2_xxs_bits, q2_k_bits, dequantize), workers,
-                         copy_engram, overwrite, resume, verify)
+        bits = {"iq2_xxs_bits": iq2_xxs_bits, "q2_k_bits": q2_k_bits}
+        given = {k: v for k, v in bits.items() if v is not None}
+        if given and not affine:
+            raise ConversionError(f"--{next(iter(given)).replace('_', '-')} applies to --affine")
+        options = Options(**given, dequantize=dequantize, affine=affine, copy_weights=copy_weights)
+        report = convert(source, dst, options, workers, copy_engram, overwrite, resume, verify)
     print_report(report)
     print(f"wrote {dst}", file=sys.stderr)

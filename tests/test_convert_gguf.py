@@ -19,6 +19,7 @@ from gguf.quants import dequantize
 from convert import gguf as conv
 from convert import gguf_quants as gq
 from convert.writer import ConversionError
+from dsv4 import gguf_blocks
 from dsv4.config import ModelArgs
 from dsv4.engram_store import open_table
 from dsv4.layout import expected_tensors
@@ -37,13 +38,14 @@ CORPUS = [
     "Café naïve résumé — ÉCOLE école, 3.14159e-10, 1,234,567.89, x86_64",
     "",
 ]
+AFFINE = conv.Options(affine=True)  # the fixture's output: the tests of the affine mappings
 
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     made = write_ds4_gguf(root / "tiny-q2.gguf", "q2", seed=3, expert_types=MIXED)
-    report = conv.convert(root / "tiny-q2.gguf", root / "out", workers=2, progress=False)
+    report = conv.convert(root / "tiny-q2.gguf", root / "out", AFFINE, workers=2, progress=False)
     return {"root": root, "gguf": root / "tiny-q2.gguf", "out": root / "out", "report": report,
             **made}
 
@@ -178,6 +180,175 @@ def test_names_shapes_and_config(mixed):
     assert config["dsv4"]["format_version"] == 1 and config["dsv4"]["source"]["kind"] == "gguf"
 
 
+# --- GGUF blocks kept as they are (the default) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kept(mixed):
+    """The mixed file converted natively: blocks referenced in place, and with --copy-weights."""
+    out = {}
+    for mode, options in (("referenced", conv.Options()), ("copied", conv.Options(copy_weights=True))):
+        dst = mixed["root"] / mode
+        out[mode] = (dst, conv.convert(mixed["gguf"], dst, options, workers=1, progress=False))
+    return out
+
+
+def _gguf_py_tensors(path) -> dict:
+    """dsv4 name -> the tensor's data as gguf's own reader gives it (quantized: uint8 blocks
+    [..., out, row bytes])."""
+    from gguf import GGUFReader
+
+    return {conv.dsv4_name(t.name): (t.tensor_type, np.asarray(t.data))
+            for t in GGUFReader(str(path)).tensors if conv.dsv4_name(t.name)}
+
+
+def _module_quantization(config: dict, module: str) -> dict:
+    q = config["quantization"]
+    return q.get(module, {k: v for k, v in q.items() if not isinstance(v, dict)})
+
+
+def test_kept_blocks_are_referenced_in_the_gguf(mixed, kept):
+    dst, report = kept["referenced"]
+    config = json.loads((dst / "config.json").read_text())
+    refs = config["dsv4"]["tensors"]
+    quantized = {n: (qtype.name, d) for n, (qtype, d) in _gguf_py_tensors(mixed["gguf"]).items()
+                 if qtype in gq.MAPPERS}
+    types = {n: qtype for n, (qtype, _) in quantized.items()}
+    assert set(refs) == set(quantized) and len(refs) > 60
+    data = np.fromfile(mixed["gguf"], np.uint8)
+    for name, (_, blocks) in quantized.items():
+        ref = refs[name]
+        assert ref == {"file": str(mixed["gguf"].resolve()), "offset": ref["offset"], "dtype": "U8",
+                       "shape": list(blocks.shape)}, name
+        n = int(np.prod(ref["shape"]))
+        assert np.array_equal(data[ref["offset"]: ref["offset"] + n].reshape(blocks.shape), blocks)
+        assert _module_quantization(config, name.removesuffix(".weight")) == {
+            "mode": "gguf", "type": types[name]}
+    assert {types[n] for n in refs} == {"Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"}
+    assert refs["layers.0.ffn.experts.w1.weight"]["shape"] == [8, 256, 256 // 256 * 66]
+    # the shards hold the float tensors only; no module is quantized any other way
+    infos = _tensors(dst)
+    assert not set(infos) & set(refs) and all(i.dtype in ("F16", "F32") for i in infos.values())
+    assert all(q.get("mode") == "gguf" for q in config["quantization"].values()
+               if isinstance(q, dict))
+    for kind, r in report.items():
+        if r["from"] in gguf_blocks.TYPES:
+            assert r["to"] == conv.IN_PLACE and r["bytes_out"] == r["bytes_in"], kind
+            assert "added_relative_rms_error" not in r
+
+
+def test_copied_blocks_are_the_gguf_bytes(mixed, kept):
+    dst, report = kept["copied"]
+    config = json.loads((dst / "config.json").read_text())
+    referenced = json.loads((kept["referenced"][0] / "config.json").read_text())
+    assert "tensors" not in config["dsv4"]
+    assert config["quantization"] == referenced["quantization"]
+    infos = _tensors(dst)
+    for name, (qtype, data) in _gguf_py_tensors(mixed["gguf"]).items():
+        if qtype in gq.MAPPERS:
+            assert infos[name].dtype == "U8" and np.array_equal(view(infos[name]), data), name
+        else:
+            assert np.array_equal(view(infos[name]).reshape(-1), data.reshape(-1)), name
+    assert all(r["bytes_out"] == r["bytes_in"] for r in report.values())
+
+
+@pytest.mark.parametrize("dtype, workers", [("f32", 2), ("bf16", 1)])
+def test_dequantized_weights_are_the_gguf_values(mixed, tmp_path, dtype, workers):
+    """--dequantize decodes with dsv4.gguf_blocks (in spawned workers with 2): gguf-py's
+    decoder is the oracle, bit for bit (bf16: its values rounded by MLX)."""
+    conv.convert(mixed["gguf"], tmp_path / "out", conv.Options(dequantize=dtype), workers=workers,
+                 progress=False)
+    infos = _tensors(tmp_path / "out")
+    checked = set()
+    for name, (qtype, data) in _gguf_py_tensors(mixed["gguf"]).items():
+        if qtype not in gq.MAPPERS:
+            continue
+        want = dequantize(data, qtype)
+        if dtype == "bf16":
+            want = np.array(mx.array(want).astype(mx.bfloat16).view(mx.uint16))
+        assert infos[name].dtype == dtype.upper() and np.array_equal(view(infos[name]), want), name
+        checked.add(qtype)
+    assert checked == {T.Q8_0, T.Q4_K, T.Q2_K, T.IQ2_XXS}
+
+
+def test_split_file_references_each_part(mixed, tmp_path):
+    """A byte-split file: a tensor in one part is referenced in that part (offset in it), one
+    that straddles the cut by all the parts (offset into their concatenation)."""
+    data = mixed["gguf"].read_bytes()
+    src = conv.GGUFSource(mixed["gguf"])
+    cut_in = src.tensors["blk.6.ffn_down_exps.weight"]
+    cut = cut_in.offset + cut_in.nbytes // 2 + 1
+    (tmp_path / "m.gguf.part1").write_bytes(data[:cut])
+    (tmp_path / "m.gguf.part2").write_bytes(data[cut:])
+    conv.convert(tmp_path / "m.gguf.part1", tmp_path / "out", workers=1, verify=True, progress=False)
+    refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]["tensors"]
+    parts = [str(tmp_path / "m.gguf.part1"), str(tmp_path / "m.gguf.part2")]
+    assert refs["layers.6.ffn.experts.w2.weight"]["parts"] == parts
+    assert refs["layers.6.ffn.experts.w2.weight"]["offset"] == cut_in.offset
+    assert refs["layers.7.ffn.experts.w2.weight"]["file"] == parts[1]
+    assert refs["layers.0.attn.wq_a.weight"]["file"] == parts[0]
+    files = {p: np.fromfile(p, np.uint8) for p in parts}
+    for name, (qtype, blocks) in _gguf_py_tensors(mixed["gguf"]).items():
+        if qtype not in gq.MAPPERS:
+            continue
+        ref = refs[name]
+        whole = np.concatenate([files[p] for p in ref["parts"]]) if "parts" in ref else files[ref["file"]]
+        got = whole[ref["offset"]: ref["offset"] + blocks.size]
+        assert np.array_equal(got.reshape(blocks.shape), blocks), name
+
+
+def test_verify_checks_the_references(mixed, tmp_path, monkeypatch):
+    """--verify reads referenced rows as recorded: a reference one block off is caught."""
+    real = conv.tensor_reference
+
+    def off_by_a_block(src, t):
+        ref = real(src, t)
+        if t.name == "blk.3.ffn_up_exps.weight":
+            ref["offset"] += gq.BLOCK_BYTES[t.qtype]
+        return ref
+
+    monkeypatch.setattr(conv, "tensor_reference", off_by_a_block)
+    with pytest.raises(ConversionError, match=r"reference of layers\.3\.ffn\.experts\.w3\.weight "
+                                              r"reads row 0 wrong"):
+        conv.convert(mixed["gguf"], tmp_path / "out", workers=1, verify=True, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_options_are_part_of_the_resume_fingerprint(mixed, kept, tmp_path, monkeypatch):
+    """An interrupted --copy-weights conversion resumes with --copy-weights only."""
+    real, calls = conv.run_job, []
+
+    def interrupted(job):
+        calls.append(job.name)
+        if len(calls) == 60:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(conv, "run_job", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        conv.convert(mixed["gguf"], tmp_path / "out", conv.Options(copy_weights=True), workers=1,
+                     progress=False, max_shard_bytes=200_000)
+    monkeypatch.setattr(conv, "run_job", real)
+    with pytest.raises(ConversionError, match="cannot resume a conversion made with other inputs "
+                                              "or options .*copy_weights"):
+        conv.convert(mixed["gguf"], tmp_path / "out", workers=1, resume=True, progress=False,
+                     max_shard_bytes=200_000)
+    conv.convert(mixed["gguf"], tmp_path / "out", conv.Options(copy_weights=True), workers=1,
+                 resume=True, progress=False, max_shard_bytes=200_000)
+    a, b = _tensors(mixed["root"] / "copied"), _tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"affine": True, "copy_weights": True}, "--copy-weights applies to GGUF blocks"),
+    ({"dequantize": "f32", "copy_weights": True}, "--copy-weights applies to GGUF blocks"),
+    ({"dequantize": "f32", "affine": True}, "--affine and --dequantize exclude each other"),
+    ({"dequantize": "f16"}, r"dequantize to 'f16': expected one of \['bf16', 'f32'\]"),
+])
+def test_contradicting_options_refused(options, match):
+    with pytest.raises(ConversionError, match=match):
+        conv.Options(**options)
+
+
 def test_engram_rows_through_the_store(mixed):
     config = json.loads((mixed["out"] / "config.json").read_text())
     refs = config["dsv4"]["engram"]
@@ -227,7 +398,7 @@ def test_split_file_reads_as_one(mixed, tmp_path):
     cut = first_table - 5000                      # inside the resident weights
     (tmp_path / "m.gguf.part1").write_bytes(data[:cut])
     (tmp_path / "m.gguf.part2").write_bytes(data[cut:])
-    conv.convert(tmp_path / "m.gguf.part1", tmp_path / "out", workers=1, progress=False)
+    conv.convert(tmp_path / "m.gguf.part1", tmp_path / "out", AFFINE, workers=1, progress=False)
     a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
     assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
     refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]["engram"]
@@ -305,12 +476,12 @@ def test_resume_after_interruption(mixed, tmp_path, monkeypatch):
 
     monkeypatch.setattr(conv, "run_job", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        conv.convert(mixed["gguf"], tmp_path / "out", workers=1, progress=False,
+        conv.convert(mixed["gguf"], tmp_path / "out", AFFINE, workers=1, progress=False,
                      max_shard_bytes=2_000_000)
     finished = [p.name for p in (tmp_path / ".out.partial").glob("model-*.safetensors")]
     assert finished and not (tmp_path / "out").exists()
     monkeypatch.setattr(conv, "run_job", real)
-    conv.convert(mixed["gguf"], tmp_path / "out", workers=1, resume=True, progress=False,
+    conv.convert(mixed["gguf"], tmp_path / "out", AFFINE, workers=1, resume=True, progress=False,
                  max_shard_bytes=2_000_000)
     a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
     assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
@@ -320,8 +491,8 @@ def test_small_tasks_copied_tables_and_verify(mixed, tmp_path, monkeypatch):
     """Modules cut into many worker tasks give the same bytes; --copy-engram writes the
     tables into the directory (the store reads the same rows); --verify re-reads rows."""
     monkeypatch.setattr(conv, "CHUNK_WEIGHTS", 5000)  # several tasks per expert tensor
-    conv.convert(mixed["gguf"], tmp_path / "out", workers=2, copy_engram=True, verify=True,
-                 progress=False)
+    conv.convert(mixed["gguf"], tmp_path / "out", AFFINE, workers=2, copy_engram=True,
+                 verify=True, progress=False)
     a, b = _tensors(mixed["out"]), _tensors(tmp_path / "out")
     assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
     refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]["engram"]
@@ -344,14 +515,20 @@ def test_command_line(mixed, tmp_path):
     bad = runner.invoke(app, ["gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "x")])
     assert bad.exit_code == 2 and bad.output == f"error: {tmp_path / 'missing.gguf'}: file not found\n"
     ok = runner.invoke(app, ["gguf", str(mixed["gguf"]), str(tmp_path / "out"),
-                             "--iq2-xxs-bits", "8", "--workers", "1"])
+                             "--affine", "--iq2-xxs-bits", "8", "--workers", "1"])
     assert ok.exit_code == 0, ok.output
     assert "layers.*.ffn.experts.w1 (IQ2_XXS)" in ok.output
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     q = config["quantization"]
-    assert q.get("layers.0.ffn.experts.w1", q)["bits"] == 8   # 8-bit is now the default
+    assert q.get("layers.0.ffn.experts.w1", q)["bits"] == 8   # as asked; 3 by default
     assert "added_relative_rms_error" not in config["dsv4"]["conversion"][
         "layers.*.ffn.experts.w1 (IQ2_XXS)"]
+    lone = runner.invoke(app, ["gguf", str(mixed["gguf"]), str(tmp_path / "y"), "--q2-k-bits", "8"])
+    assert lone.exit_code == 2 and lone.output == "error: --q2-k-bits applies to --affine\n"
+    both = runner.invoke(app, ["gguf", str(mixed["gguf"]), str(tmp_path / "y"), "--affine",
+                               "--copy-weights"])
+    assert both.exit_code == 2 and both.output.startswith("error: --copy-weights applies to GGUF")
+    assert not (tmp_path / "y").exists()
 
 
 @pytest.mark.parametrize("dst", ["q2", "."])
