@@ -603,7 +603,10 @@ def matrix_supported(m) -> bool:
 
 def kernel_supports(x, gate, up, down, shared) -> bool:
     mats = [gate, up, down] + (list(shared) if shared is not None else [])
-    if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[0] > MAX_KERNEL_TOKENS:
+    gguf = lambda m: isinstance(m, GGUFMatrix)   # one rows_dot per kernel: GGUF or MLX packs
+    # GGUF blocks have no MLX matmul: their prefill takes these kernels too (a chunk's ~8 rows
+    # per expert are a decode's), where MLX's packs take gather_qmm beyond a decode's tokens.
+    if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
     if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
         return False
@@ -614,7 +617,6 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     if any(d != x.shape[-1] or not (i == j == k) for d, i, j, k in dims):
         return False
     same = lambda a, b: a.layout == b.layout
-    gguf = lambda m: isinstance(m, GGUFMatrix)   # one rows_dot per kernel: GGUF or MLX packs
     if not all(gguf(m) == gguf(gate) for m in mats):
         return False
     if gguf(gate):   # the down launch has its own types: ds4's q2 recipe has Q2_K down, IQ2_XXS gate/up
