@@ -22,8 +22,9 @@ KERNEL_SWITCHES_OFF = {n: False for n in flags.FLAGS if n.startswith("kernel_")}
 
 @pytest.fixture(autouse=True)
 def fresh_process(monkeypatch):
-    """Every test starts with no kernel fallen back yet."""
+    """Every test starts with no kernel fallen back yet and no first launch run."""
     monkeypatch.setattr(dialect, "_fallen", set())
+    monkeypatch.setattr(dialect, "_launched", set())
 
 
 class Unbuildable:
@@ -128,3 +129,40 @@ def test_an_error_that_is_not_a_kernel_failure_is_not_hidden():
     with dialect.pretend_gpu("metal", Unbuildable()), pytest.raises(ValueError, match=">= 0"):
         kernel(inputs=[mx.zeros(8)], output_shapes=[(8,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
                threadgroup=(32, 1, 1), template=[("N", -1)])
+
+
+def test_a_kernel_that_fails_at_its_first_launch_falls_back(monkeypatch):
+    """MLX compiles a kernel's source (Metal) at the first eval, after the call returned: the
+    first launch of each instantiation runs inside the call, so a build error there still
+    becomes the reference's result and one warning; later calls of that instantiation are
+    not evaluated early."""
+    rng = np.random.default_rng()
+    w = mx.array(rng.standard_normal((64, 256)).astype(np.float32))
+    q = QuantizedMatrix(*mx.quantize(w, group_size=32, bits=8, mode="mxfp8"), None, 32, 8, "mxfp8")
+    x = mx.array(rng.standard_normal((1, 256)).astype(np.float32)).astype(mx.bfloat16)
+    launched = []
+
+    def lazy_launch(kernel, output_shapes, output_dtypes, **_):
+        launched.append(kernel.name)
+        if kernel.name != "dsv4_quantized_matvec":   # the reference's rounding: its plain ops
+            raise RuntimeError(f"{kernel.name}: not this test's kernel")
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]   # the call succeeds
+
+    def evaluate(arrays):
+        if any(a.dtype == mx.bfloat16 and a.shape == (1, 64) for a in arrays):   # the matvec's output
+            raise RuntimeError("[metal::Device] Unable to build metal library dsv4_quantized_matvec")
+        mx.eval(arrays)
+
+    monkeypatch.setattr(dialect, "evaluate", evaluate)
+    with dialect.pretend_gpu("metal", lazy_launch, first_launches=True), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = matvec.quantized_matvec(x, q, True)
+        again = matvec.quantized_matvec(x, q, True)
+        want = matvec.matvec_reference(x, q, True)   # its fp8 rounding's kernel pretends too
+    assert launched[0] == "dsv4_quantized_matvec" and launched.count("dsv4_quantized_matvec") == 1
+    messages = fallback_warnings(caught)
+    assert "Unable to build metal library" in messages[0] and "DSV4_KERNEL_MATVEC=0" in messages[0]
+    assert len(messages) == 2 and "DSV4_KERNEL_QDQ=0" in messages[1]   # then the rounding's kernel
+    assert mx.array_equal(got, again).item() and mx.array_equal(got, want).item()
+    assert mx.any(want != 0).item()   # real numbers: the plain-MLX reference's

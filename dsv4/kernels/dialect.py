@@ -166,13 +166,15 @@ def poisoned_outputs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def pretend_gpu(dialect: str, launch: Callable) -> Iterator[None]:
+def pretend_gpu(dialect: str, launch: Callable, first_launches: bool = False) -> Iterator[None]:
     """Checks on any machine (a CPU in CI): dispatchers see `dialect`'s GPU backend, and each
     kernel launch becomes launch(kernel, inputs=..., output_shapes=..., output_dtypes=...,
     grid=..., threadgroup=..., template=..., init_value=...), which returns the outputs,
-    instead of a kernel MLX builds and runs."""
+    instead of a kernel MLX builds and runs. `first_launches`: run each instantiation's first
+    launch at the call, as on a real GPU (off: checks that only record launches at V4.1's
+    widths need not evaluate their inputs)."""
     global _pretend
-    saved, _pretend = _pretend, (dialect, launch)
+    saved, _pretend = _pretend, (dialect, launch, first_launches)
     try:
         yield
     finally:
@@ -242,11 +244,30 @@ class Kernel:
             raise ValueError(f"kernel {self.name}: template values must be >= 0, got {bad}")
         try:
             fn = functools.partial(_pretend[1], self) if _pretend is not None else _compiled(self, dialect)
-            return fn(inputs=list(inputs), output_shapes=list(output_shapes),
-                      output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
-                      template=list(template), init_value=float("nan") if _poison else init_value)
+            outputs = fn(inputs=list(inputs), output_shapes=list(output_shapes),
+                         output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
+                         template=list(template), init_value=float("nan") if _poison else init_value)
         except Exception as e:
             raise KernelFailed(self.name) from e
+        key = (self.name, dialect, tuple(template), tuple(map(tuple, output_shapes)))
+        if key not in _launched and (_pretend is None or _pretend[2]):
+            self._first_launch(outputs, inputs, key)
+        return outputs
+
+    def _first_launch(self, outputs, inputs, key) -> None:
+        """Run an instantiation's first launch now: MLX compiles the source (Metal, NVRTC) and
+        the GPU takes the launch shape only at the first eval, after the call has returned, so
+        this is where their errors can still become KernelFailed (and the reference's result).
+        Inside mx.compile's tracing nothing can be evaluated: a later call tries again."""
+        try:
+            evaluate(list(inputs))
+        except ValueError:   # tracing (mx.compile, vmap): not now
+            return
+        try:
+            evaluate(list(outputs))
+        except Exception as e:
+            raise KernelFailed(self.name) from e
+        _launched.add(key)
 
 
 class KernelFailed(RuntimeError):
@@ -258,6 +279,8 @@ class KernelFailed(RuntimeError):
 
 
 _fallen: set = set()   # kernel paths that failed in this process: their references run instead
+_launched: set = set()   # instantiations (kernel, dialect, template, shapes) whose first launch ran
+evaluate = mx.eval       # how a first launch is run (tests make it fail as a Metal build would)
 
 
 def falls_back(reference: Callable, *switches: str) -> Callable:
@@ -266,11 +289,13 @@ def falls_back(reference: Callable, *switches: str) -> Callable:
     it off, and `reference` (the same arguments, the same contract, plain MLX) runs in its
     place for the rest of the process, so that a kernel error never stops a user.
 
-    Only what fails at the call is caught: making the kernel object and MLX's checks of the
-    launch. MLX compiles a kernel's source, and the GPU takes its launch shape, at the first
-    eval that needs it, after this has returned; those errors are the offline gates' to catch
+    What is caught: making the kernel object, MLX's checks of the launch, and the first launch
+    of each instantiation, which Kernel.__call__ runs at once (MLX compiles the source and the
+    GPU takes the launch shape at the first eval). A first launch inside mx.compile's tracing
+    cannot run until the compiled function does: there the offline gates are the net
     (tools/metal_syntax_check.py: every body compiles; tools/launch_limits.py: every launch at
-    V4.1's widths fits the GPU's limits)."""
+    V4.1's widths fits the GPU's limits), and the reference path's first forward (a prefill,
+    a warm-up) has run most instantiations before."""
     envs = " or ".join(f"{flags.FLAGS[s].env}=0" for s in switches)
 
     def wrap(kernel_path: Callable) -> Callable:
