@@ -235,6 +235,13 @@ define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "
        "which MLX converts the whole head to an fp32 temporary every step")
+define("kernel_first_launch_check", "auto",
+       "run each kernel instantiation's first launch at its call, so that a kernel MLX cannot "
+       "build or launch falls back to its plain-MLX reference with one warning (MLX builds a "
+       "custom kernel at its first eval, after the call): auto = on for Metal, where no kernel "
+       "has run before a user's Mac, off for CUDA (its kernels are checked on the H200; the one "
+       "H200 run with it on warned of a fallback in tests/test_model_gpu.py, not yet explained)",
+       choices=AUTO_ON_OFF)
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")

@@ -250,7 +250,8 @@ class Kernel:
         except Exception as e:
             raise KernelFailed(self.name) from e
         key = (self.name, dialect, tuple(template), tuple(map(tuple, output_shapes)))
-        if key not in _launched and (_pretend is None or _pretend[2]):
+        if key not in _launched and (_pretend[2] if _pretend is not None else
+                                     flags.switch("kernel_first_launch_check", dialect == "metal")):
             self._first_launch(outputs, inputs, key)
         return outputs
 
@@ -261,10 +262,9 @@ class Kernel:
         Inside mx.compile's tracing nothing can be evaluated: a later call tries again."""
         try:
             evaluate(list(inputs))
-        except ValueError:   # tracing (mx.compile, vmap): not now
-            return
-        try:
             evaluate(list(outputs))
+        except ValueError:   # MLX refuses to evaluate while tracing (mx.compile, vmap): not now
+            return
         except Exception as e:
             raise KernelFailed(self.name) from e
         _launched.add(key)
