@@ -20,14 +20,17 @@ import numpy as np
 from . import flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
+from .kernels.gguf_dot import GGUFMatrix
 from .kernels.indexer import indexer_scores
+from .kernels.matvec import kernel_supports as matvec_kernel_supports
+from .kernels.matvec import quantized_matvec
 from .kernels.topk import topk_indices, topk_visible
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 from .kernels import head as head_kernel
 from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
-from .linear import Linear, QuantizedLinear, dequant_matmul, fp8_linear, fp8_linears
+from .linear import GGUFLinear, Linear, QuantizedLinear, dequant_matmul, fp8_linear, fp8_linears
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
 
 
@@ -446,9 +449,16 @@ class Attention(nn.Module):
                                 rhs_indices=ramp(g, mx.uint32, (1, g)),
                                 transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
+        elif isinstance(w, GGUFLinear) and matvec_kernel_supports(x[:, 0, 0], w.matrix()):
+            # GGUF blocks: each group's rows (a view of its block of the weight) through the matvec kernel.
+            blocks = lambda j: GGUFMatrix(w["weight"][j * rows:(j + 1) * rows], w.qtype)
+            out = mx.stack([quantized_matvec(x[:, j, 0], blocks(j), act_quant=False) for j in range(g)], axis=1)
         else:
             # Each group is a plain product with its block of rows.
-            weight = w.dequantized(o.dtype) if isinstance(w, QuantizedLinear) else w.weight
+            if isinstance(w, GGUFLinear):
+                weight = w.dequantized() if dequant_matmul() else w.matrix().dequantized()
+            else:
+                weight = w.dequantized(o.dtype) if isinstance(w, QuantizedLinear) else w.weight
             weight = weight.reshape(g, rows, -1)
             out = mx.stack([x[:, j, 0].astype(weight.dtype) @ weight[j].T for j in range(g)], axis=1)
             out = out.astype(o.dtype)
