@@ -94,11 +94,16 @@ def decode_rows(name, weights, tokens_list):
         perm = mx.random.permutation(E)[: tokens * K].reshape(tokens, K).astype(mx.int32)   # distinct experts
         w = mx.random.uniform(0.1, 1.0, (tokens, K))
         mx.eval(x, perm, w)
-        call = lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True)
-        t = compare({"kernel": call})["kernel"]
-        nbytes = tokens * K * (expert_bytes(gate) + expert_bytes(up) + expert_bytes(down)) + sum(
-            expert_bytes(m) for m in shared)
-        rows.append((name, tokens, t, nbytes))
+        h, _ = ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)
+        mx.eval(h)
+        t = compare({"both": lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True),
+                     "gate/up": lambda: ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)[0],
+                     "down": lambda: ex.down_kernel(h, perm, down, shared[2])})
+        gate_up_bytes = tokens * K * (expert_bytes(gate) + expert_bytes(up)) + expert_bytes(shared[0]) + expert_bytes(shared[1])
+        down_bytes = tokens * K * expert_bytes(down) + expert_bytes(shared[2])
+        rows.append((name, tokens, t["both"], gate_up_bytes + down_bytes,
+                     f"{t['gate/up'] * 1e6:.1f} ({gate_up_bytes / t['gate/up'] / 1e12:.2f})",
+                     f"{t['down'] * 1e6:.1f} ({down_bytes / t['down'] / 1e12:.2f})"))
     return rows
 
 
@@ -175,6 +180,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--no-prefill", action="store_true", help="decode timings only")
     a = p.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
     torch_bw = torch_copy_bandwidth()
@@ -183,14 +189,16 @@ def main(argv=None) -> int:
              (f"Copy roofline: torch {torch_bw / 1e12:.2f} TB/s" if torch_bw else "Copy roofline: no torch")
              + f"; MLX elementwise {mlx_bw / 1e12:.2f} TB/s (read + write).", "",
              "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
-             "| experts | tokens | µs/call | weights read (MB) | effective TB/s |", "|---|---|---|---|---|"]
+             "| experts | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) | down alone µs (TB/s) |",
+             "|---|---|---|---|---|---|---|"]
     prefill = []
     for name in ("mxfp4", "q2", "q4"):
         weights = recipe_weights(name)
-        for n, t, sec, nbytes in decode_rows(name, weights, tokens):
-            lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} |")
+        for n, t, sec, nbytes, gate_up, down in decode_rows(name, weights, tokens):
+            lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
+                         f"{gate_up} | {down} |")
             print(lines[-1], flush=True)
-        if name != "mxfp4":
+        if name != "mxfp4" and not a.no_prefill:
             prefill += prefill_rows(name, weights)
             print(prefill[-2:], flush=True)
         del weights
