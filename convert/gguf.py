@@ -631,11 +631,13 @@ def tensor_reference(src: GGUFSource, t: GGUFTensor) -> dict:
     return {**where, "dtype": "U8", "shape": list(t.byte_shape)}
 
 
-def verify_references(src: GGUFSource, references: dict[str, dict], rows: int = 8,
-                      seed: int = 0) -> int:
-    """Read sampled rows (first, last, random) of each referenced tensor the way its reference
-    says (file or parts, offset, shape) and compare them with the GGUF tensor's rows as the
-    header places them; returns the number of tensors checked."""
+def verify_references(src: GGUFSource, references: dict[str, dict], model_dir: Path,
+                      rows: int = 8, seed: int = 0) -> int:
+    """Read each referenced tensor as the runtime does (dsv4.tensor_refs) and compare sampled
+    rows (first, last, random) with the GGUF tensor's rows where the header places them;
+    returns the number of tensors checked."""
+    from dsv4 import tensor_refs
+
     rng = np.random.default_rng(seed)
     by_name = {dsv4_name(t.name): t for t in src.tensors.values()}
     for name, ref in references.items():
@@ -643,15 +645,13 @@ def verify_references(src: GGUFSource, references: dict[str, dict], rows: int = 
         if ref["dtype"] != "U8" or tuple(ref["shape"]) != t.byte_shape:
             raise ConversionError(f"reference of {name} is {ref['dtype']}{ref['shape']}, expected "
                                   f"U8{list(t.byte_shape)} (verification failed)")
-        files = ref["parts"] if "parts" in ref else [ref["file"]]
-        parts = tuple((f, os.stat(f).st_size) for f in files)
         row_bytes = t.byte_shape[-1]
-        for r in pick_rows(t.nbytes // row_bytes, rows, rng):
-            got = read_bytes(parts, ref["offset"] + int(r) * row_bytes, row_bytes)
+        got = tensor_refs.read(name, ref, model_dir).reshape(-1, row_bytes)
+        for r in pick_rows(len(got), rows, rng):
             want = read_bytes(src.parts, t.offset + int(r) * row_bytes, row_bytes)
-            if not np.array_equal(got, want):
-                raise ConversionError(f"{files[0]}: the reference of {name} reads row {r} wrong "
-                                      f"(verification failed)")
+            if not np.array_equal(got[r], want):
+                raise ConversionError(f"{ref.get('file') or ref['parts'][0]}: the reference of "
+                                      f"{name} reads row {r} wrong (verification failed)")
     return len(references)
 
 
@@ -711,7 +711,7 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
             out.write_weights({"model": units})
             if verify:
                 out.verify({"model": units})
-                verify_references(src, references)
+                verify_references(src, references, out.tmp)
             if copy_engram:
                 refs = _copy_tables(src, tables, out, progress)
             report = {k: s.summary() for k, s in sorted(stats.items())}
