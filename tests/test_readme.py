@@ -1,0 +1,154 @@
+"""Every command in the README's code blocks runs as written: each bash line is matched to the way
+this test runs it (placeholders such as PATH and SRC filled with tiny models this test makes,
+the long-running ones told to stop), and a README line no runner claims fails the test, so a
+command added to the README is a command tested here."""
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+DEMO = ROOT / "dsv4" / "demo"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+
+
+def commands() -> list[str]:
+    """The README's bash lines, comments off."""
+    out = []
+    for block in blocks("bash"):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line:
+                out.append(line)
+    return out
+
+
+def run(argv, timeout=600, **kwargs) -> subprocess.CompletedProcess:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+    assert out.returncode == 0, f"{shlex.join(argv)}: exit {out.returncode}\n{out.stderr[-3000:]}"
+    assert "Traceback" not in out.stderr
+    return out
+
+
+def python(command: str, **fill) -> list[str]:
+    """`python -m ...` of the README as argv for this interpreter, placeholders filled."""
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    return [sys.executable] + [fill.get(a, a) for a in argv[1:]]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """What the README's placeholders stand for: an official checkpoint, a ds4 GGUF, an EXL3 pack."""
+    from dsv4.testing import write_tiny_checkpoint
+    from tests.gguf_fixtures import write_ds4_gguf
+    from tests.test_exl3_convert import make_pack
+
+    root = tmp_path_factory.mktemp("readme")
+    official = write_tiny_checkpoint(root / "official", seed=2)
+    write_ds4_gguf(root / "q2.gguf", "q2", seed=2)
+    make_pack(official, root / "pack")
+    return root, official
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generate_demo(command, inputs):                    # pip install -e . && python -m dsv4.generate
+    out = run(python(command.split("&& ", 1)[1]))      # the install is what CI's venv did
+    assert "Generation:" in out.stdout
+
+
+def pytest_suite(command, inputs):                     # this test runs inside that command
+    assert command.endswith("python -m pytest -q")
+
+
+def generate(command, inputs):
+    out = run(python(command, PATH_OR_REPO=str(DEMO)))
+    assert "Prompt:" in out.stdout and "Peak memory:" in out.stdout
+
+
+def chat(command, inputs):
+    out = run(python(command, PATH=str(DEMO)) + ["--max-tokens", "8"], input="Hello there\n/quit\n")
+    assert "tokens" in out.stdout
+
+
+def server(command, inputs):
+    port = free_port()
+    argv = python(command.replace("8080", str(port)), PATH=str(DEMO))
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"the server did not come up: {proc.stderr.read()[-2000:]}")
+                time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def convert(command, inputs):
+    root, official = inputs
+    kind = shlex.split(command)[3]
+    source = {"official": official, "gguf": root / "q2.gguf", "exl3": root / "pack"}[kind]
+    dst = root / f"out-{kind}"
+    run(python(command, SRC=str(source), FILE=str(source), DST=str(dst)))
+    run([sys.executable, "-m", "dsv4.generate", "--model", str(dst), "-m", "3"])
+
+
+def train(command, inputs):                            # ~30 minutes: its options parse, it starts
+    run(python(command.split(" --")[0]) + ["--help"])
+
+
+RUNNERS = [
+    (r"^pip install -e \. && python -m dsv4\.generate$", generate_demo),
+    (r'^pip install -e "\.\[test\]" && python -m pytest -q$', pytest_suite),
+    (r"^python -m dsv4\.generate --model PATH_OR_REPO ", generate),
+    (r"^python -m dsv4\.chat --model PATH$", chat),
+    (r"^python -m dsv4\.server --model PATH --port 8080$", server),
+    (r"^python -m dsv4_convert (official|gguf|exl3) (SRC|FILE) DST$", convert),
+    (r"^python training/train_demo\.py ", train),
+]
+
+
+def runner(command):
+    found = [fn for pattern, fn in RUNNERS if re.search(pattern, command)]
+    assert len(found) == 1, f"README command {command!r}: no way to run it here (add one to RUNNERS)"
+    return found[0]
+
+
+@pytest.mark.parametrize("command", commands())
+def test_readme_command_runs(command, inputs):
+    runner(command)(command, inputs)
+
+
+def test_readme_python_example_runs(tmp_path):
+    (code,) = blocks("python")
+    code = code.replace('"path/to/model"', repr(str(DEMO)))
+    script = tmp_path / "example.py"
+    script.write_text(code.replace('cache.save("prompt.safetensors")', f'cache.save({str(tmp_path / "p.safetensors")!r})'))
+    run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)})
