@@ -53,10 +53,10 @@ from gguf.constants import GGML_QUANT_SIZES
 from dsv4.atomic_file import atomic_file
 from dsv4.config import ModelArgs
 from dsv4.engram import build_token_map, layer_multipliers, layer_primes, table_sizes
-from dsv4.engram_store import _recorded_path
 from dsv4.errors import reported
 from dsv4.layout import expected_tensors
 from dsv4.progress import Progress
+from dsv4.tensor_refs import recorded_path
 
 from . import gguf_quants, gguf_tokenizer
 from .writer import MAX_SHARD_BYTES, ConversionError, ModelDirWriter, Unit, pick_rows
@@ -625,9 +625,9 @@ def tensor_reference(src: GGUFSource, t: GGUFTensor) -> dict:
     of a byte-split file (paths recorded as the Engram tables' are)."""
     place = src.locate(t.offset, t.nbytes)
     if place is None:
-        where = {"parts": [_recorded_path(p, None) for p, _ in src.parts], "offset": t.offset}
+        where = {"parts": [recorded_path(p, None) for p, _ in src.parts], "offset": t.offset}
     else:
-        where = {"file": _recorded_path(place[0], None), "offset": place[1]}
+        where = {"file": recorded_path(place[0], None), "offset": place[1]}
     return {**where, "dtype": "U8", "shape": list(t.byte_shape)}
 
 

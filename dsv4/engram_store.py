@@ -86,6 +86,7 @@ from dsv4.atomic_file import atomic_file
 from dsv4.errors import InputError
 from dsv4.progress import Progress
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
+from dsv4.tensor_refs import recorded_path
 
 GROUP = 32           # e4m3 codes per e8m0 scale
 RELEASED_WIDTH = 256  # engram_head_dim of DeepSeek V4.1 Flash: the ds4 GGUF's 264-byte rows
@@ -673,27 +674,16 @@ def load_resident(table: Table, progress: bool = True) -> ResidentTable:
 
 # --- references ------------------------------------------------------------------------------
 
-def _recorded_path(path: Path | str, base_dir: Optional[Path | str]) -> str:
-    """`path` relative to `base_dir` when it lies inside it, else absolute."""
-    path = Path(path).resolve()
-    if base_dir is not None:
-        try:
-            return path.relative_to(Path(base_dir).resolve()).as_posix()
-        except ValueError:
-            pass
-    return str(path)
-
-
 def interleaved_reference(file: Union[Path, str, Sequence[Union[Path, str]]], offset: int, rows: int,
                           base_dir: Optional[Path | str] = None, width: int = RELEASED_WIDTH) -> dict:
     """`file` is one file, or the parts of a byte-split file in order ("parts" in the reference)."""
-    where = ({"parts": [_recorded_path(p, base_dir) for p in file]}
-             if isinstance(file, (list, tuple)) else {"file": _recorded_path(file, base_dir)})
+    where = ({"parts": [recorded_path(p, base_dir) for p in file]}
+             if isinstance(file, (list, tuple)) else {"file": recorded_path(file, base_dir)})
     return {"layout": Fp8Rows(width).layout, **where, "offset": int(offset), "rows": int(rows)}
 
 
 def _tensor_entry(tensor: TensorInfo, base_dir: Optional[Path | str]) -> dict:
-    return {"file": _recorded_path(tensor.file, base_dir), "tensor": tensor.name,
+    return {"file": recorded_path(tensor.file, base_dir), "tensor": tensor.name,
             "offset": tensor.offset}
 
 
@@ -716,7 +706,7 @@ def copy_reference(row_format: RowFormat, file: Path | str, rows: int,
     """The reference of a file of raw rows from its first byte, as `copy_table` writes one."""
     if isinstance(row_format, FloatRows):
         return {"layout": row_format.layout, "rows": int(rows),
-                "weight": {"file": _recorded_path(file, base_dir), "offset": 0}}
+                "weight": {"file": recorded_path(file, base_dir), "offset": 0}}
     return interleaved_reference(file, 0, rows, base_dir, row_format.width)
 
 

@@ -16,11 +16,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 
 from .safetensors_file import STORAGE, CheckpointError
+
+
+def recorded_path(path: Path | str, base_dir: Optional[Path | str]) -> str:
+    """How a reference records `path` (a tensor's or an Engram table's file): relative to the
+    model directory `base_dir` when it lies inside it, else absolute."""
+    path = Path(path).resolve()
+    if base_dir is not None:
+        try:
+            return path.relative_to(Path(base_dir).resolve()).as_posix()
+        except ValueError:
+            pass
+    return str(path)
 
 
 def _field(ref: Mapping, key: str, kind, where: str):
