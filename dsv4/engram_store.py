@@ -22,12 +22,13 @@ Kinds of table:
   copy of one.
 - `ResidentTable`: the raw rows in memory, decoded as the file tables decode them.
 
-Reads run on one persistent thread pool shared by all tables. A call is sorted by row and
+Reads run on the persistent pread pool of dsv4/pread_pool.py, which every table shares with the
+streamed experts (dsv4/expert_store.py). A call is sorted by row and
 de-duplicated, then split into contiguous partitions, one per worker; each worker writes only
 its own slice of the call's buffer, and its error stays with its own future. `wait()` joins
 every worker before it raises the first error (in partition order) or returns. A call of at
 most `BATCH_ROWS` distinct rows (a decode step) uses `engram_decode_workers` workers, or, when
-`engram_parallel_decode` is off, the one serial reader thread that every table shares (one
+`engram_parallel_decode` is off, the pool's one serial reader thread (one
 pread per row, one after another); a larger call (prefill) uses `engram_prefill_workers`.
 With `engram_readahead` a worker first hands all its rows to the kernel (posix_fadvise
 WILLNEED), so their disk reads are in flight together before its preads wait for them.
@@ -65,18 +66,13 @@ dicts; `open_table` turns one into a table (a `ResidentTable` when `engram_resid
 
 from __future__ import annotations
 
-import bisect
-import concurrent.futures
-import itertools
 import os
 import re
-import sys
 import threading
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -85,6 +81,7 @@ from dsv4 import flags
 from dsv4.atomic_file import atomic_file
 from dsv4.errors import InputError
 from dsv4.progress import Progress
+from dsv4.pread_pool import OpenFiles, PartedFile, Reads, executor
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
 from dsv4.tensor_refs import recorded_path
 
@@ -105,48 +102,6 @@ class EngramError(InputError):
 
 class EngramReadError(OSError):
     """A row could not be read (I/O error, short read on a truncated file)."""
-
-
-# --- the thread pool -------------------------------------------------------------------------
-
-_pool_lock = threading.Lock()
-_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_pool_size = 0
-# Serial reads of every table go through one thread, so they are serial across tables too.
-_serial = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engram-serial-read")
-
-
-def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The shared pool, grown (never shrunk) to at least `workers` threads; one: the serial thread."""
-    global _pool, _pool_size
-    if workers == 1:
-        return _serial
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            old = _pool
-            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="engram-read")
-            _pool_size = workers
-            if old is not None:
-                old.shutdown(wait=False)  # its running reads finish; new ones go to the new pool
-        return _pool
-
-
-class RowRequest:
-    """Rows being read in the background; `wait()` joins every worker, then returns or raises."""
-
-    def __init__(self, futures: Sequence[concurrent.futures.Future], finish: Callable[[], object]):
-        self._futures = list(futures)
-        self._finish = finish
-        self._result = None
-
-    def wait(self):
-        if self._result is None:
-            errors = [f.exception() for f in self._futures]  # every worker joins first
-            for error in errors:
-                if error is not None:
-                    raise error
-            self._result = self._finish()
-        return self._result
 
 
 # --- shared helpers --------------------------------------------------------------------------
@@ -297,56 +252,10 @@ class _RowCache:
 
 # --- file-backed tables ----------------------------------------------------------------------
 
-class _File:
-    """One file, or the byte concatenation of a file's parts (a GGUF split into raw .part1,
-    .part2, ...: a table may straddle two parts). Offsets are into the whole."""
-
-    def __init__(self, parts: Sequence[tuple[Path, int]], fds: dict[Path, int]):
-        self.parts = [(Path(p), fds[Path(p)], int(size)) for p, size in parts]
-        self.starts = list(itertools.accumulate([0] + [size for _, _, size in self.parts]))
-        self.size = self.starts[-1]
-        self.path = self.parts[0][0] if len(self.parts) == 1 else \
-            Path(f"{self.parts[0][0]} (+{len(self.parts) - 1} parts)")
-
-    def _pieces(self, offset: int, length: int):
-        """(fd, offset in that part, start in the request, length) covering the request."""
-        k = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        done = 0
-        while done < length and k < len(self.parts):
-            _, fd, size = self.parts[k]
-            inner = offset + done - self.starts[k]
-            n = min(length - done, size - inner)
-            if n > 0:
-                yield fd, inner, done, n
-                done += n
-            k += 1
-
-    def pread(self, view: memoryview, offset: int) -> int:
-        """Fill `view` from `offset`; the bytes read (fewer only at the end of the data)."""
-        got = 0
-        for fd, inner, start, n in self._pieces(offset, len(view)):
-            part = _pread_exact(fd, view[start:start + n], inner)
-            got += part
-            if part < n:
-                break
-        return got
-
-    def will_need(self, offset: int, length: int) -> None:
-        for fd, inner, _, n in self._pieces(offset, length):
-            os.posix_fadvise(fd, inner, n, os.POSIX_FADV_WILLNEED)
-
-    def where(self, offset: int) -> str:
-        """"byte B of FILE" for an offset into the whole (the part holding it)."""
-        k = max(0, bisect.bisect_right(self.starts, offset) - 1)
-        if len(self.parts) == 1 or k >= len(self.parts):
-            return f"byte {offset} of {self.path}"
-        return f"byte {offset - self.starts[k]} of {self.parts[k][0]} (byte {offset} of the whole)"
-
-
 @dataclass(frozen=True)
 class _Segment:
     """`width` bytes of each row at `offset + stride * row` of a file, stored at `dest` in the row."""
-    file: _File
+    file: PartedFile
     offset: int
     stride: int
     width: int
@@ -358,34 +267,6 @@ class _Segment:
     @property
     def path(self) -> Path:
         return self.file.path
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int) -> int:
-    """Fill `view` from `offset`; the number of bytes read (less than asked only at end of file)."""
-    got = 0
-    while got < len(view):
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [view[got:]], offset + got)
-        else:
-            data = os.pread(fd, len(view) - got, offset + got)
-            n = len(data)
-            view[got:got + n] = data
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _open_fd(path: Path) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    if flags.get("engram_io_hints"):
-        if sys.platform == "darwin":
-            import fcntl
-            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)  # do not fill the cache with 95 GiB
-            fcntl.fcntl(fd, getattr(fcntl, "F_RDAHEAD", 45), 0)  # a row is 264 bytes: no read-ahead
-        elif hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
 
 
 class FileTable:
@@ -400,7 +281,7 @@ class FileTable:
         self.row_format = row_format
         if self.rows <= 0:
             raise EngramError(f"{name}: a table needs at least one row, got {rows}")
-        fds: dict[Path, int] = {}
+        self._files = OpenFiles(bool(flags.get("engram_io_hints")))
         segments = []
         try:
             for paths, offset, width, dest in regions:
@@ -408,9 +289,7 @@ class FileTable:
                 for path in paths:
                     if not path.is_file():
                         raise EngramError(f"{name}: table file {path} not found")
-                    if path not in fds:
-                        fds[path] = _open_fd(path)
-                file = _File([(p, p.stat().st_size) for p in paths], fds)
+                file = self._files.file(paths)
                 end = offset + width * self.rows
                 if offset < 0 or end > file.size:
                     raise EngramError(
@@ -418,14 +297,13 @@ class FileTable:
                         f"{end}, but {file.path} has {file.size} bytes")
                 segments.append(_Segment(file, offset, width, width, dest))
         except BaseException:
-            _close_all(list(fds.values()))
+            self._files.close()
             raise
-        self._finalizer = weakref.finalize(self, _close_all, list(fds.values()))
         self._segments = tuple(segments)
         self._cache = _RowCache()
 
     def close(self) -> None:
-        self._finalizer()
+        self._files.close()
 
     def __enter__(self):
         return self
@@ -445,10 +323,10 @@ class FileTable:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def start(self, ids: np.ndarray) -> RowRequest:
+    def start(self, ids: np.ndarray) -> Reads:
         flat, shape = _validate_ids(ids, self.rows, self.name)
         futures, raw = self._dispatch(flat)
-        return RowRequest(futures, lambda: self.row_format.decode(raw(), shape))
+        return Reads(futures, lambda: self.row_format.decode(raw(), shape))
 
     def read(self, ids) -> mx.array:
         return self.start(ids).wait()
@@ -460,7 +338,7 @@ class FileTable:
         row_bytes = self.row_format.row_bytes
         _check_out(out, (*shape, row_bytes), self.name)
         futures, raw = self._dispatch(flat)
-        rows = RowRequest(futures, raw).wait().reshape(*shape, row_bytes)
+        rows = Reads(futures, raw).wait().reshape(*shape, row_bytes)
         if out is None:
             return rows
         out[...] = rows
@@ -508,7 +386,7 @@ class FileTable:
         else:
             workers = 1
         parts = max(1, min(workers, len(todo)))
-        pool = _executor(1 if parts == 1 else max(int(flags.get("engram_prefill_workers")),
+        pool = executor(1 if parts == 1 else max(int(flags.get("engram_prefill_workers")),
                                                   2 * int(flags.get("engram_decode_workers")), parts))
         readahead = bool(flags.get("engram_readahead")) and hasattr(os, "posix_fadvise")
         bounds = [len(todo) * k // parts for k in range(parts + 1)]
@@ -556,11 +434,6 @@ class FileTable:
             row = int(rows[i])
             raise EngramError(f"{self.name}: row {row} ({self.locate(row)}) holds {what}; "
                               f"Engram rows must be finite")
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
 
 
 def _check_out(out: Optional[np.ndarray], shape: tuple[int, ...], name: str) -> None:
@@ -633,10 +506,10 @@ class ResidentTable:
     def __repr__(self) -> str:
         return f"ResidentTable({self.name!r}, rows={self.rows})"
 
-    def start(self, ids: np.ndarray) -> RowRequest:
+    def start(self, ids: np.ndarray) -> Reads:
         flat, shape = _validate_ids(ids, self.rows, self.name)
         rows = self.row_format.decode(self._raw[flat], shape)
-        return RowRequest([], lambda: rows)
+        return Reads([], lambda: rows)
 
     def read(self, ids) -> mx.array:
         return self.start(ids).wait()

@@ -243,7 +243,7 @@ def test_reader_threads_are_persistent_and_reused(tables, monkeypatch, rng):
                     ids = rng.integers(0, len(raw), 24)
                     np.testing.assert_array_equal(by_kind["split"].read_raw(ids), raw[ids])
         assert threading.active_count() == threads
-    assert all(name.startswith("engram-") for name in readers)
+    assert all(name.startswith("pread") for name in readers)   # the shared pool (dsv4.pread_pool)
     assert len(readers) <= 16 + 1                  # the pool's threads and the serial reader
 
 

@@ -1,0 +1,187 @@
+"""Reading bytes where they lie: the one pool of pread workers, and files that may be split.
+
+Two stores read the model's files in place with `pread`: the Engram tables (dsv4/engram_store.py,
+rows of 264 bytes) and the streamed routed experts (dsv4/expert_store.py, ~6 MB pieces). Both
+submit their reads to one persistent thread pool (`executor`), so the machine has one set of
+reader threads whatever reads, and a read never waits for a thread to be made:
+
+    pool = executor(16)                       # grown (never shrunk) to at least 16 threads
+    reads = Reads([pool.submit(work, ...) for ...], finish)
+    result = reads.wait()                     # joins every worker, then raises or finishes
+
+`executor(1)` is the one serial reader thread, shared by all users, so that serial reads are
+serial across them too. `Reads.wait()` lets every worker finish before it raises the first
+error (in submission order): nothing is left writing into a caller's buffer after an error.
+
+`PartedFile` is one file, or the byte concatenation of a file's parts (a GGUF split into raw
+.part1, .part2, ...); a region may straddle two parts and its offsets run over the whole.
+`OpenFiles` opens each path once (a model's tensors share a few shard files) and closes them
+all when closed or garbage-collected. A short read (the file ends early) is reported by the
+byte count `pread` returns, never padded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import itertools
+import os
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+_pool_lock = threading.Lock()
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_size = 0
+_serial = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pread-serial")
+
+
+def executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The shared pool, grown (never shrunk) to at least `workers` threads; one: the serial thread."""
+    global _pool, _pool_size
+    if workers == 1:
+        return _serial
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            old = _pool
+            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pread")
+            _pool_size = workers
+            if old is not None:
+                old.shutdown(wait=False)  # its running reads finish; new ones go to the new pool
+        return _pool
+
+
+class Reads:
+    """Reads running on the pool; `wait()` joins every worker, then returns finish() or raises."""
+
+    def __init__(self, futures: Sequence[concurrent.futures.Future], finish: Callable[[], object]):
+        self._futures = list(futures)
+        self._finish = finish
+        self._result = None
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self):
+        if self._result is None:
+            errors = [f.exception() for f in self._futures]  # every worker joins first
+            for error in errors:
+                if error is not None:
+                    raise error
+            self._result = self._finish()
+        return self._result
+
+
+def pread_exact(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset`; the number of bytes read (less than asked only at end of file)."""
+    got = 0
+    while got < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [view[got:]], offset + got)
+        else:
+            data = os.pread(fd, len(view) - got, offset + got)
+            n = len(data)
+            view[got:got + n] = data
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def open_for_reading(path: Path, random_uncached: bool) -> int:
+    """A read-only descriptor; with `random_uncached` the OS is told that reads are random and
+    should not fill its cache: F_NOCACHE and no read-ahead on macOS (a 95 GiB table or 150 GB
+    of experts would push everything else out), POSIX_FADV_RANDOM on Linux."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    if random_uncached:
+        if sys.platform == "darwin":
+            import fcntl
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+            fcntl.fcntl(fd, getattr(fcntl, "F_RDAHEAD", 45), 0)
+        elif hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+class PartedFile:
+    """One file, or the byte concatenation of a file's parts. Offsets are into the whole."""
+
+    def __init__(self, parts: Sequence[tuple[Path, int]], fds: dict[Path, int]):
+        self.parts = [(Path(p), fds[Path(p)], int(size)) for p, size in parts]
+        self.starts = list(itertools.accumulate([0] + [size for _, _, size in self.parts]))
+        self.size = self.starts[-1]
+        self.path = self.parts[0][0] if len(self.parts) == 1 else \
+            Path(f"{self.parts[0][0]} (+{len(self.parts) - 1} parts)")
+
+    def _pieces(self, offset: int, length: int):
+        """(fd, offset in that part, start in the request, length) covering the request."""
+        k = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        done = 0
+        while done < length and k < len(self.parts):
+            _, fd, size = self.parts[k]
+            inner = offset + done - self.starts[k]
+            n = min(length - done, size - inner)
+            if n > 0:
+                yield fd, inner, done, n
+                done += n
+            k += 1
+
+    def pread(self, view: memoryview, offset: int) -> int:
+        """Fill `view` from `offset`; the bytes read (fewer only at the end of the data)."""
+        got = 0
+        for fd, inner, start, n in self._pieces(offset, len(view)):
+            part = pread_exact(fd, view[start:start + n], inner)
+            got += part
+            if part < n:
+                break
+        return got
+
+    def will_need(self, offset: int, length: int) -> None:
+        for fd, inner, _, n in self._pieces(offset, length):
+            os.posix_fadvise(fd, inner, n, os.POSIX_FADV_WILLNEED)
+
+    def dont_need(self, offset: int, length: int) -> None:
+        """Drop these bytes from the OS cache (Linux; macOS keeps them out with F_NOCACHE)."""
+        if hasattr(os, "posix_fadvise"):
+            for fd, inner, _, n in self._pieces(offset, length):
+                os.posix_fadvise(fd, inner, n, os.POSIX_FADV_DONTNEED)
+
+    def current_size(self) -> int:
+        """The parts' sizes now (a file truncated after opening reads short)."""
+        return sum(os.fstat(fd).st_size for _, fd, _ in self.parts)
+
+    def where(self, offset: int) -> str:
+        """"byte B of FILE" for an offset into the whole (the part holding it)."""
+        k = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        if len(self.parts) == 1 or k >= len(self.parts):
+            return f"byte {offset} of {self.path}"
+        return f"byte {offset - self.starts[k]} of {self.parts[k][0]} (byte {offset} of the whole)"
+
+
+def _close_all(fds: dict[Path, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+class OpenFiles:
+    """Descriptors opened once per path, closed together by `close()` (or when collected)."""
+
+    def __init__(self, random_uncached: bool):
+        self.random_uncached = random_uncached
+        self._fds: dict[Path, int] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+
+    def file(self, paths: Sequence[Path]) -> PartedFile:
+        """The file made of `paths` in order (one path: the file itself); FileNotFoundError if
+        one is missing."""
+        paths = [Path(p) for p in paths]
+        for path in paths:
+            if path not in self._fds:
+                self._fds[path] = open_for_reading(path, self.random_uncached)
+        return PartedFile([(p, os.fstat(self._fds[p]).st_size) for p in paths], self._fds)
+
+    def close(self) -> None:
+        self._finalizer()
