@@ -116,6 +116,18 @@ class Model(nn.Module):
         return {layer: self._engram_tables[layer].start(rows[layer]) for layer in rows}
 
     def __call__(self, input_ids, cache: Optional[Cache] = None) -> mx.array:
+        ids = self.checked_ids(input_ids)
+        cache = cache if cache is not None else self.make_cache()
+        b, s = ids.shape
+        state = self.forward_state(cache, ids)
+        requests = self.start_engram_reads(ids, cache.tokens, cache.offset)
+        rows = lambda layer: requests[layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
+        logits = self.forward(mx.array(ids), state, rows)
+        cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
+        return logits
+
+    def checked_ids(self, input_ids) -> np.ndarray:
+        """input_ids as int64 [B, S], or a ValueError naming the first id outside the vocabulary."""
         ids = np.asarray(input_ids, dtype=np.int64)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
@@ -124,23 +136,22 @@ class Model(nn.Module):
             pos = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ValueError(f"token id {int(ids[pos])} at position {pos} is outside the "
                              f"vocabulary [0, {self.args.vocab_size})")
-        cache = cache if cache is not None else self.make_cache()
+        return ids
+
+    def forward_state(self, cache: Cache, ids: np.ndarray) -> ForwardState:
+        """The reference path's state for feeding ids [B, S] after what `cache` holds (the
+        cache's token ids are not advanced here: the caller appends ids after the forward)."""
         cache.require_state()
         if cache.offset and cache.tokens.shape[0] != ids.shape[0]:
             raise ValueError(f"batch {ids.shape[0]} does not match the cache's {cache.tokens.shape[0]}")
         b, s = ids.shape
         if cache.offset == 0:
             cache.tokens = np.zeros((b, 0), np.int64)
-        requests = self.start_engram_reads(ids, cache.tokens, cache.offset)
         start = cache.offset
         # Every layer's window holds the same positions, so one set of indices serves all.
         window = window_indices(start, s, cache[0].window_start, self.args.sliding_window)[None]
-        state = ForwardState(start=start, length=s, cache=cache, window_idx=window,
-                             positions=mx.arange(start, start + s, dtype=mx.int32))
-        rows = lambda layer: requests[layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
-        logits = self.forward(mx.array(ids), state, rows)
-        cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
-        return logits
+        return ForwardState(start=start, length=s, cache=cache, window_idx=window,
+                            positions=mx.arange(start, start + s, dtype=mx.int32))
 
     def forward(self, ids: mx.array, state, engram_rows: Callable[[int], mx.array]) -> mx.array:
         """The layers over ids [B, S] with a state that knows the cache (ForwardState or the
