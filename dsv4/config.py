@@ -34,6 +34,7 @@ _OFFICIAL_NAMES = {
     "candidate_source_layer": "candidate_source_layer_id",
     "engram_pad_token_id": "engram_pad_id",
     "n_mtp_layers": "num_nextn_predict_layers",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
 }
 _OFFICIAL_YARN = {"original_seq_len": "original_max_position_embeddings",
                   "rope_factor": "factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
@@ -105,6 +106,13 @@ class ModelArgs:
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 0
     num_nextn_predict_layers: int = 0
+    # DSpark draft stages mtp.0.. (model-spec §7); 0 experts / top-k: the backbone's
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
     bos_token_id: int = 0
     eos_token_id: int = 1
 
@@ -128,7 +136,7 @@ class ModelArgs:
             raise ConfigError(f"{source}: missing field(s) {missing}")
         kwargs = {n: params[n] for n in names if n in params}
         for n in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
-                  "engram_layer_ids", "engram_num_embeddings"):
+                  "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
             if n in kwargs:
                 kwargs[n] = tuple(int(v) for v in (kwargs[n] or ()))
         args = cls(**kwargs)
@@ -175,11 +183,20 @@ class ModelArgs:
                 len(self.engram_num_embeddings) != len(self.engram_layer_ids):
             fail(f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries for "
                  f"{len(self.engram_layer_ids)} engram layers")
+        if self.has_draft:
+            if not self.dspark_target_layer_ids or not all(0 <= l < n for l in self.dspark_target_layer_ids):
+                fail(f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} must name layers 0..{n - 1}")
+            stages = [self.ratio(n + s) for s in range(self.num_nextn_predict_layers)]
+            if any(stages):
+                fail(f"compress_ratios of the draft stages are {stages}: DSpark stages attend to a window only (0)")
+            if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+                fail(f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary")
 
     # --- layer roles -------------------------------------------------------------------
 
     def ratio(self, layer: int) -> int:
-        return int(self.compress_ratios[layer])
+        # Draft stages past the list have none (V4.1 lists its three as 0).
+        return int(self.compress_ratios[layer]) if layer < len(self.compress_ratios) else 0
 
     def _latest(self, layers, layer: int) -> Optional[int]:
         found = [s for s in layers if s <= layer and s < self.num_hidden_layers and self.ratio(s)]
@@ -201,6 +218,11 @@ class ModelArgs:
 
     def is_candidate_source(self, layer: int) -> bool:
         return layer == self.candidate_source_layer_id and self.candidate_topk_blocks > 0
+
+    @property
+    def has_draft(self) -> bool:
+        """The config describes DSpark draft stages (mtp.0..)."""
+        return self.num_nextn_predict_layers > 0 and self.dspark_block_size > 0
 
     @property
     def engram_rows_per_token(self) -> int:

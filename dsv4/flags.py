@@ -260,6 +260,17 @@ define("compile", True,
        "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
        "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")
 
+# --- speculative decoding (dsv4/speculative.py) -----------------------------------------------
+define("draft", "off",
+       "DSpark speculative decoding with the checkpoint's own draft stages (mtp.*): off (the "
+       "stages are not loaded), on (verify every draft block, DSV4_DRAFT_K drafts each), auto "
+       "(choose k from the measured acceptance and step times, and decode plainly while "
+       "drafting does not pay); greedy output is identical to plain decode, sampled output "
+       "has the same distribution", choices=("off", "on", "auto"))
+define("draft_k", 5,
+       "the most drafts verified per step (the draft block holds dspark_block_size, 5 in V4.1)",
+       minimum=1)
+
 # --- profiling ----------------------------------------------------------------------------
 define("stage_profile", False,
        "time every stage of each decode step (dsv4/profiler.py) and print the table at the end; "

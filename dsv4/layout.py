@@ -13,7 +13,9 @@ module is a float Linear (experts stacked [E, out, in]), never requantized; the 
 roundings of activations and KV stay the runtime switches' business.
 Engram tables (`engram.embed.*`) are not weights: they stay where they lie and are
 referenced (see `engram_table_refs`; fp8 + scale, or BF16/F32 in an upload). MTP, vision
-tensors and `gate.bias_vl` (image routing) are not used by the text model and are left out.
+tensors and `gate.bias_vl` (image routing) are not used by the text model and are left out;
+the DSpark draft stages (`mtp.*`, `draft_tensors`) are packed the same way by `draft_plan`,
+for dsv4.draft.
 
 Both `dsv4.load` (official directory loaded directly) and the official converter use
 `plan()`, so a converted directory is bit-identical to loading the source.
@@ -21,6 +23,7 @@ Both `dsv4.load` (official directory loaded directly) and the official converter
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -43,7 +46,7 @@ def is_unused(name: str) -> bool:
     return bool(_UNUSED.search(name))
 
 
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
 @dataclass
@@ -64,62 +67,90 @@ class Item:
 
 def expected_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every official tensor the text model needs: {name: (dtype, shape)}."""
-    d, hc = args.hidden_size, args.hc_mult
+    d = args.hidden_size
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-
-    def fp8(name, o, i):
-        out[f"{name}.weight"] = ("F8_E4M3", (o, i))
-        out[f"{name}.scale"] = ("F8_E8M0", ((o + 31) // 32, i // 32))
-
     out["embed.weight"] = ("BF16", (args.vocab_size, d))
     out["head.weight"] = ("BF16", (args.vocab_size, d))
     out["norm.weight"] = ("BF16", (d,))
-    mix = (2 + hc) * hc
     for i in range(args.num_hidden_layers):
-        p = f"layers.{i}"
-        out[f"{p}.attn_norm.weight"] = ("BF16", (d,))
-        out[f"{p}.ffn_norm.weight"] = ("BF16", (d,))
-        for site in ("attn", "ffn"):
-            out[f"{p}.hc_{site}_fn"] = ("F32", (mix, hc * d))
-            out[f"{p}.hc_{site}_base"] = ("F32", (mix,))
-            out[f"{p}.hc_{site}_scale"] = ("F32", (3,))
-        a = f"{p}.attn"
-        out[f"{a}.attn_sink"] = ("F32", (args.num_attention_heads,))
-        fp8(f"{a}.wq_a", args.q_lora_rank, d)
-        out[f"{a}.q_norm.weight"] = ("BF16", (args.q_lora_rank,))
-        fp8(f"{a}.wq_b", args.num_attention_heads * args.head_dim, args.q_lora_rank)
-        fp8(f"{a}.wkv", args.head_dim, d)
-        out[f"{a}.kv_norm.weight"] = ("BF16", (args.head_dim,))
-        fp8(f"{a}.wo_a", args.o_groups * args.o_lora_rank,
-            args.num_attention_heads * args.head_dim // args.o_groups)
-        fp8(f"{a}.wo_b", d, args.o_groups * args.o_lora_rank)
-        if i in args.kv_source_layer_ids and args.ratio(i):
-            out[f"{a}.compressor.wkv.weight"] = ("BF16", (args.head_dim, d))
-            if args.ratio(i) > 1:
-                out[f"{a}.compressor.wgate.weight"] = ("BF16", (args.head_dim, d))
-            out[f"{a}.compressor.norm.weight"] = ("BF16", (args.head_dim,))
-        if i in args.index_source_layer_ids and args.ratio(i):
-            fp8(f"{a}.indexer.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank)
-            out[f"{a}.indexer.weights_proj.weight"] = ("BF16", (args.index_n_heads, d))
-            if i in args.kv_source_layer_ids:
-                out[f"{a}.indexer.wk.weight"] = ("BF16", (args.index_head_dim, args.head_dim))
-                out[f"{a}.indexer.k_norm.weight"] = ("BF16", (args.index_head_dim,))
-        f = f"{p}.ffn"
-        out[f"{f}.gate.weight"] = ("BF16", (args.n_routed_experts, d))
-        out[f"{f}.gate.bias"] = ("F32", (args.n_routed_experts,))
-        inter = args.moe_intermediate_size
-        for e in range(args.n_routed_experts):
-            for w, (o, n) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
-                out[f"{f}.experts.{e}.{w}.weight"] = ("I8", (o, n // 2))
-                out[f"{f}.experts.{e}.{w}.scale"] = ("F8_E8M0", (o, n // 32))
-        fp8(f"{f}.shared_experts.w1", inter, d)
-        fp8(f"{f}.shared_experts.w3", inter, d)
-        fp8(f"{f}.shared_experts.w2", d, inter)
-        if i in args.engram_layer_ids:
-            g = f"{p}.engram"
-            fp8(f"{g}.wkv", d * (hc + 1), args.engram_rows_per_token * args.engram_head_dim)
-            out[f"{g}.q_weight"] = ("BF16", (hc, d))
-            out[f"{g}.k_weight"] = ("BF16", (hc, d))
+        _block_tensors(out, args, f"layers.{i}", i, args.n_routed_experts)
+    return out
+
+
+def _fp8(out: dict, name: str, o: int, i: int) -> None:
+    out[f"{name}.weight"] = ("F8_E4M3", (o, i))
+    out[f"{name}.scale"] = ("F8_E8M0", ((o + 31) // 32, i // 32))
+
+
+def _block_tensors(out: dict, args: ModelArgs, p: str, i: int, experts: int) -> None:
+    """The tensors of layer i (a backbone layer or a draft stage) under prefix p."""
+    d, hc = args.hidden_size, args.hc_mult
+    mix = (2 + hc) * hc
+    out[f"{p}.attn_norm.weight"] = ("BF16", (d,))
+    out[f"{p}.ffn_norm.weight"] = ("BF16", (d,))
+    for site in ("attn", "ffn"):
+        out[f"{p}.hc_{site}_fn"] = ("F32", (mix, hc * d))
+        out[f"{p}.hc_{site}_base"] = ("F32", (mix,))
+        out[f"{p}.hc_{site}_scale"] = ("F32", (3,))
+    a = f"{p}.attn"
+    out[f"{a}.attn_sink"] = ("F32", (args.num_attention_heads,))
+    _fp8(out, f"{a}.wq_a", args.q_lora_rank, d)
+    out[f"{a}.q_norm.weight"] = ("BF16", (args.q_lora_rank,))
+    _fp8(out, f"{a}.wq_b", args.num_attention_heads * args.head_dim, args.q_lora_rank)
+    _fp8(out, f"{a}.wkv", args.head_dim, d)
+    out[f"{a}.kv_norm.weight"] = ("BF16", (args.head_dim,))
+    _fp8(out, f"{a}.wo_a", args.o_groups * args.o_lora_rank,
+         args.num_attention_heads * args.head_dim // args.o_groups)
+    _fp8(out, f"{a}.wo_b", d, args.o_groups * args.o_lora_rank)
+    if i in args.kv_source_layer_ids and args.ratio(i):
+        out[f"{a}.compressor.wkv.weight"] = ("BF16", (args.head_dim, d))
+        if args.ratio(i) > 1:
+            out[f"{a}.compressor.wgate.weight"] = ("BF16", (args.head_dim, d))
+        out[f"{a}.compressor.norm.weight"] = ("BF16", (args.head_dim,))
+    if i in args.index_source_layer_ids and args.ratio(i):
+        _fp8(out, f"{a}.indexer.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank)
+        out[f"{a}.indexer.weights_proj.weight"] = ("BF16", (args.index_n_heads, d))
+        if i in args.kv_source_layer_ids:
+            out[f"{a}.indexer.wk.weight"] = ("BF16", (args.index_head_dim, args.head_dim))
+            out[f"{a}.indexer.k_norm.weight"] = ("BF16", (args.index_head_dim,))
+    f = f"{p}.ffn"
+    out[f"{f}.gate.weight"] = ("BF16", (experts, d))
+    out[f"{f}.gate.bias"] = ("F32", (experts,))
+    inter = args.moe_intermediate_size
+    for e in range(experts):
+        for w, (o, n) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+            out[f"{f}.experts.{e}.{w}.weight"] = ("I8", (o, n // 2))
+            out[f"{f}.experts.{e}.{w}.scale"] = ("F8_E8M0", (o, n // 32))
+    _fp8(out, f"{f}.shared_experts.w1", inter, d)
+    _fp8(out, f"{f}.shared_experts.w3", inter, d)
+    _fp8(out, f"{f}.shared_experts.w2", d, inter)
+    if i in args.engram_layer_ids:
+        g = f"{p}.engram"
+        _fp8(out, f"{g}.wkv", d * (hc + 1), args.engram_rows_per_token * args.engram_head_dim)
+        out[f"{g}.q_weight"] = ("BF16", (hc, d))
+        out[f"{g}.k_weight"] = ("BF16", (hc, d))
+
+
+def draft_tensors(args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every official tensor of the DSpark draft stages `mtp.*` (model-spec §9): each stage a
+    window-only block with the draft expert count, `main_proj`/`main_norm` on the first, the
+    final norm, Markov head and confidence head on the last (embed and head are the backbone's)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    if not args.has_draft:
+        return out
+    d, rank, stages = args.hidden_size, args.dspark_markov_rank, args.num_nextn_predict_layers
+    for s in range(stages):
+        p = f"mtp.{s}"
+        _block_tensors(out, args, p, args.num_hidden_layers + s,
+                       args.dspark_n_routed_experts or args.n_routed_experts)
+        if s == 0:
+            _fp8(out, f"{p}.main_proj", d, d * len(args.dspark_target_layer_ids))
+            out[f"{p}.main_norm.weight"] = ("BF16", (d,))
+        if s == stages - 1:
+            out[f"{p}.norm.weight"] = ("BF16", (d,))
+            out[f"{p}.markov_head.embed.weight"] = ("BF16", (args.vocab_size, rank))
+            out[f"{p}.markov_head.head.weight"] = ("BF16", (args.vocab_size, rank))
+            out[f"{p}.confidence_head.proj.weight"] = ("BF16", (1, d + rank))
     return out
 
 
@@ -132,11 +163,13 @@ def _float_shape(dtype: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-1], 2 * shape[-1]) if dtype == "I8" else shape
 
 
-def stored_tensors(ckpt: Checkpoint, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def stored_tensors(ckpt: Checkpoint, args: ModelArgs,
+                   official: Optional[dict] = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """`expected_tensors(args)` in the form this checkpoint stores them: an fp8 or fp4 module
     whose `.weight` is BF16/F32 [out, in] and which has no `.scale` is stored as float, and a
-    float tensor may be BF16 or F32: the entry is then the dtype found."""
-    official = expected_tensors(args)
+    float tensor may be BF16 or F32: the entry is then the dtype found. `official` defaults to
+    `expected_tensors(args)`."""
+    official = expected_tensors(args) if official is None else official
     out = {}
     for name, (dtype, shape) in official.items():
         if name.endswith(".scale"):
@@ -163,11 +196,12 @@ def _expectation(name: str, dtype: str, shape: tuple[int, ...], official: dict) 
     return f"{dtype}{list(shape)}"
 
 
-def check(ckpt: Checkpoint, args: ModelArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def check(ckpt: Checkpoint, args: ModelArgs,
+          official: Optional[dict] = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every needed tensor present with the right dtype and shape; nothing unknown. Returns
     `stored_tensors`."""
-    official = expected_tensors(args)
-    expected = stored_tensors(ckpt, args)
+    official = expected_tensors(args) if official is None else official
+    expected = stored_tensors(ckpt, args, official)
     problems = []
     for name, (dtype, shape) in expected.items():
         info = ckpt.tensors.get(name)
@@ -185,10 +219,11 @@ def check(ckpt: Checkpoint, args: ModelArgs) -> dict[str, tuple[str, tuple[int, 
     return expected
 
 
-def plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
-    """The dsv4 tensors of an official checkpoint, in a stable order, each produced lazily."""
-    stored = check(ckpt, args)
-    official = expected_tensors(args)
+def plan(ckpt: Checkpoint, args: ModelArgs, official: Optional[dict] = None) -> list[Item]:
+    """The dsv4 tensors of an official checkpoint, in a stable order, each produced lazily
+    (of the tensors `official`, default `expected_tensors(args)`)."""
+    official = expected_tensors(args) if official is None else official
+    stored = check(ckpt, args, official)
     items: list[Item] = []
     experts: dict[tuple[str, str], dict[int, dict[str, TensorInfo]]] = {}
     for name in sorted(stored):
@@ -215,6 +250,14 @@ def plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
             items.append(_float_experts_item(f"{base}.{w}", [p["weight"] for p in parts]))
     items.sort(key=lambda it: it.name)
     return items
+
+
+def draft_plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
+    """The draft stages' tensors (`mtp.*`) of an official-layout checkpoint, packed as the
+    backbone's are; the checkpoint's other tensors are not looked at."""
+    stages = copy.copy(ckpt)
+    stages.tensors = {n: t for n, t in ckpt.tensors.items() if n.startswith("mtp.")}
+    return plan(stages, args, draft_tensors(args))
 
 
 def _fp8_item(module: str, weight: TensorInfo, scale: TensorInfo) -> Item:

@@ -205,12 +205,53 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
             tables[layer] = engram_store.open_table(ref, path, name=f"layers.{layer}.engram",
                                                     head_dim=args.engram_head_dim)
         model.set_engram(hasher, tables)
+    model.draft = load_draft(path, config, args)
     if dtype is not None:
         model.set_dtype(dtype)
     quantize_head(model, flags.get("head_quant"))
     make_dense_copies(model, model.embed.weight.dtype)
     model.eval()
     return model
+
+
+def load_draft(path: Path, config: dict, args: ModelArgs):
+    """The DSpark draft stages (dsv4.draft.Draft) where DSV4_DRAFT asks for them, or None: from
+    the official shards, or from a dsv4 directory's mtp*.safetensors (the official converter
+    copies them there as they are); packed as the backbone's tensors (dsv4.layout.draft_plan).
+    Under 'auto' a checkpoint without them simply has none; 'on' requires them."""
+    from . import layout
+    from .draft import Draft
+
+    wanted = flags.get("draft")
+    if wanted == "off":
+        return None
+
+    def absent(why: str):
+        if wanted == "on":
+            raise CheckpointError(f"{path}: DSV4_DRAFT=on, but {why}")
+        return None
+
+    if not args.has_draft:
+        return absent("its config has no DSpark draft stages (num_nextn_predict_layers, dspark_block_size)")
+    if "dsv4" in config:
+        if not any(path.glob("mtp*.safetensors")):
+            return absent("the directory has no mtp*.safetensors (converted with --drop-mtp, or from "
+                          "a GGUF: ds4's V4.1 GGUFs carry no draft stages)")
+        ckpt = Checkpoint(path, "mtp*.safetensors", index="mtp.safetensors.index.json")
+    else:
+        ckpt = Checkpoint(path, "model*.safetensors")
+        if not any(n.startswith("mtp.") for n in ckpt.names()):
+            return absent("the checkpoint has no mtp.* tensors")
+    items = layout.draft_plan(ckpt, args)
+    draft = Draft(args)
+    _quantize(draft, {it.name: it.quantization for it in items if it.quantization})
+    expected = dict(tree_flatten(draft.parameters()))
+    seen: set = set()
+    for item in items:
+        arrays = {n: to_mx(a, dtype) for n, (dtype, a) in item.produce().items()}
+        _load_arrays(draft, arrays, str(item.sources[0].file), expected, seen)
+    _check_complete(draft, seen, path)
+    return draft
 
 
 def quantize_head(model: Model, mode: str) -> None:

@@ -83,6 +83,8 @@ class Model(nn.Module):
         # Set by the loader: Engram tables by layer id and the n-gram hasher.
         self._engram_tables: dict[int, object] = {}
         self._hasher: Optional[NgramHasher] = None
+        # Set by the loader where the checkpoint has them: the DSpark draft stages (dsv4.draft).
+        self.draft = None
 
     def set_engram(self, hasher: NgramHasher, tables: dict[int, object]) -> None:
         missing = [l for l in self.args.engram_layer_ids if l not in tables]
@@ -115,14 +117,17 @@ class Model(nn.Module):
         rows = h.hash(h.compress(ids), history, offset)
         return {layer: self._engram_tables[layer].start(rows[layer]) for layer in rows}
 
-    def __call__(self, input_ids, cache: Optional[Cache] = None) -> mx.array:
+    def __call__(self, input_ids, cache: Optional[Cache] = None,
+                 hidden: Optional[list] = None) -> mx.array:
+        """fp32 logits [B, S, V] of input_ids [B, S] after what `cache` holds; with a list
+        `hidden`, also the draft stages' inputs (see `forward`)."""
         ids = self.checked_ids(input_ids)
         cache = cache if cache is not None else self.make_cache()
         b, s = ids.shape
         state = self.forward_state(cache, ids)
         requests = self.start_engram_reads(ids, cache.tokens, cache.offset)
         rows = lambda layer: requests[layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
-        logits = self.forward(mx.array(ids), state, rows)
+        logits = self.forward(mx.array(ids), state, rows, hidden)
         cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
         return logits
 
@@ -153,10 +158,13 @@ class Model(nn.Module):
         return ForwardState(start=start, length=s, cache=cache, window_idx=window,
                             positions=mx.arange(start, start + s, dtype=mx.int32))
 
-    def forward(self, ids: mx.array, state, engram_rows: Callable[[int], mx.array]) -> mx.array:
+    def forward(self, ids: mx.array, state, engram_rows: Callable[[int], mx.array],
+                hidden: Optional[list] = None) -> mx.array:
         """The layers over ids [B, S] with a state that knows the cache (ForwardState or the
         fixed-shape step's); `engram_rows(layer)` gives the table rows [B, S, heads, dim]
-        (called when that layer is reached, so reads overlap the earlier layers)."""
+        (called when that layer is reached, so reads overlap the earlier layers). A list
+        `hidden` gets, for each of `dspark_target_layer_ids` in layer order, the streams
+        entering that layer averaged over the copies, [B*S, D] (the draft stages' input)."""
         b, s = ids.shape
         hc, d = self.args.hc_mult, self.args.hidden_size
         h = profiler.mark("embed", self.embed(ids))
@@ -169,6 +177,8 @@ class Model(nn.Module):
                 rows = engram_rows(block.layer)
                 streams = profiler.mark("engram", block.engram(streams.reshape(b, s, hc, d), rows))
                 streams = streams.reshape(b * s, hc, d)
+            if hidden is not None and block.layer in self.args.dspark_target_layer_ids:
+                hidden.append(mx.mean(streams.astype(mx.float32), axis=1).astype(streams.dtype))
             streams, pre = block(streams, pre, state, (b, s))
         x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps, (b, s, d))
         return profiler.mark("head", self.logits(x))

@@ -114,9 +114,11 @@ def to_mx(array: np.ndarray, dtype: str):
 class Checkpoint:
     """The tensors of a directory of safetensors shards (with or without an index)."""
 
-    def __init__(self, directory: Path | str, pattern: str = "*.safetensors"):
+    def __init__(self, directory: Path | str, pattern: str = "*.safetensors",
+                 index: str = "model.safetensors.index.json"):
+        """The files `index` lists, else those matching `pattern`."""
         self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
+        index = self.directory / index
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):

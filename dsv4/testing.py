@@ -179,8 +179,9 @@ def official_tensors(args: ModelArgs, seed: int = 0) -> dict[str, tuple[str, np.
     bf16("norm.weight", (d,), 0.1, 1.0)
     mix = (2 + hc) * hc
     primes = layer_primes(args)
-    for i in range(args.num_hidden_layers):
-        p = f"layers.{i}"
+
+    def block(p: str, i: int, experts: int) -> None:
+        """Layer i's tensors under prefix p (a backbone layer or a draft stage)."""
         bf16(f"{p}.attn_norm.weight", (d,), 0.1, 1.0)
         bf16(f"{p}.ffn_norm.weight", (d,), 0.1, 1.0)
         for site in ("attn", "ffn"):
@@ -209,11 +210,11 @@ def official_tensors(args: ModelArgs, seed: int = 0) -> dict[str, tuple[str, np.
                 bf16(f"{a}.indexer.wk.weight", (args.index_head_dim, args.head_dim), args.head_dim ** -0.5)
                 bf16(f"{a}.indexer.k_norm.weight", (args.index_head_dim,), 0.1, 1.0)
         f = f"{p}.ffn"
-        bf16(f"{f}.gate.weight", (args.n_routed_experts, d), d ** -0.5)
-        f32(f"{f}.gate.bias", (args.n_routed_experts,), 0.05)
-        f32(f"{f}.gate.bias_vl", (args.n_routed_experts,), 0.05)
+        bf16(f"{f}.gate.weight", (experts, d), d ** -0.5)
+        f32(f"{f}.gate.bias", (experts,), 0.05)
+        f32(f"{f}.gate.bias_vl", (experts,), 0.05)
         inter = args.moe_intermediate_size
-        for e in range(args.n_routed_experts):
+        for e in range(experts):
             for w, shape in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
                 codes, scale = fp4_weight(rng, shape, shape[1] ** -0.5)
                 out[f"{f}.experts.{e}.{w}.weight"] = ("I8", codes)
@@ -229,6 +230,26 @@ def official_tensors(args: ModelArgs, seed: int = 0) -> dict[str, tuple[str, np.
             fp8(f"{g}.wkv", d * (hc + 1), args.engram_rows_per_token * args.engram_head_dim)
             bf16(f"{g}.q_weight", (hc, d), 1.0)
             bf16(f"{g}.k_weight", (hc, d), 1.0)
+
+    for i in range(args.num_hidden_layers):
+        block(f"layers.{i}", i, args.n_routed_experts)
+    if not args.has_draft:
+        return out
+    # The draft stages draw from a generator of their own: the backbone's tensors are those
+    # of the same seed without draft stages.
+    rng = np.random.default_rng((seed, 1))
+    stages, rank = args.num_nextn_predict_layers, args.dspark_markov_rank
+    for s in range(stages):
+        p = f"mtp.{s}"
+        block(p, args.num_hidden_layers + s, args.dspark_n_routed_experts or args.n_routed_experts)
+        if s == 0:
+            fp8(f"{p}.main_proj", d, d * len(args.dspark_target_layer_ids))
+            bf16(f"{p}.main_norm.weight", (d,), 0.1, 1.0)
+        if s == stages - 1:
+            bf16(f"{p}.norm.weight", (d,), 0.1, 1.0)
+            bf16(f"{p}.markov_head.embed.weight", (args.vocab_size, rank), 1.0)
+            bf16(f"{p}.markov_head.head.weight", (args.vocab_size, rank), rank ** -0.5)
+            bf16(f"{p}.confidence_head.proj.weight", (1, d + rank), (d + rank) ** -0.5)
     return out
 
 
@@ -246,13 +267,32 @@ def write_sharded(path: Path, tensors: dict[str, tuple[str, np.ndarray]], shards
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
+def draft_config(num_hidden_layers: int, stages: int = 3) -> dict:
+    """Config fields of DSpark draft stages shaped as V4.1's (three stages reading the streams
+    entering the last three layers, blocks of 5), at toy widths: 4 routed experts, top-2
+    (fewer than the backbone's, as the real stages have 128 of 384), Markov rank 16. The
+    noise token is the pad id (the real model uses <｜System｜>, which the toy tokenizer lacks)."""
+    n = num_hidden_layers
+    return dict(num_nextn_predict_layers=stages, dspark_block_size=5, dspark_noise_token_id=2,
+                dspark_target_layer_ids=list(range(n - 3, n)), dspark_markov_rank=16,
+                dspark_n_routed_experts=4, dspark_num_experts_per_tok=2)
+
+
 def write_tiny_checkpoint(path: Path | str, seed: int = 0, shards: int = 3,
-                          config_overrides: Optional[dict] = None) -> Path:
-    """Write a tiny official-layout checkpoint to `path` (created) and return it."""
+                          config_overrides: Optional[dict] = None, draft: bool = False) -> Path:
+    """Write a tiny official-layout checkpoint to `path` (created) and return it; with `draft`,
+    also DSpark draft stages `mtp.*` (`draft_config`; overrides still win)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(512)
-    config = tiny_config(vocab_size=tokenizer.get_vocab_size(), **(config_overrides or {}))
+    overrides = dict(config_overrides or {})
+    if draft:
+        layers = overrides.get("num_hidden_layers", tiny_config()["text_config"]["num_hidden_layers"])
+        ratios = overrides.get("compress_ratios", tiny_config()["text_config"]["compress_ratios"])
+        fields = draft_config(layers)
+        ratios = list(ratios[:layers]) + [0] * fields["num_nextn_predict_layers"]
+        overrides = {**fields, "compress_ratios": ratios, **overrides}
+    config = tiny_config(vocab_size=tokenizer.get_vocab_size(), **overrides)
     token_map = build_token_map(tokenizer)
     config["text_config"]["engram_compressed_vocab_size"] = int(token_map.max() + 1)
     args = ModelArgs.from_dict(config)
