@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -159,13 +159,19 @@ class Cache:
                 "window_start": [l.window_start for l in self.layers],
                 "comp_start": [l.comp_start for l in self.layers]}
 
-    def save(self, path: Path | str, metadata: Optional[dict] = None) -> None:
-        """Write the cache to a safetensors file (bit-exact round trip)."""
+    def nbytes(self) -> int:
+        """Bytes of the arrays the cache holds (what keeping it in memory costs)."""
+        self.require_state()
+        return sum(a.nbytes for a in self.state().values())
+
+    def save(self, path: Path | str | BinaryIO, metadata: Optional[dict] = None) -> None:
+        """Write the cache to a safetensors file (bit-exact round trip); `path` may also be
+        a file open for binary writing (an atomic_file)."""
         self.require_state()
         meta = {"dsv4_cache": json.dumps(self.meta())}
         if metadata:
             meta.update({k: str(v) for k, v in metadata.items()})
-        mx.save_safetensors(str(path), self.state(), metadata=meta)
+        mx.save_safetensors(path if hasattr(path, "write") else str(path), self.state(), metadata=meta)
 
 
 def load_cache(path: Path | str, model=None):

@@ -247,6 +247,28 @@ def encode_messages(messages: list[Message], thinking_mode: str = "chat", *,
     on the leading system message (an empty one is added if there is none); the official
     encoder reads them only from system messages, where they may also be given directly.
     """
+    return "".join(segment.text for segment in encode_segments(
+        messages, thinking_mode, tools=tools, response_format=response_format,
+        reasoning_effort=reasoning_effort, drop_thinking=drop_thinking,
+        add_default_bos_token=add_default_bos_token))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a rendered prompt. `output` marks what an assistant turn says (its text
+    between the assistant header and end of sentence): what the model wrote when it made that
+    turn, so a server can put the tokens it generated there instead of re-tokenizing the text."""
+    text: str
+    output: bool = False
+
+
+def encode_segments(messages: list[Message], thinking_mode: str = "chat", *,
+                    tools: Optional[list] = None, response_format: Optional[dict] = None,
+                    reasoning_effort: Union[str, int, None] = None, drop_thinking: bool = True,
+                    add_default_bos_token: bool = True) -> list[Segment]:
+    """`encode_messages`' prompt as segments (their texts joined are that prompt). Each
+    segment boundary next to an output is a special token (the assistant header's think
+    marker before it, end of sentence after it), where a tokenizer splits anyway."""
     if thinking_mode not in THINKING_MODES:
         raise ValueError(f"thinking_mode={thinking_mode!r}: expected one of {THINKING_MODES}")
     effort = _effort_value(reasoning_effort)
@@ -259,19 +281,23 @@ def encode_messages(messages: list[Message], thinking_mode: str = "chat", *,
     last_user = max((i for i, t in enumerate(turns)
                      if t.starts_user_turn or (t.role == "system" and i > 0)), default=-1)
 
-    out = [BOS] if add_default_bos_token else []
+    out = [Segment(BOS)] if add_default_bos_token else []
     for i, turn in enumerate(turns):
         if i == 0 and (thinking or turn.role == "system"):
-            out.append(SYSTEM)
+            out.append(Segment(SYSTEM))
             if thinking:
-                out.append(_EFFORT_LINE.format(effort))
-        out.append(_render_turn(turn, i, thinking and (keep_all_reasoning or i > last_user)))
+                out.append(Segment(_EFFORT_LINE.format(effort)))
+        show_reasoning = thinking and (keep_all_reasoning or i > last_user)
+        if turn.role == "assistant":
+            out += [Segment(render_output(turn.message, show_reasoning), output=True), Segment(EOS)]
+        else:
+            out.append(Segment(_render_turn(turn, i)))
         following = turns[i + 1].role if i + 1 < len(turns) else None
         if following in (None, "assistant", "latest_reminder") and (
                 turn.role == "user" or (turn.role == "system" and i > 0)):
             open_thinking = thinking and (keep_all_reasoning or i >= last_user)
-            out.append(ASSISTANT + (THINK_OPEN if open_thinking else THINK_CLOSE))
-    return "".join(out)
+            out.append(Segment(ASSISTANT + (THINK_OPEN if open_thinking else THINK_CLOSE)))
+    return out
 
 
 def _with_system_extras(messages: list[Message], tools, response_format) -> list[Message]:
@@ -289,7 +315,8 @@ def _with_system_extras(messages: list[Message], tools, response_format) -> list
     return messages
 
 
-def _render_turn(turn: _Turn, index: int, show_reasoning: bool) -> str:
+def _render_turn(turn: _Turn, index: int) -> str:
+    """A system, user or latest_reminder turn (assistant turns: render_output)."""
     message = turn.message
     if turn.role == "system":
         text = (SYSTEM if index > 0 else "") + turn.text
@@ -302,12 +329,17 @@ def _render_turn(turn: _Turn, index: int, show_reasoning: bool) -> str:
         return USER + "\n\n".join(
             block[1] if block[0] == "text" else f"<tool_result>{block[2]}</tool_result>"
             for block in turn.blocks)
-    if turn.role == "latest_reminder":
-        return LATEST_REMINDER + turn.text
+    return LATEST_REMINDER + turn.text
+
+
+def render_output(message: Message, show_reasoning: bool) -> str:
+    """What an assistant message says as the prompt renders it (after the assistant header,
+    before end of sentence): [reasoning</think>]content[\n\n<calls block>]."""
     reasoning = (message.get("reasoning_content") or "") + THINK_CLOSE if show_reasoning else ""
+    text = "\n\n".join(_content_parts(message, "assistant message", keep_unsupported=False))
     calls = message.get("tool_calls")
     calls_text = "\n\n" + _render_tool_calls(calls) if calls else ""
-    return reasoning + turn.text + calls_text + EOS
+    return reasoning + text + calls_text
 
 
 # --- parsing the model's output -----------------------------------------------------------
@@ -410,6 +442,11 @@ class StreamParser:
         self._state = "reasoning" if thinking_mode == "thinking" else "content"
         self._pending = ""
         self._calls_separator = ""
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the output is still in its reasoning (before `</think>`)."""
+        return self._state == "reasoning"
 
     def feed(self, text: str) -> list[Delta]:
         self._pending += text

@@ -1,10 +1,10 @@
-"""The OpenAI-compatible server, live on loopback, driven by the real `openai` client.
+"""The server's OpenAI routes, live on loopback, driven by the real `openai` client.
 
 Two backends: a tiny random checkpoint (dsv4.testing) served by `python -m dsv4.server` in a
 subprocess, checked against direct `stream_generate` calls in this process (greedy decoding
-is deterministic); and, in-process, the same server code in front of a scripted generator,
-for what a random model cannot be made to do (emit a tool call, a stop string, think, run
-long enough to be cancelled).
+is deterministic); and, in-process, the same server code in front of a scripted engine
+(tests/server_helpers.py), for what a random model cannot be made to do (emit a tool call, a
+stop string, think, run long enough to be cancelled).
 """
 
 from __future__ import annotations
@@ -12,92 +12,24 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 from typing import Optional
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from dsv4.encoding import encode_messages, parse_completion  # noqa: E402
-from dsv4.generation import GenerationResponse, stream_generate  # noqa: E402
-from dsv4.prompt_cache import common_prefix  # noqa: E402
-from dsv4.server import Service, Worker, make_server  # noqa: E402
-
-MAX_TOKENS = 6
-MAX_CONTEXT = 300
+from dsv4.encoding import encode_messages, encode_segments, parse_completion  # noqa: E402
+from tests.server_helpers import (MAX_CONTEXT, checkpoint, get_json, live, oracle, post_raw,  # noqa: E402,F401
+                                  read_until, scripted_server, send_raw, start_server, wait_for)
 
 
-# --- real model in a subprocess --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dsv4.testing import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
-
-
-@pytest.fixture(scope="module")
-def oracle(checkpoint):
-    import dsv4
-
-    model, tokenizer = dsv4.load(str(checkpoint))
-
-    def generate(tokens, max_tokens=MAX_TOKENS, **kwargs):
-        """Direct generation from a fresh cache -> (text, token ids)."""
-        responses = list(stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, **kwargs))
-        return "".join(r.text for r in responses), [r.token for r in responses]
-
-    return SimpleNamespace(model=model, tokenizer=tokenizer, generate=generate,
-                           encode=lambda text: tokenizer.encode(text, add_special_tokens=False))
-
-
-def start_server(args: list[str]):
-    """-> (process, host, port); process.output collects what it prints (stdout and stderr)."""
-    process = subprocess.Popen([sys.executable, "-m", "dsv4.server", "--port", "0", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    process.output = []
-    for line in process.stdout:
-        process.output.append(line)
-        found = re.search(r"listening on http://([\d.]+):(\d+)", line)
-        if found:
-            threading.Thread(target=lambda: process.output.extend(process.stdout), daemon=True).start()
-            return process, found.group(1), int(found.group(2))
-    process.wait()
-    raise RuntimeError("the server did not start:\n" + "".join(process.output))
-
-
-@pytest.fixture(scope="module")
-def live(checkpoint):
-    process, host, port = start_server(["--model", str(checkpoint), "--max-context", str(MAX_CONTEXT),
-                                        "--max-tokens", str(MAX_TOKENS)])
-    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-    yield SimpleNamespace(client=client, host=host, port=port)
-    process.terminate()
-    assert process.wait(timeout=30) == 0  # SIGTERM stops it as Ctrl-C does
-
-
-def get_json(host, port, path):
-    connection = http.client.HTTPConnection(host, port, timeout=60)
-    connection.request("GET", path)
-    response = connection.getresponse()
-    return response.status, json.loads(response.read())
-
-
-def post_raw(host, port, path, body: bytes, headers=None):
-    connection = http.client.HTTPConnection(host, port, timeout=60)
-    connection.request("POST", path, body=body, headers=headers or {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    return response.status, json.loads(response.read())
+# --- real model in a subprocess (fixtures checkpoint, oracle, live: tests/server_helpers.py) -----
 
 
 def chat(client, messages, **kwargs):
@@ -137,22 +69,36 @@ def test_streaming_equals_non_streaming(live):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def replayed(oracle, messages, outputs) -> list[int]:
+    """The ids a server sends the model for `messages`: each assistant output as the ids the
+    model generated for it (outputs, in order; end of sentence left out), the rest as text."""
+    ids, text, outputs = [], "", iter(outputs)
+    for segment in encode_segments(messages):
+        if segment.output:
+            ids += oracle.encode(text) + [t for t in next(outputs) if t not in oracle.tokenizer.eos_token_ids]
+            text = ""
+        else:
+            text += segment.text
+    return ids + oracle.encode(text)
+
+
 def test_second_turn_prefills_only_the_new_tokens(live, oracle):
     first = [{"role": "user", "content": "Readability counts. Tell me more."}]
     reply = chat(live.client, first)
     second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
                       {"role": "user", "content": "And then?"}]
-    tokens1, tokens2 = (oracle.encode(encode_messages(m)) for m in (first, second))
+    tokens1 = oracle.encode(encode_messages(first))
     _, generated = oracle.generate(tokens1)
-    # The cache holds the first prompt and every generated token but the last one.
-    expected_cached = min(common_prefix(tokens1 + generated[:-1], tokens2), len(tokens2) - 1)
-    assert expected_cached >= len(tokens1)
+    tokens2 = replayed(oracle, second, [generated])
+    # The answer goes back as the model's own ids, so the cache (the first prompt and every
+    # generated token but the last) is a prefix of the second prompt.
+    assert tokens2[:len(tokens1) + len(generated) - 1] == tokens1 + generated[:-1]
 
     again = chat(live.client, second)
     assert again.usage.prompt_tokens == len(tokens2)
-    assert again.usage.prompt_tokens_details.cached_tokens == expected_cached
+    assert again.usage.prompt_tokens_details.cached_tokens == len(tokens1) + len(generated) - 1
     _, stats = get_json(live.host, live.port, "/v1/stats")
-    assert stats["last"]["prefilled_tokens"] == len(tokens2) - expected_cached
+    assert stats["last"]["prefilled_tokens"] == len(tokens2) - (len(tokens1) + len(generated) - 1)
     # Reusing the cache changes nothing in the result.
     text, _ = oracle.generate(tokens2)
     assert again.choices[0].message.content == parse_completion(text).content
@@ -361,92 +307,23 @@ def test_over_long_prompt_is_refused(live):
     assert chat(live.client, [{"role": "user", "content": "hi"}], max_tokens=1).usage.completion_tokens <= 1
 
 
-# --- the same server in front of a scripted generator ----------------------------------------
-
-
-class ByteTokenizer:
-    """Bytes are ids 0..255; 256 is end of sentence."""
-    eos_token_id, bos_token_id, eos_token_ids = 256, 257, {256}
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-
-class ListCache:
-    def __init__(self):
-        self.tokens = []
-
-    @property
-    def offset(self):
-        return len(self.tokens)
-
-    def trim(self, n, ratios=None):
-        del self.tokens[len(self.tokens) - n:]
-        return n
-
-
-class Script:
-    """Generates `pieces` (one per token) whatever the prompt, then end of sentence, after a
-    prefill of `prefill_chunks` chunks of `delay` seconds each; records the prompts it saw,
-    the sampling options and how many generations ever ran at once."""
-
-    def __init__(self, pieces, delay=0.0, prefill_chunks=1):
-        self.pieces, self.delay, self.prefill_chunks = pieces, delay, prefill_chunks
-        self.prompts, self.options, self.active, self.most_active = [], [], 0, 0
-        self.args = SimpleNamespace(compress_ratios=(), max_position_embeddings=1 << 20, vocab_size=257)
-
-    def make_cache(self):
-        return ListCache()
-
-    def __call__(self, model, tokenizer, prompt, *, max_tokens, cache, on_prefilled=None, prefill_progress=None,
-                 **options):
-        self.options.append(options)
-        for chunk in range(1, self.prefill_chunks + 1):
-            time.sleep(self.delay)
-            if prefill_progress is not None:
-                prefill_progress(chunk, self.prefill_chunks)
-        cache.tokens.extend(prompt)
-        self.prompts.append(bytes(t for t in cache.tokens if t < 256).decode())
-        self.active += 1
-        self.most_active = max(self.most_active, self.active)
-        try:
-            pieces = list(self.pieces) + [None]
-            for n in range(max_tokens):
-                piece = pieces[n] if n < len(pieces) else "."
-                time.sleep(self.delay)
-                token = 256 if piece is None else 65
-                finish = "stop" if piece is None else ("length" if n + 1 == max_tokens else None)
-                yield GenerationResponse(piece or "", token, len(prompt), 0.0, n + 1, 0.0, 0.0, finish)
-                if finish:
-                    return
-                cache.tokens.append(token)
-        finally:
-            self.active -= 1
+# --- the same server in front of a scripted engine -------------------------------------------
 
 
 @pytest.fixture
 def scripted():
-    """-> start(pieces, delay, max_tokens, prefill_chunks) returning a namespace of client,
-    script, host, port and worker."""
+    """-> start(pieces, **scripted_server options) returning the served namespace plus client."""
     servers = []
 
-    def start(pieces, delay=0.0, max_tokens=64, prefill_chunks=1):
-        script = Script(pieces, delay, prefill_chunks)
-        worker = Worker(lambda: (script, ByteTokenizer()), max_context=100_000, generate=script)
-        worker.start()
-        worker.ready.wait()
-        server = make_server(Service(worker, "scripted", max_tokens, False), "127.0.0.1", 0)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append((server, worker))
-        host, port = server.server_address
-        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        return SimpleNamespace(client=client, script=script, host=host, port=port, worker=worker)
+    def start(pieces, **options):
+        served = scripted_server(pieces, **options)
+        served.client = openai.OpenAI(base_url=served.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        servers.append(served)
+        return served
 
     yield start
-    for server, worker in servers:
-        server.shutdown()
-        server.server_close()
-        assert worker.stop(timeout=30)
+    for served in servers:
+        served.stop()
 
 
 CALL_TEXT = ('<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
@@ -462,7 +339,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 def test_tool_call_round_trip(scripted, stream):
     pieces = ["Let me ", "check.", "\n", "\n"] + [CALL_TEXT[i:i + 7] for i in range(0, len(CALL_TEXT), 7)]
     served = scripted(pieces)
-    client, script = served.client, served.script
+    client, engine = served.client, served.engine
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     if stream:
         chunks = list(chat(client, messages, tools=[WEATHER], stream=True))
@@ -477,17 +354,20 @@ def test_tool_call_round_trip(scripted, stream):
     assert finish == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": 2})]
-    assert script.prompts[-1] == encode_messages(messages, tools=[WEATHER])
+    first_prompt = encode_messages(messages, tools=[WEATHER])
+    assert engine.prefilled[-1] == first_prompt
 
     history = messages + [
         {"role": "assistant", "content": content, "tool_calls": [
             {"id": calls[0].id, "type": "function",
              "function": {"name": calls[0].function.name, "arguments": calls[0].function.arguments}}]},
         {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 24 C"}]
-    chat(client, history, tools=[WEATHER])
-    sent = script.prompts[-1]
+    again = chat(client, history, tools=[WEATHER])
+    sent = engine.prefilled[-1]
     assert sent == encode_messages(history, tools=[WEATHER])
-    assert CALL_TEXT.replace("\n", "") in sent.replace("\n", "") and "<tool_result>sunny, 24 C</tool_result>" in sent
+    assert CALL_TEXT in sent and "<tool_result>sunny, 24 C</tool_result>" in sent
+    # The first answer went back as the pieces the engine generated: the cache held all of it.
+    assert again.usage.prompt_tokens_details.cached_tokens == len(first_prompt.encode()) + len(pieces)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -506,86 +386,64 @@ def test_stop_strings_cut_the_output(scripted, stream):
 
 def test_thinking_and_reasoning_effort(scripted):
     served = scripted(["I should ", "greet.", "</think>", "Hello!"])
-    client, script = served.client, served.script
+    client, engine = served.client, served.engine
     messages = [{"role": "user", "content": "hi"}]
     reply = chat(client, messages, reasoning_effort="max")
     assert reply.choices[0].message.content == "Hello!"
     assert reply.choices[0].message.reasoning_content == "I should greet."
-    assert script.prompts[-1] == encode_messages(messages, "thinking", reasoning_effort="max")
+    assert engine.prefilled[-1] == encode_messages(messages, "thinking", reasoning_effort="max")
     chunks = list(chat(client, messages, extra_body={"thinking": {"type": "enabled"}}, stream=True))
     assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == "I should greet."
 
 
-def test_requests_run_one_at_a_time(scripted):
-    served = scripted(["a", "b", "c"], delay=0.02)
-    client, script = served.client, served.script
+@pytest.mark.parametrize("max_sessions", [1, 4])
+def test_concurrent_requests_are_decoded_together_up_to_max_sessions(scripted, max_sessions):
+    pieces = [chr(ord("a") + i) for i in range(20)]
+    served = scripted(pieces, delay=0.02, max_sessions=max_sessions)
     with ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda i: chat(client, [{"role": "user", "content": f"q{i}"}]), range(4)))
-    assert [r.choices[0].message.content for r in replies] == ["abc"] * 4
-    assert script.most_active == 1
-
-
-def read_until(sock, marker: bytes) -> None:
-    received = b""
-    while marker not in received:
-        piece = sock.recv(4096)
-        assert piece, f"the server closed the connection before sending {marker!r}: {received!r}"
-        received += piece
+        replies = list(pool.map(lambda i: chat(served.client, [{"role": "user", "content": f"q{i}"}]), range(4)))
+    assert [r.choices[0].message.content for r in replies] == ["".join(pieces)] * 4
+    assert served.engine.largest_batch == max_sessions
+    assert get_json(served.host, served.port, "/v1/stats")[1]["largest_batch"] == max_sessions
 
 
 def wait_for_cancel(host, port, requests_before):
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        stats = get_json(host, port, "/v1/stats")[1]
-        if stats["requests"] > requests_before:
-            return stats
-        time.sleep(0.05)
-    raise AssertionError("the generation did not end after the client left")
+    return wait_for(lambda: (lambda s: s if s["requests"] > requests_before else None)(
+        get_json(host, port, "/v1/stats")[1]), what="the generation to end after the client left")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_cancels_generation(scripted, stream):
     served = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
-    client, script, host, port = served.client, served.script, served.host, served.port
-    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go on forever"}],
-                       "stream": stream}).encode()
-    sock = socket.create_connection((host, port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock = send_raw(served.host, served.port, "/v1/chat/completions",
+                    {"model": "m", "messages": [{"role": "user", "content": "go on forever"}], "stream": stream})
     if stream:
         read_until(sock, b"data:")
     time.sleep(0.3)
     sock.close()
-    stats = wait_for_cancel(host, port, 0)
+    stats = wait_for_cancel(served.host, served.port, 0)
     assert stats["cancelled"] == 1 and stats["last"]["finish_reason"] == "cancelled"
     assert 0 < stats["last"]["completion_tokens"] < 100_000
     # The server serves the next request normally.
-    assert chat(client, [{"role": "user", "content": "hi"}], max_tokens=3).choices[0].message.content == "xxx"
+    assert chat(served.client, [{"role": "user", "content": "hi"}], max_tokens=3).choices[0].message.content == "xxx"
 
 
 def test_client_that_leaves_while_queued_is_skipped(scripted):
-    served = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000)
-    client, script, host, port = served.client, served.script, served.host, served.port
-
-    def send(stream):
-        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": stream}).encode()
-        sock = socket.create_connection((host, port))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
-        return sock
-
-    running = send(stream=True)
+    served = scripted(["x"] * 100_000, delay=0.005, max_tokens=100_000, max_sessions=1)
+    running = send_raw(served.host, served.port, "/v1/chat/completions",
+                       {"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True})
     read_until(running, b"data:")
-    queued = send(stream=False)
-    time.sleep(0.3)
+    queued = send_raw(served.host, served.port, "/v1/chat/completions",
+                      {"model": "m", "messages": [{"role": "user", "content": "queued"}]})
+    wait_for(lambda: served.scheduler.snapshot()["waiting"] == 1, what="the second request to queue")
     queued.close()
-    time.sleep(1.0)  # the waiting handler notices and withdraws the job
+    wait_for(lambda: served.scheduler.snapshot()["waiting"] == 0, what="the queued job to be withdrawn")
     running.close()
-    wait_for_cancel(host, port, 0)
-    assert chat(client, [{"role": "user", "content": "hi"}], max_tokens=2).choices[0].message.content == "xx"
-    stats = get_json(host, port, "/v1/stats")[1]
+    wait_for_cancel(served.host, served.port, 0)
+    assert chat(served.client, [{"role": "user", "content": "hi"}], max_tokens=2).choices[0].message.content == "xx"
+    stats = get_json(served.host, served.port, "/v1/stats")[1]
     assert stats["requests"] == 2 and stats["cancelled"] == 1
-    assert len(script.prompts) == 2
+    assert not any("queued" in text for text in served.engine.prefilled)
 
 
 def test_prompt_cache_can_be_switched_off(live, checkpoint):
@@ -605,19 +463,17 @@ def test_prompt_cache_can_be_switched_off(live, checkpoint):
 
 
 def test_stop_cancels_a_prefill_and_refuses_the_queued_requests(scripted):
-    # A prefill of 2000 chunks of 10 ms: 20 s unless the worker cancels it between chunks.
-    served = scripted(["x"], delay=0.01, prefill_chunks=2000)
-    running = socket.create_connection((served.host, served.port), timeout=30)
-    body = json.dumps({"messages": [{"role": "user", "content": "go"}], "stream": True}).encode()
-    running.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
-                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+    # A prompt of ~2100 one-token chunks of 10 ms: 20 s unless the scheduler stops between chunks.
+    served = scripted(["x"], delay=0.01, prefill_chunk=1, max_sessions=1)
+    long = [{"role": "user", "content": "go " * 700}]
+    running = send_raw(served.host, served.port, "/v1/chat/completions", {"messages": long, "stream": True})
     read_until(running, b"data:")  # it started: its prefill is running
     with ThreadPoolExecutor(1) as pool:
         queued = pool.submit(post_raw, served.host, served.port, "/v1/chat/completions",
                              json.dumps({"messages": [{"role": "user", "content": "next"}]}).encode())
-        time.sleep(0.3)
+        wait_for(lambda: served.scheduler.snapshot()["waiting"] == 1, what="the second request to queue")
         start = time.monotonic()
-        assert served.worker.stop(timeout=10)
+        assert served.scheduler.stop(timeout=10)
         assert time.monotonic() - start < 5
         status, reply = queued.result(timeout=10)
     assert status == 503 and "shutting down" in reply["error"]["message"]
@@ -627,7 +483,7 @@ def test_stop_cancels_a_prefill_and_refuses_the_queued_requests(scripted):
         assert piece, stream
         stream += piece
     assert b'"type": "server_error"' in stream and b"shutting down" in stream
-    assert served.script.prompts == []  # the prefill never finished
+    assert encode_messages(long) not in served.engine.prefilled  # the prefill never finished
     stats = get_json(served.host, served.port, "/v1/stats")[1]
     assert stats["cancelled"] == 1 and stats["last"]["finish_reason"] == "cancelled"
     # Nothing new is taken once stopped.
@@ -655,7 +511,8 @@ def test_ctrl_c_while_generating_stops_cleanly(checkpoint):
         process.kill()
     output = "".join(process.output)
     assert "terminate called" not in output and "Traceback" not in output, output
-    assert received.endswith(b"data: [DONE]\n\n") and b"the server is shutting down" in received
+    # The stream (chunked) ends with its last event and the closing chunk.
+    assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and b"the server is shutting down" in received
 
 
 def server_cli(*args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:

@@ -1,0 +1,69 @@
+"""What the scheduler asks of a model, answered for a dsv4 model by `ModelEngine`.
+
+The scheduler owns the sessions; an engine owns how their caches are made and stepped:
+`new_cache()`, `prefill(cache, tokens)` (one chunk: the scheduler decides how long),
+`decode(caches, tokens)` (one token for each session, in one forward) and `settle(cache)`
+(the cache holds its whole state again: a decoder may keep it in its own buffers meanwhile).
+Caches are then used through their own methods (offset, copy, trim, max_trim, nbytes, save),
+and `load_cache(path)` reads one the disk tier wrote. Tests put a scripted engine in its place.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..batch_decode import decode_sessions
+from ..cache import load_cache
+from ..generation import prefill
+from ..step import decoder
+
+
+class ModelEngine:
+    def __init__(self, model, tokenizer, fingerprint: str = ""):
+        """`fingerprint` names the weights and switches (disk_cache.model_fingerprint): a cache
+        on disk is only reused by the model that wrote it."""
+        self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
+        self.vocab_size = model.args.vocab_size
+        self.context = model.args.max_position_embeddings
+        self._alone: Optional[list] = None   # [cache, decoder, positions fed] of a lone session
+
+    def new_cache(self):
+        return self.model.make_cache()
+
+    def prefill(self, cache, tokens: Sequence[int]) -> mx.array:
+        """Feed tokens after what `cache` holds; -> the last one's logits [V] (fp32)."""
+        return prefill(self.model, np.array([tokens], np.int64), cache)[0]
+
+    def decode(self, caches: Sequence, tokens: Sequence[int]) -> mx.array:
+        """Feed tokens[i] to caches[i]; -> logits [B, V]. A lone session takes the decoder the
+        switches pick (on a GPU the fixed-shape step, which keeps its state until settled);
+        several take one forward of the reference path (dsv4.batch_decode)."""
+        if len(caches) == 1:
+            cache = caches[0]
+            if self._alone is None or self._alone[0] is not cache:
+                self.settle()
+                self._alone = [cache, decoder(self.model, cache), cache.offset]
+            alone = self._alone
+            logits = alone[1](mx.array(list(tokens)))
+            alone[2] += 1
+            return logits
+        self.settle()
+        return decode_sessions(self.model, caches, tokens)
+
+    def settle(self, cache=None) -> None:
+        """Hand the lone session's decoder state back to its cache (only if it is `cache`, when given)."""
+        if self._alone is not None and (cache is None or self._alone[0] is cache):
+            _, step, fed = self._alone
+            self._alone = None
+            step.close(fed)
+
+    def forget(self) -> None:
+        """After a failed step: drop the lone decoder without writing its state back."""
+        self._alone = None
+
+    def load_cache(self, path):
+        """-> (cache, metadata) of a file a cache's save() wrote."""
+        return load_cache(path, self.model)
