@@ -192,6 +192,26 @@ define("engram_io_hints", True,
 define("engram_resident", False,
        "load every Engram table into memory as mxfp8 when it is opened (needs ~95 GiB per table)")
 
+# --- streamed experts (dsv4/expert_store.py) ----------------------------------------------
+define("expert_cache_gb", "",
+       "stream the routed experts from disk into a cache of this many GB (or auto: the memory "
+       "left after the resident weights, less headroom) instead of loading them; empty: all "
+       "resident. The generate, chat and server option --expert-cache-gb sets it")
+define("expert_cache_policy", "lru",
+       "which cached expert a miss overwrites: lru, frequency (decayed use counts) or layer "
+       "(the layers just passed first)", choices=("lru", "frequency", "layer"))
+define("expert_prefetch", True,
+       "decode: guess layer L+1's experts by its router on layer L's input and start reading "
+       "them while layer L computes")
+define("expert_read_workers", 16,
+       "pread workers a lookup's misses are split over (the pread pool the Engram tables use)",
+       minimum=2)
+define("expert_read_chunk_kb", 2048,
+       "the largest piece of an expert one pread worker reads at once, in KiB", minimum=4)
+define("expert_io_hints", True,
+       "read experts around the OS cache: F_NOCACHE on macOS, each piece dropped from the cache "
+       "once read on Linux (150 GB of experts would otherwise push the resident weights out)")
+
 # --- kernels ------------------------------------------------------------------------------
 define("kernel_sparse_attention", True,
        "sparse attention with sink through the custom GPU kernel (Metal/CUDA); off runs the "

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import flags, gguf_blocks, tensor_refs
+from . import expert_store, flags, gguf_blocks, tensor_refs
 from .config import ModelArgs, read_json
 from .engram import NgramHasher, build_token_map
 from .linear import ExpertLinear, GGUFExpertLinear, GGUFLinear, QuantizedLinear, make_dense_copies
@@ -128,23 +128,29 @@ def _check_complete(model: Model, seen: set, where: Path) -> None:
         raise CheckpointError(f"{where}: missing tensor(s) {missing[:10]}{more}")
 
 
-def _load_official(path: Path, args: ModelArgs) -> tuple[Model, dict]:
+def _load_official(path: Path, args: ModelArgs, stream=None) -> tuple[Model, dict]:
+    """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded."""
     from . import layout
 
     ckpt = Checkpoint(path, "model*.safetensors")
     items = layout.plan(ckpt, args)
     model = Model(args)
     _quantize(model, {it.name: it.quantization for it in items if it.quantization})
+    if stream is not None:
+        stream.detach(model)
     expected = dict(tree_flatten(model.parameters()))
     seen: set = set()
     for item in items:
+        if stream is not None and stream.takes(*map(expert_store.StoredTensor.of, item.sources)):
+            continue
         arrays = {n: to_mx(a, dtype) for n, (dtype, a) in item.produce().items()}
         _load_arrays(model, arrays, str(item.sources[0].file), expected, seen)
     _check_complete(model, seen, path)
     return model, layout.engram_table_refs(ckpt, args)
 
 
-def _load_dsv4(path: Path, config: dict, args: ModelArgs) -> tuple[Model, dict]:
+def _load_dsv4(path: Path, config: dict, args: ModelArgs, stream=None) -> tuple[Model, dict]:
+    """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded."""
     block = config["dsv4"]
     if block.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path / 'config.json'}: dsv4 format_version "
@@ -172,27 +178,38 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs) -> tuple[Model, dict]:
         types[module] = q["type"]
     _keep_gguf_blocks(model, types, path)
     _quantize(model, {m: setting(m) for m in modules})
+    if stream is not None:
+        stream.detach(model)
     expected = dict(tree_flatten(model.parameters()))
     seen: set = set()
     by_file: dict[Path, list[str]] = {}
     for name, info in ckpt.tensors.items():
-        by_file.setdefault(info.file, []).append(name)
+        if stream is None or not stream.takes(expert_store.StoredTensor.of(info)):
+            by_file.setdefault(info.file, []).append(name)
     for file, names in sorted(by_file.items()):
         arrays = {n: to_mx(view(ckpt[n]), ckpt[n].dtype) for n in names}
         _load_arrays(model, arrays, str(file), expected, seen)
     for name, ref in sorted(refs.items()):   # one at a time: a stacked expert tensor is GBs
+        if stream is not None and expert_store.is_routed(name):
+            stream.takes(expert_store.StoredTensor(name, *tensor_refs.locate(name, ref, path)))
+            continue
         _load_arrays(model, {name: to_mx(tensor_refs.read(name, ref, path), ref["dtype"])},
                      str(path / "config.json"), expected, seen)
     _check_complete(model, seen, path)
     return model, block.get("engram", {})
 
 
-def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = None) -> Model:
+def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = None,
+               expert_cache_gb: Optional[str] = None) -> Model:
+    """`expert_cache_gb` (N or 'auto'; default DSV4_EXPERT_CACHE_GB, empty = resident):
+    stream the routed experts from disk into a cache of that size (dsv4/expert_store.py)."""
     config, args = read_config(path)
+    budget = flags.get("expert_cache_gb") if expert_cache_gb is None else expert_cache_gb
+    stream = expert_store.Streaming(budget) if expert_store.parse_budget(budget) else None
     if "dsv4" in config:
-        model, refs = _load_dsv4(path, config, args)
+        model, refs = _load_dsv4(path, config, args, stream)
     else:
-        model, refs = _load_official(path, args)
+        model, refs = _load_official(path, args, stream)
     if args.engram_layer_ids:
         from . import engram_store
 
@@ -210,6 +227,8 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
         model.set_dtype(dtype)
     quantize_head(model, flags.get("head_quant"))
     make_dense_copies(model, model.embed.weight.dtype)
+    if stream is not None:   # last: an auto-sized cache takes what the rest left
+        stream.attach(model, dtype)
     model.eval()
     return model
 
@@ -265,8 +284,10 @@ def quantize_head(model: Model, mode: str) -> None:
     mx.eval(model.head.parameters())
 
 
-def load(path_or_repo: Optional[str | Path] = None, *, dtype: Optional[mx.Dtype] = None):
-    """-> (model, tokenizer). `dtype` (e.g. mx.float32) casts the float parameters."""
+def load(path_or_repo: Optional[str | Path] = None, *, dtype: Optional[mx.Dtype] = None,
+         expert_cache_gb: Optional[str] = None):
+    """-> (model, tokenizer). `dtype` (e.g. mx.float32) casts the float parameters;
+    `expert_cache_gb` streams the routed experts (see load_model)."""
     path = resolve(path_or_repo)
     tokenizer = Tokenizer(path)
-    return load_model(path, tokenizer, dtype), tokenizer
+    return load_model(path, tokenizer, dtype, expert_cache_gb), tokenizer

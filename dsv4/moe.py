@@ -8,17 +8,20 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .config import ModelArgs
 from .constants import derived
-from . import flags
+from . import flags, profiler
 from .kernels.dialect import backend
 from .kernels import head as head_kernel
+from .kernels.experts import experts as fused_experts
 from .kernels.experts import routed_experts
 from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
 from .kernels.router import route
-from .linear import ExpertLinear, Linear, fp8_input, fp8_linear, fp8_linears, matrix_operand
+from .linear import (ExpertLinear, Linear, dequant_matmul, fp8_input, fp8_linear, fp8_linears,
+                     matrix_operand)
 
 
 def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
@@ -69,10 +72,13 @@ class RoutedExperts(nn.Module):
         self.w2 = ExpertLinear(inter, d, e)
         self.limit = args.swiglu_limit
 
-    def __call__(self, x: mx.array, ids: mx.array, weights: mx.array) -> mx.array:
-        """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]."""
+    def __call__(self, x: mx.array, ids: mx.array, weights: mx.array,
+                 sort_rows: Optional[bool] = None) -> mx.array:
+        """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]. `sort_rows`
+        (default: 64 pairs or more) picks the way of computing; a caller that splits a batch
+        passes the whole batch's choice, so that every part is computed as the whole would be."""
         n, k = ids.shape
-        if n * k < 64:
+        if not (n * k >= 64 if sort_rows is None else sort_rows):
             # Few rows: every token's k experts straight from the indices.
             xs = fp8_input(x)[:, None, None, :]                              # [N, 1, 1, D]
             h = clamped_swiglu(self.w1(xs, ids), self.w3(xs, ids), self.limit)
@@ -112,6 +118,9 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(args)
         self.shared_experts = SharedExpert(args)
         self.limit = args.swiglu_limit
+        # Set by expert_store.Streaming.attach when the routed experts stream from disk: then
+        # `experts` is gone and this layer's experts come from the store's cache.
+        self.streamed = None
 
     def __call__(self, x: mx.array, expand: Optional[tuple[mx.array, mx.array, mx.array]] = None) -> mx.array:
         """x [..., D] -> [..., D]; with expand = (streams, post, comb) of the FFN site, the
@@ -120,26 +129,106 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(math.prod(shape[:-1]), shape[-1])   # an explicit shape: no-op when 2D
         logits = self.gate.logits(flat)
-        fused = self._fused(flat, logits, expand)
-        if fused is not None:
-            return fused.reshape(expand[0].shape if expand is not None else shape)
-        ids, weights = self.gate.select(logits)
-        y = self.experts(flat, ids, weights) + self.shared_experts(flat).astype(mx.float32)
-        y = y.reshape(shape).astype(x.dtype)
+        if self.streamed is not None:
+            y = self._streamed(flat, logits, expand)
+        else:
+            y = self._fused(self.experts, flat, expand, logits=logits)
+            if y is None:
+                y = self._reference(self.experts, flat, *self.gate.select(logits), expand)
+        return y.reshape(expand[0].shape if expand is not None else shape)
+
+    def _reference(self, experts, flat, ids, weights, expand, sort_rows=None) -> mx.array:
+        """Routed (through `experts`, ids/weights [N, k]) + shared experts without the fused
+        kernel: [N, D], or with expand the expanded streams."""
+        y = experts(flat, ids, weights, sort_rows) + self.shared_experts(flat).astype(mx.float32)
+        y = y.astype(flat.dtype)
         return y if expand is None else hc_expand(y, *expand)
 
-    def _fused(self, flat, logits, expand) -> Optional[mx.array]:
-        """The fused experts kernel's result (routing by the gate's logits), or None where it
-        does not run."""
-        e, sh = self.experts, self.shared_experts
+    def _kernel_operands(self, experts, flat) -> Optional[list]:
+        """The fused kernel's weights (routed gate, up, down, then the shared expert's) when it
+        runs for the tokens `flat` through `experts`, else None."""
+        sh = self.shared_experts
         if not (flags.get("kernel_moe") and backend() is not None):
             return None
-        q = [matrix_operand(m) for m in (e.w1, e.w3, e.w2, sh.w1, sh.w3, sh.w2)]
+        q = [matrix_operand(m) for m in (experts.w1, experts.w3, experts.w2, sh.w1, sh.w3, sh.w2)]
         if None in q or not experts_kernel_supports(flat, q[0], q[1], q[2], q[3:]):
+            return None
+        return q
+
+    def _fused(self, experts, flat, expand, logits=None, ids=None, weights=None, q=None) -> Optional[mx.array]:
+        """The fused experts kernel's result through `experts` (its operands `q` when known),
+        routing by the gate's logits or by ids/weights [N, k] given; None where it does not run."""
+        q = q or self._kernel_operands(experts, flat)
+        if q is None:
             return None
         if expand is not None:
             streams, post, comb = expand
             (n, _), (hc, d) = flat.shape, streams.shape[-2:]
             expand = (streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc))
+        if logits is None:
+            return fused_experts(flat, ids, weights, q[0], q[1], q[2], tuple(q[3:]), self.limit,
+                                 bool(flags.get("act_quant")), expand)
         return routed_experts(flat, logits, self.gate.bias, *self.gate.routing(), q[0], q[1], q[2],
                               tuple(q[3:]), self.limit, bool(flags.get("act_quant")), expand)
+
+    def _streamed(self, flat, logits, expand) -> mx.array:
+        """The routed experts from the expert cache (dsv4/expert_store.py): route, bring the
+        host the choice (one sync), read the missing experts, compute from the cache's slots as
+        the resident model computes from its stack. When the chunk's experts do not all fit in
+        the cache at once, its tokens go in parts that do, each computed the way the whole
+        chunk would be (so the result is the same, token by token)."""
+        store, layer = self.streamed.store, self.streamed.layer
+        n, k = flat.shape[0], self.gate.args.num_experts_per_tok
+        ids, weights = self.gate.select(logits)
+        next_gate = store.next_gate.get(layer) if n <= PREFETCH_TOKENS and flags.get("expert_prefetch") else None
+        guess = next_gate.select(next_gate.logits(flat))[0] if next_gate is not None else None
+        store.sync([ids, weights] + ([guess] if guess is not None else []))
+        chosen = np.array(profiler.mark("expert routing", ids))   # the mixes, router and sync
+        if expand is not None:
+            streams, post, comb = expand
+            hc, d = streams.shape[-2:]
+            expand = (streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc))
+        pool = store.pool(layer)
+        q = self._kernel_operands(pool.experts, flat)   # decided for the whole chunk, as resident
+        dense = dequant_matmul()
+        parts = []
+        for lo, hi in token_parts(chosen, store.capacity(layer)):
+            used = np.unique(chosen[lo:hi])
+            slots = store.lookup(layer, used, hi - lo)
+            profiler.mark("expert reads", ids)   # the lookup, its misses read (ids: already there)
+            at = np.searchsorted(used, chosen[lo:hi])
+            # The CPU's dense path multiplies by copies of the used slots, indexed 0..n-1.
+            experts = pool.gathered(slots) if dense else pool.experts
+            slot_ids = mx.array((at if dense else slots[at]).astype(np.uint32))
+            part = (flat[lo:hi], None if expand is None else tuple(a[lo:hi] for a in expand))
+            if q is not None:
+                y = self._fused(experts, part[0], part[1], ids=slot_ids, weights=weights[lo:hi], q=q)
+            else:
+                y = self._reference(experts, part[0], slot_ids, weights[lo:hi], part[1],
+                                    sort_rows=n * k >= 64)
+            store.fence(layer, slots, y)
+            mx.async_eval(y)   # the device starts on it while the host builds the next layer
+            parts.append(y)
+        if guess is not None:
+            store.prefetch(store.next_layer[layer], np.array(guess).reshape(-1))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+# A guess of the next layer's experts is made for decode-sized calls only: a prefill chunk's
+# guess would name most experts and read them at the cost of the exact ones.
+PREFETCH_TOKENS = 8
+
+
+def token_parts(ids: np.ndarray, capacity: int) -> list[tuple[int, int]]:
+    """Consecutive token ranges [lo, hi) of ids [N, k] whose distinct experts number at most
+    `capacity` each: the whole range when they all fit."""
+    if len(np.unique(ids)) <= capacity:
+        return [(0, len(ids))]
+    parts, lo, used = [], 0, set()
+    for t, row in enumerate(ids.tolist()):
+        if len(used | set(row)) > capacity:
+            parts.append((lo, t))
+            lo, used = t, set()
+        used.update(row)
+    parts.append((lo, len(ids)))
+    return parts

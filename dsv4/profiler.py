@@ -15,6 +15,10 @@ unprofiled step; use the table for where the time goes, and `benchmarks/ab.py` w
 for how much time there is. Measured cost of the switch: see benchmarks/README.md ("Stage
 profiler"). Do not mark inside an `mx.compile`d function when profiling (eval is not allowed there).
 
+Counters: `count(name, amount)` adds to a named count inside a step (the expert cache counts
+each layer's hits, misses and MB read); `report()` lists them per step after the stages, and
+`per_step_counts()` gives them.
+
 With the switch off, `mark` is one test of a cached module-level boolean and returns `x` as is.
 The switch is read at import and again by `reset()` (tests use `flags.override` then `reset()`).
 """
@@ -34,6 +38,7 @@ _in_step = False   # between step_begin and step_end with the switch on: the one
 _last = 0.0        # perf_counter of the previous boundary inside the step
 _totals: dict[str, float] = {}   # stage -> seconds, in first-seen order
 _calls: dict[str, int] = {}
+_counts: dict[str, float] = {}   # counter -> total over the profiled steps, in first-seen order
 _steps = 0
 _step_seconds = 0.0
 _step_start = 0.0
@@ -50,6 +55,7 @@ def reset() -> None:
     _in_step = False
     _totals.clear()
     _calls.clear()
+    _counts.clear()
     _steps = 0
     _step_seconds = 0.0
 
@@ -81,6 +87,12 @@ def mark(name: str, x):
     return x
 
 
+def count(name: str, amount: float) -> None:
+    """Add `amount` to counter `name` (inside a profiled step; ignored elsewhere)."""
+    if _in_step:
+        _counts[name] = _counts.get(name, 0) + amount
+
+
 def step_end() -> None:
     """Finish the step: wait for all queued work, charge what no mark covered to "unmarked"."""
     global _in_step, _steps, _step_seconds
@@ -98,6 +110,11 @@ def per_step_ms() -> dict[str, float]:
     return {name: 1e3 * seconds / _steps for name, seconds in _totals.items()} if _steps else {}
 
 
+def per_step_counts() -> dict[str, float]:
+    """counter -> its mean per profiled step."""
+    return {name: total / _steps for name, total in _counts.items()} if _steps else {}
+
+
 def report() -> str:
     """A table: per stage its calls per step, total ms, ms per step and share of the step time."""
     if not _enabled:
@@ -113,6 +130,9 @@ def report() -> str:
                      f"{1e3 * seconds / _steps:>9.3f} {100 * seconds / step_seconds:>6.1f}%")
     lines.append(f"{'total':<20} {'':>10} {1e3 * _step_seconds:>10.2f} "
                  f"{1e3 * _step_seconds / _steps:>9.3f} {100.0:>6.1f}%")
+    if _counts:
+        lines.append(f"{'counter':<28} {'per step':>10}")
+        lines += [f"{name:<28} {value:>10.3f}" for name, value in per_step_counts().items()]
     return "\n".join(lines)
 
 

@@ -282,7 +282,10 @@ class FixedDecoder:
                     logits = model.forward(token, state, lambda layer: engram[str(layer)])
                 return logits[:, -1], state.buffers
 
-            use = flags.get("compile") and not flags.get("stage_profile")
+            # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
+            # mid-step, which a traced graph cannot: such a model runs the step op by op.
+            streamed = getattr(model, "expert_store", None) is not None
+            use = flags.get("compile") and not flags.get("stage_profile") and not streamed
             steps[key] = mx.compile(step) if use else step
         return steps[key]
 

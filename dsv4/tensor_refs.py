@@ -42,9 +42,9 @@ def _field(ref: Mapping, key: str, kind, where: str):
     return value
 
 
-def read(name: str, ref: Mapping, base_dir: Path) -> np.ndarray:
-    """The referenced tensor `name` in its storage dtype, or a CheckpointError naming the
-    tensor, the file and what is wrong."""
+def locate(name: str, ref: Mapping, base_dir: Path) -> tuple[list[Path], int, str, tuple[int, ...]]:
+    """Where the referenced tensor `name` lies, checked: (its file or parts, the first byte,
+    its dtype, its shape), or a CheckpointError naming the tensor, the file and what is wrong."""
     where = f"{base_dir / 'config.json'}: tensor {name}"
     if not isinstance(ref, Mapping):
         raise CheckpointError(f"{where}: its reference is {ref!r}, expected an object")
@@ -55,8 +55,7 @@ def read(name: str, ref: Mapping, base_dir: Path) -> np.ndarray:
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {list(shape)} is not a list of sizes")
     offset = _field(ref, "offset", int, where)
-    storage = np.dtype(STORAGE[dtype])
-    nbytes = int(np.prod(shape, dtype=np.int64)) * storage.itemsize
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(STORAGE[dtype]).itemsize
     names = [ref["file"]] if "file" in ref else ref.get("parts")
     if not isinstance(names, list) or not names or not all(isinstance(p, str) for p in names):
         raise CheckpointError(f"{where}: needs a 'file' name or a non-empty list of 'parts'")
@@ -70,8 +69,17 @@ def read(name: str, ref: Mapping, base_dir: Path) -> np.ndarray:
     if offset < 0 or offset + nbytes > sum(sizes):
         raise CheckpointError(f"{where}: bytes {offset}..{offset + nbytes} lie past the end of "
                               f"{' + '.join(map(str, paths))} ({sum(sizes)} bytes): truncated or replaced?")
+    return paths, offset, dtype, shape
+
+
+def read(name: str, ref: Mapping, base_dir: Path) -> np.ndarray:
+    """The referenced tensor `name` in its storage dtype (see `locate` for its errors)."""
+    paths, offset, dtype, shape = locate(name, ref, base_dir)
+    storage = np.dtype(STORAGE[dtype])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * storage.itemsize
     pieces, start = [], 0
-    for path, size in zip(paths, sizes):
+    for path in paths:
+        size = os.stat(path).st_size
         lo, hi = max(offset, start), min(offset + nbytes, start + size)
         if lo < hi:
             pieces.append(np.memmap(path, np.uint8, mode="r", offset=lo - start, shape=(hi - lo,)))

@@ -1,0 +1,356 @@
+"""Streamed routed experts (--expert-cache-gb) against the fully resident model.
+
+Oracle: the same checkpoint loaded resident. The streamed model computes from the cache's slots
+with the resident code path, so its logits must be bit-identical (np.array_equal, not a
+tolerance) for a chunked prefill and 64 teacher-forced decode steps, at every cache size from the
+least (one token's top-k in every layer) to all experts, with and without prefetch, under every
+eviction policy, for each expert format: official fp4 experts (per-expert tensors read as
+mxfp4), a converted dsv4 directory (stacked mxfp4 in shards; affine requantized), and ds4 GGUF
+blocks referenced in place (including a file whose layers mix block types: several pools).
+
+The tiny checkpoints have 32 experts, top-2, over 8 layers: the least cache (16 slots) is half
+a layer's experts, so prefill chunks split into token parts and the policies evict all the time.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dsv4
+from dsv4 import expert_store, flags, profiler, step
+from dsv4.safetensors_file import Checkpoint, CheckpointError
+from dsv4.testing import write_tiny_checkpoint
+
+EXPERTS, TOP_K, LAYERS = 32, 2, 8
+STEPS = 64
+CHUNKS = (48, 6)   # a prefill of two chunks
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("stream") / "official", seed=3,
+                                 config_overrides={"n_routed_experts": EXPERTS,
+                                                   "num_experts_per_tok": TOP_K})
+
+
+@functools.lru_cache(maxsize=None)
+def sizes(path, dtype=None) -> tuple[int, int]:
+    """(bytes of one expert of the first pool, bytes of the least cache)."""
+    store = dsv4.load(path, dtype=dtype, expert_cache_gb="1000")[0].expert_store
+    return store.pools[0].expert_bytes, store.least_bytes
+
+
+def expert_bytes(path) -> int:
+    return sizes(path)[0]
+
+
+def prompt() -> np.ndarray:
+    return np.random.default_rng(11).integers(7, 500, (1, sum(CHUNKS)))
+
+
+def run(model, tokens=None) -> tuple[list[np.ndarray], list[int]]:
+    """Logits of each prefill chunk and of STEPS decode steps fed `tokens` (default: the
+    model's own greedy choices), and the tokens fed."""
+    ids, cache, out, fed = prompt(), model.make_cache(), [], []
+    lo = 0
+    for n in CHUNKS:
+        out.append(np.array(model(ids[:, lo:lo + n], cache)))
+        lo += n
+    for i in range(STEPS):
+        t = tokens[i] if tokens is not None else int(np.argmax(out[-1][0, -1]))
+        fed.append(t)
+        out.append(np.array(model(np.array([[t]]), cache)))
+    return out, fed
+
+
+@pytest.fixture(scope="module")
+def resident(official):
+    model, _ = dsv4.load(official)
+    return run(model)
+
+
+def identical(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def least_gb(path, dtype=None) -> str:
+    """The least cache, as the option is written."""
+    return f"{sizes(path, dtype)[1] / 1e9:.9f}"
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("size", ["least", "half", "all"])
+def test_logits_equal_resident_at_every_cache_size(official, resident, size, prefetch):
+    per_expert = expert_bytes(official)
+    slots = {"least": TOP_K * LAYERS, "half": EXPERTS * LAYERS // 2, "all": EXPERTS * LAYERS}[size]
+    with flags.override(expert_prefetch=prefetch):
+        model, _ = dsv4.load(official, expert_cache_gb=f"{slots * per_expert / 1e9:.9f}")
+        store = model.expert_store
+        assert sum(p.slots for p in store.pools) == slots
+        got, _ = run(model, resident[1])
+    assert identical(got, resident[0])
+    total = store.totals()
+    assert total.misses > 0 and total.bytes_read == total.misses * per_expert
+    if size == "least":
+        assert total.lookups > LAYERS * (len(CHUNKS) + STEPS)   # prefill went in token parts
+    if size == "all":                                           # each expert read once at most
+        assert total.misses + total.prefetched <= EXPERTS * LAYERS
+    if not prefetch or size != "all":
+        assert (total.prefetched > 0) == prefetch
+    store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "frequency", "layer"])
+def test_every_policy_is_exact_at_the_least_cache(official, resident, policy):
+    with flags.override(expert_cache_policy=policy):
+        model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+        got, _ = run(model, resident[1])
+    assert identical(got, resident[0])
+    assert model.expert_store.pools[0].policy.kind == policy
+
+
+def test_fixed_shape_step_is_exact(official):
+    """The GPU's decode loop (dsv4/step.py), here on the CPU: resident vs streamed, with the
+    step asked to compile (a streamed model runs it op by op)."""
+    runs = []
+    tokens = [int(t) for t in np.random.default_rng(2).integers(7, 500, 24)]
+    for gb in (None, least_gb(official)):
+        model, _ = dsv4.load(official, expert_cache_gb=gb)
+        with flags.override(compile=True):
+            cache = model.make_cache()
+            model(prompt(), cache)
+            dec = step.FixedDecoder(model, cache)
+            runs.append([np.array(dec(mx.array([t]))) for t in tokens])
+            dec.close(cache.offset + len(tokens))
+    assert identical(runs[1], runs[0])
+
+
+# --- formats --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def converted(official, tmp_path_factory):
+    from convert import official as conv
+
+    root = tmp_path_factory.mktemp("stream-converted")
+    conv.convert(official, root / "mxfp4", progress=False, log=lambda *a: None)
+    conv.convert(official, root / "affine", experts=conv.Requant(4, 32), progress=False,
+                 log=lambda *a: None)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    from gguf import GGMLQuantizationType as T
+
+    from convert import gguf as conv
+    from tests.gguf_fixtures import fixture_config, source_tokenizer, write_ds4_gguf
+
+    root = tmp_path_factory.mktemp("stream-gguf")
+    tokenizer = source_tokenizer()
+    config = fixture_config(tokenizer)
+    config["text_config"].update(n_routed_experts=16, num_experts_per_tok=2)
+    mixed = {layer: (T.Q4_K, T.Q4_K, T.Q4_K) for layer in (2, 5)}
+    out = {}
+    for name, types in (("q2", None), ("q2-mixed", mixed)):
+        write_ds4_gguf(root / f"{name}.gguf", "q2", seed=5, tokenizer=tokenizer, config=config,
+                       expert_types=types)
+        dst = root / name
+        conv.convert(root / f"{name}.gguf", dst, conv.Options(), workers=1, progress=False)
+        out[name] = dst
+    conv.convert(root / "q2.gguf", root / "q2-copied", conv.Options(copy_weights=True), workers=1,
+                 progress=False)
+    out["q2-copied"] = root / "q2-copied"
+    conv.convert(root / "q2.gguf", root / "q2-affine", conv.Options(affine=True), workers=1,
+                 progress=False)
+    out["q2-affine"] = root / "q2-affine"
+    return out
+
+
+def _format_check(path, dtype=None, pools=1):
+    want, fed = run(dsv4.load(path, dtype=dtype)[0])
+    model, _ = dsv4.load(path, dtype=dtype, expert_cache_gb=least_gb(path, dtype))
+    assert len(model.expert_store.pools) == pools
+    got, _ = run(model, fed)
+    assert identical(got, want)
+    assert model.expert_store.totals().misses > 0
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "affine"])
+def test_converted_directories_stream_exactly(converted, kind):
+    _format_check(converted / kind)
+
+
+@pytest.mark.parametrize("kind", ["q2", "q2-copied", "q2-affine"])
+def test_gguf_blocks_stream_exactly(gguf_models, kind):
+    _format_check(gguf_models[kind])
+
+
+def test_layers_of_other_block_types_get_their_own_pool(gguf_models):
+    _format_check(gguf_models["q2-mixed"], pools=2)
+
+
+def test_float_scales_are_cast_as_the_resident_model_casts_them(converted):
+    """load(dtype=float32) casts the affine experts' bf16 scales and biases: the store converts
+    them after each read, as set_dtype did the resident stack."""
+    model, _ = dsv4.load(converted / "affine", dtype=mx.float32, expert_cache_gb="1")
+    params = model.expert_store.pools[0].layers[0].params
+    assert params["w1.scales"].stored == "BF16" and params["w1.scales"].dtype == mx.float32
+    _format_check(converted / "affine", dtype=mx.float32)
+
+
+# --- what is read ---------------------------------------------------------------------------
+
+class PreadLog:
+    """Wraps os.preadv: records (path, offset, bytes) of each read; fails where told to."""
+
+    def __init__(self, monkeypatch, fail=None):
+        self.real = os.preadv
+        self.reads: list[tuple[Path, int, int]] = []   # (file, offset, bytes)
+        self.fail = fail
+        self.lock = threading.Lock()
+        monkeypatch.setattr(os, "preadv", self)
+
+    def __call__(self, fd, buffers, offset):
+        if self.fail is not None and self.fail(fd, offset):
+            raise OSError(errno.EIO, "Input/output error")
+        n = self.real(fd, buffers, offset)
+        with self.lock:
+            self.reads.append((Path(os.readlink(f"/proc/self/fd/{fd}")), offset, n))
+        return n
+
+
+def test_prefill_reads_each_selected_expert_once(official, monkeypatch):
+    """Oracle: the experts the resident model's routers select for the chunk (recorded from its
+    Router.select). With a cache that holds them, each is read exactly once, and nothing else."""
+    from dsv4.moe import Router
+
+    selected: list[np.ndarray] = []
+    real_select = Router.select
+
+    def recording(self, logits):
+        ids, weights = real_select(self, logits)
+        selected.append(np.array(ids))
+        return ids, weights
+
+    resident, _ = dsv4.load(official)
+    monkeypatch.setattr(Router, "select", recording)
+    ids = prompt()[:, :CHUNKS[0]]
+    resident(ids, resident.make_cache())
+    monkeypatch.undo()
+    want = {(layer, int(e)) for layer, chosen in enumerate(selected) for e in np.unique(chosen)}
+    assert len(want) < EXPERTS * LAYERS                          # not every expert is selected
+
+    with flags.override(expert_prefetch=False, expert_read_chunk_kb=1 << 20):
+        model, _ = dsv4.load(official, expert_cache_gb="1")
+        store = model.expert_store
+        log = PreadLog(monkeypatch)
+        model(ids, model.make_cache())
+    offsets = {}
+    for layer, placement in store.pools[0].layers.items():
+        p = placement.params["w1.weight"]
+        offsets.update({(p.files[e].path, int(p.offsets[e])): (layer, e) for e in range(EXPERTS)})
+    read = [offsets[path, offset] for path, offset, _ in log.reads if (path, offset) in offsets]
+    assert sorted(read) == sorted(want)                          # each once, exactly these
+    assert store.totals().misses == len(want)
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+def test_truncated_before_loading_names_the_experts_tensor(official, tmp_path):
+    copy = tmp_path / "cut"
+    shutil.copytree(official, copy)
+    info = Checkpoint(copy, "model*.safetensors")["layers.6.ffn.experts.9.w2.scale"]
+    os.truncate(info.file, info.offset + 3)
+    with pytest.raises(CheckpointError, match=r"truncated: tensor layers\.6\.ffn\.experts\.9\.w2\.scale "):
+        dsv4.load(copy, expert_cache_gb="1")
+
+
+@pytest.mark.parametrize("layout", ["official", "stacked"])
+def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path, layout):
+    """A shard cut short after loading: the lookup that needs a lost expert raises an
+    ExpertReadError naming the tensor and the expert; every read has joined (no prefetch left
+    in flight), no slot holds a lost expert, and closing the store returns."""
+    copy = tmp_path / "cut"
+    shutil.copytree(official if layout == "official" else converted / "mxfp4", copy)
+    model, _ = dsv4.load(copy, expert_cache_gb=least_gb(copy))
+    store = model.expert_store
+    ckpt = Checkpoint(copy, "model*.safetensors")
+    first = "layers.7.ffn.experts.0.w1.weight" if layout == "official" else "layers.7.ffn.experts.w1.weight"
+    lost = ckpt[first]
+    cut = lost.offset + lost.nbytes // 2
+    cache = model.make_cache()
+    model(prompt()[:, :8], cache)
+    os.truncate(lost.file, cut)
+    with pytest.raises(expert_store.ExpertReadError) as info:
+        for t in range(400):                       # until a lost expert is needed
+            model(np.array([[7 + t % 400]]), cache)
+    found = re.match(r"(layers\.(\d+)\.ffn\.experts\.\S+?)(?:, | \()expert (\d+)\)?: short read at "
+                     r"byte \d+ of (\S+): got \d+ of \d+ bytes \(file truncated\?\)", str(info.value))
+    assert found, str(info.value)
+    tensor, layer, expert, file = found[1], int(found[2]), int(found[3]), Path(found[4])
+    w, kind = tensor.split(".")[-2:]
+    param = f"{w}.{'scales' if kind == 'scale' else kind}"
+    p = store.pools[0].layers[layer].params[param]
+    assert p.tensors[expert] == tensor and file == lost.file
+    assert p.files[expert].parts[0][0] == lost.file and p.offsets[expert] + p.nbytes > cut
+    store.close()
+    for pool in store.pools:
+        assert not pool.loading
+        for slot in np.flatnonzero(pool.owner_layer >= 0):
+            layer, e = pool.owner_layer[slot], pool.owner_expert[slot]
+            assert pool.slot_of[layer][e] == slot
+            param = next(iter(pool.layers[layer].params.values()))
+            assert not (param.files[e].parts[0][0] == lost.file and param.offsets[e] >= cut)
+
+
+def test_io_error_names_tensor_and_expert(official, monkeypatch):
+    model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+    store = model.expert_store
+    p = store.pools[0].layers[4].params["w3.scales"]
+    bad = int(p.offsets[5])
+    with flags.override(expert_prefetch=False):
+        PreadLog(monkeypatch, fail=lambda fd, offset: offset == bad)
+        with pytest.raises(expert_store.ExpertReadError,
+                           match=r"layers\.4\.ffn\.experts\.5\.w3\.scale \(expert 5\): reading \d+ "
+                                 r"bytes at byte \d+ of .* failed: Input/output error"):
+            cache = model.make_cache()
+            for t in range(200):
+                model(np.array([[7 + t]]), cache)
+        monkeypatch.undo()
+    assert store.pools[0].slot_of[4][5] == -1           # not left half-written in use
+
+
+def test_cache_smaller_than_one_token_is_refused(official):
+    least = float(least_gb(official))
+    with pytest.raises(expert_store.ExpertStoreError, match="too small.*the least --expert-cache-gb"):
+        dsv4.load(official, expert_cache_gb=f"{least * 0.9:.9f}")
+    with pytest.raises(expert_store.ExpertStoreError, match="expected a number of GB"):
+        dsv4.load(official, expert_cache_gb="lots")
+
+
+def test_stage_profile_counts_hits_misses_and_bytes_per_layer(official):
+    model, tokenizer = dsv4.load(official, expert_cache_gb=least_gb(official))
+    per_expert = model.expert_store.pools[0].expert_bytes
+    with flags.override(stage_profile=True, async_decode=False):
+        profiler.reset()
+        out = list(dsv4.generation.stream_generate(model, tokenizer, prompt()[0].tolist()[:12],
+                                                   max_tokens=9, ignore_eos=True))
+        counts = profiler.per_step_counts()
+        report = profiler.report()
+    profiler.reset()
+    assert len(out) == 9
+    for layer in range(LAYERS):   # a decode step looks up one token's top-k in every layer
+        hits, misses = counts[f"experts L{layer} hits"], counts[f"experts L{layer} misses"]
+        assert hits + misses == pytest.approx(TOP_K)
+        assert counts[f"experts L{layer} MB read"] == pytest.approx(misses * per_expert / 1e6)
+    assert "experts L7 misses" in report
