@@ -385,6 +385,9 @@ def main(
     system: Optional[str] = typer.Option(None, help="system prompt"),
     think: bool = typer.Option(False, help="start in thinking mode"),
     prompt_cache: bool = typer.Option(True, help="reuse the cache across turns (off: prefill everything)"),
+    expert_cache_gb: Optional[str] = typer.Option(
+        None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N GB (or "
+        "auto) instead of loading them; default DSV4_EXPERT_CACHE_GB, empty: all resident"),
 ):
     """Chat with a dsv4 model. In the chat, /help lists the commands, how to enter several
     lines and what Ctrl-C does."""
@@ -399,7 +402,7 @@ def main(
         Sampling(temp, top_p).check(spell=option_name)
         flags.check_environment()
         print(f"loading {model or 'the bundled demo model'} ...", flush=True)
-        loaded_model, tokenizer = load(model)
+        loaded_model, tokenizer = load(model, expert_cache_gb=expert_cache_gb)
         warm_up(loaded_model)
         session = ChatSession(loaded_model, tokenizer, system=system, thinking=think, max_tokens=max_tokens,
                               temp=temp, top_p=top_p, seed=seed, prompt_cache=prompt_cache)

@@ -538,6 +538,21 @@ class ExpertStore:
             total.add(s)
         return total
 
+    def summary(self) -> str:
+        """One line for the end of a run: hit rate, bytes read per token, the miss path's rate
+        and how often the prefetch guessed right."""
+        t = self.totals()
+        tokens = max((s.tokens for s in self.stats.values()), default=0)   # each passes every layer
+        looked = t.hits + t.misses
+        line = (f"Experts: a {self.nbytes / GB:.3g} GB cache ({sum(p.slots for p in self.pools)} slots), "
+                f"{100 * t.hits / max(1, looked):.1f}% hits, "
+                f"{t.bytes_read / max(1, tokens) / 1e6:.1f} MB read per token")
+        if t.read_seconds > 0:
+            line += f", misses read at {t.bytes_read / t.read_seconds / GB:.2f} GB/s"
+        if t.guessed:
+            line += f"; prefetch guessed {100 * t.guessed_right / t.guessed:.1f}% right"
+        return line
+
     def reset_stats(self) -> None:
         self.stats = {layer: LayerStats() for layer in self.stats}
 

@@ -234,7 +234,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             raw: bool = typer.Option(False, help="feed the prompt as is, without the chat encoding"),
             system: Optional[str] = typer.Option(None, help="system prompt (chat encoding only)"),
             think: bool = typer.Option(False, help="thinking mode of the chat encoding"),
-            bench_json: bool = typer.Option(False, help="print a DSV4_RESULT line for benchmarks/ab.py")):
+            bench_json: bool = typer.Option(False, help="print a DSV4_RESULT line for benchmarks/ab.py"),
+            expert_cache_gb: Optional[str] = typer.Option(
+                None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N "
+                "GB (or auto: what memory the rest leaves) instead of loading them; default "
+                "DSV4_EXPERT_CACHE_GB, empty: all resident")):
         from .loader import load, resident_bytes
 
         with reported():
@@ -247,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             if not prompt:
                 raise InputError("the prompt is empty (--prompt)")
             start = time.perf_counter()
-            net, tokenizer = load(model)
+            net, tokenizer = load(model, expert_cache_gb=expert_cache_gb)
             warm_up(net)
             load_s = time.perf_counter() - start
             text = prompt if raw else chat_prompt(prompt, system, think)
@@ -264,6 +268,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(r.text, end="", flush=True)
             print()
             print_stats(responses[-1], load_s=load_s, weight_bytes=resident_bytes(net))
+            if getattr(net, "expert_store", None) is not None:
+                print(net.expert_store.summary())
             if profiler.enabled():
                 print(profiler.report())
             if bench_json:

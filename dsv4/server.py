@@ -102,6 +102,9 @@ def main(
         None, help="also keep prefix caches in this directory, across restarts"),
     kv_disk_space_mb: int = typer.Option(16384, help="disk space the prefix cache may use, in MiB"),
     model_name: Optional[str] = typer.Option(None, help="the id /v1/models reports; default: the path"),
+    expert_cache_gb: Optional[str] = typer.Option(
+        None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N GB (or "
+        "auto) instead of loading them; default DSV4_EXPERT_CACHE_GB, empty: all resident"),
 ):
     """Serve a dsv4 model over the OpenAI and Anthropic HTTP APIs. Ctrl-C or SIGTERM stops it."""
     from . import flags
@@ -115,7 +118,7 @@ def main(
         from .serve.disk_cache import model_fingerprint
         from .serve.engine import ModelEngine
 
-        net, tokenizer = load_model(model)
+        net, tokenizer = load_model(model, expert_cache_gb=expert_cache_gb)
         warm_up(net)
         return ModelEngine(net, tokenizer, model_fingerprint(resolve(model)))
 

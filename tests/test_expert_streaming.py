@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import re
 import shutil
@@ -354,3 +355,42 @@ def test_stage_profile_counts_hits_misses_and_bytes_per_layer(official):
         assert hits + misses == pytest.approx(TOP_K)
         assert counts[f"experts L{layer} MB read"] == pytest.approx(misses * per_expert / 1e6)
     assert "experts L7 misses" in report
+
+
+# --- the command lines ------------------------------------------------------------------------
+
+def test_generate_option_streams_and_gives_the_resident_tokens(official, capsys):
+    from dsv4 import generation
+
+    outputs = []
+    for extra in ([], ["--expert-cache-gb", least_gb(official)]):
+        with pytest.raises(SystemExit) as done:
+            generation.main(["--model", str(official), "--raw", "-p", "The quick brown fox", "-m", "16",
+                             "--bench-json", *extra])
+        assert not done.value.code
+        outputs.append(capsys.readouterr().out)
+    result = [json.loads(o.split("DSV4_RESULT ")[1].splitlines()[0]) for o in outputs]
+    assert result[1]["tokens"] == result[0]["tokens"]
+    assert "Experts: a 0.000" in outputs[1] and "% hits" in outputs[1] and "Experts:" not in outputs[0]
+
+
+@pytest.mark.parametrize("value, expected", [("0", "expected a number of GB > 0"),
+                                             ("-3", "expected a number of GB > 0"),
+                                             ("1e-9", "too small")])
+def test_generate_refuses_bad_cache_sizes_in_one_line(official, capsys, value, expected):
+    from dsv4 import generation
+
+    with pytest.raises(SystemExit) as done:
+        generation.main(["--model", str(official), "-m", "2", "--expert-cache-gb", value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0]
+
+
+@pytest.mark.parametrize("command", ["dsv4.chat", "dsv4.server"])
+def test_chat_and_server_take_the_option(command):
+    import subprocess
+    import sys
+
+    help_text = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True,
+                               env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--expert-cache-gb" in help_text
