@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
@@ -156,25 +157,47 @@ def serve_in_thread(service: Service):
     return "127.0.0.1", sock.getsockname()[1], stop
 
 
-def scripted_server(pieces, *, delay=0.0, max_tokens=64, max_sessions=8, prefill_chunk=512,
-                    cache: Optional[CacheOptions] = None, thinking=False):
-    """A server in this process in front of a ScriptedEngine -> namespace of engine, scheduler,
-    service, host, port, base (URL) and stop()."""
-    engine = ScriptedEngine(pieces, delay)
-    scheduler = Scheduler(lambda: engine, max_context=100_000, max_sessions=max_sessions,
-                          prefill_chunk=prefill_chunk, cache=cache or CacheOptions())
+def inprocess_server(load, *, max_tokens=64, max_sessions=8, prefill_chunk=512, max_context=100_000,
+                     cache: Optional[CacheOptions] = None, thinking=False):
+    """The server's app and scheduler in this process, load() giving the engine (run in the
+    scheduler's thread, as the server runs it) -> namespace of scheduler, service, host, port,
+    base (URL) and stop()."""
+    scheduler = Scheduler(load, max_context=max_context, max_sessions=max_sessions, prefill_chunk=prefill_chunk,
+                          cache=cache or CacheOptions())
     scheduler.start()
     scheduler.ready.wait()
     assert scheduler.load_error is None, scheduler.load_error
-    service = Service(scheduler, "scripted", max_tokens, thinking)
+    service = Service(scheduler, "in-process", max_tokens, thinking)
     host, port, stop_http = serve_in_thread(service)
 
     def stop():
         stop_http()
         assert scheduler.stop(timeout=30)
 
-    return SimpleNamespace(engine=engine, scheduler=scheduler, service=service, host=host, port=port,
+    return SimpleNamespace(scheduler=scheduler, service=service, host=host, port=port,
                            base=f"http://{host}:{port}", stop=stop)
+
+
+def scripted_server(pieces, *, delay=0.0, **options):
+    """inprocess_server in front of a ScriptedEngine of `pieces` (also its `engine`)."""
+    engine = ScriptedEngine(pieces, delay)
+    served = inprocess_server(lambda: engine, **options)
+    served.engine = engine
+    return served
+
+
+def model_server(path, **options):
+    """inprocess_server in front of the dsv4 model at `path` (its engine as `engine`)."""
+    def load():
+        import dsv4
+        from dsv4.serve.disk_cache import model_fingerprint
+        from dsv4.serve.engine import ModelEngine
+
+        return ModelEngine(*dsv4.load(str(path)), model_fingerprint(Path(path)))
+
+    served = inprocess_server(load, **options)
+    served.engine = served.scheduler.engine
+    return served
 
 
 def start_server(args: list[str]):

@@ -188,7 +188,7 @@ def routes(service: Service) -> list[Route]:
     async def count_tokens(request: Request):
         try:
             body = await read_json(request)
-            return JSONResponse({"input_tokens": len(service.tokenize(prompt_of(body, service)))})
+            return JSONResponse({"input_tokens": len(service.tokenize(prompt_of(body, service))[0])})
         except RequestError as error:
             return error_response(error)
 
@@ -201,7 +201,7 @@ async def respond(request: Request, service: Service):
         body = await read_json(request)
         opt.refuse_unsupported(body, UNSUPPORTED)
         prompt = prompt_of(body, service)
-        tokens = service.tokenize(prompt)
+        tokens = service.tokenize(prompt)   # ids and the replay records they took
         limits = opt.Limits(opt.max_tokens(body, ("max_tokens",), None),
                             opt.stop_strings(body.get("stop_sequences"), "stop_sequences"),
                             opt.sampling(body, SAMPLING, service.scheduler.vocab_size))

@@ -39,11 +39,12 @@ class Service:
     started: int = field(default_factory=lambda: int(time.time()))
     stored: dict = field(default_factory=dict)   # Responses API: what previous_response_id names
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        tokens = self.scheduler.replay.tokenize(prompt.segments())
+    def tokenize(self, prompt: Prompt) -> tuple[list[int], list]:
+        """The prompt's ids and the replay records they took (replay.py)."""
+        tokens, replayed = self.scheduler.replay.tokenize(prompt.segments())
         if not tokens:
             raise RequestError("the prompt encodes to no tokens", param=prompt.param)
-        return tokens
+        return tokens, replayed
 
 
 async def read_json(request: Request) -> dict:

@@ -84,7 +84,8 @@ class DiskTier:
     def _scan(self) -> None:
         for leftover in self.directory.glob("*.partial"):   # a write that never finished
             leftover.unlink(missing_ok=True)
-        for path in self.directory.glob("*" + SUFFIX):
+        # Oldest first, so the replay records of the most recent entries are remembered last.
+        for path in sorted(self.directory.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             key = path.name[:-len(SUFFIX)]
             try:
                 tensors, metadata = read_header(path)
@@ -136,6 +137,10 @@ class DiskTier:
         if key in self.entries:
             self._touch(key)
             return
+        for other, entry in self.entries.items():
+            if covers(entry.tokens, entry.max_trim, ids):   # its records cover these ids too
+                self._touch(other)
+                return
         info = {"fingerprint": self.fingerprint, "format": FORMAT, "max_trim": cache.max_trim(),
                 "replay": [[text, list(map(int, produced))] for text, produced in replay]}
         try:

@@ -135,14 +135,14 @@ async def complete(request: Request, service: Service, kind: str):
         body = await read_json(request)
         if kind == "chat":
             prompt = chat_prompt(body, service.thinking)
-            tokens, mode = service.tokenize(prompt), prompt.mode
+            tokens, mode = service.tokenize(prompt), prompt.mode   # ids and the replay records they took
             constraint = constraint_for(prompt.response_format, service, "response_format")
         else:
             text = body.get("prompt")
             if not isinstance(text, str) or not text:
                 raise RequestError("'prompt' must be a non-empty string", param="prompt")
-            tokens, mode, constraint = service.scheduler.tokenizer.encode(text, add_special_tokens=False), None, None
-            if not tokens:
+            tokens, mode, constraint = (service.scheduler.tokenizer.encode(text, add_special_tokens=False), []), None, None
+            if not tokens[0]:
                 raise RequestError("the prompt encodes to no tokens", param="prompt")
         stream = opt.boolean(body, "stream")
         stream_options = body.get("stream_options") or {}

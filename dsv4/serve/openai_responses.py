@@ -250,7 +250,7 @@ async def respond(request: Request, service: Service, store: Store):
         response_format = text_format(body)
         prompt = opt.Prompt(([{"role": "system", "content": instructions}] if instructions else []) + conversation,
                             mode, tools_of(body), response_format, effort, param="input")
-        tokens = service.tokenize(prompt)
+        tokens = service.tokenize(prompt)   # ids and the replay records they took
         limits = opt.Limits(opt.max_tokens(body, ("max_output_tokens",), service.default_max_tokens),
                             sampling=opt.sampling(body, SAMPLING, service.scheduler.vocab_size))
         stream = opt.boolean(body, "stream")

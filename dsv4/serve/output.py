@@ -61,14 +61,16 @@ class StopScanner:
 
 
 class Generation:
-    def __init__(self, scheduler, tokens: list[int], limits: Limits, mode: Optional[str], constraint=None,
-                 prompt_param: str = "messages"):
-        """mode: "chat"/"thinking" parse the output as an assistant message; None passes text
-        through (text completions). prompt_param: what a prompt too long for the context names."""
+    def __init__(self, scheduler, prompt: tuple[list[int], list], limits: Limits, mode: Optional[str],
+                 constraint=None, prompt_param: str = "messages"):
+        """prompt: (ids, replay records they took), as Service.tokenize gives them. mode:
+        "chat"/"thinking" parse the output as an assistant message; None passes text through
+        (text completions). prompt_param: what a prompt too long for the context names."""
         self.scheduler, self.mode = scheduler, mode
         self.events = Events()
+        tokens, replayed = prompt
         self.job = Job(tokens, limits.max_tokens, limits.sampling, limits.seed, mode, constraint, self.events,
-                       prompt_param=prompt_param)
+                       prompt_param=prompt_param, replayed=replayed)
         self.stops = StopScanner(limits.stops)
         self.parser = StreamParser(mode) if mode is not None else None
         self.prompt_tokens = len(tokens)

@@ -101,7 +101,7 @@ class PrefixCache:
 
     def insert(self, tokens: Sequence[int], cache, replay: Sequence[Record] = ()) -> None:
         """Keep a snapshot of `cache`, which holds exactly `tokens` (and write it to disk, with
-        the replay records of the generation that made it)."""
+        the replay records of the model outputs among those tokens)."""
         ids = as_ids(tokens)
         if len(ids) == 0:
             return
@@ -113,9 +113,10 @@ class PrefixCache:
 
     def _remember(self, ids: np.ndarray, cache) -> None:
         key = ids.tobytes()
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return
+        for other, entry in self.entries.items():
+            if other == key or covers(entry.tokens, entry.max_trim, ids):   # it stands for this one
+                self.entries.move_to_end(other)
+                return
         entry = Entry(ids, cache, cache.nbytes(), cache.max_trim())
         for other in [k for k, e in self.entries.items() if covers(ids, entry.max_trim, e.tokens)]:
             self._drop(other)

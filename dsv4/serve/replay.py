@@ -74,11 +74,13 @@ class Replay:
     def __len__(self) -> int:
         return len(self._records)
 
-    def tokenize(self, segments: Sequence[Segment]) -> list[int]:
+    def tokenize(self, segments: Sequence[Segment]) -> tuple[list[int], list[Record]]:
         """The prompt's ids: remembered outputs as the model produced them, the rest as text
         (runs of text tokenized together, so a prompt without remembered outputs is tokenized
-        exactly as its whole text would be)."""
+        exactly as its whole text would be); and the records used, which a cache of this
+        prompt must keep to be found again after a restart (disk_cache.py stores them)."""
         ids: list[int] = []
+        used: list[Record] = []
         text: list[str] = []
         for segment in segments:
             produced = self.lookup(segment.text) if segment.output else None
@@ -89,6 +91,7 @@ class Replay:
                 ids += self.tokenizer.encode("".join(text), add_special_tokens=False)
                 text = []
             ids += produced
+            used.append((segment.text, produced))
         if text:
             ids += self.tokenizer.encode("".join(text), add_special_tokens=False)
-        return ids
+        return ids, used

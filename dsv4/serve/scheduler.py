@@ -52,6 +52,7 @@ class Job:
     constraint: Optional[Callable[[], Any]] = None
     events: Any = field(default_factory=queue.Queue)
     prompt_param: str = "messages"   # the request parameter a prompt too long for the context names
+    replayed: list = field(default_factory=list)   # replay records the prompt's ids took
     cancelled: threading.Event = field(default_factory=threading.Event)
     stop_reason: str = "cancelled"
 
@@ -260,7 +261,7 @@ class Scheduler(threading.Thread):
                 self.prefilling.append(session)   # round robin: the next prompt's turn
                 return
             if self.prefix is not None:
-                self.prefix.insert(session.job.tokens, session.cache)
+                self.prefix.insert(session.job.tokens, session.cache, session.job.replayed)
             token = self._sample([session], logits[None])[0]
         except Exception as error:
             self._fail(session.job, error)
@@ -331,7 +332,7 @@ class Scheduler(threading.Thread):
         held = session.held()
         if self.prefix is not None and len(held) > session.cached:
             try:
-                self.prefix.insert(held, session.cache, replay)
+                self.prefix.insert(held, session.cache, job.replayed + replay)
             except Exception:   # a cache that cannot be kept is not worth failing the answer for
                 traceback.print_exc()
         self._record(session, finish)
