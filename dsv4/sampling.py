@@ -81,38 +81,80 @@ class Sampling:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+class LogitAdjustment:
+    """The logit_bias and penalties of one generation, with the counts of what it produced."""
+
+    def __init__(self, sampling: Sampling, vocab: int):
+        self.sampling = sampling
+        bias = [0.0] * vocab
+        for token, value in sampling.logit_bias.items():
+            if token < vocab:
+                bias[token] = value
+        self.bias = mx.array(bias, mx.float32) if sampling.logit_bias else None
+        self.counts = mx.zeros((vocab,), mx.float32)
+
+    def __call__(self, logits: mx.array, counts: Optional[mx.array] = None) -> mx.array:
+        """logits [..., V] as the sampler sees them, after the tokens counted (or `counts`
+        [..., V] in their place)."""
+        s = self.sampling
+        if self.bias is not None:
+            logits = logits + self.bias
+        if s.penalized:
+            counts = self.counts if counts is None else counts
+            logits = logits - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).astype(mx.float32)
+        return logits
+
+    def rows(self, logits: mx.array, tokens: mx.array) -> mx.array:
+        """logits [n + 1, V] of consecutive positions after the tokens counted, row i also after
+        tokens[:i] ([n]): each row as the sampler would see it there."""
+        if not self.sampling.penalized:
+            return self(logits)
+        vocab = logits.shape[-1]
+        seen = (ramp(vocab)[None] == tokens[:, None]).astype(mx.float32)               # [n, V]
+        before = mx.concatenate([mx.zeros((1, vocab), mx.float32), mx.cumsum(seen, axis=0)])
+        return self(logits, self.counts + before)
+
+    def count(self, tokens: mx.array) -> None:
+        """Count the tokens [n] the generation produced (in order)."""
+        if self.sampling.penalized:
+            vocab = self.counts.shape[0]
+            for token in tokens.reshape(-1, 1):
+                self.counts = self.counts + (ramp(vocab) == token).astype(mx.float32)
+
+
 def make_sampler(sampling: Sampling = Sampling()) -> Callable[[mx.array], mx.array]:
     """logits [1, V] (fp32) -> token [1]. Called once per generated token, in order: the
     penalties count what it returned before."""
-    pick = _picker(sampling.temp, sampling.top_p)
+    pick = picker(sampling.temp, sampling.top_p)
     if not sampling.logit_bias and not sampling.penalized:
         return pick
     state: dict = {}
 
     def sample(logits: mx.array) -> mx.array:
-        vocab = logits.shape[-1]
         if not state:
-            bias = [0.0] * vocab
-            for token, value in sampling.logit_bias.items():
-                if token < vocab:
-                    bias[token] = value
-            state["bias"] = mx.array(bias, mx.float32) if sampling.logit_bias else None
-            state["counts"] = mx.zeros((vocab,), mx.float32)
-        if state["bias"] is not None:
-            logits = logits + state["bias"]
-        if sampling.penalized:
-            counts = state["counts"]
-            logits = logits - sampling.frequency_penalty * counts \
-                - sampling.presence_penalty * (counts > 0).astype(mx.float32)
-        token = pick(logits)
-        if sampling.penalized:
-            state["counts"] = state["counts"] + (ramp(vocab) == token[0]).astype(mx.float32)
+            state["adjust"] = LogitAdjustment(sampling, logits.shape[-1])
+        adjust = state["adjust"]
+        token = pick(adjust(logits))
+        adjust.count(token)
         return token
 
     return sample
 
 
-def _picker(temp: float, top_p: float) -> Callable[[mx.array], mx.array]:
+def sampled_logits(logits: mx.array, temp: float, top_p: float) -> mx.array:
+    """The logits [..., V] whose softmax the sampler of temp > 0 and top_p draws from: mlx-lm's
+    order, top-p on the temperature-1 distribution, then the temperature (the speculative
+    sampler's p and q)."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    return logprobs * (1.0 / temp)
+
+
+def picker(temp: float, top_p: float) -> Callable[[mx.array], mx.array]:
+    """The bare sampler: logits [..., V] (after bias and penalties) -> token [...]."""
     if temp == 0:
         return lambda logits: mx.argmax(logits, axis=-1)
     from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler

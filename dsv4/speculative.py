@@ -1,0 +1,213 @@
+"""Speculative decoding with the DSpark draft stages (dsv4/draft.py): propose a block of
+drafts after the pending token, verify them in one backbone forward of k+1 positions, keep
+what the target accepts.
+
+One cycle, with the pending token y at position n (the cache holds 0..n-1, the draft window
+the main KV of 0..n-1):
+- propose: the draft block after n-1 with y first; drafts d_1..d_k picked one after another
+  (each row's logits plus the Markov bias of the token before it), through the same logit
+  bias, penalties, temperature and top-p as the target's (q);
+- verify: the backbone over [y, d_1..d_k] at n..n+k (Cache: multi-token decode) gives the
+  target's distribution p_i at each position (bias and penalties counting the drafts before);
+- accept: greedy, the longest prefix of drafts equal to the target's argmax, plus the
+  target's token after it (so the tokens are plain decode's); sampled, each draft with
+  probability min(1, p/q), on the first rejection a token from max(0, p - q) normalized,
+  after k acceptances one from p_k (Leviathan et al. / Chen et al.: the output is
+  distributed as plain sampling);
+- the cache drops the rejected positions (Cache.trim, exact), the draft window takes the
+  main KV of the kept ones (the verify's hidden means; drafts never enter it).
+
+`Policy` picks k each cycle, 0 meaning a plain step (still seeding the draft window).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import Cache
+from .draft import DraftCache
+from .sampling import LogitAdjustment, Sampling, picker, sampled_logits
+
+
+@dataclass
+class Proposal:
+    drafts: mx.array                  # [k] int32
+    q_logits: Optional[mx.array]      # [k, V]: softmax is each draft's distribution (sampling)
+    confidence: mx.array              # [k] fp32: the confidence head's score of each row
+
+
+def propose(model, draft_cache: DraftCache, token: int, k: int, adjust: LogitAdjustment,
+            sampling: Sampling) -> Proposal:
+    """k <= block drafts after `token`, the pending token at position draft_cache.end."""
+    draft = model.draft
+    prev = mx.array([token], mx.int32)
+    x = draft.hidden(model, draft_cache, prev)                     # [1, block, D]
+    base = draft.logits(model, x)[0]                               # [block, V]
+    counts = adjust.counts
+    drafts, embeds, q_logits = [], [], []
+    for row in range(k):
+        bias, embed = draft.markov(prev)                           # [1, V], [1, r]
+        logits = adjust(base[row] + bias[0], counts)
+        if sampling.temp == 0:
+            prev = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
+        else:
+            q_logits.append(sampled_logits(logits, sampling.temp, sampling.top_p))
+            prev = mx.random.categorical(q_logits[-1])[None].astype(mx.int32)
+        if sampling.penalized:
+            counts = counts + (mx.arange(counts.shape[0]) == prev).astype(mx.float32)
+        drafts.append(prev)
+        embeds.append(embed)
+    confidence = draft.confidence(x, mx.stack(embeds, axis=1))[0]
+    return Proposal(mx.concatenate(drafts), mx.stack(q_logits) if q_logits else None, confidence)
+
+
+def accept(target_logits: mx.array, proposal: Proposal, sampling: Sampling) -> tuple[mx.array, mx.array]:
+    """The target's logits [k+1, V] (bias and penalties applied row by row) and the proposal
+    -> (number of drafts accepted j, the token after them), both on the device."""
+    drafts, k = proposal.drafts, proposal.drafts.shape[0]
+    if sampling.temp == 0:
+        target = mx.argmax(target_logits, axis=-1).astype(mx.int32)           # [k+1]
+        ok = target[:k] == drafts
+    else:
+        p_logits = sampled_logits(target_logits, sampling.temp, sampling.top_p)
+        p = mx.softmax(p_logits, axis=-1)                                     # [k+1, V]
+        q = mx.softmax(proposal.q_logits, axis=-1)                            # [k, V]
+        rows = mx.arange(k)
+        # accept d_i with probability min(1, p/q): u < p/q with u uniform in [0, 1)
+        ok = mx.random.uniform(shape=(k,)) * q[rows, drafts] < p[rows, drafts]
+        residual = mx.maximum(p[:k] - q, 0.0)
+        replaced = mx.random.categorical(mx.log(residual))                     # [k]
+        bonus = mx.random.categorical(p_logits[k:])                           # [1]
+        target = mx.concatenate([replaced, bonus]).astype(mx.int32)
+    accepted = mx.sum(mx.cumprod(ok.astype(mx.int32)))
+    return accepted, target[accepted]
+
+
+@dataclass
+class Stats:
+    """What a speculative generation did: counts and the time split (seconds)."""
+    verifies: int = 0
+    plain_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    plain_s: float = 0.0
+    accepted_at: list = field(default_factory=list)   # per block row: drafts accepted there
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens each verify forward produced (accepted drafts plus the target's own)."""
+        return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
+
+    def line(self) -> str:
+        total = self.propose_s + self.verify_s + self.plain_s
+        share = lambda s: f"{100 * s / total:.0f}%" if total else "-"
+        return (f"Speculative: {self.verifies} verifies, {self.plain_steps} plain steps; acceptance "
+                f"{self.acceptance:.3f} ({self.accepted}/{self.drafted}), {self.tokens_per_verify:.2f} "
+                f"tokens per verify; time: propose {share(self.propose_s)}, verify "
+                f"{share(self.verify_s)}, plain {share(self.plain_s)}")
+
+
+class Policy:
+    """k = min(most, what is left to generate): every cycle drafts as much as allowed."""
+
+    def __init__(self, most: int):
+        self.most = most
+
+    def k(self, remaining: int) -> int:
+        return max(0, min(self.most, remaining - 1))
+
+    def truncate(self, k: int, confidence: np.ndarray) -> int:
+        return k
+
+    def record_verify(self, k: int, accepted: int, confidence: np.ndarray, propose_s: float,
+                      verify_s: float) -> None:
+        pass
+
+    def record_plain(self, seconds: float) -> None:
+        pass
+
+
+def speculative_tokens(model, cache: Cache, draft_cache: DraftCache, prompt_logits: mx.array,
+                       sampling: Sampling, limit: int, policy: Policy,
+                       stats: Optional[Stats] = None) -> Iterator[int]:
+    """Tokens from the prompt's last logits [1, V] on, as `decode_tokens` gives them (greedy:
+    the same tokens; sampled: the same distribution), until closed or `limit` are out (the
+    last is not fed). `draft_cache` holds the main KV of the prompt's positions (Draft.seed
+    after each prefill chunk). Once closed or done, the cache holds everything but the last
+    token handed out, as after a plain loop."""
+    if cache.tokens.shape[0] != 1:
+        raise ValueError("speculative decoding runs one sequence at a time")
+    stats = stats if stats is not None else Stats()
+    draft = model.draft
+    adjust = LogitAdjustment(sampling, prompt_logits.shape[-1])
+    pick = picker(sampling.temp, sampling.top_p)
+    y = int(pick(adjust(prompt_logits)).item())
+    adjust.count(mx.array([y]))
+    start, handed = cache.offset, 0
+    try:
+        while True:
+            handed += 1          # counted before the yield: a close there has handed it out
+            yield y
+            if handed == limit:
+                return
+            k = policy.k(limit - handed)
+            if k == 0:
+                t0 = time.perf_counter()
+                hidden = []
+                logits = model(np.array([[y]], np.int64), cache, hidden=hidden)[:, -1]
+                draft.seed(draft_cache, hidden, 1)
+                y = int(pick(adjust(logits)).item())
+                adjust.count(mx.array([y]))
+                seconds = time.perf_counter() - t0
+                stats.plain_steps += 1
+                stats.plain_s += seconds
+                policy.record_plain(seconds)
+                continue
+            t0 = time.perf_counter()
+            proposal = propose(model, draft_cache, y, k, adjust, sampling)
+            confidence = np.array(proposal.confidence)
+            k = policy.truncate(k, confidence)
+            drafts = np.array(proposal.drafts[:k], np.int64)
+            t1 = time.perf_counter()
+            if k < proposal.drafts.shape[0]:
+                proposal = Proposal(proposal.drafts[:k], None if proposal.q_logits is None
+                                    else proposal.q_logits[:k], proposal.confidence[:k])
+            hidden = []
+            logits = model(np.concatenate([[y], drafts])[None], cache, hidden=hidden)[0]
+            j, nxt = accept(adjust.rows(logits, proposal.drafts), proposal, sampling)
+            j, nxt = int(j.item()), int(nxt.item())
+            cache.trim(k - j)
+            draft.seed(draft_cache, [h[:j + 1] for h in hidden], 1)
+            adjust.count(mx.array([*drafts[:j].tolist(), nxt]))
+            t2 = time.perf_counter()
+            stats.verifies += 1
+            stats.drafted += k
+            stats.accepted += j
+            stats.accepted_at += [0] * (k - len(stats.accepted_at))
+            for row in range(j):
+                stats.accepted_at[row] += 1
+            stats.propose_s += t1 - t0
+            stats.verify_s += t2 - t1
+            policy.record_verify(k, j, confidence[:k], t1 - t0, t2 - t1)
+            for token in drafts[:j]:
+                handed += 1
+                yield int(token)
+                if handed == limit:
+                    return
+            y = nxt
+    finally:
+        excess = cache.offset - (start + handed - 1)
+        if excess > 0:
+            cache.trim(excess)

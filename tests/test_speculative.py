@@ -1,0 +1,263 @@
+"""dsv4.speculative: greedy speculative decoding gives plain decode's tokens (and cache);
+sampled, each emitted token is distributed as plain sampling's (chi-square against the exact
+distributions, many seeds)."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dsv4
+from dsv4 import flags, speculative
+from dsv4.generation import decode_tokens, prefill
+from dsv4.sampling import LogitAdjustment, Sampling, make_sampler, picker, sampled_logits
+from dsv4.speculative import Policy, Proposal, Stats, accept, speculative_tokens
+from dsv4.testing import write_tiny_checkpoint
+
+TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", seed=4, draft=True)
+    with flags.override(draft="on"):
+        return dsv4.load(path)[0]
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return np.random.default_rng(0).integers(7, 500, (1, 19))
+
+
+def plain(model, prompt, n, sampling=Sampling()):
+    """decode_tokens' tokens and the cache it leaves."""
+    cache = model.make_cache()
+    logits = prefill(model, prompt, cache)
+    sampler = make_sampler(sampling)
+    return list(decode_tokens(model, cache, sampler(logits), sampler, n)), cache
+
+
+def speculate(model, prompt, n, policy, sampling=Sampling(), stats=None):
+    """speculative_tokens' tokens (the prompt prefilled and the draft window seeded) and the cache."""
+    cache, window = model.make_cache(), model.draft.make_cache()
+    hidden = []
+    logits = model(prompt, cache, hidden=hidden)[:, -1]
+    model.draft.seed(window, hidden, 1)
+    tokens = list(speculative_tokens(model, cache, window, logits, sampling, n, policy, stats))
+    return tokens, cache
+
+
+def next_logits(model, cache, token) -> np.ndarray:
+    return np.array(model(np.array([[token]]), cache.copy())[0, -1])
+
+
+def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
+    """p-value of Pearson's statistic, cells with expected count < 5 pooled (Wilson-Hilferty
+    approximation of the chi-square tail, plenty for a 1e-4 threshold)."""
+    order = np.argsort(expected)
+    obs, exp = observed[order].astype(float), expected[order].astype(float)
+    small = np.cumsum(exp) < 5 * np.arange(1, len(exp) + 1)   # pool the small tail first
+    if small.any():
+        cut = int(np.argmin(small)) if not small.all() else len(exp) - 1
+        obs = np.concatenate([[obs[:cut + 1].sum()], obs[cut + 1:]])
+        exp = np.concatenate([[exp[:cut + 1].sum()], exp[cut + 1:]])
+    stat, df = float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+    if df == 0:
+        return 1.0
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+# --- greedy ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain_run(tiny, prompt):
+    return plain(tiny, prompt, TOKENS)
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_greedy_gives_plain_decodes_tokens_and_cache(tiny, prompt, plain_run, k):
+    """256 tokens past a window of 8 and ratio-2 groups, with the checkpoint's (random) draft
+    stages: nearly every draft rejected at the first row."""
+    want, want_cache = plain_run
+    stats = Stats()
+    got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
+    assert got == want
+    assert stats.verifies > 0 and stats.drafted >= stats.verifies
+    np.testing.assert_array_equal(cache.tokens, want_cache.tokens)
+    np.testing.assert_array_equal(next_logits(tiny, cache, got[-1]), next_logits(tiny, want_cache, want[-1]))
+
+
+class Scripted:
+    """Stands in for `speculative.propose`: drafts the known continuation, wrong at block row
+    `wrong` (cycling 0..k: k = no error), so every rejection position is met."""
+
+    def __init__(self, continuation: list[int], start: int, k: int):
+        self.continuation, self.start, self.k, self.cycle, self.wrong_at = continuation, start, k, 0, []
+
+    def __call__(self, model, window, token, k, adjust, sampling):
+        at = window.end - self.start            # the pending token's place in the continuation
+        assert self.continuation[at] == token
+        drafts = list(self.continuation[at + 1:at + 1 + k])
+        wrong = self.cycle % (self.k + 1)
+        if wrong < k:
+            drafts[wrong] = (drafts[wrong] + 1) % model.args.vocab_size
+        self.wrong_at.append(min(wrong, k))
+        self.cycle += 1
+        return Proposal(mx.array(drafts, mx.int32), None, mx.zeros((k,)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_after_a_rejection_at_every_block_position(tiny, prompt, plain_run, monkeypatch, k):
+    """Drafts right up to a chosen row, that row wrong, cycling through every row (and none):
+    each cycle keeps exactly the drafts before the wrong one, and the tokens and the cache
+    after 256 tokens are plain decode's."""
+    want, want_cache = plain_run
+    script = Scripted(want, prompt.shape[1], k)
+    monkeypatch.setattr(speculative, "propose", script)
+    stats = Stats()
+    got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
+    assert got == want
+    n = stats.verifies
+    assert stats.accepted == sum(script.wrong_at[:n])
+    assert set(script.wrong_at[:n]) == set(range(k + 1))
+    np.testing.assert_array_equal(cache.tokens, want_cache.tokens)
+    np.testing.assert_array_equal(next_logits(tiny, cache, got[-1]), next_logits(tiny, want_cache, want[-1]))
+
+
+def test_greedy_with_penalties_and_bias(tiny, prompt, monkeypatch):
+    """Penalties count the drafts before each verified position (the scripted drafts are
+    mostly right, so whole blocks are accepted under the penalties)."""
+    sampling = Sampling(presence_penalty=0.8, frequency_penalty=0.5, logit_bias={7: 3.0, 9: -2.0})
+    want, _ = plain(tiny, prompt, 96, sampling)
+    script = Scripted(want, prompt.shape[1], 4)
+    monkeypatch.setattr(speculative, "propose", script)
+    got, _ = speculate(tiny, prompt, 96, Policy(4), sampling)
+    assert got == want
+
+
+def test_stopping_inside_a_block_leaves_the_cache_of_the_tokens_handed_out(tiny, prompt, monkeypatch):
+    want, _ = plain(tiny, prompt, 40)
+    script = Scripted(want, prompt.shape[1], 5)
+    monkeypatch.setattr(speculative, "propose", script)
+    cache, window = tiny.make_cache(), tiny.draft.make_cache()
+    hidden = []
+    logits = tiny(prompt, cache, hidden=hidden)[:, -1]
+    tiny.draft.seed(window, hidden, 1)
+    tokens = speculative_tokens(tiny, cache, window, logits, Sampling(), 40, Policy(5))
+    got = [next(tokens) for _ in range(23)]
+    tokens.close()
+    assert got == want[:23]
+    assert cache.offset == prompt.shape[1] + 22
+    np.testing.assert_array_equal(cache.tokens[0, prompt.shape[1]:], want[:22])
+
+
+# --- sampled -----------------------------------------------------------------------------------
+
+SETTINGS = [(1.0, 1.0), (0.7, 0.8), (1.5, 0.5)]
+
+
+@pytest.mark.parametrize("temp,top_p", SETTINGS)
+def test_sampled_logits_are_what_the_sampler_draws_from(temp, top_p):
+    """p and q of the speculative sampler are the plain sampler's distribution."""
+    logits = mx.array(np.random.default_rng(1).normal(0, 1.5, (1, 12)).astype(np.float32))
+    mx.random.seed(3)
+    n = 20000
+    draws = np.array(picker(temp, top_p)(mx.broadcast_to(logits, (n, 12))))
+    p = np.array(mx.softmax(sampled_logits(logits, temp, top_p), axis=-1))[0]
+    assert chi_square_p(np.bincount(draws, minlength=12), n * p) > 1e-4
+    assert (p[draws] > 0).all()   # nothing outside the nucleus
+
+
+class Chain:
+    """A synthetic target and draft over a tiny vocabulary: logits depend on the last two
+    tokens (tables drawn once), so every position has its own p and q."""
+
+    def __init__(self, vocab: int, seed: int, sampling: Sampling, wrong: bool = False):
+        rng = np.random.default_rng(seed)
+        self.vocab, self.rng = vocab, rng
+        target = rng.normal(0, 1.2, (vocab * vocab, vocab)).astype(np.float32)
+        draft = rng.normal(0, 1.2, (vocab * vocab, vocab)).astype(np.float32)
+        if wrong:   # the draft puts its mass on the one token the target never picks
+            target[:, 0], draft[:], draft[:, 0] = -30.0, -30.0, 10.0
+        self.target = mx.array(target)
+        # q as the speculative sampler makes it (propose), and its probabilities to draw from
+        self.q_logits = sampled_logits(mx.array(draft), sampling.temp, sampling.top_p)
+        self.q = np.array(mx.softmax(self.q_logits, axis=-1), np.float64)
+
+    def context(self, history) -> int:
+        return history[-2] * self.vocab + history[-1]
+
+
+def run_chain(chain: Chain, sampling: Sampling, k: int, emit: int) -> list[int]:
+    """The first `emit` tokens after [0, 0] from speculative cycles: drafts drawn from q, the
+    real `accept` on the target's rows after each prefix of the drafts."""
+    history = [0, 0]
+    while len(history) < 2 + emit:
+        drafts, contexts = [], []
+        for _ in range(k):
+            contexts.append(chain.context(history + drafts))
+            q = chain.q[contexts[-1]]
+            drafts.append(int(chain.rng.choice(chain.vocab, p=q / q.sum())))
+        rows = mx.array([chain.context(history + drafts[:i]) for i in range(k + 1)])
+        proposal = Proposal(mx.array(drafts, mx.int32), chain.q_logits[mx.array(contexts)], mx.zeros((k,)))
+        j, nxt = accept(chain.target[rows], proposal, sampling)
+        history += drafts[:int(j.item())] + [int(nxt.item())]
+    return history[2:2 + emit]
+
+
+def chain_distribution(chain: Chain, sampling: Sampling, emit: int) -> np.ndarray:
+    """The exact joint distribution of plain sampling's first `emit` tokens [V ** emit]."""
+    v = chain.vocab
+    p = np.array(mx.softmax(sampled_logits(chain.target, sampling.temp, sampling.top_p), axis=-1), np.float64)
+    probs, prefixes = np.ones(1), [[0, 0]]
+    for _ in range(emit):
+        probs = (probs[:, None] * np.stack([p[chain.context(h)] for h in prefixes])).reshape(-1)
+        prefixes = [h + [t] for h in prefixes for t in range(v)]
+    return probs
+
+
+@pytest.mark.parametrize("temp,top_p,k,wrong", [(1.0, 1.0, 2, False), (0.7, 0.8, 3, False),
+                                               (1.5, 0.5, 3, False), (1.0, 0.9, 2, True)],
+                         ids=["t1.0-p1.0-k2", "t0.7-p0.8-k3", "t1.5-p0.5-k3", "always-wrong-k2"])
+def test_accepting_keeps_the_target_distribution(temp, top_p, k, wrong):
+    """Joint distribution of the first 3 tokens over 4 tokens (64 cells), 3000 seeds, against
+    exact enumeration of plain sampling."""
+    sampling = Sampling(temp=temp, top_p=top_p)
+    chain = Chain(4, 7, sampling, wrong)
+    exact = chain_distribution(chain, sampling, 3)
+    mx.random.seed(11 + k)
+    n = 3000
+    seen = np.zeros(64)
+    for _ in range(n):
+        a, b, c = run_chain(chain, sampling, k, 3)
+        seen[16 * a + 4 * b + c] += 1
+    assert chi_square_p(seen, n * exact) > 1e-4, (seen, n * exact)
+    assert seen[exact == 0].sum() == 0
+
+
+def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt):
+    """On the tiny model (its random draft stages mostly wrong): the token after the first,
+    over 300 seeds, against p(first) p(second | first) computed from the model."""
+    sampling = Sampling(temp=0.8, top_p=0.9)
+    cache, window = tiny.make_cache(), tiny.draft.make_cache()
+    hidden = []
+    logits = tiny(prompt, cache, hidden=hidden)[:, -1]
+    tiny.draft.seed(window, hidden, 1)
+    first = np.array(mx.softmax(sampled_logits(logits, 0.8, 0.9), axis=-1))[0]
+    support = np.flatnonzero(first)
+    second = {int(t): np.array(mx.softmax(sampled_logits(
+        tiny(np.array([[t]]), cache.copy())[:, -1], 0.8, 0.9), axis=-1))[0] for t in support}
+    n, seen = 300, {}
+    for seed in range(n):
+        mx.random.seed(seed)
+        c, w = cache.copy(), tiny.draft.make_cache()
+        w.rows, w.end = list(window.rows), window.end
+        a, b = speculative_tokens(tiny, c, w, logits, sampling, 2, Policy(3))
+        seen[(a, b)] = seen.get((a, b), 0) + 1
+    cells = [(a, b) for a in second for b in np.flatnonzero(second[a])]
+    expected = np.array([n * first[a] * second[a][b] for a, b in cells])
+    observed = np.array([seen.pop((a, int(b)), 0) for a, b in cells])
+    assert not seen   # nothing outside the support
+    assert chi_square_p(observed, expected) > 1e-4
