@@ -104,6 +104,9 @@ class ScriptedEngine:
     def new_cache(self) -> ListCache:
         return ListCache()
 
+    def snapshot(self, cache: ListCache) -> ListCache:
+        return cache.copy()
+
     def _next(self, cache: ListCache) -> mx.array:
         n = cache.generated
         piece = self.script[n] if n < len(self.script) else None

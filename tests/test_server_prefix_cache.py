@@ -23,6 +23,7 @@ from dsv4 import flags  # noqa: E402
 from dsv4.encoding import encode_segments, parse_completion  # noqa: E402
 from dsv4.generation import prefill  # noqa: E402
 from dsv4.serve.disk_cache import DiskTier, key_of, model_fingerprint  # noqa: E402
+from dsv4.serve.engine import ModelEngine  # noqa: E402
 from dsv4.serve.prefix_cache import PrefixCache  # noqa: E402
 from dsv4.serve.scheduler import CacheOptions  # noqa: E402
 from tests.server_helpers import (ListCache, checkpoint, get_json, oracle, scripted_server,  # noqa: E402,F401
@@ -294,8 +295,8 @@ def test_a_memory_entry_is_trimmed_back_exactly(tiny_dir):
     fresh prefill of that prefix would."""
     import dsv4
 
-    model, _ = dsv4.load(str(tiny_dir))
-    prefix = PrefixCache(model.make_cache, 1 << 30)
+    model, tokenizer = dsv4.load(str(tiny_dir))
+    prefix = PrefixCache(ModelEngine(model, tokenizer), 1 << 30)
     long = list(range(3, 60))
     cache = model.make_cache()
     prefill(model, np.array([long]), cache)

@@ -2,8 +2,9 @@
 
 The scheduler owns the sessions; an engine owns how their caches are made and stepped:
 `new_cache()`, `prefill(cache, tokens)` (one chunk: the scheduler decides how long),
-`decode(caches, tokens)` (one token for each session, in one forward) and `settle(cache)`
-(the cache holds its whole state again: a decoder may keep it in its own buffers meanwhile).
+`decode(caches, tokens)` (one token for each session, in one forward), `settle(cache)` (the
+cache holds its whole state again: a decoder may keep it in its own buffers meanwhile) and
+`snapshot(cache)` (a copy for the prefix cache).
 Caches are then used through their own methods (offset, copy, trim, max_trim, nbytes, save),
 and `load_cache(path)` reads one the disk tier wrote. Tests put a scripted engine in its place.
 """
@@ -32,6 +33,13 @@ class ModelEngine:
 
     def new_cache(self):
         return self.model.make_cache()
+
+    def snapshot(self, cache):
+        """A copy of `cache` for the prefix cache, its arrays evaluated: an entry holds data,
+        not a graph (trims leave lazy slices), and any thread may read it."""
+        copy = cache.copy()
+        mx.eval(list(copy.state().values()))
+        return copy
 
     def prefill(self, cache, tokens: Sequence[int]) -> mx.array:
         """Feed tokens after what `cache` holds; -> the last one's logits [V] (fp32)."""

@@ -1,7 +1,7 @@
 """Caches of earlier requests, found by the longest prefix they share with a new prompt.
 
-An entry is a snapshot of a model cache (`copy()`: MLX arrays are immutable, so the snapshot
-shares them with the session that made it, which goes on) and the token ids it holds. A prompt
+An entry is a snapshot of a model cache (`engine.snapshot`, a copy: MLX arrays are immutable,
+so the snapshot shares them with the session that made it, which goes on) and the token ids it holds. A prompt
 continues from the entry that keeps the most of it: the common prefix of the two, if the entry
 can be trimmed back to it exactly (`max_trim()`: a cache keeps the state of only its last
 `reserve` positions). Entries live in an LRU bounded in bytes, so sessions that take turns
@@ -56,10 +56,10 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, new_cache, memory_bytes: int, disk=None):
-        """new_cache() -> an empty cache; memory_bytes bounds the entries in memory (0: none
-        are kept); disk: a DiskTier or None."""
-        self.new_cache, self.memory_bytes, self.disk = new_cache, memory_bytes, disk
+    def __init__(self, engine, memory_bytes: int, disk=None):
+        """engine: makes empty caches and snapshots (engine.py); memory_bytes bounds the entries
+        in memory (0: none are kept); disk: a DiskTier or None."""
+        self.engine, self.memory_bytes, self.disk = engine, memory_bytes, disk
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()   # least recently used first
         self.nbytes = 0
         self.counts = {"lookups": 0, "memory_hits": 0, "disk_hits": 0, "reused_tokens": 0}
@@ -86,7 +86,7 @@ class PrefixCache:
             cache = self.entries[best].cache.copy()
             self.counts["memory_hits"] += 1
         if cache is None:
-            return self.new_cache(), 0
+            return self.engine.new_cache(), 0
         cache.trim(cache.offset - keep)
         self.counts["reused_tokens"] += keep
         return cache, keep
@@ -96,8 +96,8 @@ class PrefixCache:
         if loaded is None:
             return None
         tokens, cache = loaded
-        self._remember(tokens, cache)   # the next turn finds it in memory
-        return cache.copy()
+        self._remember(tokens, self.engine.snapshot(cache))   # the next turn finds it in memory
+        return cache
 
     def insert(self, tokens: Sequence[int], cache, replay: Sequence[Record] = ()) -> None:
         """Keep a snapshot of `cache`, which holds exactly `tokens` (and write it to disk, with
@@ -107,7 +107,7 @@ class PrefixCache:
             return
         if cache.offset != len(ids):
             raise ValueError(f"the cache holds {cache.offset} tokens, {len(ids)} token ids were given")
-        self._remember(ids, cache.copy())
+        self._remember(ids, self.engine.snapshot(cache))
         if self.disk is not None:
             self.disk.put(ids, cache, replay)
 

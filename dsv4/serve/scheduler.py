@@ -172,7 +172,7 @@ class Scheduler(threading.Thread):
 
             disk = DiskTier(options.disk_dir, options.disk_bytes, self.engine.fingerprint,
                             self.engine.load_cache, self.replay)
-        return PrefixCache(self.engine.new_cache, options.memory_bytes, disk)
+        return PrefixCache(self.engine, options.memory_bytes, disk)
 
     def _context(self, model_context: int) -> int:
         if self.max_context is None:
@@ -253,19 +253,21 @@ class Scheduler(threading.Thread):
             self.prefilling.append(session)
 
     def _prefill_chunk(self) -> None:
-        session = self.prefilling.popleft()
+        session = self.prefilling[0]
         chunk, session.todo = session.todo[:self.prefill_chunk], session.todo[self.prefill_chunk:]
         try:
             logits = self.engine.prefill(session.cache, chunk)
             if session.todo:
-                self.prefilling.append(session)   # round robin: the next prompt's turn
+                self.prefilling.rotate(-1)   # round robin: the next prompt's turn
                 return
             if self.prefix is not None:
                 self.prefix.insert(session.job.tokens, session.cache, session.job.replayed)
             token = self._sample([session], logits[None])[0]
         except Exception as error:
+            self.prefilling.remove(session)
             self._fail(session.job, error)
             return
+        self.prefilling.remove(session)
         self.decoding.append(session)
         self._emit(session, token)
 
