@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -33,16 +34,21 @@ class GenerationResponse:
     generation_tps: float         # decode steps per second; 0 until a step was timed (n >= 2)
     peak_memory: float            # GB, as memory.peak() measures it
     finish_reason: Optional[str]  # None, "length" or "stop"
+    speculative: Optional[object] = None   # dsv4.speculative.Stats while drafting (DSV4_DRAFT)
 
 
 def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK,
-            progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+            progress: Optional[Callable[[int, int], None]] = None, draft_cache=None) -> mx.array:
     """Feed ids [1, S] in chunks; returns the logits of the last position [1, V].
-    `progress(done, total)` is called after each chunk."""
+    `progress(done, total)` is called after each chunk; a `draft_cache` (dsv4.draft) gets the
+    main KV of the positions fed."""
     logits = None
     total = ids.shape[1]
     for lo in range(0, total, chunk):
-        logits = model(ids[:, lo:lo + chunk], cache)[:, -1]
+        hidden = None if draft_cache is None else []
+        logits = model(ids[:, lo:lo + chunk], cache, hidden=hidden)[:, -1]
+        if draft_cache is not None:
+            model.draft.seed(draft_cache, hidden, ids.shape[0])
         mx.eval(logits)
         if progress is not None:
             progress(min(lo + chunk, total), total)
@@ -66,13 +72,16 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
                     logit_bias: Optional[Mapping[int, float]] = None,
                     cache: Optional[Cache] = None, ignore_eos: bool = False,
                     on_prefilled: Optional[Callable[[Cache], None]] = None,
-                    prefill_progress: Optional[Callable[[int, int], None]] = None) -> Iterator[GenerationResponse]:
+                    prefill_progress: Optional[Callable[[int, int], None]] = None,
+                    draft: Optional[str] = None) -> Iterator[GenerationResponse]:
     """Yield one response per generated token. A str prompt is encoded as is (no chat
     template); with `cache`, the prompt continues what the cache already holds.
     `ignore_eos` generates exactly max_tokens (benchmarks); `on_prefilled(cache)` is called
     once the prompt is in the cache, before the first generated token is fed back;
     `prefill_progress(done, total)` after each prefilled chunk. Generation also stops
-    ("length") where the model's context ends. Bad options raise an InputError before any
+    ("length") where the model's context ends. `draft` (off / on / auto, default DSV4_DRAFT)
+    decodes speculatively with the model's DSpark draft stages (dsv4/speculative.py): the same
+    tokens greedy, the same distribution sampled. Bad options raise an InputError before any
     work is done."""
     check_max_tokens(max_tokens)
     check_seed(seed)
@@ -83,17 +92,35 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
         raise InputError("the prompt is empty")
     cache = cache if cache is not None else model.make_cache()
     limit = min(max_tokens, check_context(model, len(ids), cache.offset))
+    mode = flags.get("draft") if draft is None else draft
+    if mode not in ("off", "on", "auto"):
+        raise InputError(f"draft={mode!r}: expected off, on or auto")
+    if mode == "on" and model.draft is None:
+        raise InputError("draft=on, but the model was loaded without draft stages (load it with "
+                         "DSV4_DRAFT=on or auto, from a checkpoint that has them)")
+    # The draft window holds only this prompt's positions (a cache continued from an earlier
+    # turn brings none): drafts may be worse for a while, the output is the same.
+    window = model.draft.make_cache() if mode != "off" and model.draft is not None else None
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(sampling)
     detok = tokenizer.detokenizer
     start = time.perf_counter()
-    logits = prefill(model, np.array([ids], np.int64), cache, progress=prefill_progress)
+    logits = prefill(model, np.array([ids], np.int64), cache, progress=prefill_progress, draft_cache=window)
     if on_prefilled is not None:
         on_prefilled(cache)
     prompt_time = time.perf_counter() - start
     prompt_tps = len(ids) / prompt_time
-    tokens = decode_tokens(model, cache, sampler(logits), sampler, limit)
+    stats = None
+    if window is not None:
+        from .speculative import Adaptive, Policy, Stats, speculative_tokens
+
+        most = min(flags.get("draft_k"), model.args.dspark_block_size)
+        stats = Stats()
+        policy = Adaptive(most) if mode == "auto" else Policy(most)
+        tokens = speculative_tokens(model, cache, window, logits, sampling, limit, policy, stats)
+    else:
+        tokens = decode_tokens(model, cache, sampler(logits), sampler, limit)
     try:
         for n, token in enumerate(tokens, 1):
             if n == 1:
@@ -107,7 +134,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             elapsed = time.perf_counter() - gen_start
             yield GenerationResponse(detok.last_segment, token, len(ids), prompt_tps, n,
                                      (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0,
-                                     memory.peak()[0], finish)
+                                     memory.peak()[0], finish, stats)
             if finish:
                 return
     finally:
@@ -175,6 +202,8 @@ def print_stats(r: GenerationResponse, file=None, load_s: Optional[float] = None
     else:  # the one token came from the prompt's logits: no decode step was timed
         print(f"Generation: {r.generation_tokens} token (from the prompt's logits; no decode step timed)", file=file)
     print(f"Peak memory: {r.peak_memory:.3f} GB ({memory.peak()[1]})", file=file)
+    if r.speculative is not None:
+        print(r.speculative.line(), file=file)
 
 
 def warm_up(model) -> None:
@@ -213,6 +242,10 @@ def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: fl
         "prompt_tokens": prompt_tokens, "prompt_tps": last.prompt_tps, "ttft_s": ttft, "load_s": load_s,
         "generation_tokens": len(tokens), "generation_tps": last.generation_tps,
         "peak_memory_gb": last.peak_memory, "tokens": tokens,
+        "draft": None if last.speculative is None else {
+            "acceptance": last.speculative.acceptance, "tokens_per_verify": last.speculative.tokens_per_verify,
+            "verifies": last.speculative.verifies, "plain_steps": last.speculative.plain_steps,
+            "propose_s": last.speculative.propose_s, "verify_s": last.speculative.verify_s},
         "tokens_md5": hashlib.md5(",".join(map(str, tokens)).encode()).hexdigest()})
 
 
@@ -238,14 +271,28 @@ def main(argv: Optional[list[str]] = None) -> None:
             expert_cache_gb: Optional[str] = typer.Option(
                 None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N "
                 "GB (or auto: what memory the rest leaves) instead of loading them; default "
-                "DSV4_EXPERT_CACHE_GB, empty: all resident")):
+                "DSV4_EXPERT_CACHE_GB, empty: all resident"),
+            draft: Optional[str] = typer.Option(None, help="speculative decoding with the checkpoint's DSpark "
+                                                "draft stages: off, on or auto (default DSV4_DRAFT)"),
+            draft_k: Optional[int] = typer.Option(None, help="the most drafts verified per step "
+                                                  "(default DSV4_DRAFT_K)")):
         from .loader import load, resident_bytes
 
-        with reported():
+        with reported(), contextlib.ExitStack() as scope:
             check_max_tokens(max_tokens, "--max-tokens")
             check_seed(seed, "--seed")
             Sampling(temp, top_p).check(spell=option_name)
             flags.check_environment()
+            # --draft / --draft-k stand for their switches, checked as the variables are
+            switches = {}
+            for name, value in (("draft", draft), ("draft_k", draft_k)):
+                if value is not None:
+                    flag = flags.FLAGS[name]
+                    try:
+                        switches[name] = flag.parse(str(value))
+                    except flags.FlagError as e:
+                        raise InputError(str(e).replace(flag.env, option_name(name))) from None
+            scope.enter_context(flags.override(**switches))
             if prompt == "-":
                 prompt = sys.stdin.read()
             if not prompt:

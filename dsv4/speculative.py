@@ -139,6 +139,115 @@ class Policy:
         pass
 
 
+class Adaptive(Policy):
+    """k for the most tokens per second, from what was measured so far (DSV4_DRAFT=auto).
+
+    Expected tokens of a cycle verifying k drafts: 1 + sum_i P(drafts 1..i all accepted);
+    its time: the propose plus a verify of k+1 positions (a linear fit of the verify times
+    over the positions, plain steps counting as one position). Before the propose, k comes
+    from the acceptance rate seen so far; after it, the confidence head's score of each row
+    cuts the block where verifying more would lower the rate (the score is mapped to an
+    acceptance probability by a logistic fit to the outcomes: an uninformative head gets a
+    flat fit and changes nothing). While no k beats a plain step, plain steps run; after
+    every `probe` of them PROBE_CYCLES cycles draft again (the interval doubles while
+    probing does not pay, up to 256 steps)."""
+
+    HISTORY = 512      # (score, accepted) pairs and times the estimates look back on
+    PRIOR = 4          # rows of prior belief in the acceptance rate (half accepted)
+    DECAY = 0.97       # weight of a row one row older: the rate remembers ~30 rows
+    PROBE_CYCLES = 3   # cycles a probe drafts, to see enough rows
+
+    def __init__(self, most: int, probe: int = 16):
+        super().__init__(most)
+        self.probe, self.first_probe = probe, probe
+        self.since_probe, self.probing = 0, 0
+        self.rows: list[tuple[float, bool]] = []     # (confidence score, accepted) of verified rows
+        self.times: list[tuple[int, float]] = []     # (positions, seconds) of verifies and plain steps
+        self.propose_s: Optional[float] = None
+        self.fit = (0.0, 0.0)                       # logistic acceptance(score) = sigmoid(a*score + b)
+
+    # --- estimates ------------------------------------------------------------------------------
+
+    def _acceptance(self, scores: np.ndarray) -> np.ndarray:
+        a, b = self.fit
+        return 1.0 / (1.0 + np.exp(-np.clip(a * scores + b, -30, 30)))
+
+    def _rate(self) -> float:
+        """Acceptance of a draft whose predecessors were accepted: the rows seen, the recent
+        ones weighing more (text changes), and PRIOR rows half accepted, so that a few unlucky
+        rows do not turn drafting off and a run of them does."""
+        ok = np.array([accepted for _, accepted in self.rows], np.float64)
+        weight = self.DECAY ** np.arange(len(ok))[::-1]
+        return float((weight @ ok + self.PRIOR / 2) / (weight.sum() + self.PRIOR))
+
+    def _verify_s(self, positions: int) -> float:
+        t = np.array(self.times, np.float64)
+        if len(np.unique(t[:, 0])) < 2:
+            return float(np.mean(t[:, 1]))
+        slope, base = np.polyfit(t[:, 0], t[:, 1], 1)
+        return max(float(base + slope * positions), 1e-9)
+
+    def _best(self, accept_probs: np.ndarray) -> tuple[int, float]:
+        """(k, tokens per second) of the best block prefix given each row's acceptance."""
+        reach = np.concatenate([[1.0], np.cumprod(accept_probs)])     # P(rows < i accepted)
+        rates = [reach[:k + 1].sum() / (self.propose_s + self._verify_s(k + 1))
+                 for k in range(1, len(accept_probs) + 1)]
+        k = int(np.argmax(rates)) + 1
+        return k, rates[k - 1]
+
+    def _refit(self) -> None:
+        """Logistic regression of acceptance on the score: a few Newton steps from the last fit,
+        each at most 1 in either weight, with a ridge so that a score that tells nothing leaves
+        the slope at 0 and all-accepted rows do not send the intercept to infinity."""
+        x = np.array([[score, 1.0] for score, _ in self.rows])
+        y = np.array([ok for _, ok in self.rows], np.float64)
+        w = np.array(self.fit)
+        for _ in range(5):
+            p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30, 30)))
+            grad = x.T @ (p - y) + w
+            hess = (x * (p * (1 - p))[:, None]).T @ x + np.eye(2)
+            w = w - np.clip(np.linalg.solve(hess, grad), -1.0, 1.0)
+        self.fit = (float(w[0]), float(w[1]))
+
+    # --- decisions --------------------------------------------------------------------------------
+
+    def k(self, remaining: int) -> int:
+        most = super().k(remaining)
+        if most == 0 or not self.times:
+            return 0                      # first a plain step: its time is the yardstick
+        if self.propose_s is None:
+            return most                   # then a block, to time the draft and a verify
+        if self.probing:
+            self.probing -= 1
+            return most
+        k, rate = self._best(np.full(most, self._rate()))
+        if rate > 1.0 / self._verify_s(1):
+            return k
+        self.since_probe += 1
+        if self.since_probe < self.probe:
+            return 0
+        self.since_probe, self.probing = 0, self.PROBE_CYCLES - 1
+        self.probe = min(2 * self.probe, 256)
+        return most
+
+    def truncate(self, k: int, confidence: np.ndarray) -> int:
+        if self.propose_s is None or len(self.rows) < 16:
+            return k
+        return self._best(self._acceptance(confidence[:k]))[0]
+
+    def record_verify(self, k, accepted, confidence, propose_s, verify_s) -> None:
+        self.propose_s = propose_s if self.propose_s is None else 0.8 * self.propose_s + 0.2 * propose_s
+        self.times = (self.times + [(k + 1, verify_s)])[-self.HISTORY:]
+        seen = min(accepted + 1, k)       # rows decided: the accepted ones and the first rejected
+        self.rows = (self.rows + [(float(c), i < accepted) for i, c in enumerate(confidence[:seen])])[-self.HISTORY:]
+        self._refit()
+        if self._best(np.full(self.most, self._rate()))[1] > 1.0 / self._verify_s(1):
+            self.probe = self.first_probe  # drafting pays again: probe soon once it stops
+
+    def record_plain(self, seconds: float) -> None:
+        self.times = (self.times + [(1, seconds)])[-self.HISTORY:]
+
+
 def speculative_tokens(model, cache: Cache, draft_cache: DraftCache, prompt_logits: mx.array,
                        sampling: Sampling, limit: int, policy: Policy,
                        stats: Optional[Stats] = None) -> Iterator[int]:

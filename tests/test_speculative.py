@@ -3,6 +3,7 @@ sampled, each emitted token is distributed as plain sampling's (chi-square again
 distributions, many seeds)."""
 
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -19,10 +20,14 @@ TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", seed=4, draft=True)
+def draft_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", seed=4, draft=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(draft_dir):
     with flags.override(draft="on"):
-        return dsv4.load(path)[0]
+        return dsv4.load(draft_dir)[0]
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +266,105 @@ def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt):
     observed = np.array([seen.pop((a, int(b)), 0) for a, b in cells])
     assert not seen   # nothing outside the support
     assert chi_square_p(observed, expected) > 1e-4
+
+
+# --- choosing k ----------------------------------------------------------------------------------
+
+def drive(policy, accept_rate, verify_s, propose_s=0.3, plain_s=1.0, cycles=400, scores=None, seed=0):
+    """Run `policy` against a simulated drafter: each draft accepted with `accept_rate`
+    (or by its score: `scores(row)` -> (score, accepted)); times in units of a plain step.
+    Returns the k chosen at each cycle (0: a plain step) and the tokens per unit of time."""
+    rng = np.random.default_rng(seed)
+    ks, tokens, clock = [], 0, 0.0
+    for _ in range(cycles):
+        k = policy.k(10 ** 6)
+        if k == 0:
+            policy.record_plain(plain_s)
+            ks.append(0)
+            tokens, clock = tokens + 1, clock + plain_s
+            continue
+        rows = [scores(i) if scores else (0.0, rng.random() < accept_rate) for i in range(k)]
+        confidence = np.array([score for score, _ in rows])
+        k = policy.truncate(k, confidence)
+        accepted = 0
+        while accepted < k and rows[accepted][1]:
+            accepted += 1
+        policy.record_verify(k, accepted, confidence, propose_s, verify_s(k + 1))
+        ks.append(k)
+        tokens, clock = tokens + accepted + 1, clock + propose_s + verify_s(k + 1)
+    return ks, tokens / clock
+
+
+def test_adaptive_k_drafts_the_most_while_it_pays():
+    ks, rate = drive(speculative.Adaptive(5), 0.9, verify_s=lambda n: 1.0 + 0.05 * (n - 1))
+    assert ks[0] == 0 and all(k == 5 for k in ks[2:])
+    assert rate > 3.0   # tokens per plain-step time
+
+
+def test_adaptive_k_turns_drafting_off_while_it_does_not_pay():
+    """A draft that is never right: plain steps, with probes further and further apart (their
+    cost: under 3% of plain decode's rate over these 800 tokens, less the longer it runs)."""
+    ks, rate = drive(speculative.Adaptive(5), 0.0, verify_s=lambda n: 1.0 + 0.2 * (n - 1), cycles=800)
+    starts = [i for i in range(3, len(ks)) if ks[i] > 0 and ks[i - 1] == 0]
+    gaps = np.diff(starts)
+    assert len(starts) <= 6 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] > 4 * gaps[0]
+    assert np.mean(np.array(ks) == 0) > 0.95
+    assert rate > 0.96   # plain decode's is 1.0
+
+
+def best_fixed_rate(accept_rate, verify_s, propose_s, most=5) -> float:
+    """Tokens per plain-step time of the best fixed k (or plain decode, 1.0)."""
+    return max([1.0] + [sum(accept_rate ** i for i in range(k + 1)) / (propose_s + verify_s(k + 1))
+                        for k in range(1, most + 1)])
+
+
+@pytest.mark.parametrize("accept_rate,slope,propose_s", [(0.8, 0.5, 0.1), (0.6, 0.1, 0.3), (0.95, 0.3, 0.2),
+                                                        (0.9, 0.05, 0.3)])
+def test_adaptive_k_gets_near_the_best_fixed_k(accept_rate, slope, propose_s):
+    """Where the verify grows with its positions, the best k is in the middle (the rate is
+    flat near it): the adaptive choice gets within 6% of the best fixed k's rate (with
+    acceptance 0.3 drafting gains 7% at best; the probes for it cost about that)."""
+    verify_s = lambda n: 1.0 + slope * (n - 1)
+    _, rate = drive(speculative.Adaptive(5), accept_rate, verify_s, propose_s=propose_s, cycles=600)
+    assert rate >= 0.94 * best_fixed_rate(accept_rate, verify_s, propose_s)
+
+
+def test_adaptive_k_cuts_the_block_where_the_confidence_says_the_drafts_go_wrong():
+    """Rows scored above 0 are accepted, below 0 not: once the fit has seen that, each block
+    stops at the first low score (here row 2)."""
+    scores = lambda row: (2.0, True) if row < 2 else (-2.0, False)
+    policy = speculative.Adaptive(5)
+    ks, _ = drive(policy, None, verify_s=lambda n: 1.0 + 0.1 * (n - 1), scores=scores)
+    assert policy.fit[0] > 0
+    assert all(k == 2 for k in ks[40:])
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_stream_generate_with_draft_gives_the_plain_text(tiny, draft_dir, mode):
+    from dsv4.generation import stream_generate
+    from dsv4.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(draft_dir)
+    plain_run = list(stream_generate(tiny, tokenizer, "Readability counts.", max_tokens=48, ignore_eos=True,
+                                     draft="off"))
+    with flags.override(draft_k=3):
+        drafted = list(stream_generate(tiny, tokenizer, "Readability counts.", max_tokens=48, ignore_eos=True,
+                                       draft=mode))
+    assert [r.token for r in drafted] == [r.token for r in plain_run]
+    assert plain_run[-1].speculative is None
+    stats = drafted[-1].speculative
+    assert stats.verifies + stats.plain_steps == 47 - stats.accepted
+    assert stats.drafted <= 3 * stats.verifies
+
+
+def test_generate_cli_reports_the_drafting(draft_dir, capsys):
+    from dsv4 import generation
+
+    with pytest.raises(SystemExit) as done:
+        generation.main(["--model", str(draft_dir), "--draft", "on", "--draft-k", "2", "-m", "12",
+                         "--raw", "-p", "Simple is better"])
+    out = capsys.readouterr().out
+    assert (done.value.code or 0) == 0
+    assert re.search(r"Speculative: \d+ verifies, \d+ plain steps; acceptance [\d.]+ \(\d+/\d+\)", out), out
