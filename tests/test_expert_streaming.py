@@ -168,6 +168,14 @@ def gguf_models(tmp_path_factory):
         dst = root / name
         conv.convert(root / f"{name}.gguf", dst, conv.Options(), workers=1, progress=False)
         out[name] = dst
+    # A byte-split GGUF cut inside an expert: that tensor's experts are read across both parts.
+    data = (root / "q2.gguf").read_bytes()
+    down = conv.GGUFSource(root / "q2.gguf").tensors["blk.3.ffn_down_exps.weight"]
+    cut = down.offset + down.nbytes // 2 + 7
+    (root / "q2s.gguf.part1").write_bytes(data[:cut])
+    (root / "q2s.gguf.part2").write_bytes(data[cut:])
+    conv.convert(root / "q2s.gguf.part1", root / "q2-split", conv.Options(), workers=1, progress=False)
+    out["q2-split"] = root / "q2-split"
     conv.convert(root / "q2.gguf", root / "q2-copied", conv.Options(copy_weights=True), workers=1,
                  progress=False)
     out["q2-copied"] = root / "q2-copied"
@@ -191,9 +199,12 @@ def test_converted_directories_stream_exactly(converted, kind):
     _format_check(converted / kind)
 
 
-@pytest.mark.parametrize("kind", ["q2", "q2-copied", "q2-affine"])
+@pytest.mark.parametrize("kind", ["q2", "q2-split", "q2-copied", "q2-affine"])
 def test_gguf_blocks_stream_exactly(gguf_models, kind):
     _format_check(gguf_models[kind])
+    if kind == "q2-split":
+        refs = json.loads((gguf_models[kind] / "config.json").read_text())["dsv4"]["tensors"]
+        assert len(refs["layers.3.ffn.experts.w2.weight"]["parts"]) == 2
 
 
 def test_layers_of_other_block_types_get_their_own_pool(gguf_models):
