@@ -29,17 +29,19 @@ EOS = 256
 
 class ScriptTokenizer:
     """Bytes are ids 0..255 and 256 is end of sentence, as a byte-level tokenizer would have
-    them; each distinct piece of the script is one more id, so what the engine generates is not
-    what its text re-tokenizes to (as a BPE model's output often is not)."""
+    them; each distinct piece of the script longer than a byte is one more id, so what the engine
+    generates is not what its text re-tokenizes to (as a BPE model's output often is not)."""
 
     eos_token_id, eos_token_ids = EOS, {EOS}
 
     def __init__(self, pieces: Sequence[str]):
-        self.pieces = list(dict.fromkeys(pieces))
+        self.pieces = [p for p in dict.fromkeys(pieces) if len(p.encode()) > 1]
         self.vocab_size = 257 + len(self.pieces)
 
     def piece_id(self, piece: Optional[str]) -> int:
-        return EOS if piece is None else 257 + self.pieces.index(piece)
+        if piece is None:
+            return EOS
+        return piece.encode()[0] if len(piece.encode()) == 1 else 257 + self.pieces.index(piece)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode())
@@ -138,6 +140,25 @@ class ScriptedEngine:
     def load_cache(self, path):
         arrays, metadata = mx.load(str(path), return_metadata=True)
         return ListCache(np.array(arrays["tokens"]).reshape(-1).tolist()), metadata
+
+    def constraint_tokenizer(self):
+        """The script's vocabulary as llguidance reads it: each id's bytes."""
+        from llguidance import LLTokenizer, TokenizerWrapper
+
+        return LLTokenizer(TokenizerWrapper(SpelledVocabulary(self.tokenizer)), n_vocab=self.vocab_size)
+
+
+class SpelledVocabulary:
+    """A ScriptTokenizer as llguidance's TokenizerWrapper takes a tokenizer: the bytes of each id
+    and an encoder of bytes."""
+
+    eos_token_id, bos_token_id, special_token_ids = EOS, None, [EOS]
+
+    def __init__(self, tokenizer: ScriptTokenizer):
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"] + [p.encode() for p in tokenizer.pieces]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
 
 
 def serve_in_thread(service: Service):

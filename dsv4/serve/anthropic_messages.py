@@ -207,7 +207,7 @@ async def respond(request: Request, service: Service):
                             opt.sampling(body, SAMPLING, service.scheduler.vocab_size))
         stream = opt.boolean(body, "stream")
         generation = Generation(service.scheduler, tokens, limits, prompt.mode,
-                                constraint_for(prompt.response_format, service, "output_config.format"))
+                                constraint_for(prompt, service, "output_config.format"))
         generation.watch(request)
         await generation.start()
     except RequestError as error:

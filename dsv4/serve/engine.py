@@ -30,6 +30,7 @@ class ModelEngine:
         self.vocab_size = model.args.vocab_size
         self.context = model.args.max_position_embeddings
         self._alone: Optional[list] = None   # [cache, decoder, positions fed] of a lone session
+        self._constraint_tokenizer = None
 
     def new_cache(self):
         return self.model.make_cache()
@@ -71,6 +72,15 @@ class ModelEngine:
     def forget(self) -> None:
         """After a failed step: drop the lone decoder without writing its state back."""
         self._alone = None
+
+    def constraint_tokenizer(self):
+        """The tokenizer as llguidance reads it (structured.py), made once (~1 s for V4.1's vocabulary)."""
+        if self._constraint_tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._constraint_tokenizer = LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                     eos_token=sorted(self.tokenizer.eos_token_ids))
+        return self._constraint_tokenizer
 
     def load_cache(self, path):
         """-> (cache, metadata) of a file a cache's save() wrote."""

@@ -136,7 +136,7 @@ async def complete(request: Request, service: Service, kind: str):
         if kind == "chat":
             prompt = chat_prompt(body, service.thinking)
             tokens, mode = service.tokenize(prompt), prompt.mode   # ids and the replay records they took
-            constraint = constraint_for(prompt.response_format, service, "response_format")
+            constraint = constraint_for(prompt, service, "response_format")
         else:
             text = body.get("prompt")
             if not isinstance(text, str) or not text:

@@ -256,7 +256,7 @@ async def respond(request: Request, service: Service, store: Store):
         stream = opt.boolean(body, "stream")
         keep = opt.boolean(body, "store", default=True)
         generation = Generation(service.scheduler, tokens, limits, mode,
-                                constraint_for(response_format, service, "text.format"), prompt.param)
+                                constraint_for(prompt, service, "text.format"), prompt.param)
         generation.watch(request)
         await generation.start()
     except RequestError as error:
