@@ -47,7 +47,7 @@ SMALL = dict(REAL, vocab_size=4096, hidden_size=512, num_attention_heads=8, head
              n_routed_experts=32, index_n_heads=8, index_head_dim=64, index_topk=64,
              candidate_topk_blocks=16)
 FP32 = ("hc_attn_", "hc_ffn_", "attn_sink", "gate.bias")
-DENSE_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts")
+DENSE_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "main_proj")
 
 
 # ds4's GGUF recipes for the routed experts (gate, up, down); their shared expert is Q8_0.
@@ -102,6 +102,31 @@ def keep_gguf(model, experts: str, dense: str) -> None:
             setattr(dict(layer.named_modules())[parent_path], name, m)
 
 
+def quantize_randomly(module: nn.Module) -> dict:
+    """Quantize `module` as the official checkpoint stores it (dense projections mxfp8, routed
+    experts mxfp4 with random codes and e8m0 scales 2^-7..2^-4, the rest bf16 but the fp32
+    tensors) and keep its random weights; returns its parameters by name."""
+    def dense(path, m):
+        return (hasattr(m, "to_quantized") and "experts" not in path.split(".")[-2:]
+                and any(f".{n}" in f".{path}" for n in DENSE_FP8) and "compressor" not in path)
+
+    nn.quantize(module, class_predicate=lambda p, m: dict(group_size=32, bits=8, mode="mxfp8")
+                if dense(p, m) else (dict(group_size=32, bits=4, mode="mxfp4")
+                                     if p.endswith(("experts.w1", "experts.w2", "experts.w3")) else False))
+    params = {}
+    for name, p in tree_flatten(module.parameters()):
+        if ".experts.w" in name and name.endswith(".weight"):
+            p = mx.random.randint(-2**31, 2**31 - 1, p.shape).view(mx.uint32)  # any nibble is valid e2m1
+        elif ".experts.w" in name and name.endswith(".scales"):
+            p = mx.random.randint(120, 124, p.shape).astype(mx.uint8)
+        elif p.dtype == mx.float32 and not any(k in name for k in FP32):
+            p = p.astype(mx.bfloat16)
+        mx.eval(p)
+        params[name] = p
+    module.update(tree_unflatten(list(params.items())))
+    return params
+
+
 def build(config: dict, experts: str = "mxfp4", dense: str = "mxfp8"):
     """dsv4 and mlx-lm models sharing the same random quantized weights (no mlx-lm model when
     dsv4's keeps GGUF blocks: mlx-lm has no such layers)."""
@@ -112,25 +137,7 @@ def build(config: dict, experts: str = "mxfp4", dense: str = "mxfp8"):
 
     args = ModelArgs.from_dict(config)
     model = Model(args)
-
-    def dense(path, m):
-        return (hasattr(m, "to_quantized") and "experts" not in path.split(".")[-2:]
-                and any(f".{n}" in f".{path}" for n in DENSE_FP8) and "compressor" not in path)
-
-    nn.quantize(model, class_predicate=lambda p, m: dict(group_size=32, bits=8, mode="mxfp8")
-                if dense(p, m) else (dict(group_size=32, bits=4, mode="mxfp4")
-                                     if p.endswith(("experts.w1", "experts.w2", "experts.w3")) else False))
-    params = {}
-    for name, p in tree_flatten(model.parameters()):
-        if ".experts.w" in name and name.endswith(".weight"):
-            p = mx.random.randint(-2**31, 2**31 - 1, p.shape).view(mx.uint32)  # any nibble is valid e2m1
-        elif ".experts.w" in name and name.endswith(".scales"):
-            p = mx.random.randint(120, 124, p.shape).astype(mx.uint8)
-        elif p.dtype == mx.float32 and not any(k in name for k in FP32):
-            p = p.astype(mx.bfloat16)
-        mx.eval(p)
-        params[name] = p
-    model.update(tree_unflatten(list(params.items())))
+    params = quantize_randomly(model)
     if experts != "mxfp4" or dense != "mxfp8":
         keep_gguf(model, experts, dense)
         return model, None, dict(tree_flatten(model.parameters()))

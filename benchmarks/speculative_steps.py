@@ -1,0 +1,178 @@
+"""What a speculative cycle costs on the shape-true V4.1 slice with DSpark draft stages, against
+one plain decode step: the verify of k+1 = 2..6 positions, the propose of k drafts, in ms;
+from those the break-even acceptance and the speedup to expect at given acceptance rates.
+
+    python -m benchmarks.speculative_steps [--context 512] [--repeats 20] [--small]
+
+The slice is benchmarks/slice_decode.py's (real widths, 7 layers with every role, random
+quantized weights as the official checkpoint stores them) plus three draft stages at V4.1's
+shapes (128 routed experts of 2304 in mxfp4, top-3, Markov rank 256, main_proj 15360 -> 5120
+in mxfp8) reading the slice's last three layers. At `--context` positions:
+  * plain: ms per token of plain decode as generation runs it (decode_tokens: the fixed-shape
+    compiled step on GPUs, the reference forward on the CPU, one step run ahead) — the yardstick;
+  * verify(n): one forward of n positions with the draft stages' hidden means (the reference
+    forward over the Cache, as dsv4/speculative.py runs it), the target's rows through the
+    acceptance, then the cache trimmed back (Cache.trim, exact) so every repeat is alike;
+    verify(1) is that path's own single step;
+  * propose(k): the draft block (three stages over the window and the block's 5 rows), the
+    head, and k draft picks (the Markov head between them).
+A cycle verifying k drafts at acceptance a yields (1 - a^(k+1)) / (1 - a) tokens in
+propose(k) + verify(k+1); its speedup over plain decode is that over the tokens plain decode
+makes in the same time. `--small` runs the same at toy widths (for the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks.slice_decode import REAL, ROLES, SMALL, build, decode_dsv4, quantize_randomly  # noqa: E402
+
+DRAFT = dict(num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=128799,
+             dspark_target_layer_ids=[4, 5, 6], dspark_markov_rank=256, dspark_n_routed_experts=128,
+             dspark_num_experts_per_tok=3)
+DRAFT_SMALL = dict(DRAFT, dspark_noise_token_id=4000, dspark_markov_rank=64, dspark_n_routed_experts=16)
+ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def with_draft(model, config: dict) -> None:
+    """Random draft stages for the slice model, quantized as the official ones."""
+    from dsv4.config import ModelArgs
+    from dsv4.draft import Draft
+
+    args = ModelArgs.from_dict({**config, "compress_ratios": config["compress_ratios"] + [0, 0, 0]})
+    model.args = args   # the forward hands out the draft stages' inputs by its config
+    draft = Draft(args)
+    quantize_randomly(draft)
+    model.draft = draft
+
+
+def timed(fn, repeats: int) -> list[float]:
+    """ms of each call of fn (which evaluates what it computes), after one untimed call."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def measure(model, context: int, repeats: int) -> dict[str, list[float]]:
+    from dsv4.generation import prefill
+    from dsv4.sampling import LogitAdjustment, Sampling
+    from dsv4.speculative import accept, propose
+
+    args, draft = model.args, model.draft
+    ids = np.random.default_rng(context).integers(7, args.vocab_size, (1, context))
+    cache, window = model.make_cache(), draft.make_cache()
+    logits = prefill(model, ids, cache, draft_cache=window)
+    token = int(mx.argmax(logits, axis=-1).item())
+    greedy = Sampling()
+    adjust = LogitAdjustment(greedy, args.vocab_size)
+    times: dict[str, list[float]] = {}
+
+    # Plain decode as generation runs it (decode_tokens: the decoder and run-ahead the switches
+    # pick), ms per token over `repeats` steps, three times.
+    times["plain"] = [decode_dsv4(model, context, repeats)[0] for _ in range(3)]
+
+    for n in range(1, 7):
+        drafts = mx.array(np.random.default_rng(n).integers(7, args.vocab_size, n - 1), mx.int32)
+
+        def verify():
+            hidden = []
+            rows = model(np.concatenate([[token], np.array(drafts, np.int64)])[None], cache, hidden=hidden)[0]
+            if n > 1:
+                j, nxt = accept(adjust.rows(rows, drafts), _proposal(drafts), greedy)
+            else:
+                j, nxt = mx.array(0), mx.argmax(rows[-1])
+            mx.eval(j, nxt, hidden)
+            cache.trim(n)
+
+        times[f"verify({n})"] = timed(verify, repeats)
+    for k in range(1, args.dspark_block_size + 1):
+        times[f"propose({k})"] = timed(lambda: mx.eval(propose(model, window, token, k, adjust, greedy).drafts), repeats)
+    return times
+
+
+def _proposal(drafts):
+    from dsv4.speculative import Proposal
+
+    return Proposal(drafts, None, mx.zeros(drafts.shape))
+
+
+def speedup(a: float, k: int, med: dict[str, float]) -> float:
+    tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+    return tokens * med["plain"] / (med[f"propose({k})"] + med[f"verify({k + 1})"])
+
+
+def break_even(k: int, med: dict[str, float]) -> float:
+    """The acceptance at which verifying k drafts a cycle matches plain decode (1 if never)."""
+    lo, hi = 0.0, 0.999999
+    if speedup(hi, k, med) < 1:
+        return 1.0
+    if speedup(lo, k, med) >= 1:
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if speedup(mid, k, med) < 1 else (lo, mid)
+    return hi
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    a = p.parse_args(argv)
+    from benchmarks.hardware import describe, to_markdown
+
+    config = {**(SMALL if a.small else REAL), **ROLES}
+    t0 = time.perf_counter()
+    model, _, _ = build(config)
+    with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
+    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    times = measure(model, a.context, a.repeats)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    when = datetime.now()
+    rows = [f"| {name} | {med[name]:.2f} [{min(ts):.2f}-{max(ts):.2f}] | {med[name] / med['plain']:.2f} |"
+            for name, ts in times.items()]
+    k_max = model.args.dspark_block_size
+    gain = [f"| {k} | {break_even(k, med):.2f} | " + " | ".join(f"{speedup(x, k, med):.2f}" for x in ACCEPTANCE) + " |"
+            for k in range(1, k_max + 1)]
+    ratio4 = med["verify(4)"] / med["plain"]
+    lines = [f"# Speculative decoding step costs on a {'toy-width' if a.small else 'shape-true'} V4.1 slice "
+             f"with DSpark draft stages", "",
+             f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers + 3 draft stages, context "
+             f"{a.context}, median [min-max] of {a.repeats} repeats after one untimed call.", "",
+             "| step | ms | / plain step |", "|---|---|---|", *rows, "",
+             f"A 4-position verify costs {ratio4:.2f}x a plain decode step (target: <= 1.4x).", "",
+             "Speedup over plain decode by drafts per cycle k and acceptance a (per draft, given the "
+             "ones before it accepted); break-even: the acceptance where drafting k pays nothing.", "",
+             "| k | break-even a | " + " | ".join(f"a = {x}" for x in ACCEPTANCE) + " |",
+             "|---|---|" + "---|" * len(ACCEPTANCE), *gain, "",
+             "The slice has 7 of the 40 layers: on the full model the backbone's share of every step "
+             "grows about 40/7-fold while the propose stays the same, so the speedups here are lower "
+             "bounds for the same acceptance.", "", to_markdown(describe())]
+    a.out.mkdir(parents=True, exist_ok=True)
+    out = a.out / f"{when:%Y-%m-%d-%H%M}-speculative-steps{'-small' if a.small else ''}.md"
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"context": a.context, "ms": times}, indent=1))
+    print("\n".join(lines[:-1]))
+    print(f"report: {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
