@@ -88,6 +88,7 @@ def test_agent_transcript_prefills_only_new_tokens_then_resumes_from_disk(tmp_pa
                 stats = get_json(served.host, served.port, "/v1/stats")[1]
                 assert stats["last"]["prefilled_tokens"] == new_tokens(asked)
             previous = usage
+        served.scheduler.prefix.disk.flush()
         stats = get_json(served.host, served.port, "/v1/stats")[1]["prefix_cache"]
         # One entry per turn boundary: each prompt covers the answer before it.
         assert stats["entries"] == 1 and stats["disk"]["entries"] == 1
@@ -210,6 +211,7 @@ def test_entries_survive_and_unreadable_files_are_dropped(tmp_path):
     first = tier(tmp_path)
     for tokens in ([1, 2, 3], [7, 8, 9, 10]):
         first.put(tokens, ListCache(tokens))
+    first.flush()
     leftover = first.directory / ("f" * 64 + ".safetensors.partial")
     leftover.write_bytes(b"half a file")
     good = first.path(key_of(np.array([7, 8, 9, 10])))
@@ -241,7 +243,9 @@ class Slow:
         print("writing", flush=True)
         time.sleep(60)
 
-DiskTier(sys.argv[1], 1 << 20, "model-a", None).put([1, 2, 3], Slow())
+tier = DiskTier(sys.argv[1], 1 << 20, "model-a", None)
+tier.put([1, 2, 3], Slow())
+tier.flush()
 """
 
 
@@ -259,16 +263,17 @@ def test_a_writer_killed_mid_write_leaves_no_file_that_loads(tmp_path):
 def test_the_disk_tier_keeps_within_its_bound_dropping_the_least_recently_used(tmp_path):
     probe = tier(tmp_path / "probe")
     probe.put(list(range(100)), ListCache(range(100)))
+    probe.flush()
     size = probe.nbytes
     bounded = tier(tmp_path / "t", max_bytes=int(2.5 * size))
     runs = [list(range(s, s + 100)) for s in (1000, 2000, 3000)]
-    bounded.put(runs[0], ListCache(runs[0]))
-    time.sleep(0.01)
-    bounded.put(runs[1], ListCache(runs[1]))
-    time.sleep(0.01)
-    bounded.load(key_of(np.array(runs[0])))   # used: now the most recent
-    time.sleep(0.01)
-    bounded.put(runs[2], ListCache(runs[2]))
+    for n, run in enumerate(runs):
+        bounded.put(run, ListCache(run))
+        bounded.flush()
+        time.sleep(0.01)
+        if n == 1:
+            bounded.load(key_of(np.array(runs[0])))   # used: now the most recent
+            time.sleep(0.01)
     assert bounded.nbytes <= 2.5 * size
     kept = sorted(int(e.tokens[0]) for e in bounded.entries.values())
     assert kept == [1000, 3000]

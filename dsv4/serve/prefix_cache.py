@@ -61,7 +61,7 @@ class PrefixCache:
         in memory (0: none are kept); disk: a DiskTier or None."""
         self.engine, self.memory_bytes, self.disk = engine, memory_bytes, disk
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()   # least recently used first
-        self.nbytes = 0
+        self.nbytes = self.tokens = 0
         self.counts = {"lookups": 0, "memory_hits": 0, "disk_hits": 0, "reused_tokens": 0}
 
     def lookup(self, prompt: Sequence[int]) -> tuple[Any, int]:
@@ -99,17 +99,25 @@ class PrefixCache:
         self._remember(tokens, self.engine.snapshot(cache))   # the next turn finds it in memory
         return cache
 
-    def insert(self, tokens: Sequence[int], cache, replay: Sequence[Record] = ()) -> None:
-        """Keep a snapshot of `cache`, which holds exactly `tokens` (and write it to disk, with
-        the replay records of the model outputs among those tokens)."""
+    def insert(self, tokens: Sequence[int], cache, replay: Sequence[Record] = (), persist: bool = True) -> None:
+        """Keep a snapshot of `cache`, which holds exactly `tokens`, and with `persist` write it
+        to disk too, with the replay records of the model outputs among those tokens."""
         ids = as_ids(tokens)
         if len(ids) == 0:
             return
         if cache.offset != len(ids):
             raise ValueError(f"the cache holds {cache.offset} tokens, {len(ids)} token ids were given")
-        self._remember(ids, self.engine.snapshot(cache))
-        if self.disk is not None:
-            self.disk.put(ids, cache, replay)
+        snapshot = self.engine.snapshot(cache)
+        self._remember(ids, snapshot)
+        if persist and self.disk is not None:
+            self.disk.put(ids, snapshot, replay)
+
+    def persist(self, tokens: Sequence[int], replay: Sequence[Record] = ()) -> None:
+        """Write the memory entry holding exactly `tokens` to disk (if it is still kept): a prompt
+        snapshot is worth a file only when the answer's entry cannot be trimmed back to it."""
+        entry = self.entries.get(as_ids(tokens).tobytes())
+        if entry is not None and self.disk is not None:
+            self.disk.put(entry.tokens, entry.cache, replay)
 
     def _remember(self, ids: np.ndarray, cache) -> None:
         key = ids.tobytes()
@@ -122,15 +130,19 @@ class PrefixCache:
             self._drop(other)
         self.entries[key] = entry
         self.nbytes += entry.nbytes
+        self.tokens += len(ids)
         while self.nbytes > self.memory_bytes and self.entries:
             self._drop(next(iter(self.entries)))
 
     def _drop(self, key: bytes) -> None:
-        self.nbytes -= self.entries.pop(key).nbytes
+        entry = self.entries.pop(key)
+        self.nbytes -= entry.nbytes
+        self.tokens -= len(entry.tokens)
 
     def stats(self) -> dict:
+        """Counters only (another thread asks while the scheduler changes the entries)."""
         out = {"entries": len(self.entries), "bytes": self.nbytes, "limit_bytes": self.memory_bytes,
-               "tokens": int(sum(len(e.tokens) for e in self.entries.values())), **self.counts}
+               "tokens": self.tokens, **self.counts}
         if self.disk is not None:
             out["disk"] = self.disk.stats()
         return out

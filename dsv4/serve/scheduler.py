@@ -161,6 +161,8 @@ class Scheduler(threading.Thread):
             if self.decoding:
                 self._decode_step()
         self._refuse_everything()
+        if self.prefix is not None and self.prefix.disk is not None:
+            self.prefix.disk.flush()   # no file is left half written when the process exits
 
     def _prefix_cache(self) -> Optional[PrefixCache]:
         options = self.cache_options
@@ -260,8 +262,8 @@ class Scheduler(threading.Thread):
             if session.todo:
                 self.prefilling.rotate(-1)   # round robin: the next prompt's turn
                 return
-            if self.prefix is not None:
-                self.prefix.insert(session.job.tokens, session.cache, session.job.replayed)
+            if self.prefix is not None:   # on disk only if the answer's entry cannot stand for it
+                self.prefix.insert(session.job.tokens, session.cache, session.job.replayed, persist=False)
             token = self._sample([session], logits[None])[0]
         except Exception as error:
             self.prefilling.remove(session)
@@ -335,6 +337,7 @@ class Scheduler(threading.Thread):
         if self.prefix is not None and len(held) > session.cached:
             try:
                 self.prefix.insert(held, session.cache, job.replayed + replay)
+                self.prefix.persist(job.tokens, job.replayed)
             except Exception:   # a cache that cannot be kept is not worth failing the answer for
                 traceback.print_exc()
         self._record(session, finish)
