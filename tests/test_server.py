@@ -532,6 +532,8 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *words: str) -> N
     (["--max-tokens", "0"], {}, ["--max-tokens=0", "expected an integer >= 1"]),
     (["--max-context", "0"], {}, ["--max-context=0"]),
     (["--port", "70000"], {}, ["--port=70000", "0..65535"]),
+    (["--max-sessions", "0"], {}, ["--max-sessions=0", "expected an integer >= 1"]),
+    (["--kv-cache-mb", "-1"], {}, ["--kv-cache-mb=-1", "MiB >= 0"]),
     ([], {"DSV4_KV_QDQ": "maybe"}, ["DSV4_KV_QDQ"]),
     ([], {}, ["/nonexistent/model: no such directory"]),
 ])
