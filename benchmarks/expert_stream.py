@@ -11,17 +11,19 @@ random weights, no Engram, a small vocabulary; written as a dsv4 model directory
 stacked expert tensor). Every part drops the files from the page cache first (posix_fadvise
 DONTNEED; the store itself reads around the cache, expert_io_hints), so reads hit the disk.
 
-1. Roofline: this script's own pread benchmark of random whole-expert reads (the six pieces of
-   one expert of a random layer, split in chunks over a pool of threads), buffered and O_DIRECT,
-   over thread counts and chunk sizes; the best is the disk's random-read bandwidth at the
-   expert read size.
-2. Miss path: the ExpertStore's lookups alone (no model compute), every lookup a miss (uniform
-   routing, the least cache), timed as the store times them: bytes moved / time waiting, against
-   the roofline (target: >= 70%); also per read-chunk size and worker count (the switches).
-3. Policies: hit rates of lru, frequency and layer at cache sizes from the least to half of all
-   experts, by the store's own lookups with the reads stubbed out, on routing traces: uniform
-   (what a random model routes) and skewed + local (a Zipf popularity per layer, tokens reusing
-   recent experts; its parameters are stated in the report, not measured from V4.1).
+1. Roofline and miss path, interleaved: this script's own pread benchmark of random whole-expert
+   reads (the six pieces of one expert of a random layer, in chunks over a pool of threads;
+   buffered and O_DIRECT; every read in flight, or waiting after each 6 experts as a decode
+   lookup does), and the ExpertStore's lookups alone (no model compute, every lookup a miss) per
+   read chunk and worker count. The best pread rate is the disk's random-read bandwidth at the
+   expert read size; target: the store's miss path at >= 70% of it.
+2. Policies: hit rates of lru, frequency and layer at V4.1 Flash's counts (43 layers x 384
+   experts, top-6; narrow widths: hit rates depend on counts only) by the store's own lookups
+   with the reads stubbed out, on routing traces: uniform (what a random model routes) and
+   skewed + local (a Zipf popularity per layer, tokens reusing recent experts; its parameters
+   are stated in the report, not measured from V4.1).
+3. Trained routing: hit rates and the prefetch's accuracy on the demo checkpoint (a trained
+   tiny model: 8 experts, top-2).
 4. The model: each cache size in a fresh process (interleaved A B | B A), prefill and decode
    tokens/s, hit rate and MB read per decoded token, prefill experts read against those
    selected, prefetch accuracy, the miss path's GB/s; every size must produce the same tokens
@@ -31,6 +33,7 @@ DONTNEED; the store itself reads around the cache, expert_io_hints), so reads hi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -85,7 +88,7 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-# --- the synthetic model ------------------------------------------------------------------------
+# --- the synthetic model -------------------------------------------------------------------------
 
 def write_model(root: Path, fields: dict = REAL, seed: int = 0) -> Path:
     """The synthetic dsv4 model directory of `fields` in `root` (made once; kept if complete)."""
@@ -194,7 +197,48 @@ def expert_regions(root: Path) -> list[list[tuple[Path, int, int]]]:
     return out
 
 
-# --- 1. the roofline ----------------------------------------------------------------------------
+def sizes(root: Path) -> tuple[int, int, int]:
+    """(bytes of one expert, of the least cache, of all experts) of a synthetic model."""
+    config = json.loads((root / "config.json").read_text())
+    per_expert = sum(per for _, _, per in expert_regions(root)[0])
+    layers, k, e = config["num_hidden_layers"], config["num_experts_per_tok"], config["n_routed_experts"]
+    return per_expert, per_expert * k * layers, per_expert * e * layers
+
+
+def traces(kind: str, tokens: int, layers: int, seed: int) -> np.ndarray:
+    """Routing [tokens, layers, k] of distinct experts per (token, layer)."""
+    e, k = REAL["n_routed_experts"], REAL["num_experts_per_tok"]
+    rng = np.random.default_rng(seed)
+    out = np.zeros((tokens, layers, k), np.int64)
+    popularity = 1.0 / np.arange(1, e + 1) ** ZIPF
+    popularity /= popularity.sum()
+    ranks = [rng.permutation(e) for _ in range(layers)]   # each layer its own popular experts
+    for t in range(tokens):
+        for layer in range(layers):
+            if kind == "uniform":
+                out[t, layer] = rng.choice(e, k, replace=False)
+                continue
+            recent = np.unique(out[max(0, t - WINDOW):t, layer]) if t else np.zeros(0, np.int64)
+            chosen: list[int] = []
+            while len(chosen) < k:
+                if len(recent) and rng.random() < REUSE:
+                    pick = int(rng.choice(recent))
+                else:
+                    pick = int(ranks[layer][rng.choice(e, p=popularity)])
+                if pick not in chosen:
+                    chosen.append(pick)
+            out[t, layer] = chosen
+    return out
+
+
+def replay(store, routing: np.ndarray) -> None:
+    """The store's lookups for `routing`, layer by layer, as decode makes them."""
+    for token in routing:
+        for layer, experts in enumerate(token):
+            store.lookup(layer, np.unique(experts), 1)
+
+
+# --- 1. the disk and the miss path ---------------------------------------------------------------
 
 def pread_experts(root: Path, experts: int, threads: int, chunk: int, direct: bool, seed: int) -> float:
     """GB/s reading `experts` random whole experts (their six pieces in `chunk`-byte preads over
@@ -237,64 +281,62 @@ def pread_experts(root: Path, experts: int, threads: int, chunk: int, direct: bo
     return done / seconds / 1e9
 
 
-def roofline(root: Path, experts: int, repeats: int) -> tuple[list[dict], float]:
-    rows = []
-    variants = [(direct, threads, chunk) for direct in (False, True) for threads in (4, 8, 16, 32)
-                for chunk in (1 << 20, 4 << 20)]
-    results = {v: [] for v in variants}
+ROOF_VARIANTS = [(direct, threads, chunk, 0) for direct in (False, True) for threads in (8, 32)
+                 for chunk in (1 << 20, 4 << 20)] + [(True, 16, 2 << 20, 6)]
+STORE_SETTINGS = [(2048, 16, False), (1024, 16, False), (4096, 32, False), (1024, 64, False),
+                  (2048, 16, True), (1024, 32, True)]   # (read chunk KiB, workers, O_DIRECT)
+
+
+def io_rates(root: Path, experts: int, repeats: int) -> tuple[list[dict], list[dict]]:
+    """The roofline variants and the store's miss path, interleaved (A B .. | .. B A) so that the
+    shared disk's drift hits all alike: medians over `repeats` of `experts` experts each.
+    Roofline (direct, threads, chunk, batch): batch 0 keeps every read in flight, batch 6 waits
+    after each 6 experts as a decode lookup does. Store (chunk KiB, workers): decode lookups of
+    uniform routing at the least cache, every lookup a miss; GB/s = bytes / time waited."""
+    import dsv4
+    from dsv4 import flags
+
+    _, least, _ = sizes(root)
+    layers = len(expert_regions(root))
+    model, _ = dsv4.load(root, expert_cache_gb=f"{least / 1e9:.9f}")
+    store = model.expert_store
+    k = REAL["num_experts_per_tok"]
+
+    def store_rate(chunk_kb, workers, direct, seed):
+        routing = traces("uniform", max(1, experts // (k * layers)), layers, seed)
+        drop_page_cache(shard_files(root))
+        store.reset_stats()
+        with flags.override(expert_read_chunk_kb=chunk_kb, expert_read_workers=workers,
+                            expert_io_direct=direct):
+            replay(store, routing)
+        t = store.totals()
+        return t.bytes_read / t.read_seconds / 1e9
+
+    def roof_rate(direct, threads, chunk, batch, seed):
+        if not batch:
+            return pread_experts(root, experts, threads, chunk, direct, seed)
+        rates = [pread_experts(root, batch, threads, chunk, direct, seed * 100 + i) for i in range(experts // batch)]
+        return len(rates) / sum(1 / r for r in rates)   # the same bytes per batch: harmonic mean
+
+    variants = [("roof", v) for v in ROOF_VARIANTS] + [("store", v) for v in STORE_SETTINGS]
+    results: dict = {v: [] for v in variants}
     for r in range(repeats):
         for v in (variants if r % 2 == 0 else variants[::-1]):
-            results[v].append(pread_experts(root, experts, v[1], v[2], v[0], seed=1000 * r + len(results[v])))
-    for (direct, threads, chunk), values in results.items():
-        rows.append({"direct": direct, "threads": threads, "chunk_mb": chunk >> 20,
-                     "gbps": statistics.median(values), "min": min(values), "max": max(values)})
-        log(f"roofline direct={direct} threads={threads} chunk={chunk >> 20} MiB: "
-            f"{statistics.median(values):.3f} GB/s")
-    return rows, max(row["gbps"] for row in rows)
+            kind, setting = v
+            seed = 1000 * r + variants.index(v)   # other experts each time: no hits from before
+            rate = roof_rate(*setting, seed=seed) if kind == "roof" else store_rate(*setting, seed=seed)
+            results[v].append(rate)
+            log(f"{kind} {setting}: {rate:.3f} GB/s")
+    store.close()
+    stats = lambda values: {"gbps": statistics.median(values), "min": min(values), "max": max(values)}
+    roof = [{"direct": d, "threads": t, "chunk_mb": c >> 20, "batch": b, **stats(results["roof", (d, t, c, b)])}
+            for d, t, c, b in ROOF_VARIANTS]
+    store_rows = [{"chunk_kb": c, "workers": w, "direct": d, **stats(results["store", (c, w, d)])}
+                  for c, w, d in STORE_SETTINGS]
+    return roof, store_rows
 
 
-# --- 2-3. the store alone -----------------------------------------------------------------------
-
-def sizes(root: Path) -> tuple[int, int, int]:
-    """(bytes of one expert, of the least cache, of all experts) of a synthetic model."""
-    config = json.loads((root / "config.json").read_text())
-    per_expert = sum(per for _, _, per in expert_regions(root)[0])
-    layers, k, e = config["num_hidden_layers"], config["num_experts_per_tok"], config["n_routed_experts"]
-    return per_expert, per_expert * k * layers, per_expert * e * layers
-
-
-def traces(kind: str, tokens: int, layers: int, seed: int) -> np.ndarray:
-    """Routing [tokens, layers, k] of distinct experts per (token, layer)."""
-    e, k = REAL["n_routed_experts"], REAL["num_experts_per_tok"]
-    rng = np.random.default_rng(seed)
-    out = np.zeros((tokens, layers, k), np.int64)
-    popularity = 1.0 / np.arange(1, e + 1) ** ZIPF
-    popularity /= popularity.sum()
-    ranks = [rng.permutation(e) for _ in range(layers)]   # each layer its own popular experts
-    for t in range(tokens):
-        for layer in range(layers):
-            if kind == "uniform":
-                out[t, layer] = rng.choice(e, k, replace=False)
-                continue
-            recent = np.unique(out[max(0, t - WINDOW):t, layer]) if t else np.zeros(0, np.int64)
-            chosen: list[int] = []
-            while len(chosen) < k:
-                if len(recent) and rng.random() < REUSE:
-                    pick = int(rng.choice(recent))
-                else:
-                    pick = int(ranks[layer][rng.choice(e, p=popularity)])
-                if pick not in chosen:
-                    chosen.append(pick)
-            out[t, layer] = chosen
-    return out
-
-
-def replay(store, routing: np.ndarray) -> None:
-    """The store's lookups for `routing`, layer by layer, as decode makes them."""
-    for token in routing:
-        for layer, experts in enumerate(token):
-            store.lookup(layer, np.unique(experts), 1)
-
+# --- 2. the policies, by the store alone ---------------------------------------------------------
 
 def stub_reads(store) -> None:
     """For the policy study: lookups pick victims and count hits; the reads do nothing."""
@@ -335,34 +377,7 @@ def policy_sweep(root: Path, fractions: list[float], tokens: int) -> list[dict]:
     return rows
 
 
-def miss_path(root: Path, tokens: int, settings: list[tuple[int, int]]) -> list[dict]:
-    """GB/s of the store's misses for each (read chunk KiB, workers): uniform routing and the
-    least cache make every lookup a miss; page cache dropped before each setting."""
-    import dsv4
-    from dsv4 import flags
-
-    rows = []
-    _, least, _ = sizes(root)
-    layers = json.loads((root / "config.json").read_text())["num_hidden_layers"]
-    model, _ = dsv4.load(root, expert_cache_gb=f"{least / 1e9:.9f}")
-    store = model.expert_store
-    for r, (chunk_kb, workers) in enumerate(settings):
-        routing = traces("uniform", tokens, layers, seed=100 + r)
-        drop_page_cache(shard_files(root))
-        store.reset_stats()
-        with flags.override(expert_read_chunk_kb=chunk_kb, expert_read_workers=workers):
-            replay(store, routing)
-        t = store.totals()
-        rows.append({"chunk_kb": chunk_kb, "workers": workers, "misses": t.misses,
-                     "gb": t.bytes_read / 1e9, "gbps": t.bytes_read / t.read_seconds / 1e9,
-                     "hit_rate": t.hits / max(1, t.hits + t.misses)})
-        log(f"miss path chunk={chunk_kb} KiB workers={workers}: {rows[-1]['gbps']:.3f} GB/s "
-            f"({t.misses} misses, hits {rows[-1]['hit_rate']:.3f})")
-    store.close()
-    return rows
-
-
-# --- 4. trained routing: the demo checkpoint ----------------------------------------------------
+# --- 3. trained routing: the demo checkpoint -----------------------------------------------------
 
 def demo_routing(tokens: int) -> list[dict]:
     """Hit rate and prefetch accuracy on the routing of a trained model (dsv4/demo: 8 experts,
@@ -402,7 +417,7 @@ def demo_routing(tokens: int) -> list[dict]:
     return rows
 
 
-# --- 5. the model, one cache size per process ---------------------------------------------------
+# --- 4. the model, one cache size per process ----------------------------------------------------
 
 def child(args) -> None:
     """One run of the model (cache size from DSV4_EXPERT_CACHE_GB): a DSV4_RESULT line."""
@@ -448,8 +463,9 @@ def model_runs(args, fractions: list[float]) -> dict:
     _, least, everything = sizes(args.dir)
     variants = []
     for fraction in fractions:
-        gb = max(least, fraction * everything) / 1e9
-        variants.append(ab.Variant(f"{gb:.2f}GB", {"DSV4_EXPERT_CACHE_GB": f"{gb:.6f}"}, exact=True))
+        budget = max(least, fraction * everything)
+        variants.append(ab.Variant(f"{budget / 1e9:.2f}GB", {"DSV4_EXPERT_CACHE_GB": f"{budget / 1e9:.9f}"},
+                                   exact=True))
     base = [sys.executable, "-m", "benchmarks.expert_stream", "--child", "--dir", str(args.dir),
             "--prefill", str(args.prefill), "--decode", str(args.decode)]
     runs = ab.run_variants(base, variants, args.runs, 0, timeout_s=args.timeout, log=log)
@@ -458,7 +474,7 @@ def model_runs(args, fractions: list[float]) -> dict:
             "exactness": ab.check_exactness(runs, variants), "everything": everything}
 
 
-# --- the report ---------------------------------------------------------------------------------
+# --- the report ----------------------------------------------------------------------------------
 
 def table(header: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
@@ -480,27 +496,36 @@ def report(args, machine, parts: dict, started) -> str:
              "it (expert_io_hints: each piece dropped once read).", "",
              f"Reproduce: `python -m benchmarks.expert_stream --prefill {args.prefill} --decode {args.decode} "
              f"--runs {args.runs} --fractions {args.fractions}`", ""]
-    if "roofline" in parts:
-        rows, roof = parts["roofline"]
-        lines += ["## 1. Roofline: random whole-expert reads (this script's pread benchmark)", "",
-                  f"{args.roof_experts} random (layer, expert) pairs per variant, their six pieces in "
-                  "chunks over a thread pool; medians of the repeats (alternating order).", ""]
-        lines += table(["O_DIRECT", "threads", "chunk MiB", "GB/s", "min", "max"],
-                       [[r["direct"], r["threads"], r["chunk_mb"], f"{r['gbps']:.3f}", f"{r['min']:.3f}",
-                         f"{r['max']:.3f}"] for r in rows])
-        lines += ["", f"Roofline (the best median): **{roof:.3f} GB/s**.", ""]
-    roof = parts.get("roofline", (None, float("nan")))[1]
-    if "miss" in parts:
-        lines += ["## 2. Miss path: the store's lookups alone, every lookup a miss", "",
-                  f"{args.miss_tokens} decode tokens of uniform routing at the least cache, replayed "
-                  "through ExpertStore.lookup (the MoE's call); GB/s = bytes read / time the lookups "
-                  "waited for them.", ""]
-        lines += table(["read chunk KiB", "workers", "misses", "GB read", "GB/s", "of roofline"],
-                       [[r["chunk_kb"], r["workers"], r["misses"], f"{r['gb']:.2f}", f"{r['gbps']:.3f}",
-                         f"{100 * r['gbps'] / roof:.0f}%"] for r in parts["miss"]])
-        lines += [""]
+    if "io" in parts:
+        roof_rows, store_rows = parts["io"]
+        roof = max(r["gbps"] for r in roof_rows if not r["batch"])
+        batched = max(r["gbps"] for r in roof_rows if r["batch"])
+        lines += ["## 1. Roofline (this script's pread benchmark) and the store's miss path", "",
+                  f"Each measurement reads {args.io_experts} random (layer, expert) pairs, the page cache "
+                  f"dropped first; all variants interleaved, {args.io_repeats} rounds, medians [min - max]. "
+                  "Roofline: an expert's six pieces in chunks over a pool of threads, every read in "
+                  "flight (batch -) or waiting after each 6 experts as a decode lookup does (batch 6). "
+                  "Store: ExpertStore.lookup (the MoE's call) on decode lookups of uniform routing at "
+                  "the least cache, so every lookup misses; GB/s = bytes read / time the lookups "
+                  "waited.", ""]
+        lines += table(["reader", "O_DIRECT", "threads", "chunk", "batch", "GB/s", "range", "of roofline"],
+                       [["pread bench", r["direct"], r["threads"], f"{r['chunk_mb']} MiB", r["batch"] or "-",
+                         f"{r['gbps']:.3f}", f"{r['min']:.3f} - {r['max']:.3f}", f"{100 * r['gbps'] / roof:.0f}%"]
+                        for r in roof_rows] +
+                       [["store", "yes (aligned buffer + copy)" if r["direct"] else "no (DONTNEED each piece)",
+                         r["workers"], f"{r['chunk_kb']} KiB", 6,
+                         f"{r['gbps']:.3f}", f"{r['min']:.3f} - {r['max']:.3f}", f"{100 * r['gbps'] / roof:.0f}%"]
+                        for r in store_rows])
+        best = max(store_rows, key=lambda r: r["gbps"])
+        default = next(r for r in store_rows if (r["chunk_kb"], r["workers"], r["direct"]) == (2048, 16, False))
+        lines += ["", f"Roofline (the best median with every read in flight): **{roof:.3f} GB/s**; "
+                  f"waiting after each 6 experts: {batched:.3f} GB/s. The store's miss path at the "
+                  f"defaults (2048 KiB, 16 workers, buffered): **{default['gbps']:.3f} GB/s = "
+                  f"{100 * default['gbps'] / roof:.0f}% of the roofline**; best setting "
+                  f"{best['chunk_kb']} KiB x {best['workers']}{' O_DIRECT' if best['direct'] else ''}: "
+                  f"{best['gbps']:.3f} GB/s = {100 * best['gbps'] / roof:.0f}%.", ""]
     if "policy" in parts:
-        lines += ["## 3. Eviction policies: hit rates (the store's lookups, reads stubbed)", "",
+        lines += ["## 2. Eviction policies: hit rates (the store's lookups, reads stubbed)", "",
                   f"V4.1 Flash's counts (43 layers x 384 experts, top-6) at narrow widths: hit rates "
                   f"depend on counts only. Traces of {args.policy_tokens} decode tokens, the first quarter "
                   f"warming the cache: uniform (a random model's routing) and skewed + local (popularity "
@@ -515,7 +540,7 @@ def report(args, machine, parts: dict, started) -> str:
                         for (t, c), v in by.items()])
         lines += [""]
     if "demo" in parts:
-        lines += ["## 4. Trained routing: the demo checkpoint (8 experts, top-2, 8 layers)", "",
+        lines += ["## 3. Trained routing: the demo checkpoint (8 experts, top-2, 8 layers)", "",
                   f"{args.demo_tokens} greedy decode tokens after a prompt of its training domain; prefetch "
                   "on (layer L+1's router on layer L's input). A random guess of 2 of 8 experts is right "
                   "25% of the time.", ""]
@@ -530,7 +555,7 @@ def report(args, machine, parts: dict, started) -> str:
                 ("mb_per_token", "MB read / token"), ("miss_gbps", "miss GB/s"),
                 ("read_s_per_token", "read s / token"), ("prefetch_accuracy", "prefetch accuracy"),
                 ("prefill_selected", "prefill experts selected"), ("prefill_read", "prefill experts read")]
-        lines += ["## 5. The model: decode and prefill against cache size, one process each", "",
+        lines += ["## 4. The model: decode and prefill against cache size, one process each", "",
                   f"Prefill {args.prefill} tokens, then {args.decode} greedy decode tokens; {args.runs} "
                   "run(s) per size, interleaved; medians. Hit rate, MB/token, miss GB/s and prefetch "
                   "accuracy are the decode's; 'prefill experts selected' counts the (layer, expert) "
@@ -563,12 +588,11 @@ def main(argv=None) -> int:
     parser.add_argument("--fractions", default="0,0.12,0.25",
                         help="model cache sizes as fractions of all experts (0: the least cache)")
     parser.add_argument("--policy-fractions", default="0.02,0.05,0.1,0.25,0.5")
-    parser.add_argument("--roof-experts", type=int, default=48, help="experts read per roofline variant")
-    parser.add_argument("--roof-repeats", type=int, default=2)
-    parser.add_argument("--miss-tokens", type=int, default=8, help="decode tokens replayed for the miss path")
+    parser.add_argument("--io-experts", type=int, default=48, help="experts read per I/O measurement")
+    parser.add_argument("--io-repeats", type=int, default=4)
     parser.add_argument("--policy-tokens", type=int, default=400)
     parser.add_argument("--demo-tokens", type=int, default=128)
-    parser.add_argument("--parts", default="roofline,miss,policy,demo,model")
+    parser.add_argument("--parts", default="io,policy,demo,model")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out-dir", type=Path, default=ab.DEFAULT_OUT_DIR)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -584,11 +608,8 @@ def main(argv=None) -> int:
     write_model(args.dir)
     parts: dict = {}
     try:
-        if "roofline" in wanted:
-            parts["roofline"] = roofline(args.dir, args.roof_experts, args.roof_repeats)
-        if "miss" in wanted:
-            parts["miss"] = miss_path(args.dir, args.miss_tokens,
-                                      [(2048, 16), (1024, 16), (4096, 16), (2048, 8), (2048, 32)])
+        if "io" in wanted:
+            parts["io"] = io_rates(args.dir, args.io_experts, args.io_repeats)
         if "policy" in wanted:
             counts = write_model(args.dir.with_name(args.dir.name + "-counts"), COUNTS)
             parts["policy"] = policy_sweep(counts, [float(f) for f in args.policy_fractions.split(",")],
@@ -604,7 +625,12 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"{started:%Y-%m-%d-%H%M}-expert-stream.md"
     out.write_text(text)
-    log(f"wrote {out}")
+    raw = {k: v for k, v in parts.items() if k != "model"}
+    if "model" in parts:
+        raw["model"] = {name: {key: dataclasses.asdict(stats) for key, stats in metrics.items()}
+                        for name, metrics in parts["model"]["summary"].items()}
+    out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+    log(f"wrote {out} and its raw numbers")
     return 1 if parts.get("model", {}).get("exactness") else 0
 
 

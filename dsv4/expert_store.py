@@ -20,7 +20,8 @@ expert ids: the logits are bit-identical to the resident model's (tests/test_exp
 Reads: the misses of a lookup are split into pieces of at most `expert_read_chunk_kb` and read
 by the shared pread pool (dsv4/pread_pool.py, the Engram tables' workers) straight into the
 slots' memory: MLX arrays are host-addressable (unified memory on Apple silicon, managed memory
-on CUDA, plain memory on the CPU), so there is no copy after the read. A lookup joins every
+on CUDA, plain memory on the CPU), so there is no copy after the read (with `expert_io_direct`
+on Linux, one copy from the worker's aligned O_DIRECT buffer). A lookup joins every
 read before it returns or raises. A short read (a file truncated since loading) or an I/O
 error is an `ExpertReadError` naming the tensor, the expert and the byte; the slot is left
 empty, never half-written into use. With `expert_io_hints` the files are read around the OS
@@ -509,7 +510,9 @@ class ExpertStore:
         Reads.wait() joins them and converts stored floats of another width."""
         placement = pool.layers[layer]
         chunk = int(flags.get("expert_read_chunk_kb")) << 10
-        drop = bool(flags.get("expert_io_hints")) and sys.platform != "darwin"
+        # Buffered reads on Linux leave the pieces in the page cache unless dropped (macOS:
+        # F_NOCACHE; O_DIRECT reads do not go through the cache).
+        drop = bool(flags.get("expert_io_hints")) and sys.platform != "darwin" and not flags.get("expert_io_direct")
         pool.own(layer, experts, slots)
         workers = executor(int(flags.get("expert_read_workers")))
         futures, conversions = [], []
@@ -628,7 +631,7 @@ class Streaming:
     def attach(self, model, dtype: Optional[mx.Dtype] = None, progress: bool = True) -> ExpertStore:
         """Build the store over the recorded tensors (floats cast to `dtype` as the loader casts
         the resident weights), wire it on Metal, and point each MoE at it."""
-        files = OpenFiles(bool(flags.get("expert_io_hints")))
+        files = OpenFiles(bool(flags.get("expert_io_hints")), direct=bool(flags.get("expert_io_direct")))
         try:
             layers = {}
             cast = dtype if dtype is not None and mx.issubdtype(dtype, mx.floating) else None

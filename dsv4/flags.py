@@ -197,9 +197,11 @@ define("expert_cache_gb", "",
        "stream the routed experts from disk into a cache of this many GB (or auto: the memory "
        "left after the resident weights, less headroom) instead of loading them; empty: all "
        "resident. The generate, chat and server option --expert-cache-gb sets it")
-define("expert_cache_policy", "lru",
-       "which cached expert a miss overwrites: lru, frequency (decayed use counts) or layer "
-       "(the layers just passed first)", choices=("lru", "frequency", "layer"))
+define("expert_cache_policy", "layer",
+       "which cached expert a miss overwrites: layer (the slots of the layers just passed first: "
+       "decode visits the layers in a cycle), lru, or frequency (decayed use counts); layer "
+       "matched or beat lru at every size and frequency lost on the skewed trace at V4.1's "
+       "counts (benchmarks/expert_stream.py)", choices=("layer", "lru", "frequency"))
 define("expert_prefetch", True,
        "decode: guess layer L+1's experts by its router on layer L's input and start reading "
        "them while layer L computes")
@@ -211,6 +213,9 @@ define("expert_read_chunk_kb", 2048,
 define("expert_io_hints", True,
        "read experts around the OS cache: F_NOCACHE on macOS, each piece dropped from the cache "
        "once read on Linux (150 GB of experts would otherwise push the resident weights out)")
+define("expert_io_direct", False,
+       "Linux: read experts with O_DIRECT into each worker's aligned buffer, then copy them into "
+       "their slots, instead of through the page cache")
 
 # --- kernels ------------------------------------------------------------------------------
 define("kernel_sparse_attention", True,

@@ -199,7 +199,7 @@ class MoE(nn.Module):
             at = np.searchsorted(used, chosen[lo:hi])
             # The CPU's dense path multiplies by copies of the used slots, indexed 0..n-1.
             experts = pool.gathered(slots) if dense else pool.experts
-            slot_ids = mx.array((at if dense else slots[at]).astype(np.uint32))
+            slot_ids = mx.array((at if dense else slots[at]).astype(np.int32))   # as route() gives ids
             part = (flat[lo:hi], None if expand is None else tuple(a[lo:hi] for a in expand))
             if q is not None:
                 y = self._fused(experts, part[0], part[1], ids=slot_ids, weights=weights[lo:hi], q=q)

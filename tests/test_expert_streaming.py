@@ -120,6 +120,17 @@ def test_every_policy_is_exact_at_the_least_cache(official, resident, policy):
     assert model.expert_store.pools[0].policy.kind == policy
 
 
+def test_direct_reads_are_exact(official, resident):
+    """O_DIRECT reads (expert_io_direct, Linux) through the workers' aligned buffers."""
+    with flags.override(expert_io_direct=True):
+        model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+        got, _ = run(model, resident[1])
+    store = model.expert_store
+    assert all(fd is not None for pool in store.pools for p in pool.layers[0].params.values()
+               for fd in p.files[0].direct)
+    assert identical(got, resident[0]) and store.totals().misses > 0
+
+
 def test_fixed_shape_step_is_exact(official):
     """The GPU's decode loop (dsv4/step.py), here on the CPU: resident vs streamed, with the
     step asked to compile (a streamed model runs it op by op)."""
