@@ -9,9 +9,10 @@ its gate, up and down weights in the module's own format (mxfp4, mxfp8, affine, 
 or floats), byte for byte as the resident model would hold them. A layer's MoE routes first,
 then asks the store for the experts it selected:
 
-    slots = store.lookup(layer, experts)   # reads the misses into slots, returns their slot ids
-    y = pool_experts(x, slot_ids, ...)     # the resident code path over the pool's arrays
-    store.fence(layer, slots, y)           # a slot is not overwritten until y is computed
+    store.sync([ids, weights])                       # the one host sync of the layer
+    slots = store.lookup(layer, experts, tokens)     # misses read into slots; their slot ids
+    y = pool_experts(x, slot_ids, ...)               # the resident code path over the pool
+    store.fence(layer, slots, y)                     # those slots wait for y before reuse
 
 The pool's arrays are an expert stack like the resident one, [slots, out, ...] for each of the
 module's parameters, so the kernels and gather_qmm see the same operands with slot ids for
@@ -28,16 +29,19 @@ empty, never half-written into use. With `expert_io_hints` the files are read ar
 cache (F_NOCACHE on macOS; on Linux each piece is dropped from the cache once read), so that
 150 GB of experts do not push the resident weights out of memory.
 
-Slots are overwritten only when nothing queued may still read them: each slot keeps the last
-array computed from it (a "fence"), evaluated before the slot is reused. `prefetch` starts reads
-for experts a layer is likely to need (the MoE guesses layer L+1's experts by applying its router
-to layer L's input) without waiting; a lookup that finds one waits for its read only.
+Slots are overwritten only when nothing queued may still read them. `sync` evaluates a layer's
+routing together with all work fenced since the previous sync (the previous layer's experts:
+what the routing depends on anyway), after which every slot is free; between syncs (the token
+parts of one prefill chunk) a slot's fence is evaluated before the slot is reused. `prefetch`
+starts reads for experts a layer is likely to need (the MoE guesses layer L+1's experts by
+applying its router to layer L's input) without waiting, into slots free at that moment; a
+lookup that finds one waits for its read only.
 
 Which slot to overwrite: dsv4/expert_policy.py (`expert_cache_policy`). Layers whose experts
 have the same shapes and format share one pool; a model whose layers differ (a GGUF recipe
 with other types in some layers) has one pool per kind, the budget split by their bytes.
 
-Residency on Metal (what MLX does, read from MLX 0.32's metal/allocator.cpp and resident.cpp):
+Residency on Metal (what MLX does, read in MLX 0.32.2's metal/allocator.cpp and resident.cpp):
 every buffer MLX allocates outside its small-allocation heap is added to an MTLResidencySet
 attached to every command queue, up to the wired limit (`mx.set_wired_limit`, 0 by default:
 then nothing is in a residency set, and the driver makes each command buffer's buffers resident
@@ -47,9 +51,10 @@ later adds the others. Sets are capped at MLX_RESIDENCY_SET_MAX_PCT (5%) of the 
 working set each, a larger buffer gets a set of its own. MLX buffers use untracked hazards:
 Metal does not order the host's writes against the GPU's reads, which is why the store fences
 slots itself. So the store allocates its pool as one buffer per parameter kind (six for mxfp4:
-a few large buffers, within Metal's maxBufferLength) and `attach` raises the wired limit to the
-resident weights plus the pool (capped at max_recommended_working_set_size, with a warning when
-that does not cover them). This cannot be tested without a Mac; on CUDA the first host write
+a few large buffers; one larger than Metal's max_buffer_length is refused with the size that
+fits) and `attach` sets the wired limit to max_recommended_working_set_size, so that the
+resident weights and the pool, allocated before anything else, are all in residency sets (a
+warning says when they do not fit). This cannot be tested without a Mac; on CUDA the first host write
 moves a pool buffer to managed memory (MLX's Buffer::raw_ptr), which the GPU then reads
 through page migration.
 """
@@ -255,7 +260,14 @@ class SlabPool:
         self.arrays: dict[str, mx.array] = {}
         self.views: dict[str, np.ndarray] = {}
         nested: dict[str, dict[str, mx.array]] = {}
+        largest = mx.device_info().get("max_buffer_length") if mx.metal.is_available() else None
         for name, p in first.params.items():
+            if largest is not None and slots * p.nbytes > largest:
+                raise ExpertStoreError(
+                    f"an expert cache of {slots} slots makes {name} one buffer of "
+                    f"{slots * p.nbytes / GB:.4g} GB, more than Metal's largest "
+                    f"({largest / GB:.4g} GB): at most {largest // p.nbytes} slots, about "
+                    f"{largest // p.nbytes * self.expert_bytes / GB:.4g} GB")
             array = mx.zeros((slots, *p.shape), p.dtype)
             mx.eval(array)
             self.arrays[name] = array

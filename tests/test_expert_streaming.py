@@ -416,3 +416,21 @@ def test_chat_and_server_take_the_option(command):
     help_text = subprocess.run([sys.executable, "-m", command, "--help"], capture_output=True, text=True,
                                env={**os.environ, "COLUMNS": "200"}).stdout
     assert "--expert-cache-gb" in help_text
+
+
+def test_metal_pool_buffers_and_wired_limit(official, monkeypatch):
+    """What attach asks of Metal, with Metal's answers stood in for (no Mac here): a pool buffer
+    larger than max_buffer_length is refused with the size that fits, and a pool that fits
+    gets the wired limit set to the recommended working set (MLX then keeps its buffers in
+    residency sets)."""
+    per_expert, _ = sizes(official)
+    w1 = 64 * 64 // 2            # w1.weight of one expert: 64 x 64 fp4 codes, in bytes
+    wired = []
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"max_buffer_length": 20 * w1,
+                                                     "max_recommended_working_set_size": 10 ** 9})
+    monkeypatch.setattr(mx, "set_wired_limit", lambda n: wired.append(n) or 0)
+    with pytest.raises(expert_store.ExpertStoreError, match=r"more than Metal's largest .*at most 20 slots"):
+        dsv4.load(official, expert_cache_gb=f"{64 * per_expert / 1e9:.9f}")
+    model, _ = dsv4.load(official, expert_cache_gb=f"{16 * per_expert / 1e9:.9f}")
+    assert sum(p.slots for p in model.expert_store.pools) == 16 and wired == [10 ** 9]
