@@ -140,7 +140,7 @@ def test_reasoning_comes_back_from_its_encrypted_content(scripted):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "reads text only", "input"),
     ({"input": [{"type": "web_search_call"}]}, 400, "items of type 'web_search_call' are not supported", "input"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "only function tools are supported", "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "only function and custom tools are supported", "tools"),
     ({"input": "x", "tool_choice": "required"}, 400, "tool_choice", "tool_choice"),
     ({"input": "x", "previous_response_id": "resp_nothing"}, 400, "no response with id 'resp_nothing'",
      "previous_response_id"),
@@ -165,3 +165,44 @@ def test_the_client_raises_on_a_bad_request(live):
         live.client.responses.create(model="tiny", input="x", max_output_tokens=0)
     assert error.value.param == "max_output_tokens"
     assert get_json(live.host, live.port, "/v1/responses/resp_nothing")[0] == 404
+
+
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'}}
+PATCH_CALL = ('<｜DSML｜ calls>\n<｜DSML｜ invoke name="apply_patch">\n'
+              '<｜DSML｜ parameter name="input" string="true">*** Begin Patch\n+x = 1\n*** End Patch</｜DSML｜ parameter>\n'
+              '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_custom_tools_are_called_with_free_text(scripted, stream):
+    pieces = ["Patching.", "\n\n"] + [PATCH_CALL[i:i + 9] for i in range(0, len(PATCH_CALL), 9)]
+    served = scripted(pieces)
+    client, engine = served.client, served.engine
+    request = dict(model="m", input="Set x.", tools=[PATCH], reasoning={"effort": "none"})
+    if stream:
+        events = list(client.responses.create(stream=True, **request))
+        reply = events[-1].response
+        done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+        assert [e.input for e in done] == ["*** Begin Patch\n+x = 1\n*** End Patch"]
+    else:
+        reply = client.responses.create(**request)
+    shown = {"type": "function", "function": {
+        "name": "apply_patch", "description": 'Apply a patch.\n\nThe input follows this lark grammar:\n'
+                                              'start: "*** Begin Patch" /(.|\\n)*/',
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}}
+    messages = [{"role": "user", "content": "Set x."}]
+    first_prompt = encode_messages(messages, tools=[shown])
+    assert engine.prefilled[-1] == first_prompt
+    call = reply.output[-1]
+    assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch",
+                                                  "*** Begin Patch\n+x = 1\n*** End Patch")
+    echoed = [item.model_dump(exclude_none=True) for item in reply.output]
+    again = client.responses.create(model="m", store=False, tools=[PATCH], reasoning={"effort": "none"}, input=[
+        *messages, *echoed, {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "done"}])
+    expected = messages + [
+        {"role": "assistant", "content": "Patching.", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": "apply_patch", "arguments": json.dumps({"input": call.input})}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "done"}]
+    assert engine.prefilled[-1] == encode_messages(expected, tools=[shown])
+    assert again.usage.input_tokens_details.cached_tokens == len(first_prompt.encode()) + len(pieces)

@@ -2,10 +2,11 @@
 /v1/responses/{id}.
 
 Input is a string or a list of items: messages (user, system, developer, assistant), function
-calls and their outputs, reasoning items; `instructions` go first as a system message. Output
-items: a reasoning item in thinking mode (its text in `content`, and in `encrypted_content` for
-clients that do not store responses: sent back, it is read again), the message, and one
-function_call item per tool call. A stored response (store is true unless the request says
+and custom tool calls and their outputs, reasoning items; `instructions` go first as a system
+message. Output items: a reasoning item in thinking mode (its text in `content`, and in
+`encrypted_content` for clients that do not store responses: sent back, it is read again), the
+message, and one function_call item per tool call (custom_tool_call for a custom tool, which the
+model sees as a function of one string parameter `input`, its grammar in the description). A stored response (store is true unless the request says
 otherwise) is the conversation `previous_response_id` continues: its input and output, without
 its instructions, as OpenAI's API has it.
 """
@@ -116,14 +117,15 @@ def input_messages(items) -> list[dict]:
                 message["content"] = (message["content"] or "") + text
             else:
                 messages.append({"role": role, "content": text})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise RequestError(f"{where}: a function_call needs 'name' and 'call_id'", param="input")
+                raise RequestError(f"{where}: a {kind} needs 'name' and 'call_id'", param="input")
+            arguments = item.get("arguments") or "{}" if kind == "function_call" else \
+                custom_arguments(item.get("input") or "")
             message = assistant()
             message.setdefault("tool_calls", []).append({
-                "id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}})
-        elif kind == "function_call_output":
+                "id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": arguments}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
                              "content": _text_of(output, where) if not isinstance(output, str) else output})
@@ -134,24 +136,56 @@ def input_messages(items) -> list[dict]:
     return messages
 
 
-def tools_of(body: dict) -> Optional[list]:
+def custom_input(arguments: str) -> str:
+    """A custom tool's free-text input from the arguments of the call the model made."""
+    try:
+        value = json.loads(arguments).get("input", "")
+    except (ValueError, AttributeError):
+        return arguments
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def custom_arguments(text: str) -> str:
+    """The arguments a custom tool's call carries in DSML: its input as one string parameter."""
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def custom_function(tool: dict) -> dict:
+    """A custom (free-text input) tool as the function tool the model is shown: one string
+    parameter `input`, whose grammar, if the tool has one, goes in the description."""
+    description = tool.get("description") or ""
+    fmt = tool.get("format") or {}
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        description += f"\n\nThe input follows this {fmt.get('syntax', 'lark')} grammar:\n{fmt['definition']}"
+    return {"name": tool["name"], "description": description,
+            "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}
+
+
+def tools_of(body: dict) -> tuple[Optional[list], set]:
+    """The function tools the model is shown, and the names of those that are custom tools
+    (their calls go back as custom_tool_call items)."""
     choice = body.get("tool_choice") or "auto"
     if choice not in ("auto", "none"):
         raise RequestError("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
     tools = body.get("tools")
     if tools is None:
-        return None
+        return None, set()
     if not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
-    out = []
+    out, custom = [], set()
     for n, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(f"tools[{n}]: only function tools are supported (got type {kind!r})", param="tools")
-        function = {"name": tool["name"], "description": tool.get("description") or "",
-                    "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind not in ("function", "custom") or not isinstance(tool.get("name"), str):
+            raise RequestError(f"tools[{n}]: only function and custom tools are supported (got type {kind!r})",
+                               param="tools")
+        if kind == "custom":
+            custom.add(tool["name"])
+            function = custom_function(tool)
+        else:
+            function = {"name": tool["name"], "description": tool.get("description") or "",
+                        "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": function})
-    return out if choice == "auto" else None
+    return (out if choice == "auto" else None), custom
 
 
 def text_format(body: dict) -> Optional[dict]:
@@ -248,8 +282,9 @@ async def respond(request: Request, service: Service, store: Store):
             raise RequestError("'instructions' must be a string", param="instructions")
         mode, effort = reasoning_mode(body, service.thinking)
         response_format = text_format(body)
+        tools, custom = tools_of(body)
         prompt = opt.Prompt(([{"role": "system", "content": instructions}] if instructions else []) + conversation,
-                            mode, tools_of(body), response_format, effort, param="input")
+                            mode, tools, response_format, effort, param="input")
         tokens = service.tokenize(prompt)   # ids and the replay records they took
         limits = opt.Limits(opt.max_tokens(body, ("max_output_tokens",), service.default_max_tokens),
                             sampling=opt.sampling(body, SAMPLING, service.scheduler.vocab_size))
@@ -267,7 +302,7 @@ async def respond(request: Request, service: Service, store: Store):
         generation.close()
         return JSONResponse({})
     answer = Answer(body, body.get("model") or service.model_name, generation, conversation,
-                    store if keep else None)
+                    store if keep else None, custom)
     if stream:
         return StreamingResponse(answer.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -286,8 +321,11 @@ async def respond(request: Request, service: Service, store: Store):
 class Answer:
     """One response: its output items built from the generation's deltas, as events or whole."""
 
-    def __init__(self, body: dict, model: str, generation: Generation, conversation: list, store: Optional[Store]):
+    def __init__(self, body: dict, model: str, generation: Generation, conversation: list, store: Optional[Store],
+                 custom: set):
+        """custom: names of the custom tools (their calls are custom_tool_call items)."""
         self.body, self.model, self.generation, self.conversation, self.store = body, model, generation, conversation, store
+        self.custom = custom
         self.id = "resp_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.output: list[dict] = []
@@ -360,18 +398,7 @@ class Answer:
                     yield event
                 current = None
             if kind == "function_call":
-                call = delta.tool_call
-                item = {"id": "fc_" + uuid.uuid4().hex[:24], "type": "function_call", "status": "in_progress",
-                        "call_id": "call_" + uuid.uuid4().hex[:24], "name": call.name, "arguments": ""}
-                for event in opened(item, None):
-                    yield event
-                item["arguments"] = call.arguments
-                index = len(self.output) - 1
-                yield self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                 output_index=index, delta=call.arguments)
-                yield self.event("response.function_call_arguments.done", item_id=item["id"],
-                                 output_index=index, name=call.name, arguments=call.arguments)
-                for event in done(item):
+                for event in self.call(delta.tool_call, opened, done):
                     yield event
                 continue
             if current is None:
@@ -397,6 +424,29 @@ class Answer:
         if self.store is not None:
             self.store.put(self.response(), self.conversation + [self.as_message()])
 
+    def call(self, call, opened, done):
+        """The events of one tool call's item: a function_call, or a custom_tool_call for a custom tool."""
+        ident = "call_" + uuid.uuid4().hex[:24]
+        if call.name in self.custom:
+            text = custom_input(call.arguments)
+            item = {"id": "ctc_" + uuid.uuid4().hex[:24], "type": "custom_tool_call", "status": "in_progress",
+                    "call_id": ident, "name": call.name, "input": ""}
+            names, fields = ("response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"), \
+                ({"delta": text}, {"input": text})
+            value = ("input", text)
+        else:
+            item = {"id": "fc_" + uuid.uuid4().hex[:24], "type": "function_call", "status": "in_progress",
+                    "call_id": ident, "name": call.name, "arguments": ""}
+            names, fields = ("response.function_call_arguments.delta", "response.function_call_arguments.done"), \
+                ({"delta": call.arguments}, {"name": call.name, "arguments": call.arguments})
+            value = ("arguments", call.arguments)
+        yield from opened(item, None)
+        item[value[0]] = value[1]
+        index = len(self.output) - 1
+        for name, extra in zip(names, fields):
+            yield self.event(name, item_id=item["id"], output_index=index, **extra)
+        yield from done(item)
+
     def as_message(self) -> dict:
         """The output as the assistant message a later turn's prompt renders."""
         message = {"role": "assistant", "content": "".join(
@@ -404,8 +454,9 @@ class Answer:
         reasoning = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
         if reasoning:
             message["reasoning_content"] = reasoning
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.output if i["type"] == "function_call"]
+        calls = [{"id": i["call_id"], "type": "function", "function": {
+            "name": i["name"], "arguments": i["arguments"] if i["type"] == "function_call" else custom_arguments(i["input"])}}
+            for i in self.output if i["type"] in ("function_call", "custom_tool_call")]
         if calls:
             message["tool_calls"] = calls
         return message
