@@ -2,6 +2,7 @@
 sampled, each emitted token is distributed as plain sampling's (chi-square against the exact
 distributions, many seeds)."""
 
+import json
 import math
 import re
 
@@ -368,3 +369,70 @@ def test_generate_cli_reports_the_drafting(draft_dir, capsys):
     out = capsys.readouterr().out
     assert (done.value.code or 0) == 0
     assert re.search(r"Speculative: \d+ verifies, \d+ plain steps; acceptance [\d.]+ \(\d+/\d+\)", out), out
+
+
+# --- the bundled demo's trained draft stages ---------------------------------------------------
+
+# Written for these tests, not in the demo's training corpus (CPython's pydoc topics).
+DEMO_PROMPT = ("A dictionary maps keys to values. You can look up the value of a key with square "
+               "brackets, and a for loop over a dictionary goes through its keys in the order they "
+               "were inserted.")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with flags.override(draft="on"):
+        return dsv4.load()
+
+
+def demo_acceptance(model, tokenizer, tokens=128) -> Stats:
+    from dsv4.generation import stream_generate
+
+    return list(stream_generate(model, tokenizer, DEMO_PROMPT, max_tokens=tokens, ignore_eos=True,
+                                draft="on"))[-1].speculative
+
+
+@pytest.fixture(scope="module")
+def demo_plain(demo):
+    model, tokenizer = demo
+    prompt = np.array([tokenizer.encode(DEMO_PROMPT)])
+    return prompt, *plain(model, prompt, TOKENS)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_demo_greedy_speculation_gives_plain_decodes_tokens(demo, demo_plain, k):
+    """256 tokens (window 16, ratio-2 groups) with drafts that are often right."""
+    model, _ = demo
+    prompt, want, want_cache = demo_plain
+    stats = Stats()
+    got, cache = speculate(model, prompt, TOKENS, Policy(k), stats=stats)
+    assert got == want
+    assert stats.tokens_per_verify > 1.2, stats.line()
+    np.testing.assert_array_equal(cache.tokens, want_cache.tokens)
+
+
+def test_demo_draft_stages_are_trained(demo, tmp_path):
+    """Greedy acceptance on a text the demo never saw, against the same backbone with
+    dsv4.testing's random draft stages."""
+    import shutil
+
+    from dsv4.config import ModelArgs
+    from dsv4.loader import DEMO_DIR
+    from dsv4.safetensors_file import Checkpoint, view
+    from dsv4.testing import official_tensors, write_sharded
+
+    model, tokenizer = demo
+    trained = demo_acceptance(model, tokenizer)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / name, tmp_path / name)
+    stored = Checkpoint(DEMO_DIR, "model*.safetensors")
+    tensors = {n: (info.dtype, np.array(view(info))) for n, info in stored.tensors.items()}
+    random_stages = official_tensors(ModelArgs.from_dict(json.loads((DEMO_DIR / "config.json").read_text())), seed=0)
+    tensors.update({n: t for n, t in random_stages.items() if n.startswith("mtp.")})
+    write_sharded(tmp_path, tensors, shards=3)
+    with flags.override(draft="on"):
+        untrained = demo_acceptance(*dsv4.load(tmp_path))
+    # Measured: 41 of 420 drafts, 1.48 tokens per verify (a third of the blocks keep their
+    # first draft); the random stages' drafts are never right.
+    assert trained.acceptance > 0.05 and trained.tokens_per_verify > 1.25, trained.line()
+    assert untrained.acceptance < 0.02, untrained.line()
