@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import flags, profiler
+from . import distributed, flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
 from .kernels.gguf_dot import GGUFMatrix
@@ -337,20 +337,25 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, plan: distributed.Plan = distributed.SINGLE):
+        """`plan`: the output groups this rank computes (their heads with them), and the sum
+        of every rank's output projection (dsv4.distributed)."""
         super().__init__()
         self.args = args
         self.layer = layer
         self.ratio = args.ratio(layer)
-        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.plan = plan
+        self.groups = len(plan.attention_groups(args))
+        self.head_dim = args.head_dim
+        self.n_heads = args.num_attention_heads // args.o_groups * self.groups
         self.wq_a = Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wkv = Linear(args.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        group_in = self.n_heads * self.head_dim // args.o_groups
-        self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
-        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        group_in = self.n_heads * self.head_dim // self.groups
+        self.wo_a = Linear(group_in, self.groups * args.o_lora_rank, bias=False)
+        self.wo_b = Linear(self.groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = mx.zeros((self.n_heads,), mx.float32)
         if self.ratio and layer in args.kv_source_layer_ids:
             self.compressor = Compressor(args, self.ratio)
@@ -419,12 +424,14 @@ class Attention(nn.Module):
 
     def project_out(self, o: mx.array, b: int, s: int) -> mx.array:
         """De-rotated attention output [B, S, H, Dh] (or laid out as grouped wo_a takes it,
-        `_wo_a_input(b, s)`) -> [B, S, hidden]: grouped wo_a, wo_b."""
-        return fp8_linear(self.wo_b, self._grouped_wo_a(o, b, s))
+        `_wo_a_input(b, s)`) -> [B, S, hidden]: grouped wo_a, wo_b, summed over the ranks
+        that hold the other groups."""
+        y = fp8_linear(self.wo_b, self._grouped_wo_a(o, b, s))
+        return self.plan.combine(y) if self.groups < self.args.o_groups else y
 
     def _wo_a_input(self, b: int, s: int) -> tuple:
         """[B*S, G, 1, H*Dh/G]: each token's group of heads as one row of grouped wo_a's input."""
-        g = self.args.o_groups
+        g = self.groups
         return (b * s, g, 1, self.n_heads * self.head_dim // g)
 
     def compressed_rows(self, latents: mx.array, first, state) -> tuple[mx.array, Optional[mx.array]]:
@@ -440,7 +447,7 @@ class Attention(nn.Module):
 
     def _grouped_wo_a(self, o: mx.array, b: int, s: int) -> mx.array:
         """Each group of heads through its own block of wo_a: [B, S, H, Dh] -> [B, S, G*L]."""
-        g = self.args.o_groups
+        g = self.groups
         x = o.reshape(self._wo_a_input(b, s))   # all dims given: no reshape when o is laid out so
         rows = self.args.o_lora_rank
         w = self.wo_a

@@ -55,7 +55,9 @@ class Item:
     name: str                      # dsv4 name of the module or tensor
     sources: list[TensorInfo]
     quantization: Optional[dict]   # MLX quantization of a module, None for plain tensors
-    produce: Callable[[], dict[str, tuple[str, np.ndarray]]]
+    # produce(read=view): read(TensorInfo) gives a source tensor (a sharded load gives its
+    # shard, or None where this rank holds none of it: the item then leaves it out)
+    produce: Callable[..., dict[str, tuple[str, np.ndarray]]]
     # the module's quantization in the official checkpoint (MXFP8 / MXFP4), also when this
     # checkpoint stores it as float; None for the tensors the official stores as float
     official: Optional[dict] = None
@@ -240,7 +242,7 @@ def plan(ckpt: Checkpoint, args: ModelArgs, official: Optional[dict] = None) -> 
             items.append(_fp8_item(module, info, ckpt[f"{module}.scale"]))
         else:
             items.append(Item(name, [info], None,
-                              lambda info=info: {info.name: (info.dtype, view(info))},
+                              lambda read=view, info=info: _present({info.name: (info.dtype, read(info))}),
                               MXFP8 if _scale_of(name) in official else None))
     for (base, w), by_index in sorted(experts.items()):
         parts = [by_index[e] for e in sorted(by_index)]
@@ -260,17 +262,27 @@ def draft_plan(ckpt: Checkpoint, args: ModelArgs) -> list[Item]:
     return plan(stages, args, draft_tensors(args))
 
 
+def _present(arrays: dict[str, tuple[str, Optional[np.ndarray]]]) -> dict[str, tuple[str, np.ndarray]]:
+    return {n: (dtype, a) for n, (dtype, a) in arrays.items() if a is not None}
+
+
 def _fp8_item(module: str, weight: TensorInfo, scale: TensorInfo) -> Item:
-    def produce():
-        w, s = pack_fp8_block32(view(weight), view(scale))
+    def produce(read=view):
+        w, s = read(weight), read(scale)
+        if w is None:
+            return {}
+        w, s = pack_fp8_block32(w, s)
         return {f"{module}.weight": ("U32", w), f"{module}.scales": ("U8", s)}
     return Item(module, [weight, scale], MXFP8, produce, MXFP8)
 
 
 def _experts_item(module: str, parts: list[dict[str, TensorInfo]]) -> Item:
-    def produce():
-        w = np.stack([view(p["weight"]) for p in parts]).view(np.uint8)
-        s = np.stack([view(p["scale"]) for p in parts])
+    def produce(read=view):
+        held = [(w, read(p["scale"])) for p in parts if (w := read(p["weight"])) is not None]
+        if not held:
+            return {}
+        w = np.stack([w for w, _ in held]).view(np.uint8)
+        s = np.stack([s for _, s in held])
         w, s = pack_fp4(w, s)
         return {f"{module}.weight": ("U32", w), f"{module}.scales": ("U8", s)}
     sources = [t for p in parts for t in (p["weight"], p["scale"])]
@@ -287,8 +299,9 @@ def _float_experts_item(module: str, weights: list[TensorInfo]) -> Item:
         raise CheckpointError(f"{module}: the experts of one stack must all be fp4 with their "
                               f".scale or all BF16, or all F32; {found}")
 
-    def produce():
-        return {f"{module}.weight": (weights[0].dtype, np.stack([view(w) for w in weights]))}
+    def produce(read=view):
+        held = [a for w in weights if (a := read(w)) is not None]
+        return {f"{module}.weight": (weights[0].dtype, np.stack(held))} if held else {}
     return Item(f"{module}.weight", weights, None, produce, MXFP4)
 
 

@@ -19,12 +19,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from . import expert_store, flags, gguf_blocks, tensor_refs
+from . import distributed, expert_store, flags, gguf_blocks, tensor_refs
 from .config import ModelArgs, read_json
+from .distributed.reading import Reader
 from .engram import NgramHasher, build_token_map
 from .linear import ExpertLinear, GGUFExpertLinear, GGUFLinear, QuantizedLinear, make_dense_copies
 from .model import Model
-from .safetensors_file import Checkpoint, CheckpointError, to_mx, view
+from .safetensors_file import Checkpoint, CheckpointError, to_mx
 from .tokenizer import Tokenizer
 
 DEMO_DIR = Path(__file__).parent / "demo"
@@ -106,6 +107,7 @@ def resident_bytes(model: nn.Module) -> int:
 
 
 def _load_arrays(model: Model, arrays: dict[str, mx.array], where: str, expected: dict, seen: set) -> None:
+    arrays = {n: a for n, a in arrays.items() if a is not None}   # None: another rank's
     for name, a in arrays.items():
         want = expected.get(name)
         if want is None:
@@ -128,13 +130,14 @@ def _check_complete(model: Model, seen: set, where: Path) -> None:
         raise CheckpointError(f"{where}: missing tensor(s) {missing[:10]}{more}")
 
 
-def _load_official(path: Path, args: ModelArgs, stream=None) -> tuple[Model, dict]:
-    """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded."""
+def _load_official(path: Path, args: ModelArgs, reader: Reader, stream=None) -> tuple[Model, dict]:
+    """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded;
+    `reader` reads this rank's share of each tensor."""
     from . import layout
 
     ckpt = Checkpoint(path, "model*.safetensors")
     items = layout.plan(ckpt, args)
-    model = Model(args)
+    model = Model(args, reader.plan)
     _quantize(model, {it.name: it.quantization for it in items if it.quantization})
     if stream is not None:
         stream.detach(model)
@@ -143,14 +146,15 @@ def _load_official(path: Path, args: ModelArgs, stream=None) -> tuple[Model, dic
     for item in items:
         if stream is not None and stream.takes(*map(expert_store.StoredTensor.of, item.sources)):
             continue
-        arrays = {n: to_mx(a, dtype) for n, (dtype, a) in item.produce().items()}
+        arrays = {n: to_mx(a, dtype) for n, (dtype, a) in item.produce(reader.tensor).items()}
         _load_arrays(model, arrays, str(item.sources[0].file), expected, seen)
     _check_complete(model, seen, path)
     return model, layout.engram_table_refs(ckpt, args)
 
 
-def _load_dsv4(path: Path, config: dict, args: ModelArgs, stream=None) -> tuple[Model, dict]:
-    """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded."""
+def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream=None) -> tuple[Model, dict]:
+    """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded;
+    `reader` reads this rank's share of each tensor."""
     block = config["dsv4"]
     if block.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path / 'config.json'}: dsv4 format_version "
@@ -168,7 +172,7 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, stream=None) -> tuple[
                                                              if isinstance(r, dict)}}
     blocks = {n.removesuffix(".weight") for n, d in dtypes.items()
               if n.endswith(".weight") and d == "U8" and n.removesuffix(".weight") not in modules}
-    model = Model(args)
+    model = Model(args, reader.plan)
     types = {}
     for module in sorted(blocks):
         q = setting(module)
@@ -187,29 +191,39 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, stream=None) -> tuple[
         if stream is None or not stream.takes(expert_store.StoredTensor.of(info)):
             by_file.setdefault(info.file, []).append(name)
     for file, names in sorted(by_file.items()):
-        arrays = {n: to_mx(view(ckpt[n]), ckpt[n].dtype) for n in names}
+        arrays = {n: None if (a := reader.tensor(ckpt[n])) is None else to_mx(a, ckpt[n].dtype)
+                  for n in names}
         _load_arrays(model, arrays, str(file), expected, seen)
     for name, ref in sorted(refs.items()):   # one at a time: a stacked expert tensor is GBs
         if stream is not None and expert_store.is_routed(name):
             stream.takes(expert_store.StoredTensor(name, *tensor_refs.locate(name, ref, path)))
             continue
-        _load_arrays(model, {name: to_mx(tensor_refs.read(name, ref, path), ref["dtype"])},
+        a = reader.reference(name, ref, path)
+        _load_arrays(model, {name: None if a is None else to_mx(a, ref["dtype"])},
                      str(path / "config.json"), expected, seen)
     _check_complete(model, seen, path)
     return model, block.get("engram", {})
 
 
 def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = None,
-               expert_cache_gb: Optional[str] = None) -> Model:
+               expert_cache_gb: Optional[str] = None, group=None, parallel: Optional[str] = None) -> Model:
     """`expert_cache_gb` (N or 'auto'; default DSV4_EXPERT_CACHE_GB, empty = resident):
-    stream the routed experts from disk into a cache of that size (dsv4/expert_store.py)."""
+    stream the routed experts from disk into a cache of that size (dsv4/expert_store.py).
+    `group` (mx.distributed) and `parallel` ('expert', 'tensor', 'pipeline' or a '+'
+    combination): this rank's shard only (dsv4/distributed); `model.load_log` says what it read."""
     config, args = read_config(path)
+    plan = distributed.build(args, config, group, parallel)
     budget = flags.get("expert_cache_gb") if expert_cache_gb is None else expert_cache_gb
     stream = expert_store.Streaming(budget) if expert_store.parse_budget(budget) else None
+    if stream is not None and plan is not distributed.SINGLE:
+        raise distributed.ParallelError(f"--parallel {parallel} with streamed experts "
+                                        f"(--expert-cache-gb {budget}): not supported yet")
+    reader = Reader(plan)
     if "dsv4" in config:
-        model, refs = _load_dsv4(path, config, args, stream)
+        model, refs = _load_dsv4(path, config, args, reader, stream)
     else:
-        model, refs = _load_official(path, args, stream)
+        model, refs = _load_official(path, args, reader, stream)
+    model.load_log = reader.log
     if args.engram_layer_ids:
         from . import engram_store
 
@@ -285,9 +299,10 @@ def quantize_head(model: Model, mode: str) -> None:
 
 
 def load(path_or_repo: Optional[str | Path] = None, *, dtype: Optional[mx.Dtype] = None,
-         expert_cache_gb: Optional[str] = None):
+         expert_cache_gb: Optional[str] = None, group=None, parallel: Optional[str] = None):
     """-> (model, tokenizer). `dtype` (e.g. mx.float32) casts the float parameters;
-    `expert_cache_gb` streams the routed experts (see load_model)."""
+    `expert_cache_gb` streams the routed experts; `group` and `parallel` load this rank's
+    shard of a model run across processes (see load_model)."""
     path = resolve(path_or_repo)
     tokenizer = Tokenizer(path)
-    return load_model(path, tokenizer, dtype, expert_cache_gb), tokenizer
+    return load_model(path, tokenizer, dtype, expert_cache_gb, group, parallel), tokenizer

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import flags, profiler
+from . import distributed, flags, profiler
 from .attention import Attention, ForwardState, RMSNorm, window_indices
 from .cache import Cache
 from .config import ModelArgs
@@ -27,7 +27,7 @@ from .moe import MoE
 class Block(nn.Module):
     """(Engram) -> attention site -> MoE site, with single-pass mHC (model-spec 2.1)."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, plan: distributed.Plan = distributed.SINGLE):
         super().__init__()
         self.args = args
         self.layer = layer
@@ -38,8 +38,8 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_scale", mx.ones((3,), mx.float32))
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, layer)
-        self.ffn = MoE(args)
+        self.attn = Attention(args, layer, plan)
+        self.ffn = MoE(args, plan)
         if layer in args.engram_layer_ids:
             self.engram = Engram(args)
 
@@ -68,11 +68,13 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, plan: distributed.Plan = distributed.SINGLE):
+        """`plan` (dsv4.distributed): this rank's share of each layer; one process: all of it."""
         super().__init__()
         self.args = args
+        self.plan = plan
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Block(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [Block(args, i, plan) for i in range(args.num_hidden_layers)]
         # Layers of one RoPE frequency set share one array: a decode step computes the angles
         # of its position once per set (dsv4/step.py keys them by array).
         shared = {}

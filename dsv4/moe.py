@@ -12,7 +12,7 @@ import numpy as np
 
 from .config import ModelArgs
 from .constants import derived
-from . import flags, profiler
+from . import distributed, flags, profiler
 from .kernels.dialect import backend
 from .kernels import head as head_kernel
 from .kernels.experts import experts as fused_experts
@@ -62,11 +62,13 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Experts stacked as [E, out, in] (w1 gate, w3 up, w2 down), as dsv4 stores them."""
+    """Experts stacked as [E, out, in] (w1 gate, w3 up, w2 down), as dsv4 stores them: the
+    experts and intermediate columns the plan gives this rank."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, plan: distributed.Plan = distributed.SINGLE):
         super().__init__()
-        d, inter, e = args.hidden_size, args.moe_intermediate_size, args.n_routed_experts
+        d, e = args.hidden_size, len(plan.experts(args))
+        inter = len(plan.routed_columns(args))
         self.w1 = ExpertLinear(d, inter, e)
         self.w3 = ExpertLinear(d, inter, e)
         self.w2 = ExpertLinear(inter, d, e)
@@ -77,6 +79,11 @@ class RoutedExperts(nn.Module):
         """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]. `sort_rows`
         (default: 64 pairs or more) picks the way of computing; a caller that splits a batch
         passes the whole batch's choice, so that every part is computed as the whole would be."""
+        return mx.sum(self.slots(x, ids, weights, sort_rows), axis=1)
+
+    def slots(self, x: mx.array, ids: mx.array, weights: mx.array,
+              sort_rows: Optional[bool] = None) -> mx.array:
+        """Each slot's weighted expert output, fp32 [N, k, D] (summed over k, the routed output)."""
         n, k = ids.shape
         if not (n * k >= 64 if sort_rows is None else sort_rows):
             # Few rows: every token's k experts straight from the indices.
@@ -84,7 +91,7 @@ class RoutedExperts(nn.Module):
             h = clamped_swiglu(self.w1(xs, ids), self.w3(xs, ids), self.limit)
             h = h * weights[..., None, None]
             y = self.w2(fp8_input(h.astype(x.dtype)), ids)                   # [N, k, 1, D]
-            return mx.sum(y[:, :, 0].astype(mx.float32), axis=1)
+            return y[:, :, 0].astype(mx.float32)
         # Many rows: sort the (token, expert) pairs so each expert's rows go together.
         flat = ids.reshape(-1)
         order = mx.argsort(flat)
@@ -94,13 +101,13 @@ class RoutedExperts(nn.Module):
         h = clamped_swiglu(self.w1(xs, e, True), self.w3(xs, e, True), self.limit)
         h = h * weights.reshape(-1)[order][:, None, None]
         y = self.w2(fp8_input(h.astype(x.dtype)), e, True)
-        return mx.sum(y[inv].reshape(n, k, -1).astype(mx.float32), axis=1)
+        return y[inv].reshape(n, k, -1).astype(mx.float32)
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, plan: distributed.Plan = distributed.SINGLE):
         super().__init__()
-        d, inter = args.hidden_size, args.moe_intermediate_size
+        d, inter = args.hidden_size, len(plan.shared_columns(args))
         self.w1 = Linear(d, inter, bias=False)
         self.w3 = Linear(d, inter, bias=False)
         self.w2 = Linear(inter, d, bias=False)
@@ -112,12 +119,19 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, plan: distributed.Plan = distributed.SINGLE):
+        """`plan`: the routed experts and intermediate columns this rank holds (dsv4.distributed);
+        the router is whole on every rank."""
         super().__init__()
         self.gate = Router(args)
-        self.experts = RoutedExperts(args)
-        self.shared_experts = SharedExpert(args)
+        self.experts = RoutedExperts(args, plan)
+        self.shared_experts = SharedExpert(args, plan)
         self.limit = args.swiglu_limit
+        self.plan = plan
+        self.expert_ids = plan.experts(args)
+        self.sharded = (len(self.expert_ids) < args.n_routed_experts
+                        or len(plan.routed_columns(args)) < args.moe_intermediate_size
+                        or len(plan.shared_columns(args)) < args.moe_intermediate_size)
         # Set by expert_store.Streaming.attach when the routed experts stream from disk: then
         # `experts` is gone and this layer's experts come from the store's cache.
         self.streamed = None
@@ -129,7 +143,9 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(math.prod(shape[:-1]), shape[-1])   # an explicit shape: no-op when 2D
         logits = self.gate.logits(flat)
-        if self.streamed is not None:
+        if self.sharded:
+            y = self._sharded(flat, *self.gate.select(logits), expand)
+        elif self.streamed is not None:
             y = self._streamed(flat, logits, expand)
         else:
             y = self._fused(self.experts, flat, expand, logits=logits)
@@ -141,6 +157,31 @@ class MoE(nn.Module):
         """Routed (through `experts`, ids/weights [N, k]) + shared experts without the fused
         kernel: [N, D], or with expand the expanded streams."""
         y = experts(flat, ids, weights, sort_rows) + self.shared_experts(flat).astype(mx.float32)
+        y = y.astype(flat.dtype)
+        return y if expand is None else hc_expand(y, *expand)
+
+    def _sharded(self, flat, ids, weights, expand) -> mx.array:
+        """Routed + shared experts of this rank's share, combined with the other ranks' in one
+        exchange. Experts split by id: each slot's output comes from the rank holding its
+        expert (the others give exact zeros: their slot weighs 0), so the exchanged slots are
+        one process's, summed in its order (bit-identical); with the shared expert split too it
+        travels as one more slot. Columns split: the partial sums are summed (fp32 rounding)."""
+        n, k = ids.shape
+        owned = self.expert_ids
+        if len(owned) < self.gate.args.n_routed_experts:
+            local = ids - owned.start
+            mine = (local >= 0) & (local < len(owned))
+            ids, weights = mx.where(mine, local, 0), mx.where(mine, weights, 0.0)
+            slots = self.experts.slots(flat, ids, weights, n * k >= 64)
+            shared = self.shared_experts(flat).astype(mx.float32)
+            if len(self.plan.shared_columns(self.gate.args)) < self.gate.args.moe_intermediate_size:
+                both = self.plan.combine(mx.concatenate([slots, shared[:, None]], axis=1))
+                y = mx.sum(both[:, :k], axis=1) + both[:, k]
+            else:
+                y = mx.sum(self.plan.combine(slots), axis=1) + shared
+        else:
+            y = self.plan.combine(self.experts(flat, ids, weights)
+                                  + self.shared_experts(flat).astype(mx.float32))
         y = y.astype(flat.dtype)
         return y if expand is None else hc_expand(y, *expand)
 

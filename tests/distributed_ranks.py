@@ -1,0 +1,53 @@
+"""One rank of tests/test_distributed.py, started by mlx.launch (or alone for the reference):
+load the checkpoint (sharded with --parallel), feed the tokens teacher forced (a prefill
+chunk, then one token a step), write this rank's fp32 logits, its load log and its
+exchange count to OUT/rank<r>.npz + .json. mlx.launch exits 0 when a rank fails, so the
+test reads every rank's files, which are written only after the rank finished."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+import dsv4
+from dsv4 import distributed, flags
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--parallel", default="")
+    p.add_argument("--tokens", default="5,17,42,99,7,3,250,11,64,128,31,200")
+    p.add_argument("--prefill", type=int, default=8)
+    a = p.parse_args()
+    group = distributed.init("ring") if a.parallel else None
+    rank = 0 if group is None else group.rank()
+    ids = [int(t) for t in a.tokens.split(",")]
+    with flags.override(act_quant=False, kv_qdq=False):
+        model, _ = dsv4.load(a.model, dtype=mx.float32, group=group, parallel=a.parallel or None)
+        cache = model.make_cache()
+        distributed.stats.reset()
+        logits = [model(np.array([ids[:a.prefill]]), cache)[0]]
+        per_prefill = distributed.stats.exchanges
+        for t in ids[a.prefill:]:
+            logits.append(model(np.array([[t]]), cache)[0])
+        out = np.array(mx.concatenate(logits))
+    log = model.load_log
+    report = {"rank": rank, "size": 1 if group is None else group.size(),
+              "exchanges_prefill": per_prefill,
+              "exchanges": distributed.stats.exchanges, "kept_bytes": log.kept_bytes,
+              "read_bytes": log.read_bytes,
+              "tensors": {n: [s.axis, s.start, s.stop, b] for n, (s, b) in log.tensors.items()},
+              "resident_bytes": dsv4.loader.resident_bytes(model)}
+    out_dir = Path(a.out)
+    np.save(out_dir / f"rank{rank}.npy", out)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
