@@ -21,6 +21,7 @@ before the answer stopped leaves. At the prompt, Ctrl-C clears the line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -32,7 +33,7 @@ from typing import Callable, Optional, TextIO
 import mlx.core as mx
 import typer
 
-from . import memory
+from . import flags, memory
 from .atomic_file import atomic_file
 from .encoding import AssistantMessage, Delta, StreamParser, encode_messages
 from .errors import InputError, message, reported
@@ -53,13 +54,15 @@ class TurnStats:
     peak_memory: float      # GB, as memory.peak() measures it
     generated: list[int]    # every token id produced, the end of sentence included
     stopped: bool = False   # Ctrl-C ended the answer
+    speculative: Optional[object] = None   # dsv4.speculative.Stats while drafting (--draft)
 
     def line(self) -> str:
         speed = f" at {self.generation_tps:.1f} tok/s" if self.generation_tps else ""
+        drafting = f"\n[{self.speculative.line()}]" if self.speculative is not None else ""
         return (f"[{self.prompt_tokens} prompt tokens ({self.cached_tokens} from cache, "
                 f"{self.prompt_tokens - self.cached_tokens} prefilled) at {self.prompt_tps:.1f} tok/s; "
                 f"{self.generation_tokens} generated{speed}; "
-                f"peak memory {self.peak_memory:.2f} GB ({memory.peak()[1]})]")
+                f"peak memory {self.peak_memory:.2f} GB ({memory.peak()[1]})]{drafting}")
 
 
 class _Stopped(Exception):
@@ -157,7 +160,8 @@ class ChatSession:
         end = set(self.tokenizer.eos_token_ids)
         stats = TurnStats(len(tokens), reuse.cached, sum(t not in end for t in produced),
                           last.prompt_tps if last else 0.0, last.generation_tps if last else 0.0,
-                          last.peak_memory if last else 0.0, produced, stopped)
+                          last.peak_memory if last else 0.0, produced, stopped,
+                          last.speculative if last else None)
         return message, stats
 
     def save(self, path: Path) -> None:
@@ -388,19 +392,21 @@ def main(
     expert_cache_gb: Optional[str] = typer.Option(
         None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N GB (or "
         "auto) instead of loading them; default DSV4_EXPERT_CACHE_GB, empty: all resident"),
+    draft: Optional[str] = typer.Option(None, help=flags.OPTION_HELP["draft"]),
+    draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
 ):
     """Chat with a dsv4 model. In the chat, /help lists the commands, how to enter several
     lines and what Ctrl-C does."""
-    from . import flags
     from .generation import warm_up
     from .loader import load
     from .sampling import Sampling, check_max_tokens, check_seed, option_name
 
-    with reported():
+    with reported(), contextlib.ExitStack() as scope:
         check_max_tokens(max_tokens, "--max-tokens")
         check_seed(seed, "--seed")
         Sampling(temp, top_p).check(spell=option_name)
         flags.check_environment()
+        scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
         print(f"loading {model or 'the bundled demo model'} ...", flush=True)
         loaded_model, tokenizer = load(model, expert_cache_gb=expert_cache_gb)
         warm_up(loaded_model)

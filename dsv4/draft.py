@@ -135,8 +135,12 @@ class Draft(nn.Module):
         self.mtp = [DraftStage(args, s) for s in range(args.num_nextn_predict_layers)]
         self.block_size = args.dspark_block_size
 
-    def make_cache(self) -> DraftCache:
-        return DraftCache(len(self.mtp), self.args.sliding_window)
+    def make_cache(self, start: int = 0) -> DraftCache:
+        """An empty window whose first seeded position is `start` (the backbone cache's offset:
+        rows are rotated at their absolute positions, as the reference's ring holds them)."""
+        cache = DraftCache(len(self.mtp), self.args.sliding_window)
+        cache.end = start
+        return cache
 
     def _state(self, cache: DraftCache, start: int) -> DraftState:
         return DraftState(start, cache, {stage.layer: i for i, stage in enumerate(self.mtp)})

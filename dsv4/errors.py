@@ -21,6 +21,11 @@ class InputError(ValueError):
     """Input the user gave (a file, an option, a request) is not what it must be."""
 
 
+def option_name(name: str) -> str:
+    """A Python keyword as its command-line option: top_p -> --top-p."""
+    return "--" + name.replace("_", "-")
+
+
 def message(error: BaseException) -> str:
     """The error's one line: an OSError's text with the path it names."""
     if isinstance(error, OSError) and error.filename is not None and error.strerror:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
-from .errors import InputError
+from .errors import InputError, option_name
 
 Value = Union[bool, int, str]
 
@@ -119,6 +119,20 @@ def override(**values: Value) -> Iterator[None]:
     finally:
         _overrides.clear()
         _overrides.update(saved)
+
+
+def from_options(**values: Optional[Value]) -> dict[str, Value]:
+    """Command-line options that stand for switches (--draft for DSV4_DRAFT), parsed as the
+    variables are, for override(); an error names the option. None: not given."""
+    out = {}
+    for name, value in values.items():
+        if value is not None:
+            flag = FLAGS[name]
+            try:
+                out[name] = flag.parse(str(value))
+            except FlagError as e:
+                raise FlagError(str(e).replace(flag.env, option_name(name))) from None
+    return out
 
 
 def check_environment(environ=os.environ, warn=None) -> None:
@@ -267,6 +281,12 @@ define("kernel_first_launch_check", "auto",
        "has run before a user's Mac, off for CUDA (its kernels are checked on the H200; the one "
        "H200 run with it on warned of a fallback in tests/test_model_gpu.py, not yet explained)",
        choices=AUTO_ON_OFF)
+define("kernel_cache", "off",
+       "CUDA: build each custom kernel once with NVRTC into MLX's disk cache ($MLX_PTX_CACHE_DIR; "
+       "auto points it at ~/.cache/dsv4/cuda-kernels/mlx-<version>-<gpu> unless set, or give a "
+       "directory), so later processes load it instead of compiling it again (MLX never writes "
+       "custom kernels there); off (default until measured on the H200: benchmarks/cold_start.py): "
+       "MLX builds them in every process (dsv4/kernels/cuda_cache.py)")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
@@ -295,6 +315,10 @@ define("draft", "off",
 define("draft_k", 5,
        "the most drafts verified per step (the draft block holds dspark_block_size, 5 in V4.1)",
        minimum=1)
+# generate's, chat's and the server's options for them (from_options)
+OPTION_HELP = {"draft": "speculative decoding with the checkpoint's DSpark draft stages: off, on or auto "
+                        "(default DSV4_DRAFT)",
+               "draft_k": "the most drafts verified per step (default DSV4_DRAFT_K)"}
 
 # --- profiling ----------------------------------------------------------------------------
 define("stage_profile", False,

@@ -100,7 +100,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
                          "DSV4_DRAFT=on or auto, from a checkpoint that has them)")
     # The draft window holds only this prompt's positions (a cache continued from an earlier
     # turn brings none): drafts may be worse for a while, the output is the same.
-    window = model.draft.make_cache() if mode != "off" and model.draft is not None else None
+    window = model.draft.make_cache(cache.offset) if mode != "off" and model.draft is not None else None
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(sampling)
@@ -208,8 +208,12 @@ def print_stats(r: GenerationResponse, file=None, load_s: Optional[float] = None
 
 def warm_up(model) -> None:
     """One token through a throwaway cache: the weights' first-use work (the CPU's dense
-    copies, kernel builds) happens here, not in the first prompt's timing."""
-    mx.eval(model(np.zeros((1, 1), np.int64), model.make_cache()))
+    copies, kernel builds) happens here, not in the first prompt's timing. CUDA kernels that
+    the kernel cache builds redraw a progress line."""
+    from .kernels import cuda_cache
+
+    with cuda_cache.progress("warm-up"):
+        mx.eval(model(np.zeros((1, 1), np.int64), model.make_cache()))
 
 
 def prefill_progress(total: int, enabled: bool = True) -> Optional[Callable[[int, int], None]]:
@@ -273,10 +277,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N "
                 "GB (or auto: what memory the rest leaves) instead of loading them; default "
                 "DSV4_EXPERT_CACHE_GB, empty: all resident"),
-            draft: Optional[str] = typer.Option(None, help="speculative decoding with the checkpoint's DSpark "
-                                                "draft stages: off, on or auto (default DSV4_DRAFT)"),
-            draft_k: Optional[int] = typer.Option(None, help="the most drafts verified per step "
-                                                  "(default DSV4_DRAFT_K)")):
+            draft: Optional[str] = typer.Option(None, help=flags.OPTION_HELP["draft"]),
+            draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"])):
         from .loader import load, resident_bytes
 
         with reported(), contextlib.ExitStack() as scope:
@@ -284,16 +286,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             check_seed(seed, "--seed")
             Sampling(temp, top_p).check(spell=option_name)
             flags.check_environment()
-            # --draft / --draft-k stand for their switches, checked as the variables are
-            switches = {}
-            for name, value in (("draft", draft), ("draft_k", draft_k)):
-                if value is not None:
-                    flag = flags.FLAGS[name]
-                    try:
-                        switches[name] = flag.parse(str(value))
-                    except flags.FlagError as e:
-                        raise InputError(str(e).replace(flag.env, option_name(name))) from None
-            scope.enter_context(flags.override(**switches))
+            scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
             if prompt == "-":
                 prompt = sys.stdin.read()
             if not prompt:

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Optional
 import mlx.core as mx
 
 from .constants import ramp
-from .errors import InputError
+from .errors import InputError, option_name  # noqa: F401 (the CLIs spell options by it)
 
 PENALTY_RANGE = 2.0      # OpenAI's bounds for presence_penalty and frequency_penalty
 LOGIT_BIAS_RANGE = 100.0  # and for the values of logit_bias
@@ -31,11 +31,6 @@ def _number(name: str, value, low: float, high: float, *, low_open: bool = False
             f"{'>' if low_open else '>='} {low:g}"
         raise InputError(f"{name}={value!r}: expected a number {bound}")
     return float(value)
-
-
-def option_name(name: str) -> str:
-    """A Python keyword as its command-line option: top_p -> --top-p."""
-    return "--" + name.replace("_", "-")
 
 
 def check_max_tokens(max_tokens, name: str = "max_tokens") -> int:

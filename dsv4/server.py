@@ -23,6 +23,7 @@ active exception").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ from typing import Optional
 
 import typer
 
+from . import flags
 from .errors import EXIT_INTERRUPTED, InputError, reported
 from .sampling import check_max_tokens
 
@@ -105,9 +107,11 @@ def main(
     expert_cache_gb: Optional[str] = typer.Option(
         None, "--expert-cache-gb", help="stream the routed experts from disk into a cache of N GB (or "
         "auto) instead of loading them; default DSV4_EXPERT_CACHE_GB, empty: all resident"),
+    draft: Optional[str] = typer.Option(None, help=flags.OPTION_HELP["draft"] + "; a request decoded "
+                                        "alone speculates, requests decoded together do not"),
+    draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
 ):
     """Serve a dsv4 model over the OpenAI and Anthropic HTTP APIs. Ctrl-C or SIGTERM stops it."""
-    from . import flags
     from .serve.app import Service, make_app
     from .serve.scheduler import CacheOptions, Scheduler
 
@@ -122,7 +126,7 @@ def main(
         warm_up(net)
         return ModelEngine(net, tokenizer, model_fingerprint(resolve(model)))
 
-    with reported():
+    with reported(), contextlib.ExitStack() as scope:
         check_max_tokens(max_tokens, "--max-tokens")
         check_max_tokens(max_sessions, "--max-sessions")
         if max_context is not None:
@@ -133,6 +137,7 @@ def main(
         if not 0 <= port <= 65535:
             raise InputError(f"--port={port}: expected a port number 0..65535")
         flags.check_environment()
+        scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
         cache = CacheOptions(prompt_cache, kv_cache_mb << 20, str(kv_disk_dir) if kv_disk_dir else None,
                              kv_disk_space_mb << 20)
         scheduler = Scheduler(load, max_context=max_context, max_sessions=max_sessions, cache=cache)

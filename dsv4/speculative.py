@@ -256,13 +256,24 @@ def speculative_tokens(model, cache: Cache, draft_cache: DraftCache, prompt_logi
     last is not fed). `draft_cache` holds the main KV of the prompt's positions (Draft.seed
     after each prefill chunk). Once closed or done, the cache holds everything but the last
     token handed out, as after a plain loop."""
+    adjust = LogitAdjustment(sampling, prompt_logits.shape[-1])
+    first = int(picker(sampling.temp, sampling.top_p)(adjust(prompt_logits)).item())
+    yield from drafted_tokens(model, cache, draft_cache, first, sampling, limit, policy, stats, adjust)
+
+
+def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sampling: Sampling,
+                   limit: int, policy: Policy, stats: Optional[Stats] = None,
+                   adjust: Optional[LogitAdjustment] = None) -> Iterator[int]:
+    """`first` (the pending token: sampled, not yet in the cache) and the tokens after it, as
+    `speculative_tokens` gives them; the penalties count from `first` on unless `adjust` brings
+    counts of its own (the server's lone session continues from tokens decoded before)."""
     if cache.tokens.shape[0] != 1:
         raise ValueError("speculative decoding runs one sequence at a time")
     stats = stats if stats is not None else Stats()
     draft = model.draft
-    adjust = LogitAdjustment(sampling, prompt_logits.shape[-1])
+    adjust = adjust if adjust is not None else LogitAdjustment(sampling, model.args.vocab_size)
     pick = picker(sampling.temp, sampling.top_p)
-    y = int(pick(adjust(prompt_logits)).item())
+    y = first
     adjust.count(mx.array([y]))
     start, handed = cache.offset, 0
     try:

@@ -116,7 +116,10 @@ class ScriptedEngine:
         logits[self.tokenizer.piece_id(piece)] = 100.0
         return mx.array(logits)
 
-    def prefill(self, cache: ListCache, tokens) -> mx.array:
+    def draft_window(self, cache: ListCache):
+        return None   # a script does not speculate
+
+    def prefill(self, cache: ListCache, tokens, window=None) -> mx.array:
         time.sleep(self.delay)
         cache.tokens.extend(tokens)
         cache.generated = 0

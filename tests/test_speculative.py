@@ -436,3 +436,83 @@ def test_demo_draft_stages_are_trained(demo, tmp_path):
     # first draft); the random stages' drafts are never right.
     assert trained.acceptance > 0.05 and trained.tokens_per_verify > 1.25, trained.line()
     assert untrained.acceptance < 0.02, untrained.line()
+
+
+# --- chat and the server -------------------------------------------------------------------------
+
+def test_chat_with_draft_gives_the_plain_answers(demo):
+    """Two turns (the second continues the first's cache, so its draft window starts at the
+    cache's offset) with the demo's trained drafts: the answers are plain decode's."""
+    from dsv4.chat import ChatSession
+
+    model, tokenizer = demo
+    turns = [DEMO_PROMPT, "And what does a set do?"]
+
+    def answers(mode):
+        session = ChatSession(model, tokenizer, max_tokens=32)
+        with flags.override(draft=mode, draft_k=4):
+            return [session.ask(text)[1] for text in turns]
+
+    plain_turns, drafted = answers("off"), answers("on")
+    assert [t.generated for t in drafted] == [t.generated for t in plain_turns]
+    assert drafted[1].cached_tokens > 0 and plain_turns[0].speculative is None
+    assert all(t.speculative.verifies > 0 for t in drafted)
+    assert "Speculative:" in drafted[1].line()
+
+
+def test_chat_and_server_take_the_draft_options():
+    import subprocess
+    import sys
+
+    run = lambda *args, **kw: subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                                             timeout=120, **kw)
+    chat = run("dsv4.chat", "--draft", "on", "--draft-k", "2", "--max-tokens", "12", input="Hello\n/quit\n")
+    assert chat.returncode == 0 and re.search(r"\[Speculative: \d+ verifies", chat.stdout), chat.stdout + chat.stderr
+    for command in ("dsv4.chat", "dsv4.server"):
+        bad = run(command, "--draft", "maybe", input="")
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+            "error: --draft='maybe': expected one of off, on, auto"], bad.stderr
+
+
+@pytest.fixture
+def draft_server():
+    from dsv4.serve.engine import ModelEngine
+    from tests.server_helpers import inprocess_server
+
+    with flags.override(draft="on", draft_k=4):
+        served = inprocess_server(lambda: ModelEngine(*dsv4.load()), max_context=4096)
+        try:
+            yield served
+        finally:
+            served.stop()
+
+
+def plain_answer(model, tokenizer, question: str, max_tokens: int) -> str:
+    from dsv4.encoding import encode_messages, parse_completion
+    from dsv4.generation import stream_generate
+
+    prompt = tokenizer.encode(encode_messages([{"role": "user", "content": question}]))
+    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft="off"))
+    return parse_completion(text).content
+
+
+def test_server_speculates_for_a_lone_session_with_plain_decodes_answers(demo, draft_server):
+    """Requests in turn (each alone, the second from the first's cached prefix) draft; two at
+    once are decoded together (the drafting one drops its window); every answer is plain
+    decode's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=draft_server.base + "/v1", api_key="x", max_retries=0, timeout=120)
+    model, tokenizer = demo
+    ask = lambda q: client.chat.completions.create(model="demo", messages=[{"role": "user", "content": q}],
+                                                   max_tokens=32).choices[0].message.content
+    questions = [DEMO_PROMPT, DEMO_PROMPT + " A set holds each value once.", "What is a tuple?"]
+    alone = [ask(q) for q in questions[:2]]
+    stats = draft_server.scheduler.engine.draft_stats
+    assert stats.verifies > 0 and stats.accepted > 0, stats.line()
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(ask, questions[1:]))
+    assert draft_server.scheduler.stats["largest_batch"] == 2
+    for question, reply in zip(questions[:2] + questions[1:], alone + together):
+        assert reply == plain_answer(model, tokenizer, question, 32)

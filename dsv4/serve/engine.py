@@ -5,6 +5,10 @@ The scheduler owns the sessions; an engine owns how their caches are made and st
 `decode(caches, tokens)` (one token for each session, in one forward), `settle(cache)` (the
 cache holds its whole state again: a decoder may keep it in its own buffers meanwhile) and
 `snapshot(cache)` (a copy for the prefix cache).
+A lone session may decode speculatively (DSV4_DRAFT, dsv4/speculative.py): `draft_window(cache)`
+gives it a draft window (None when the model cannot draft), which its prefill chunks seed, and
+`speculate(cache, window, token, sampling, limit)` then hands out its tokens one call at a time,
+each cycle's verified block at once; settle() ends that as it ends the lone decoder.
 Caches are then used through their own methods (offset, copy, trim, max_trim, nbytes, save),
 and `load_cache(path)` reads one the disk tier wrote. Tests put a scripted engine in its place.
 """
@@ -16,9 +20,11 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import flags
 from ..batch_decode import decode_sessions
 from ..cache import load_cache
 from ..generation import prefill
+from ..sampling import Sampling
 from ..step import decoder
 
 
@@ -30,6 +36,8 @@ class ModelEngine:
         self.vocab_size = model.args.vocab_size
         self.context = model.args.max_position_embeddings
         self._alone: Optional[list] = None   # [cache, decoder, positions fed] of a lone session
+        self._drafting: Optional[tuple] = None   # (cache, tokens) of a lone session drafting
+        self.draft_stats = None                  # dsv4.speculative.Stats of every session that drafted
         self._constraint_tokenizer = None
 
     def new_cache(self):
@@ -42,9 +50,32 @@ class ModelEngine:
         mx.eval(list(copy.state().values()))
         return copy
 
-    def prefill(self, cache, tokens: Sequence[int]) -> mx.array:
-        """Feed tokens after what `cache` holds; -> the last one's logits [V] (fp32)."""
-        return prefill(self.model, np.array([tokens], np.int64), cache)[0]
+    def prefill(self, cache, tokens: Sequence[int], window=None) -> mx.array:
+        """Feed tokens after what `cache` holds (seeding the draft `window` with them); -> the
+        last one's logits [V] (fp32)."""
+        return prefill(self.model, np.array([tokens], np.int64), cache, draft_cache=window)[0]
+
+    def draft_window(self, cache):
+        """A draft window for a session continuing `cache`, or None (DSV4_DRAFT off, no stages)."""
+        if self.model.draft is None or flags.get("draft") == "off":
+            return None
+        return self.model.draft.make_cache(cache.offset)
+
+    def speculate(self, cache, window, token: int, sampling: Sampling, limit: int) -> int:
+        """The token after `token` (the last one handed out, not yet fed) for a lone session,
+        through speculative_tokens' loop (greedy: plain decode's tokens; sampled: its
+        distribution), which runs on until settled; `limit` counts `token` and what may follow."""
+        if self._drafting is None or self._drafting[0] is not cache:
+            from ..speculative import Adaptive, Policy, Stats, drafted_tokens
+
+            self.settle()
+            most = min(flags.get("draft_k"), self.model.args.dspark_block_size)
+            policy = Adaptive(most) if flags.get("draft") == "auto" else Policy(most)
+            self.draft_stats = self.draft_stats or Stats()
+            tokens = drafted_tokens(self.model, cache, window, token, sampling, limit, policy, self.draft_stats)
+            next(tokens)   # `token` itself
+            self._drafting = (cache, tokens)
+        return next(self._drafting[1])
 
     def decode(self, caches: Sequence, tokens: Sequence[int]) -> mx.array:
         """Feed tokens[i] to caches[i]; -> logits [B, V]. A lone session takes the decoder the
@@ -63,15 +94,20 @@ class ModelEngine:
         return decode_sessions(self.model, caches, tokens)
 
     def settle(self, cache=None) -> None:
-        """Hand the lone session's decoder state back to its cache (only if it is `cache`, when given)."""
+        """Hand the lone session's decoder state back to its cache (only if it is `cache`, when
+        given); a drafting session's cache drops the positions verified past its last token."""
         if self._alone is not None and (cache is None or self._alone[0] is cache):
             _, step, fed = self._alone
             self._alone = None
             step.close(fed)
+        if self._drafting is not None and (cache is None or self._drafting[0] is cache):
+            _, tokens = self._drafting
+            self._drafting = None
+            tokens.close()
 
     def forget(self) -> None:
         """After a failed step: drop the lone decoder without writing its state back."""
-        self._alone = None
+        self._alone = self._drafting = None
 
     def constraint_tokenizer(self):
         """The tokenizer as llguidance reads it (structured.py), made once (~1 s for V4.1's vocabulary)."""

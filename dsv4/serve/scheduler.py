@@ -6,7 +6,9 @@ fewer than `max_sessions` are active (each starts from the longest cached prefix
 prefills one chunk of one admitted prompt (round robin, so a long prompt does not hold up a
 short one behind it), and decodes one token for every session past its prefill in one forward
 (dsv4.batch_decode). New requests therefore join between steps, and a session's tokens keep
-coming while another prompt is prefilled.
+coming while another prompt is prefilled. With DSV4_DRAFT a session decoded alone speculates
+(engine.speculate); once decoded alongside others its draft window misses positions, so it
+decodes plainly from then on (sessions decoded together never speculate).
 
 A job's events: ("start", {"prompt_tokens", "cached_tokens"}) or ("error", RequestError); then
 ("token", text, counts) per generated token (counts is False for end of sentence, whose
@@ -77,6 +79,11 @@ class Session:
         # not change what it samples.
         self.rng = np.random.default_rng(job.seed) if job.seed is not None else None
         self.constraint = job.constraint() if job.constraint is not None else None
+        self.window = None   # the draft window while this session may speculate
+
+    @property
+    def drafts(self) -> bool:
+        return self.window is not None
 
     def held(self) -> list[int]:
         """The ids the cache holds: the prefilled prompt, then every token produced but the last
@@ -251,6 +258,9 @@ class Scheduler(threading.Thread):
                 self._fail(job, error)
                 continue
             session = Session(job, cache, cached, min(job.max_tokens, room), self.tokenizer.detokenizer)
+            if session.constraint is None and not job.sampling.penalized:
+                # speculation samples by itself: no grammar mask, no penalty counts to hand back
+                session.window = self.engine.draft_window(cache)
             job.events.put(("start", {"prompt_tokens": len(job.tokens), "cached_tokens": cached}))
             self.prefilling.append(session)
 
@@ -258,7 +268,7 @@ class Scheduler(threading.Thread):
         session = self.prefilling[0]
         chunk, session.todo = session.todo[:self.prefill_chunk], session.todo[self.prefill_chunk:]
         try:
-            logits = self.engine.prefill(session.cache, chunk)
+            logits = self.engine.prefill(session.cache, chunk, session.window)
             if session.todo:
                 self.prefilling.rotate(-1)   # round robin: the next prompt's turn
                 return
@@ -276,8 +286,13 @@ class Scheduler(threading.Thread):
     def _decode_step(self) -> None:
         sessions = list(self.decoding)
         try:
-            logits = self.engine.decode([s.cache for s in sessions], [s.produced[-1] for s in sessions])
-            tokens = self._sample(sessions, logits)
+            if len(sessions) == 1 and sessions[0].drafts:
+                tokens = [self._speculate(sessions[0])]
+            else:
+                for session in sessions:
+                    session.window = None
+                logits = self.engine.decode([s.cache for s in sessions], [s.produced[-1] for s in sessions])
+                tokens = self._sample(sessions, logits)
         except Exception as error:   # a failed step leaves every cache in it in doubt
             self.engine.forget()
             for session in sessions:
@@ -290,6 +305,12 @@ class Scheduler(threading.Thread):
             self.stats["largest_batch"] = max(self.stats["largest_batch"], len(sessions))
         for session, token in zip(sessions, tokens):
             self._emit(session, token)
+
+    def _speculate(self, session: Session) -> int:
+        if session.rng is not None:
+            mx.random.seed(int(session.rng.integers(1 << 63)))
+        return self.engine.speculate(session.cache, session.window, session.produced[-1], session.job.sampling,
+                                     session.limit - len(session.produced) + 1)
 
     def _sample(self, sessions: list[Session], logits: mx.array) -> list[int]:
         """One token per session from its row of logits [B, V], each by its own sampler."""
