@@ -6,11 +6,12 @@ input and output, the attributes the body names, the explicit template instantia
 compiled by clang as C++17 against tools/metal_shim/metal_stdlib.h (tools/cxx.py picks the
 clang). A syntax or type error fails.
 
-CUDA (no GPU needed): the body is wrapped the way `mx.fast.cuda_kernel` wraps it and compiled
-for sm_90, by NVRTC (the library MLX's CUDA backend compiles custom kernels with at run time;
-from NVIDIA's PyPI wheels nvidia-cuda-nvrtc-cu12, -runtime-cu12 and -cccl-cu12, which the test
-extra installs on Linux x86-64) or by nvcc; MLX's device utilities are replaced by the CUDA
-headers they include, which is all the bodies use.
+CUDA (no GPU needed): the body is wrapped the way `mx.fast.cuda_kernel` wraps it (the text the
+kernel cache reproduces, dsv4/kernels/cuda_cache.py) and compiled for sm_90a by NVRTC, the
+library MLX's CUDA backend compiles custom kernels with at run time, as the kernel cache builds
+it (from NVIDIA's PyPI wheels nvidia-cuda-nvrtc-cu12, -runtime-cu12 and -cccl-cu12, which the
+test extra installs on Linux x86-64), or by nvcc; MLX's device utilities are stood in for by
+the CUDA headers they include and Shape/Strides, which is all the bodies use.
 
 Launches (tools/launch_limits.py): every launch the dispatchers make at V4.1's widths fits the
 GPU's limits (threadgroup memory, threads, whole SIMD groups), on Metal and on CUDA.
@@ -34,6 +35,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dsv4.kernels import cuda_cache  # noqa: E402
 from dsv4.kernels.dialect import Kernel  # noqa: E402
 from tools.cxx import cxx_command  # noqa: E402
 from tools.launch_limits import v41_problems  # noqa: E402
@@ -43,9 +45,6 @@ SHIM = ROOT / "tools" / "metal_shim"
 METAL_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
                mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t",
                mx.bool_: "bool"}
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-              mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int64: "int64_t",
-              mx.bool_: "bool"}
 # MLX's list of Metal thread attributes; a signature gets those the body names.
 METAL_ATTRIBUTES = (
     ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
@@ -108,33 +107,11 @@ def metal_source(kernel: Kernel, check) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cuda_source(kernel: Kernel, check) -> str:
-    """The text `mx.fast.cuda_kernel` compiles for one instantiation."""
+def cuda_source(kernel: Kernel, check) -> tuple[str, str]:
+    """(kernel name, the text `mx.fast.cuda_kernel` compiles) for one instantiation: the
+    runtime's own reproduction (dsv4/kernels/cuda_cache.py), inputs taken as arrays of ndim 1."""
     in_types, out_types, template = check
-    header, body = kernel.source("cuda")
-    lines = ["#include <cuda_bf16.h>", "#include <cuda_fp16.h>", "#include <cuda/std/cstdint>",
-             "#include <cooperative_groups.h>", "#include <cuda/std/array>",
-             # MLX's device utils define these (mlx/backend/cuda/device/utils.cuh).
-             "using Shape = cuda::std::array<int32_t, 10>;", "using Strides = cuda::std::array<int64_t, 10>;",
-             header, "namespace mlx::core::cu {",
-             "namespace cg = cooperative_groups;"]
-    params = []
-    for n, t in zip(kernel.input_names, in_types):
-        params.append(f"    const {CUDA_TYPES[t]}* {n}")
-        for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
-            if n + suffix in body:
-                params.append(f"    const __grid_constant__ {kind} {n}{suffix}")
-    params += [f"    {CUDA_TYPES[t]}* {n}" for n, t in zip(kernel.output_names, out_types)]
-    lines.append(f"__global__ void custom_kernel_{kernel.name}(\n" + ",\n".join(params) + ") {")
-    for n, v in template:
-        if isinstance(v, bool):
-            lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
-        elif isinstance(v, int):
-            lines.append(f"  constexpr int {n} = {v};")
-        else:
-            lines.append(f"  using {n} = {CUDA_TYPES[v]};")
-    lines += [body, "}", "}  // namespace mlx::core::cu"]
-    return "\n".join(lines) + "\n"
+    return cuda_cache.mlx_source(kernel, [(t, 1) for t in in_types], out_types, template)
 
 
 def _run(cmd: list[str], source: str, suffix: str) -> str | None:
@@ -176,23 +153,16 @@ def nvrtc_paths() -> tuple[Path, list[Path]] | None:
     return libs[0], [found["cuda_cccl"] / "include", found["cuda_runtime"] / "include"]
 
 
-def nvrtc_compile(source: str, paths: tuple[Path, list[Path]]) -> str | None:
-    """Compile one CUDA source for sm_90 with NVRTC: None if it compiles, else the log."""
-    import ctypes
-
+def nvrtc_compile(source: tuple[str, str], paths: tuple[Path, list[Path]]) -> str | None:
+    """Compile one instantiation for sm_90a as MLX's CUDA backend does on the H200 (the kernel
+    cache's own build, cuda_cache.nvrtc_build): None if it compiles, else the log."""
     library, includes = paths
-    lib = ctypes.CDLL(str(library))
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None):
-        return "nvrtcCreateProgram failed"
-    opts = [b"--gpu-architecture=sm_90", b"-std=c++17"] + [f"--include-path={p}".encode() for p in includes]
-    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return None if rc == 0 else log.value.decode(errors="replace")
+    name, text = source
+    try:
+        cuda_cache.nvrtc_build(text, name, "sm_90a", str(library), includes)
+    except cuda_cache.BuildError as e:
+        return str(e)
+    return None
 
 
 def check_cuda_nvrtc(kernel: Kernel, paths: tuple[Path, list[Path]]) -> list[str]:
@@ -209,7 +179,8 @@ def check_cuda(kernel: Kernel, nvcc: str) -> list[str]:
     cmd = [nvcc, "-std=c++17", "-arch=sm_90", "-c", "-o", "/dev/null"]
     errors = []
     for check in kernel.checks:
-        err = _run(cmd, cuda_source(kernel, check), ".cu")
+        text = cuda_source(kernel, check)[1].replace(f'#include "{cuda_cache.UTILS_NAME}"', cuda_cache.UTILS_STANDIN)
+        err = _run(cmd, text, ".cu")
         if err:
             errors.append(f"{kernel.name} {check[2]}:\n{err}")
     return errors

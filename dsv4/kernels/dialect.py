@@ -41,6 +41,9 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.kernels import cuda_cache
+
+cuda_cache.configure()   # before MLX's first build reads $MLX_PTX_CACHE_DIR
 
 METAL_HEADER = r"""
 #define KFN inline
@@ -242,6 +245,10 @@ class Kernel:
         if bad:
             # CUDA names the instantiation after its template values: a minus sign breaks the name.
             raise ValueError(f"kernel {self.name}: template values must be >= 0, got {bad}")
+        key = (self.name, dialect, tuple(template), tuple(map(tuple, output_shapes)))
+        if dialect == "cuda" and _pretend is None and key not in _cached:
+            cuda_cache.ensure(self, inputs, output_dtypes, template)
+            _cached.add(key)
         try:
             fn = functools.partial(_pretend[1], self) if _pretend is not None else _compiled(self, dialect)
             outputs = fn(inputs=list(inputs), output_shapes=list(output_shapes),
@@ -249,7 +256,6 @@ class Kernel:
                          template=list(template), init_value=float("nan") if _poison else init_value)
         except Exception as e:
             raise KernelFailed(self.name) from e
-        key = (self.name, dialect, tuple(template), tuple(map(tuple, output_shapes)))
         if key not in _launched and (_pretend[2] if _pretend is not None else
                                      flags.switch("kernel_first_launch_check", dialect == "metal")):
             self._first_launch(outputs, inputs, key)
@@ -280,6 +286,7 @@ class KernelFailed(RuntimeError):
 
 _fallen: set = set()   # kernel paths that failed in this process: their references run instead
 _launched: set = set()   # instantiations (kernel, dialect, template, shapes) whose first launch ran
+_cached: set = set()     # CUDA instantiations whose build cuda_cache has seen to
 evaluate = mx.eval       # how a first launch is run (tests make it fail as a Metal build would)
 
 
