@@ -137,8 +137,10 @@ def _load_official(path: Path, args: ModelArgs, reader: Reader, stream=None) -> 
 
     ckpt = Checkpoint(path, "model*.safetensors")
     items = layout.plan(ckpt, args)
+    reader.check((i.name, i.shape) for it in items for i in it.sources)
     model = Model(args, reader.plan)
     _quantize(model, {it.name: it.quantization for it in items if it.quantization})
+    reader.plan.prepare(model)
     if stream is not None:
         stream.detach(model)
     expected = dict(tree_flatten(model.parameters()))
@@ -172,6 +174,8 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
                                                              if isinstance(r, dict)}}
     blocks = {n.removesuffix(".weight") for n, d in dtypes.items()
               if n.endswith(".weight") and d == "U8" and n.removesuffix(".weight") not in modules}
+    reader.check([(n, i.shape) for n, i in ckpt.tensors.items()]
+                 + [(n, r.get("shape", ())) for n, r in refs.items() if isinstance(r, dict)])
     model = Model(args, reader.plan)
     types = {}
     for module in sorted(blocks):
@@ -182,6 +186,7 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
         types[module] = q["type"]
     _keep_gguf_blocks(model, types, path)
     _quantize(model, {m: setting(m) for m in modules})
+    reader.plan.prepare(model)
     if stream is not None:
         stream.detach(model)
     expected = dict(tree_flatten(model.parameters()))
@@ -229,17 +234,27 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
 
         hasher = NgramHasher(args, build_token_map(tokenizer.backend))
         tables = {}
-        for layer in args.engram_layer_ids:
+        held = tuple(l for l in args.engram_layer_ids if "engram" in model.layers[l])  # a pipeline stage's
+        for layer in held:
             ref = refs.get(str(layer))
             if ref is None:
                 raise CheckpointError(f"{path}: no Engram table reference for layer {layer}")
             tables[layer] = engram_store.open_table(ref, path, name=f"layers.{layer}.engram",
                                                     head_dim=args.engram_head_dim)
-        model.set_engram(hasher, tables)
-    model.draft = load_draft(path, config, args)
+        model.set_engram(hasher, tables, held)
+    pipelined = "pipeline" in plan.modes
+    model.draft = None if pipelined else load_draft(path, config, args)   # not run in a pipeline
     if dtype is not None:
         model.set_dtype(dtype)
-    quantize_head(model, flags.get("head_quant"))
+    if "head" in model:   # a pipeline's stages but the last hold none
+        quantize_head(model, flags.get("head_quant"))
+    if pipelined:
+        from .distributed.pipeline import Pipelined
+
+        net = Pipelined(model, plan)
+        make_dense_copies(model, net.dtype)
+        model.eval()
+        return net
     make_dense_copies(model, model.embed.weight.dtype)
     if stream is not None:   # last: an auto-sized cache takes what the rest left
         stream.attach(model, dtype)

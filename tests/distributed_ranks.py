@@ -1,7 +1,7 @@
 """One rank of tests/test_distributed.py, started by mlx.launch (or alone for the reference):
 load the checkpoint (sharded with --parallel), feed the tokens teacher forced (a prefill
 chunk, then one token a step), write this rank's fp32 logits, its load log and its
-exchange count to OUT/rank<r>.npz + .json. mlx.launch exits 0 when a rank fails, so the
+exchange count to OUT/<mode>.rank<r>.npy + .json, for each mode in turn (one launch). mlx.launch exits 0 when a rank fails, so the
 test reads every rank's files, which are written only after the rank finished."""
 
 from __future__ import annotations
@@ -17,24 +17,16 @@ import dsv4
 from dsv4 import distributed, flags
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("model")
-    p.add_argument("out")
-    p.add_argument("--parallel", default="")
-    p.add_argument("--tokens", default="5,17,42,99,7,3,250,11,64,128,31,200")
-    p.add_argument("--prefill", type=int, default=8)
-    a = p.parse_args()
-    group = distributed.init("ring") if a.parallel else None
+def run(model_dir: str, out_dir: Path, parallel: str, ids: list[int], prefill: int) -> None:
+    group = distributed.init("ring") if parallel else None
     rank = 0 if group is None else group.rank()
-    ids = [int(t) for t in a.tokens.split(",")]
     with flags.override(act_quant=False, kv_qdq=False):
-        model, _ = dsv4.load(a.model, dtype=mx.float32, group=group, parallel=a.parallel or None)
+        model, _ = dsv4.load(model_dir, dtype=mx.float32, group=group, parallel=parallel or None)
         cache = model.make_cache()
         distributed.stats.reset()
-        logits = [model(np.array([ids[:a.prefill]]), cache)[0]]
+        logits = [model(np.array([ids[:prefill]]), cache)[0]]
         per_prefill = distributed.stats.exchanges
-        for t in ids[a.prefill:]:
+        for t in ids[prefill:]:
             logits.append(model(np.array([[t]]), cache)[0])
         out = np.array(mx.concatenate(logits))
     log = model.load_log
@@ -44,9 +36,22 @@ def main() -> None:
               "read_bytes": log.read_bytes,
               "tensors": {n: [s.axis, s.start, s.stop, b] for n, (s, b) in log.tensors.items()},
               "resident_bytes": dsv4.loader.resident_bytes(model)}
-    out_dir = Path(a.out)
-    np.save(out_dir / f"rank{rank}.npy", out)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    name = parallel or "single"
+    np.save(out_dir / f"{name}.rank{rank}.npy", out)
+    (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--parallel", default="", help="modes, comma-separated, each loaded in turn")
+    p.add_argument("--tokens", default="5,17,42,99,7,3,250,11,64,128,31,200")
+    p.add_argument("--prefill", type=int, default=8)
+    a = p.parse_args()
+    ids = [int(t) for t in a.tokens.split(",")]
+    for parallel in a.parallel.split(","):
+        run(a.model, Path(a.out), parallel, ids, a.prefill)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,12 @@ class Reader:
     def __init__(self, plan):
         self.plan, self.log = plan, Log()
 
+    def check(self, tensors) -> None:
+        """Ask the plan for every (name, stored shape) first: a split that cuts a block is
+        refused before the model is built and anything is read."""
+        for name, shape in tensors:
+            self.plan.tensor(name, tuple(shape))
+
     def tensor(self, info) -> Optional[np.ndarray]:
         """A safetensors TensorInfo's share."""
         if self.plan is SINGLE:
