@@ -2,7 +2,7 @@
 one plain decode step: the verify of k+1 = 2..6 positions, the propose of k drafts, in ms;
 from those the break-even acceptance and the speedup to expect at given acceptance rates.
 
-    python -m benchmarks.speculative_steps [--context 512] [--repeats 20] [--small]
+    python -m benchmarks.speculative_steps [--context 512] [--repeats 20] [--small | --model DIR]
 
 The slice is benchmarks/slice_decode.py's (real widths, 7 layers with every role, random
 quantized weights as the official checkpoint stores them) plus three draft stages at V4.1's
@@ -18,7 +18,8 @@ in mxfp8) reading the slice's last three layers. At `--context` positions:
     head, and k draft picks (the Markov head between them).
 A cycle verifying k drafts at acceptance a yields (1 - a^(k+1)) / (1 - a) tokens in
 propose(k) + verify(k+1); its speedup over plain decode is that over the tokens plain decode
-makes in the same time. `--small` runs the same at toy widths (for the CPU).
+makes in the same time. `--small` runs the same at toy widths (for the CPU); `--model` on a
+checkpoint's own draft stages (`demo`: the bundled demo, whose stages are trained).
 """
 
 from __future__ import annotations
@@ -134,14 +135,24 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--model", help="a checkpoint with draft stages instead of the slice ('demo': the bundled one)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
 
-    config = {**(SMALL if a.small else REAL), **ROLES}
     t0 = time.perf_counter()
-    model, _, _ = build(config)
-    with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
+    if a.model:
+        import dsv4
+        from dsv4 import flags
+
+        with flags.override(draft="on"):
+            model = dsv4.load(None if a.model == "demo" else a.model)[0]
+        what = f"the checkpoint {a.model} with its DSpark draft stages"
+    else:
+        config = {**(SMALL if a.small else REAL), **ROLES}
+        model, _, _ = build(config)
+        with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
+        what = f"a {'toy-width' if a.small else 'shape-true'} V4.1 slice with DSpark draft stages"
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     times = measure(model, a.context, a.repeats)
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -152,9 +163,9 @@ def main(argv=None) -> int:
     gain = [f"| {k} | {break_even(k, med):.2f} | " + " | ".join(f"{speedup(x, k, med):.2f}" for x in ACCEPTANCE) + " |"
             for k in range(1, k_max + 1)]
     ratio4 = med["verify(4)"] / med["plain"]
-    lines = [f"# Speculative decoding step costs on a {'toy-width' if a.small else 'shape-true'} V4.1 slice "
-             f"with DSpark draft stages", "",
-             f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers + 3 draft stages, context "
+    lines = [f"# Speculative decoding step costs on {what}", "",
+             f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers + "
+             f"{model.args.num_nextn_predict_layers} draft stages, context "
              f"{a.context}, median [min-max] of {a.repeats} repeats after one untimed call.", "",
              "| step | ms | / plain step |", "|---|---|---|", *rows, "",
              f"A 4-position verify costs {ratio4:.2f}x a plain decode step (target: <= 1.4x).", "",
@@ -162,11 +173,13 @@ def main(argv=None) -> int:
              "ones before it accepted); break-even: the acceptance where drafting k pays nothing.", "",
              "| k | break-even a | " + " | ".join(f"a = {x}" for x in ACCEPTANCE) + " |",
              "|---|---|" + "---|" * len(ACCEPTANCE), *gain, "",
-             "The slice has 7 of the 40 layers: on the full model the backbone's share of every step "
-             "grows about 40/7-fold while the propose stays the same, so the speedups here are lower "
-             "bounds for the same acceptance.", "", to_markdown(describe())]
+             *([] if a.model else [
+                 "The slice has 7 of the 40 layers: on the full model the backbone's share of every step "
+                 "grows about 40/7-fold while the propose stays the same, so the speedups here are lower "
+                 "bounds for the same acceptance.", ""]), to_markdown(describe())]
     a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-speculative-steps{'-small' if a.small else ''}.md"
+    tag = "-demo" if a.model == "demo" else "-model" if a.model else "-small" if a.small else ""
+    out = a.out / f"{when:%Y-%m-%d-%H%M}-speculative-steps{tag}.md"
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps({"context": a.context, "ms": times}, indent=1))
     print("\n".join(lines[:-1]))

@@ -13,6 +13,9 @@ their tokens_md5, and the CPU time of those phases (all threads; on a shared mac
 than wall time when other jobs compete for the cores). With DSV4_STAGE_PROFILE=1 it adds the per-stage decode profile and prints the
 profiler's table to stderr. `--model synthetic` is a stand-in decoder of plain MLX matmuls whose
 stages are marked like the real forward pass: it measures the harness and the profiler itself.
+`--prompt TEXT` feeds that text (encoded as is) instead of the synthetic ids, `--temp` / `--top-p`
+sample (seeded by `--seed`); with DSV4_DRAFT the line adds the drafting's numbers (acceptance,
+tokens per verify, verifies and plain steps, seconds of propose / verify / plain steps).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -95,12 +99,18 @@ def synthetic_tokens(model: SyntheticDecoder, prompt: list[int], max_tokens: int
         yield token.item()
 
 
-def model_tokens(model, tokenizer, prompt: list[int], max_tokens: int):
-    """Greedy token ids from dsv4's own generate loop, exactly `max_tokens` of them."""
+def model_tokens(model, tokenizer, prompt: list[int], max_tokens: int, sampling: Optional[dict] = None,
+                 seen: Optional[dict] = None):
+    """Token ids from dsv4's own generate loop, exactly `max_tokens` of them: greedy, or as
+    `sampling` (stream_generate's temp, top_p, seed) says; `seen["speculative"]` keeps the
+    drafting's Stats (None without DSV4_DRAFT)."""
     from dsv4.generation import stream_generate
 
-    stream = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, ignore_eos=True)
-    return (response.token for response in stream)
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, ignore_eos=True,
+                                    **(sampling or {})):
+        if seen is not None:
+            seen["speculative"] = response.speculative
+        yield response.token
 
 
 def measure(tokens, prompt_tokens: int) -> dict:
@@ -140,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="decode-512")
     parser.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length")
     parser.add_argument("--generation-tokens", type=int, help="override the tokens generated")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt and of sampling")
+    parser.add_argument("--prompt", help="a text prompt (encoded as is) instead of the synthetic one")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     parser.add_argument("--list", action="store_true", help="list the standard workloads")
     args = parser.parse_args(argv)
     if args.list:
@@ -154,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt-tokens and --generation-tokens must be at least 1")
 
     profiler.reset()
+    seen: dict = {}
     if args.model == "synthetic":
         model = SyntheticDecoder()
         prompt = synthetic_prompt(prompt_tokens, model.vocab_size, args.seed)
@@ -166,13 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load(args.model)
         warm_up(model)   # the weights' first-use work is load time, not prefill time
         load_s = time.perf_counter() - loading
-        prompt = synthetic_prompt(prompt_tokens, model.args.vocab_size, args.seed)
-        tokens = model_tokens(model, tokenizer, prompt, max_tokens)
-    name = args.workload if (prompt_tokens, max_tokens) == (workload.prompt_tokens,
-                                                             workload.generation_tokens) else "custom"
+        prompt = (tokenizer.encode(args.prompt) if args.prompt else
+                  synthetic_prompt(prompt_tokens, model.args.vocab_size, args.seed))
+        sampling = dict(temp=args.temp, top_p=args.top_p, seed=args.seed) if args.temp else None
+        tokens = model_tokens(model, tokenizer, prompt, max_tokens, sampling, seen)
+    name = args.workload if (len(prompt), max_tokens, args.temp) == (
+        workload.prompt_tokens, workload.generation_tokens, 0.0) else "custom"
     result = {"workload": name, "model": args.model or "demo", **measure(tokens, len(prompt))}
     if args.model != "synthetic":
         result["load_s"] = load_s
+    if seen.get("speculative") is not None:
+        result.update(seen["speculative"].numbers())
     if profiler.enabled():
         print(profiler.report(), file=sys.stderr)
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -110,6 +110,13 @@ class Stats:
         """Tokens each verify forward produced (accepted drafts plus the target's own)."""
         return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
 
+    def numbers(self) -> dict:
+        """The result line's draft keys (top-level: benchmarks/ab.py reports them)."""
+        return {"draft_acceptance": self.acceptance, "draft_tokens_per_verify": self.tokens_per_verify,
+                "draft_verifies": self.verifies, "draft_plain_steps": self.plain_steps,
+                "draft_propose_s": self.propose_s, "draft_verify_s": self.verify_s,
+                "draft_plain_s": self.plain_s}
+
     def line(self) -> str:
         total = self.propose_s + self.verify_s + self.plain_s
         share = lambda s: f"{100 * s / total:.0f}%" if total else "-"

@@ -516,3 +516,22 @@ def test_server_speculates_for_a_lone_session_with_plain_decodes_answers(demo, d
     assert draft_server.scheduler.stats["largest_batch"] == 2
     for question, reply in zip(questions[:2] + questions[1:], alone + together):
         assert reply == plain_answer(model, tokenizer, question, 32)
+
+
+def test_workloads_line_carries_the_drafting(draft_dir, capsys):
+    """benchmarks/workloads.py on a text prompt: drafted greedy tokens equal plain ones and the
+    line has the draft numbers (what the DSpark report's A/B reads)."""
+    from benchmarks import ab, workloads
+
+    def result(mode, *extra):
+        with flags.override(draft=mode, draft_k=2):
+            workloads.main(["--model", str(draft_dir), "--prompt", "Readability counts.",
+                            "--generation-tokens", "12", *extra])
+        return ab.parse_result(capsys.readouterr().out)
+
+    plain_run, drafted = result("off"), result("on")
+    assert drafted["tokens"] == plain_run["tokens"] and "draft_acceptance" not in plain_run
+    # every token after the first came from a verify (its accepted drafts and one more) or a plain step
+    assert round(drafted["draft_tokens_per_verify"] * drafted["draft_verifies"]) + drafted["draft_plain_steps"] == 11
+    sampled = result("on", "--temp", "0.8", "--seed", "3")
+    assert sampled["workload"] == "custom" and sampled["draft_verifies"] > 0
