@@ -2,7 +2,8 @@
 /v1/messages/count_tokens, with Anthropic's error shape on both.
 
 Messages hold text, tool_use and tool_result blocks and thinking blocks (the reasoning of an
-earlier turn); `system` is a string or text blocks; tools are {name, description, input_schema}.
+earlier turn); `system` is a string or text blocks; tools are {name, description, input_schema}, tool_choice auto, any, tool (by name) or none, enforced
+by a grammar (tool_choice.py).
 Thinking is on with `thinking: {type: enabled | adaptive}` (off with disabled; the server's
 default otherwise), its effort from `output_config.effort`; a JSON schema in
 `output_config.format` constrains the answer. `usage.cache_read_input_tokens` is what the prefix
@@ -25,6 +26,7 @@ from .app import Service, read_json, sse
 from .errors import RequestError
 from .output import ClientGone, Generation
 from .structured import constraint_for
+from .tool_choice import anthropic_choice
 
 PREFIX = "/v1/messages"
 
@@ -128,10 +130,6 @@ def conversation(body: dict) -> list[dict]:
 
 
 def tools_of(body: dict) -> Optional[list]:
-    choice = body.get("tool_choice") or {"type": "auto"}
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind not in ("auto", "none"):
-        raise RequestError("only tool_choice auto and none are supported", param="tool_choice")
     tools = body.get("tools")
     if tools is None:
         return None
@@ -146,7 +144,7 @@ def tools_of(body: dict) -> Optional[list]:
                                f"(got type {kind!r})", param="tools")
         out.append({"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
                                                      "parameters": tool["input_schema"]}})
-    return out if kind == "auto" else None
+    return out
 
 
 def thinking_mode(body: dict, default: bool) -> tuple[str, Optional[str]]:
@@ -178,7 +176,8 @@ def output_format(body: dict) -> Optional[dict]:
 
 def prompt_of(body: dict, service: Service) -> opt.Prompt:
     mode, effort = thinking_mode(body, service.thinking)
-    return opt.Prompt(conversation(body), mode, tools_of(body), output_format(body), effort)
+    return opt.Prompt(conversation(body), mode, tools_of(body), output_format(body), effort,
+                      tool_choice=anthropic_choice(body.get("tool_choice")))
 
 
 def routes(service: Service) -> list[Route]:

@@ -1,6 +1,7 @@
 """OpenAI's /v1/chat/completions and /v1/completions, streaming (SSE) or not.
 
-Chat takes messages with tools, tool calls and their results, `reasoning_content` on assistant
+Chat takes messages with tools (tool_choice auto, none, required or a named function, enforced
+by a grammar: tool_choice.py), tool calls and their results, `reasoning_content` on assistant
 messages, and thinking on or off by DeepSeek's `thinking: {type}`, vLLM's
 `chat_template_kwargs: {thinking}` or `reasoning_effort`. Answers carry `reasoning_content`,
 `tool_calls`, and `usage.prompt_tokens_details.cached_tokens` (prompt tokens the prefix cache
@@ -22,6 +23,7 @@ from .app import Service, openai_error, openai_error_body, read_json, sse
 from .errors import RequestError
 from .output import ClientGone, Generation
 from .structured import constraint_for
+from .tool_choice import Choice, openai_choice
 
 # OpenAI's sampling parameters and their names in dsv4.sampling.Sampling.
 SAMPLING = {"temperature": "temp", "top_p": "top_p", "presence_penalty": "presence_penalty",
@@ -97,15 +99,12 @@ def response_format(value) -> Optional[dict]:
     return None if not value or value["type"] == "text" else value
 
 
-def tools_and_choice(body: dict) -> Optional[list]:
-    """The tools the model is shown: all of them, or none for tool_choice 'none'."""
+def tools_and_choice(body: dict) -> tuple[Optional[list], Choice]:
+    """The tools the model is shown and what tool_choice asks of it (tool_choice.py)."""
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
-    choice = body.get("tool_choice") or "auto"
-    if choice not in ("auto", "none"):
-        raise RequestError("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
-    return tools if choice == "auto" else None
+    return tools, openai_choice(body.get("tool_choice"), parallel=body.get("parallel_tool_calls"))
 
 
 def chat_prompt(body: dict, default_thinking: bool) -> opt.Prompt:
@@ -113,9 +112,10 @@ def chat_prompt(body: dict, default_thinking: bool) -> opt.Prompt:
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
     check_contents(messages)
-    tools = tools_and_choice(body)
+    tools, choice = tools_and_choice(body)
     mode, effort = thinking_mode(body, default_thinking)
-    return opt.Prompt(messages, mode, tools, response_format(body.get("response_format")), effort)
+    return opt.Prompt(messages, mode, tools, response_format(body.get("response_format")), effort,
+                      tool_choice=choice)
 
 
 def routes(service: Service) -> list[Route]:

@@ -29,6 +29,7 @@ from .app import Service, openai_error, read_json, sse
 from .errors import RequestError
 from .output import ClientGone, Generation
 from .structured import constraint_for
+from .tool_choice import Choice, openai_choice
 
 STORED_RESPONSES = 1024   # responses kept for previous_response_id and GET, least recently made dropped
 
@@ -161,15 +162,14 @@ def custom_function(tool: dict) -> dict:
             "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}
 
 
-def tools_of(body: dict) -> tuple[Optional[list], set]:
-    """The function tools the model is shown, and the names of those that are custom tools
-    (their calls go back as custom_tool_call items)."""
-    choice = body.get("tool_choice") or "auto"
-    if choice not in ("auto", "none"):
-        raise RequestError("only tool_choice 'auto' and 'none' are supported", param="tool_choice")
+def tools_of(body: dict) -> tuple[Optional[list], set, Choice]:
+    """The function tools the model is shown, the names of those that are custom tools (their
+    calls go back as custom_tool_call items), and what tool_choice asks (tool_choice.py)."""
+    choice = openai_choice(body.get("tool_choice"), parallel=body.get("parallel_tool_calls"),
+                           named_types=("function", "custom"))
     tools = body.get("tools")
     if tools is None:
-        return None, set()
+        return None, set(), choice
     if not isinstance(tools, list):
         raise RequestError("'tools' must be a list", param="tools")
     out, custom = [], set()
@@ -185,7 +185,7 @@ def tools_of(body: dict) -> tuple[Optional[list], set]:
             function = {"name": tool["name"], "description": tool.get("description") or "",
                         "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": function})
-    return (out if choice == "auto" else None), custom
+    return out, custom, choice
 
 
 def text_format(body: dict) -> Optional[dict]:
@@ -282,9 +282,9 @@ async def respond(request: Request, service: Service, store: Store):
             raise RequestError("'instructions' must be a string", param="instructions")
         mode, effort = reasoning_mode(body, service.thinking)
         response_format = text_format(body)
-        tools, custom = tools_of(body)
+        tools, custom, choice = tools_of(body)
         prompt = opt.Prompt(([{"role": "system", "content": instructions}] if instructions else []) + conversation,
-                            mode, tools, response_format, effort, param="input")
+                            mode, tools, response_format, effort, param="input", tool_choice=choice)
         tokens = service.tokenize(prompt)   # ids and the replay records they took
         limits = opt.Limits(opt.max_tokens(body, ("max_output_tokens",), service.default_max_tokens),
                             sampling=opt.sampling(body, SAMPLING, service.scheduler.vocab_size))

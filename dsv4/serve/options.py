@@ -13,6 +13,7 @@ from ..encoding import REASONING_EFFORTS, encode_segments
 from ..errors import InputError
 from ..sampling import Sampling, check_max_tokens, check_seed
 from .errors import RequestError
+from .tool_choice import Choice
 
 MAX_STOPS = 16
 
@@ -115,6 +116,7 @@ class Prompt:
     response_format: Optional[dict] = None  # shown to the model (and enforced by a constraint)
     effort: Optional[object] = None
     param: str = "messages"                 # the parameter a rendering error names
+    tool_choice: Choice = Choice()          # enforced by a grammar (tool_choice.py)
 
     def segments(self) -> list:
         try:

@@ -58,24 +58,40 @@ def schema_of(response_format: dict) -> dict:
 
 
 def constraint_for(prompt, service, param: str):
-    """A factory of constraints for a prompt's response format (None when it has none), or a
-    400 naming `param` when the schema cannot be enforced. Tools and a response format do not
-    go together: the grammar would forbid every call."""
-    response_format = prompt.response_format
-    if response_format is None:
-        return None
-    if prompt.tools:
-        raise RequestError(f"{param} cannot be combined with tools", param=param)
+    """A factory of constraints for the prompt's response format or tool choice (None when
+    neither asks for one), or a 400 naming the parameter whose grammar cannot be enforced. A
+    response format goes with tools only under tool_choice none: its grammar forbids every call."""
+    from .tool_choice import NO_CALLS_GRAMMAR, calls_grammar, required_functions
+
+    choice, response_format = prompt.tool_choice, prompt.response_format
+    if response_format is not None:
+        if prompt.tools and choice.mode != "none":
+            raise RequestError(f"{param} cannot be combined with tools (unless tool_choice is none)", param=param)
+        return grammar_constraint(prompt, service, param, json_schema=schema_of(response_format))
+    functions = required_functions(choice, prompt.tools)
+    if functions is not None:
+        return grammar_constraint(prompt, service, choice.param, lark=calls_grammar(functions, choice.parallel))
+    if choice.mode == "none" and prompt.tools:
+        return grammar_constraint(prompt, service, choice.param, lark=NO_CALLS_GRAMMAR)
+    return None
+
+
+def grammar_constraint(prompt, service, param: str, json_schema: Optional[dict] = None,
+                       lark: Optional[str] = None):
+    """A factory of constraints for a JSON schema or a lark grammar, checked against the
+    model's vocabulary now (a 400 naming `param` if it cannot be enforced)."""
     from llguidance import LLMatcher
 
     engine = service.scheduler.engine
     tokenizer = engine.constraint_tokenizer()
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema_of(response_format)), defaults=JSON_STYLE)
+        grammar = (LLMatcher.grammar_from_json_schema(json.dumps(json_schema), defaults=JSON_STYLE)
+                   if lark is None else LLMatcher.grammar_from_lark(lark))
     except ValueError as error:
-        raise RequestError(f"{param}: not a JSON schema ({error})", param=param) from None
+        raise RequestError(f"{param}: not a {'JSON schema' if lark is None else 'grammar'} ({error})",
+                           param=param) from None
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if failed:
-        raise RequestError(f"{param}: the schema cannot be enforced: {messages[0]}", param=param)
+        raise RequestError(f"{param}: cannot be enforced: {messages[0]}", param=param)
     wait = service.scheduler.tokenizer.token_to_id(THINK_CLOSE) if prompt.mode == "thinking" else None
     return lambda: Constraint(LLMatcher(tokenizer, grammar), engine.vocab_size, wait)
