@@ -23,6 +23,7 @@ from typing import Optional
 import pytest
 
 openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
 
 from dsv4.encoding import encode_messages, encode_segments, parse_completion  # noqa: E402
 from tests.server_helpers import (MAX_CONTEXT, checkpoint, get_json, live, oracle, post_raw,  # noqa: E402,F401
@@ -40,6 +41,10 @@ def test_binds_to_loopback_and_lists_the_model(live, checkpoint):
     assert live.host == "127.0.0.1"
     assert get_json(live.host, live.port, "/health") == (200, {"status": "ok"})
     assert [m.id for m in live.client.models.list().data] == [str(checkpoint)]
+    claude = anthropic.Anthropic(base_url=live.base, api_key="x", max_retries=0)
+    (model,) = claude.models.list().data
+    assert model.id == str(checkpoint) and model.type == "model" and model.created_at.year >= 2026
+    assert get_json(live.host, live.port, "/v1/models")[1]["data"][0]["max_model_len"] == MAX_CONTEXT
 
 
 @pytest.mark.parametrize("thinking", [False, True])

@@ -87,8 +87,14 @@ def make_app(service: Service) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def models(request):
+        """The one model, with the fields OpenAI's and Anthropic's clients read (and vLLM's
+        max_model_len, where agents look for the context)."""
+        name = service.model_name
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(service.started))
         return JSONResponse({"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": service.started, "owned_by": "dsv4"}]})
+            "id": name, "object": "model", "created": service.started, "owned_by": "dsv4",
+            "type": "model", "display_name": name, "created_at": created,
+            "max_model_len": service.scheduler.max_context}], "has_more": False, "first_id": name, "last_id": name})
 
     async def stats(request):
         return JSONResponse(service.scheduler.snapshot())
