@@ -278,7 +278,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "GB (or auto: what memory the rest leaves) instead of loading them; default "
                 "DSV4_EXPERT_CACHE_GB, empty: all resident"),
             draft: Optional[str] = typer.Option(None, help=flags.OPTION_HELP["draft"]),
-            draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"])):
+            draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
+            parallel: Optional[str] = typer.Option(
+                None, help="run across the processes mlx.launch started, each holding its shard: "
+                "expert, tensor or expert+tensor (README: Several machines)")):
+        from .distributed import ranks
         from .loader import load, resident_bytes
 
         with reported(), contextlib.ExitStack() as scope:
@@ -287,13 +291,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             Sampling(temp, top_p).check(spell=option_name)
             flags.check_environment()
             scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
+            group = ranks.join(parallel)
             if prompt == "-":
+                if group is not None:
+                    raise InputError("--prompt - with --parallel: only rank 0 has the input; give the prompt as text")
                 prompt = sys.stdin.read()
             if not prompt:
                 raise InputError("the prompt is empty (--prompt)")
             start = time.perf_counter()
-            net, tokenizer = load(model, expert_cache_gb=expert_cache_gb)
-            warm_up(net)
+            net, tokenizer = load(model, expert_cache_gb=expert_cache_gb, group=group, parallel=parallel)
+            exchanges = ranks.count(lambda: warm_up(net))
             load_s = time.perf_counter() - start
             text = prompt if raw else chat_prompt(prompt, system, think)
             ids = tokenizer.encode(text)
@@ -309,6 +316,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(r.text, end="", flush=True)
             print()
             print_stats(responses[-1], load_s=load_s, weight_bytes=resident_bytes(net))
+            if group is not None:
+                print(ranks.line(parallel, group, *exchanges))
             if getattr(net, "expert_store", None) is not None:
                 print(net.expert_store.summary())
             if profiler.enabled():

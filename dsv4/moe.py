@@ -79,11 +79,12 @@ class RoutedExperts(nn.Module):
         """x [N, D], ids/weights [N, k] -> sum_e w_e * expert_e(x) in fp32 [N, D]. `sort_rows`
         (default: 64 pairs or more) picks the way of computing; a caller that splits a batch
         passes the whole batch's choice, so that every part is computed as the whole would be."""
-        return mx.sum(self.slots(x, ids, weights, sort_rows), axis=1)
+        return mx.sum(self.slots(x, ids, weights, sort_rows).astype(mx.float32), axis=1)
 
     def slots(self, x: mx.array, ids: mx.array, weights: mx.array,
               sort_rows: Optional[bool] = None) -> mx.array:
-        """Each slot's weighted expert output, fp32 [N, k, D] (summed over k, the routed output)."""
+        """Each slot's weighted expert output [N, k, D] in x's dtype (summed in fp32 over k, the
+        routed output)."""
         n, k = ids.shape
         if not (n * k >= 64 if sort_rows is None else sort_rows):
             # Few rows: every token's k experts straight from the indices.
@@ -91,7 +92,7 @@ class RoutedExperts(nn.Module):
             h = clamped_swiglu(self.w1(xs, ids), self.w3(xs, ids), self.limit)
             h = h * weights[..., None, None]
             y = self.w2(fp8_input(h.astype(x.dtype)), ids)                   # [N, k, 1, D]
-            return y[:, :, 0].astype(mx.float32)
+            return y[:, :, 0]
         # Many rows: sort the (token, expert) pairs so each expert's rows go together.
         flat = ids.reshape(-1)
         order = mx.argsort(flat)
@@ -101,7 +102,7 @@ class RoutedExperts(nn.Module):
         h = clamped_swiglu(self.w1(xs, e, True), self.w3(xs, e, True), self.limit)
         h = h * weights.reshape(-1)[order][:, None, None]
         y = self.w2(fp8_input(h.astype(x.dtype)), e, True)
-        return y[inv].reshape(n, k, -1).astype(mx.float32)
+        return y[inv].reshape(n, k, -1)
 
 
 class SharedExpert(nn.Module):
@@ -175,10 +176,10 @@ class MoE(nn.Module):
             slots = self.experts.slots(flat, ids, weights, n * k >= 64)
             shared = self.shared_experts(flat).astype(mx.float32)
             if len(self.plan.shared_columns(self.gate.args)) < self.gate.args.moe_intermediate_size:
-                both = self.plan.combine(mx.concatenate([slots, shared[:, None]], axis=1))
+                both = self.plan.combine(mx.concatenate([slots.astype(mx.float32), shared[:, None]], axis=1))
                 y = mx.sum(both[:, :k], axis=1) + both[:, k]
-            else:
-                y = mx.sum(self.plan.combine(slots), axis=1) + shared
+            else:   # slots travel in their own dtype (bf16: half the bytes), summed in fp32 after
+                y = mx.sum(self.plan.combine(slots).astype(mx.float32), axis=1) + shared
         else:
             y = self.plan.combine(self.experts(flat, ids, weights)
                                   + self.shared_experts(flat).astype(mx.float32))

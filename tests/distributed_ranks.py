@@ -17,11 +17,16 @@ import dsv4
 from dsv4 import distributed, flags
 
 
-def run(model_dir: str, out_dir: Path, parallel: str, ids: list[int], prefill: int) -> None:
+def run(model_dir: str, out_dir: Path, name: str, ids: list[int], prefill: int) -> None:
+    """`name`: the --parallel mode ('' for one process), '@bf16' after it for the weights as
+    stored and the official roundings on (else fp32, roundings off)."""
+    parallel, _, as_stored = name.partition("@")
     group = distributed.init("ring") if parallel else None
     rank = 0 if group is None else group.rank()
-    with flags.override(act_quant=False, kv_qdq=False):
-        model, _ = dsv4.load(model_dir, dtype=mx.float32, group=group, parallel=parallel or None)
+    exact = {} if as_stored else dict(act_quant=False, kv_qdq=False)
+    with flags.override(**exact):
+        model, _ = dsv4.load(model_dir, dtype=None if as_stored else mx.float32, group=group,
+                             parallel=parallel or None)
         cache = model.make_cache()
         distributed.stats.reset()
         logits = [model(np.array([ids[:prefill]]), cache)[0]]
@@ -36,7 +41,7 @@ def run(model_dir: str, out_dir: Path, parallel: str, ids: list[int], prefill: i
               "read_bytes": log.read_bytes,
               "tensors": {n: [s.axis, s.start, s.stop, b] for n, (s, b) in log.tensors.items()},
               "resident_bytes": dsv4.loader.resident_bytes(model)}
-    name = parallel or "single"
+    name = name if parallel else "single" + name
     np.save(out_dir / f"{name}.rank{rank}.npy", out)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(report))
 
@@ -50,8 +55,8 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=8)
     a = p.parse_args()
     ids = [int(t) for t in a.tokens.split(",")]
-    for parallel in a.parallel.split(","):
-        run(a.model, Path(a.out), parallel, ids, a.prefill)
+    for name in a.parallel.split(","):
+        run(a.model, Path(a.out), name, ids, a.prefill)
 
 
 if __name__ == "__main__":

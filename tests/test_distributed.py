@@ -42,11 +42,11 @@ def runs(tiny_dir, tmp_path_factory):
     """Every mode's results from one 2-rank launch, and one process's."""
     out = tmp_path_factory.mktemp("ranks")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    subprocess.run([sys.executable, str(WORKER), str(tiny_dir), str(out)], check=True, env=env,
-                   timeout=120)
+    subprocess.run([sys.executable, str(WORKER), str(tiny_dir), str(out), "--parallel", ",@bf16"],
+                   check=True, env=env, timeout=120)
     launch = Path(sys.executable).with_name("mlx.launch")
     done = subprocess.run([str(launch), "-n", "2", "--backend", "ring", "--", sys.executable,
-                           str(WORKER), str(tiny_dir), str(out), "--parallel", ",".join(MODES)],
+                           str(WORKER), str(tiny_dir), str(out), "--parallel", ",".join(MODES + ("expert@bf16",))],
                           env=env, timeout=300, capture_output=True, text=True)
     # mlx.launch exits 0 even when a rank fails: each rank's own files say it finished.
     for mode in MODES:
@@ -72,6 +72,13 @@ def test_logits_equal_one_process(runs, mode):
             # logits measured; a lost or doubled share moves them by O(1).
             np.testing.assert_allclose(logits, one, rtol=0, atol=1e-5 * np.abs(one).max())
     np.testing.assert_array_equal(result(runs, mode, 0)[0], result(runs, mode, 1)[0])
+
+
+def test_expert_parallel_is_bit_identical_as_stored(runs):
+    """bf16 activations, the official fp8/fp4 roundings on: still one process's logits."""
+    one, _ = result(runs, "single@bf16")
+    for r in range(2):
+        np.testing.assert_array_equal(result(runs, "expert@bf16", r)[0], one)
 
 
 @pytest.mark.parametrize("mode,per_layer", [("expert", 1), ("tensor", 2), ("expert+tensor", 2)])
@@ -195,3 +202,13 @@ def test_reading_a_shard(tmp_path, shape, axis, start, stop, monkeypatch):
     assert reading.read("t", parts, 13, np.uint16, shape, None) is None
     with pytest.raises(distributed.ParallelError.__mro__[1], match="past the end"):
         reading.read("t", parts, 13 + 20, np.uint16, shape, distributed.WHOLE)
+
+
+@pytest.mark.parametrize("value,says", [("bogus", "expected expert, tensor, pipeline"),
+                                        ("expert", "single process; start one per rank with mlx.launch")])
+def test_generate_parallel_errors_are_one_line(tiny_dir, value, says):
+    out = subprocess.run([sys.executable, "-m", "dsv4.generate", "--model", str(tiny_dir), "--parallel", value],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("error: --parallel") and says in out.stderr and "Traceback" not in out.stderr

@@ -111,6 +111,15 @@ def server(command, inputs):
             proc.kill()
 
 
+def several_ranks(command, inputs):                   # mlx.launch: ranks of this machine on loopback
+    argv = shlex.split(command)
+    argv = [str(Path(sys.executable).with_name("mlx.launch"))] + argv[1:argv.index("python")] + \
+        python(shlex.join(argv[argv.index("python"):]), PATH=str(DEMO))
+    out = run(argv, timeout=300)
+    # mlx.launch exits 0 when a rank fails: both ranks finished, and only rank 0 printed
+    assert out.stdout.count("Generation:") == 1 and out.stdout.count("Distributed:") == 1, out.stdout
+
+
 def convert(command, inputs):
     root, official = inputs
     kind = shlex.split(command)[3]
@@ -130,6 +139,7 @@ RUNNERS = [
     (r"^python -m dsv4\.generate --model PATH_OR_REPO ", generate),
     (r"^python -m dsv4\.chat --model PATH$", chat),
     (r"^python -m dsv4\.server --model PATH --port 8080$", server),
+    (r"^mlx\.launch -n 2 --backend ring -- python -m dsv4\.generate --model PATH ", several_ranks),
     (r"^python -m dsv4_convert (official|gguf|exl3) (SRC|FILE) DST$", convert),
     (r"^python training/train_demo\.py ", train),
 ]

@@ -1,0 +1,38 @@
+"""The command lines under mlx.launch: every rank runs the same program on the same tokens
+(greedy or seeded sampling picks the same token everywhere, the logits being the same after
+the exchanges); rank 0 talks to the user, the others print nothing on stdout."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+from . import ParallelError, init, parse_modes, stats
+
+
+def join(parallel: Optional[str]):
+    """The group of every process mlx.launch started, for `--parallel` (None without it)."""
+    if not parallel:
+        return None
+    parse_modes(parallel)
+    group = init()
+    if group.size() < 2:
+        raise ParallelError(f"--parallel {parallel}: this is a single process; start one per rank "
+                            f"with mlx.launch (README, 'Several machines')")
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return group
+
+
+def count(forward) -> tuple[int, int]:
+    """(exchanges, bytes) that one call of `forward` puts into its graph (one decode step
+    through the model: the exchanges per token)."""
+    stats.reset()
+    forward()
+    return stats.exchanges, stats.bytes
+
+
+def line(parallel: str, group, exchanges: int, nbytes: int) -> str:
+    return (f"Distributed: --parallel {parallel} over {group.size()} ranks, {exchanges} exchanges "
+            f"per token ({nbytes / max(exchanges, 1) / 1024:.1f} KiB each)")
