@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -89,8 +90,10 @@ def chat(command, inputs):
     assert "tokens" in out.stdout
 
 
-def server(command, inputs):
-    port = free_port()
+@contextmanager
+def demo_server(port: int, command: str = "python -m dsv4.server --model PATH --port 8080"):
+    """The README's server command on the demo model and `port`, up (it answers /health) while
+    the block runs, then stopped by Ctrl-C (exit status 0)."""
     argv = python(command.replace("8080", str(port)), PATH=str(DEMO))
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -104,6 +107,7 @@ def server(command, inputs):
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise AssertionError(f"the server did not come up: {proc.stderr.read()[-2000:]}")
                 time.sleep(0.5)
+        yield
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
@@ -118,6 +122,29 @@ def several_ranks(command, inputs):                   # mlx.launch: ranks of thi
     out = run(argv, timeout=300)
     # mlx.launch exits 0 when a rank fails: both ranks finished, and only rank 0 printed
     assert out.stdout.count("Generation:") == 1 and out.stdout.count("Distributed:") == 1, out.stdout
+
+
+def server(command, inputs):
+    with demo_server(free_port(), command):
+        pass
+
+
+def claude_code(command, inputs):
+    """The settings given to Claude Code, used by the anthropic client (what Claude Code is built
+    on) against the server: a streamed answer with a tool offered."""
+    import anthropic
+
+    env = dict(word.split("=", 1) for word in shlex.split(command) if "=" in word)
+    port = free_port()
+    with demo_server(port):
+        client = anthropic.Anthropic(base_url=env["ANTHROPIC_BASE_URL"].replace("8080", str(port)),
+                                     auth_token=env["ANTHROPIC_AUTH_TOKEN"], max_retries=0, timeout=120)
+        tool = {"name": "read_file", "description": "Read a file.",
+                "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+        with client.messages.stream(model=env["ANTHROPIC_MODEL"], max_tokens=8, tools=[tool],
+                                    messages=[{"role": "user", "content": "Hello"}]) as stream:
+            message = stream.get_final_message()
+        assert message.stop_reason in ("end_turn", "max_tokens", "tool_use") and message.usage.output_tokens >= 1
 
 
 def convert(command, inputs):
@@ -140,6 +167,7 @@ RUNNERS = [
     (r"^python -m dsv4\.chat --model PATH$", chat),
     (r"^python -m dsv4\.server --model PATH --port 8080$", server),
     (r"^mlx\.launch -n 2 --backend ring -- python -m dsv4\.generate --model PATH ", several_ranks),
+    (r"^ANTHROPIC_BASE_URL=http://127\.0\.0\.1:8080 .* claude$", claude_code),
     (r"^python -m dsv4_convert (official|gguf|exl3) (SRC|FILE) DST$", convert),
     (r"^python training/train_demo\.py ", train),
 ]
