@@ -170,6 +170,9 @@ define("act_quant", True,
 define("index_key_quirk", False,
        "decode: ratio-2 index sources score against the last published keys, as the "
        "reference code does (model-spec 3.9); off uses each layer's own owner keys")
+define("pipeline_memory", "",
+       "--parallel pipeline: each rank's share of the weights; empty: equal shares, 'auto': in "
+       "proportion to each rank's physical memory, or one size per rank (e.g. 512,256)")
 define("indexer_skip", True,
        "skip the indexer's scoring while every visible compressed row makes its top-k "
        "(the selection is then known); exact")

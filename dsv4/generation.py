@@ -103,7 +103,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     window = model.draft.make_cache(cache.offset) if mode != "off" and model.draft is not None else None
     if seed is not None:
         mx.random.seed(seed)
-    sampler = make_sampler(sampling)
+    sampler = model.shared_sampler(make_sampler(sampling))
     detok = tokenizer.detokenizer
     start = time.perf_counter()
     logits = prefill(model, np.array([ids], np.int64), cache, progress=prefill_progress, draft_cache=window)

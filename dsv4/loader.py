@@ -140,6 +140,7 @@ def _load_official(path: Path, args: ModelArgs, reader: Reader, stream=None) -> 
     reader.check((i.name, i.shape) for it in items for i in it.sources)
     model = Model(args, reader.plan)
     _quantize(model, {it.name: it.quantization for it in items if it.quantization})
+    reader.plan.prepare(model)
     if stream is not None:
         stream.detach(model)
     expected = dict(tree_flatten(model.parameters()))
@@ -185,6 +186,7 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
         types[module] = q["type"]
     _keep_gguf_blocks(model, types, path)
     _quantize(model, {m: setting(m) for m in modules})
+    reader.plan.prepare(model)
     if stream is not None:
         stream.detach(model)
     expected = dict(tree_flatten(model.parameters()))
@@ -232,17 +234,27 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
 
         hasher = NgramHasher(args, build_token_map(tokenizer.backend))
         tables = {}
-        for layer in args.engram_layer_ids:
+        held = tuple(l for l in args.engram_layer_ids if "engram" in model.layers[l])  # a pipeline stage's
+        for layer in held:
             ref = refs.get(str(layer))
             if ref is None:
                 raise CheckpointError(f"{path}: no Engram table reference for layer {layer}")
             tables[layer] = engram_store.open_table(ref, path, name=f"layers.{layer}.engram",
                                                     head_dim=args.engram_head_dim)
-        model.set_engram(hasher, tables)
-    model.draft = load_draft(path, config, args)
+        model.set_engram(hasher, tables, held)
+    pipelined = "pipeline" in plan.modes
+    model.draft = None if pipelined else load_draft(path, config, args)   # not run in a pipeline
     if dtype is not None:
         model.set_dtype(dtype)
-    quantize_head(model, flags.get("head_quant"))
+    if "head" in model:   # a pipeline's stages but the last hold none
+        quantize_head(model, flags.get("head_quant"))
+    if pipelined:
+        from .distributed.pipeline import Pipelined
+
+        net = Pipelined(model, plan)
+        make_dense_copies(model, net.dtype)
+        model.eval()
+        return net
     make_dense_copies(model, model.embed.weight.dtype)
     if stream is not None:   # last: an auto-sized cache takes what the rest left
         stream.attach(model, dtype)

@@ -88,8 +88,11 @@ class Model(nn.Module):
         # Set by the loader where the checkpoint has them: the DSpark draft stages (dsv4.draft).
         self.draft = None
 
-    def set_engram(self, hasher: NgramHasher, tables: dict[int, object]) -> None:
-        missing = [l for l in self.args.engram_layer_ids if l not in tables]
+    def set_engram(self, hasher: NgramHasher, tables: dict[int, object],
+                   layers: Optional[tuple[int, ...]] = None) -> None:
+        """`layers`: the Engram layers this model runs (default all; a pipeline stage its own)."""
+        needed = self.args.engram_layer_ids if layers is None else layers
+        missing = [l for l in needed if l not in tables]
         if missing:
             raise ValueError(f"no Engram table for layer(s) {missing}")
         for layer, table in tables.items():
@@ -117,7 +120,7 @@ class Model(nn.Module):
         if past.shape[1]:
             history[:, width - past.shape[1]:] = h.compress(past)
         rows = h.hash(h.compress(ids), history, offset)
-        return {layer: self._engram_tables[layer].start(rows[layer]) for layer in rows}
+        return {layer: table.start(rows[layer]) for layer, table in self._engram_tables.items()}
 
     def __call__(self, input_ids, cache: Optional[Cache] = None,
                  hidden: Optional[list] = None) -> mx.array:
@@ -132,6 +135,11 @@ class Model(nn.Module):
         logits = self.forward(mx.array(ids), state, rows, hidden)
         cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
         return logits
+
+    def shared_sampler(self, sampler):
+        """The sampler as generation runs it: here as is; a pipeline's ranks also share the
+        last stage's token with it (dsv4.distributed.pipeline.Pipelined)."""
+        return sampler
 
     def checked_ids(self, input_ids) -> np.ndarray:
         """input_ids as int64 [B, S], or a ValueError naming the first id outside the vocabulary."""
@@ -167,6 +175,16 @@ class Model(nn.Module):
         (called when that layer is reached, so reads overlap the earlier layers). A list
         `hidden` gets, for each of `dspark_target_layer_ids` in layer order, the streams
         entering that layer averaged over the copies, [B*S, D] (the draft stages' input)."""
+        lead = ids.shape
+        streams, pre = self.embed_streams(ids)
+        streams, pre = self.run_layers(self.layers, streams, pre, state, lead, engram_rows, hidden)
+        return self.finish(streams, pre, lead)
+
+    # The three parts of `forward`, apart for a pipeline (dsv4.distributed.pipeline) whose
+    # stages each run some of them.
+
+    def embed_streams(self, ids: mx.array) -> tuple[mx.array, mx.array]:
+        """ids [B, S] -> (streams [B*S, hc, D], the first site's pre [B*S, hc] fp32)."""
         b, s = ids.shape
         hc, d = self.args.hc_mult, self.args.hidden_size
         h = profiler.mark("embed", self.embed(ids))
@@ -174,7 +192,15 @@ class Model(nn.Module):
         # a constant to the compiled step).
         streams = mx.broadcast_to(h.reshape(b * s, 1, d), (b * s, hc, d))
         pre = mx.array(np.eye(1, hc, dtype=np.float32).repeat(b * s, axis=0))
-        for block in self.layers:
+        return streams, pre
+
+    def run_layers(self, blocks, streams: mx.array, pre: mx.array, state, lead: tuple[int, int],
+                   engram_rows: Callable[[int], mx.array], hidden: Optional[list] = None):
+        """`blocks` (consecutive layers) over streams and pre (as `embed_streams` gives them)
+        -> the streams and pre after the last of them; see `forward` for the rest."""
+        b, s = lead
+        hc, d = self.args.hc_mult, self.args.hidden_size
+        for block in blocks:
             if "engram" in block:
                 rows = engram_rows(block.layer)
                 streams = profiler.mark("engram", block.engram(streams.reshape(b, s, hc, d), rows))
@@ -182,7 +208,11 @@ class Model(nn.Module):
             if hidden is not None and block.layer in self.args.dspark_target_layer_ids:
                 hidden.append(mx.mean(streams.astype(mx.float32), axis=1).astype(streams.dtype))
             streams, pre = block(streams, pre, state, (b, s))
-        x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps, (b, s, d))
+        return streams, pre
+
+    def finish(self, streams: mx.array, pre: mx.array, lead: tuple[int, int]) -> mx.array:
+        """The last layer's streams and pre -> fp32 logits [B, S, V]."""
+        x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps, (*lead, self.args.hidden_size))
         return profiler.mark("head", self.logits(x))
 
     def logits(self, x: mx.array) -> mx.array:

@@ -94,6 +94,11 @@ class Plan:
     def tensor(self, name: str, shape: tuple[int, ...]) -> Optional[Shard]:
         return WHOLE
 
+    def prepare(self, model) -> None:
+        """Called by the loader with the model's skeleton as it will be loaded (quantized,
+        nothing allocated yet), before any tensor is asked for: a plan may split by its sizes
+        and drop the modules this rank holds none of (a pipeline's other stages). Here: none."""
+
     def attention_groups(self, args) -> range:
         """The output-projection groups (and so the heads) of every attention this rank computes."""
         return range(args.o_groups)
