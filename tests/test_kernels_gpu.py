@@ -325,3 +325,29 @@ def test_experts(mode, bits, gs, shared_mode, tokens, act_quant):
     np.testing.assert_array_equal(f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared, limit, act_quant)),
                                   f32(got))
 
+
+
+@pytest.mark.parametrize("mode,shared_mode,I,D", [("mxfp4", ("mxfp8", 8, 32), 256, 512), ("mxfp8", None, 256, 512),
+                                                  ("mxfp4", ("mxfp8", 8, 32), 2304, 5120)])   # V4.1's widths
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_tensor_core_gate_up(mode, shared_mode, I, D, tokens, act_quant):
+    """DSV4_KERNEL_MOE_MMA: the mma.sync gate/up launch (experts_mma.py) against hidden_reference
+    with the portable launch's bounds; the routed variant picks the router kernel's ids (its
+    host emulation: tests/test_kernels_experts_mma_host.py)."""
+    from dsv4.kernels import experts_mma, router
+    E, K = 384, 6
+    bits = 4 if mode == "mxfp4" else 8
+    gate, up = quantized((E, I, D), mode, bits, 32), quantized((E, I, D), mode, bits, 32)
+    shared = None if shared_mode is None else (quantized((I, D), *shared_mode), quantized((I, D), *shared_mode))
+    x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
+    logits, bias = arr(RNG.standard_normal((tokens, E))), arr(RNG.standard_normal(E) * 0.1)
+    idx, rw = router.route_kernel(logits, bias, K, 1.0, 1.5, True)
+    with flags.override(kernel_moe_mma=True):
+        assert experts_mma.applies(x, gate, shared[0] if shared else None)
+        h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
+        routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, act_quant,
+                                          routing=(logits, bias, K, 1.0, 1.5, True))
+    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 0.3, act_quant), act_quant)
+    np.testing.assert_array_equal(np.array(ids), np.array(idx))
+    np.testing.assert_array_equal(f32(routed_h), f32(h))

@@ -20,7 +20,7 @@ def test_every_v41_launch_fits_metal_and_cuda():
 @pytest.mark.parametrize("name", ["metal", "cuda"])
 def test_the_v41_calls_launch_every_kernel(name):
     launched = {launch.kernel.name for launch in limits.record(name, limits.v41_calls)}
-    assert {k.name for k in all_kernels()} - launched == set()
+    assert {k.name for k in all_kernels() if name in k.dialects} - launched == set()
 
 
 def test_metal_takes_the_reference_where_x_would_overflow_threadgroup_memory(monkeypatch):

@@ -33,6 +33,7 @@ import mlx.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dsv4 import flags  # noqa: E402
 from dsv4.kernels import dialect  # noqa: E402
 from dsv4.kernels.dialect import Kernel, compact  # noqa: E402
 
@@ -202,11 +203,13 @@ def v41_calls():
         for routed, dense in layouts:
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
-            for e in (None, expand):
-                experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up, down,
-                                shared, a.swiglu_limit, True, e)
-                experts.routed_experts(x, logits, _zeros(E, dtype=mx.float32), k, 1.0, a.routed_scaling_factor,
-                                       True, gate, up, down, shared, a.swiglu_limit, True, e)
+            for e, mma in ((None, False), (expand, False), (expand, True)):   # mma: the CUDA tensor-core gate/up
+                with flags.override(kernel_moe_mma=mma):
+                    experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up,
+                                    down, shared, a.swiglu_limit, True, e)
+                    experts.routed_experts(x, logits, _zeros(E, dtype=mx.float32), k, 1.0,
+                                           a.routed_scaling_factor, True, gate, up, down, shared, a.swiglu_limit,
+                                           True, e)
             for n, d in projections:
                 q = dense((n, d))
                 if matvec.kernel_supports(_zeros(t, d), q):

@@ -25,6 +25,8 @@ Vocabulary available to bodies:
   ATOMIC_ADD(x, v), ATOMIC_LOAD(x), ATOMIC_STORE(x, v)   (relaxed; order them with BARRIER())
   AS_FLOAT(u32), AS_UINT(f)  bit casts
   half2_bits_to_float2(u32)  two fp16 bit patterns (low half first) -> float2
+  F2H_BITS(f)                (CUDA) the fp16 bit pattern of f rounded to nearest even, as uint32
+  mma_16816(d, a, b)         (CUDA) d[4] += A B of one warp-wide mma.sync m16n8k16 (fp16 a[4], b[2])
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
 """
 
@@ -130,6 +132,12 @@ __device__ inline float2 half2_bits_to_float2(uint32_t b) {
   __half2 h = *reinterpret_cast<__half2*>(&b);
   return __half22float2(h);
 }
+#define F2H_BITS(x) ((uint32_t)__half_as_ushort(__float2half_rn(x)))
+__device__ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 """
 
 CUDA_BODY_PRELUDE = r"""
@@ -215,6 +223,7 @@ class Kernel:
 
     `checks` lists instantiations for the offline compile gates: each is
     (input dtypes, output dtypes, template args), with inputs assumed to hold >= 8 elements.
+    `dialects`: the backends the body is written for (the CUDA-only vocabulary above: CUDA).
     """
 
     name: str
@@ -223,10 +232,13 @@ class Kernel:
     body: str
     header: str = ""
     checks: tuple = field(default=(), compare=False)
+    dialects: tuple = field(default=("metal", "cuda"), compare=False)
 
     def source(self, dialect: str) -> tuple[str, str]:
         """(header, body) as the backend gets them: compacted, and the header cut to what the
         body uses (see `compact` and `used_only`)."""
+        if dialect not in self.dialects:
+            raise ValueError(f"kernel {self.name} is written for {', '.join(self.dialects)}, not {dialect}")
         if dialect == "metal":
             header, body = METAL_HEADER + self.header, METAL_BODY_PRELUDE + self.body
         elif dialect == "cuda":

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import gguf_dot
+from dsv4.kernels import experts_mma, gguf_dot
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.kernels.mhc import hc_expand
@@ -477,8 +477,7 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
 
 
-def _gate_up_body(parts: dict) -> str:
-    body = _GATE_UP_BODY
+def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY) -> str:
     for name, code in parts.items():
         body = body.replace(f"  {name}\n", code.lstrip("\n") + "\n")
     return body
@@ -534,6 +533,25 @@ ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up", input_names=_
                                header=_HEADER + ROUTER_HEADER, checks=_check_instances("routed_gate_up"))
 DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_names=("y",),
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
+
+
+# The gate/up launch on CUDA tensor cores (experts_mma.py; MX layouts only, CUDA only).
+def _mma_checks(routed: bool):
+    mats = (mx.uint32, mx.uint8, mx.uint8) * 4
+    tmpl = experts_mma.template(experts_mma.check_template(), True, 2304, 5120)
+    if routed:
+        ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
+        return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + [("E", 384), ("NORM", True)])),)
+    return (((mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats, (mx.bfloat16,), tuple(tmpl)),)
+
+
+MMA_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_mma", input_names=_GATE_UP_INPUTS, output_names=("h",),
+                            body=_gate_up_body(_GIVEN, experts_mma.BODY), header=_HEADER + experts_mma.HEADER,
+                            checks=_mma_checks(False), dialects=("cuda",))
+MMA_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_mma", input_names=_ROUTED_GATE_UP_INPUTS,
+                                   output_names=("h", "ids"), body=_gate_up_body(_ROUTED, experts_mma.BODY),
+                                   header=_HEADER + experts_mma.HEADER + ROUTER_HEADER,
+                                   checks=_mma_checks(True), dialects=("cuda",))
 
 
 # The same bodies over rows of GGUF blocks (gguf_dot.py's rows_dot). Launch shapes (ROWS, LANES)
@@ -670,13 +688,17 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     I = gate.out_features
     s_gate, s_up = shared[:2] if shared is not None else (None, None)
     slots = K + int(shared is not None)
-    given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
-    threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
+    template = _common_template(x.dtype, K, gate, s_gate)
+    if experts_mma.applies(x, gate, s_gate):
+        given_kernel, routed_kernel = MMA_GATE_UP_KERNEL, MMA_ROUTED_GATE_UP_KERNEL
+        threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
+    else:
+        given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
+        threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
+        template += [("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
     launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),
                   output_shapes=[(T, slots, I)], output_dtypes=[x.dtype])
-    template = _common_template(x.dtype, K, gate, s_gate) + [
-        ("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     if routing is None:
         indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
         weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)

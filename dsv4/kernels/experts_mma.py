@@ -1,0 +1,200 @@
+"""The fused experts' gate/up launch on CUDA tensor cores (flag `kernel_moe_mma`, off by default:
+not yet run on a GPU; experts.py's portable kernel is the rollback, and Metal's kernel).
+
+The portable kernel spends ~4.2 instructions per fp4 weight (decode to fp16, widen to fp32, one
+FMA per weight and token). Here the decoded fp16 pairs go straight into `mma.sync.m16n8k16`
+(fp16 inputs, fp32 sums): unpack8's mask-and-shift makes two fp16 weights per step, and the
+tensor core does the multiply-adds, ~2 instructions per weight.
+
+Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; lane = 4 q + t):
+A (16 rows x 16 k) registers {(q, 2t..2t+1), (q+8, 2t..), (q, 2t+8..), (q+8, 2t+8..)}; B (16 k x
+8 columns) {(2t..2t+1, q), (2t+8.., q)}; D {(q, 2t), (q, 2t+1), (q+8, 2t), (q+8, 2t+1)}.
+
+How a SIMD group uses them for 16 rows of W (A) against one token's x (B): the input is walked in
+chunks of 4 groups of 32 (one e8m0 scale each). Lane t reads group t of the chunk for its rows q
+and q+8 (16 bytes of fp4, 32 of fp8) and feeds its 16 weight pairs in 8 mma steps, two per
+register; the sum over k does not care which weight a k stands for, so B holds x at the same
+places. The four lanes of a lane group hold four different groups, each with its own scale, so B
+is block-diagonal: column n < 4 holds group n's x (its fp16 high part), column n + 4 its low part
+(hi + lo carries 22 bits of x divided by a power of two that keeps hi within fp16's range), zero
+elsewhere. D's column n is then group n's partial sum of each row, which its lane scales by the
+row's e8m0 scale and x's power of two before summing; the lane group's four lanes sum last.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels.dialect import backend, shared_memory_limit
+
+KSPLIT = 4          # SIMD groups that share a row set's input chunks (two row sets of 16 per threadgroup)
+THREADS = 32 * 2 * KSPLIT
+MX_MODES = {"mxfp4": 4, "mxfp8": 8}
+
+HEADER = r"""
+// Pair p (< 16) of a 32-value group of MX codes: two weights whose fp16 bits one mask-and-shift
+// of a word gives (unpack8's tricks: MODE 1 nibbles j and j+4 of word p/4, MODE 2 bytes j and
+// j+2 of word p/2), scaled by 2^-14 (2^-8). pair_k: the low weight's place in the group; the
+// high one is PAIR_GAP further.
+template <int MODE> KFN uint32_t pair_bits(LOCAL const uint32_t* w, int p) {
+  if (MODE == 1) {
+    const uint32_t q = w[p >> 2] >> (4 * (p & 3));
+    return ((q & 0x00070007u) << 9) | ((q & 0x00080008u) << 12);
+  }
+  const uint32_t q = w[p >> 1] >> (8 * (p & 1));
+  return ((q & 0x007f007fu) << 7) | ((q & 0x00800080u) << 8);
+}
+template <int MODE> KFN int pair_k(int p) { return MODE == 1 ? 8 * (p >> 2) + (p & 3) : 4 * (p >> 1) + (p & 1); }
+
+// Pack p (32 values v) of x as the B side reads it: per value the fp16 bits of v / s (low half)
+// and of what that leaves (high half), s = the pack's power of two that keeps |v / s| <= 2^15.
+template <typename PH, typename PS>
+KFN void store_x_halves(PH xhl, PS xscale, int p, LOCAL const float* v) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
+  const float s = pow2_ceil(FMAX(amax * (1.0f / 32768.0f), 1.17549435e-38f));
+  const float inv = 1.0f / s;   // exact: s is a power of two
+  xscale[p] = s;
+  for (int i = 0; i < 32; ++i) {
+    const float a = v[i] * inv;
+    const uint32_t hi = F2H_BITS(a);
+    xhl[32 * p + i] = hi | (F2H_BITS(a - half2_bits_to_float2(hi).x) << 16);
+  }
+}
+
+// Gate and up sums of one token's x (xhl, xscale as store_x_halves left them) with the 16 rows
+// row0.. (clamped to rows_out) of the MX matrices at w0/s0 and w1/s1 from row `first`, over the
+// chunks split, split + splits, ... of 128 inputs. On return each lane of lane group q holds rows
+// row0 + q (acc[0]) and row0 + q + 8 (acc[1]).
+template <int MODE, int K_IN, typename PX, typename PF, typename PW, typename PS>
+KFN void gate_up_mma(PX xhl, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first, int row0, int rows_out,
+                     int split, int splits, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
+  constexpr int BITS = MODE == 1 ? 4 : 8;    // words per group of a row
+  constexpr int GROUPS = K_IN / 32;
+  constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;
+  constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;   // the 2^14 (2^8) pair_bits takes out
+  const int q = (int)lane >> 2, t = (int)lane & 3;
+  const size_t ra = first + (size_t)min(row0 + q, rows_out - 1);
+  const size_t rb = first + (size_t)min(row0 + q + 8, rows_out - 1);
+  const bool holds_x = (q & 3) == t;          // B's nonzero lanes: column q is group t's
+  const int part = q < 4 ? 0 : 16;            // high part in columns 0-3, low part in 4-7
+  acc0[0] = 0.0f; acc0[1] = 0.0f; acc1[0] = 0.0f; acc1[1] = 0.0f;
+  for (int c = split; c < GROUPS / 4; c += splits) {
+    const int grp = 4 * c + t;
+    uint32_t wa0[BITS], wb0[BITS], wa1[BITS], wb1[BITS];
+    load_words<BITS>(w0 + (ra * GROUPS + grp) * BITS, wa0);
+    load_words<BITS>(w0 + (rb * GROUPS + grp) * BITS, wb0);
+    load_words<BITS>(w1 + (ra * GROUPS + grp) * BITS, wa1);
+    load_words<BITS>(w1 + (rb * GROUPS + grp) * BITS, wb1);
+    float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      uint32_t b[2] = {0u, 0u};
+      if (holds_x)
+        for (int i = 0; i < 2; ++i) {
+          const int k = 32 * grp + pair_k<MODE>(2 * s + i);
+          b[i] = ((xhl[k] >> part) & 0xffffu) | (((xhl[k + PAIR_GAP] >> part) & 0xffffu) << 16);
+        }
+      const uint32_t a0[4] = {pair_bits<MODE>(wa0, 2 * s), pair_bits<MODE>(wb0, 2 * s),
+                              pair_bits<MODE>(wa0, 2 * s + 1), pair_bits<MODE>(wb0, 2 * s + 1)};
+      const uint32_t a1[4] = {pair_bits<MODE>(wa1, 2 * s), pair_bits<MODE>(wb1, 2 * s),
+                              pair_bits<MODE>(wa1, 2 * s + 1), pair_bits<MODE>(wb1, 2 * s + 1)};
+      mma_16816(d0, a0, b);
+      mma_16816(d1, a1, b);
+    }
+    // This lane's D columns 2t and 2t+1 are groups (2t) % 4 and (2t+1) % 4 of the chunk.
+    for (int j = 0; j < 2; ++j) {
+      const int gi = 4 * c + ((2 * t + j) & 3);
+      const float sx = xscale[gi] * UNIT;
+      acc0[0] += d0[j] * (e8m0_scale((uint32_t)s0[ra * GROUPS + gi]) * sx);
+      acc0[1] += d0[2 + j] * (e8m0_scale((uint32_t)s0[rb * GROUPS + gi]) * sx);
+      acc1[0] += d1[j] * (e8m0_scale((uint32_t)s1[ra * GROUPS + gi]) * sx);
+      acc1[1] += d1[2 + j] * (e8m0_scale((uint32_t)s1[rb * GROUPS + gi]) * sx);
+    }
+  }
+  for (int o = 1; o <= 2; o <<= 1) {   // the lane group's four lanes summed groups of their own
+    acc0[0] += simd_xor_f(acc0[0], o); acc0[1] += simd_xor_f(acc0[1], o);
+    acc1[0] += simd_xor_f(acc1[0], o); acc1[1] += simd_xor_f(acc1[1], o);
+  }
+}
+
+// h of lane `lane`'s row, rounded to fp8 with its 32-row block's scale when ACTQ (SIMD group 0).
+template <bool ACTQ> KFN float h_block_round(float v) {
+  if (!ACTQ) return v;
+  const float s = pow2_ceil(FMAX(simd_max_f(FABS(v)), 1e-4f) * (1.0f / 448.0f));
+  return e4m3_round(FMIN(FMAX(v * (1.0f / s), -448.0f), 448.0f)) * s;
+}
+"""
+
+BODY = r"""
+  // grid (32 * 2 * KSPLIT, I / 32, tokens * (K + HS)): a threadgroup makes 32 consecutive rows of
+  // h (one fp8 block) for one (token, slot) pair; SIMD group w makes rows 16 (w & 1).. of them
+  // over the input chunks w >> 1, w >> 1 + KSPLIT, ...; their partial sums meet in part.
+  const int pair = group_z;
+  const int t = pair / (K + HS), slot = pair % (K + HS);
+  const float limit = params[0];
+  ROUTE_TOKEN
+  SHARED uint32_t xhl[D];
+  SHARED float xscale[D / 32];
+  for (int p = (int)tid; p < D / 32; p += (int)group_threads) {
+    float v[32];
+    for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
+    if (ACTQ) qdq_fp8_32(v);
+    store_x_halves(xhl, xscale, p, v);
+  }
+  BARRIER();
+  SELECT_EXPERT
+  const int set = (int)warp & 1, split = (int)warp >> 1;
+  const int row0 = (int)group_y * 32 + 16 * set;
+  float g[2], u[2];
+  if (slot < K) {
+    gate_up_mma<MODE, D>(xhl, xscale, gate_w, gate_s, up_w, up_s, (size_t)expert * I, row0, I, split, KSPLIT,
+                         g, u, lane);
+  } else {
+    gate_up_mma<SMODE, D>(xhl, xscale, sgate_w, sgate_s, sup_w, sup_s, 0, row0, I, split, KSPLIT, g, u, lane);
+  }
+  SHARED float part[2][KSPLIT][32];
+  if ((lane & 3u) == 0u) {
+    const int r = 16 * set + (int)(lane >> 2);
+    part[0][split][r] = g[0]; part[0][split][r + 8] = g[1];
+    part[1][split][r] = u[0]; part[1][split][r + 8] = u[1];
+  }
+  BARRIER();
+  if (warp == 0) {
+    float gs = 0.0f, us = 0.0f;
+    for (int s = 0; s < KSPLIT; ++s) { gs += part[0][s][lane]; us += part[1][s][lane]; }
+    const float gv = FMIN(float(static_cast<T>(gs)), limit);
+    const float uv = FMIN(FMAX(float(static_cast<T>(us)), -limit), limit);
+    const float v = float(static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route));
+    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(h_block_round<ACTQ>(v));
+  }
+"""
+
+
+def supports(x, gate, shared, dialect) -> bool:
+    """Whether the tensor-core launch takes this gate/up: CUDA, routed and shared experts in MX
+    modes (mxfp4 / mxfp8, groups of 32), the input in chunks of 128 with its fp16 parts in
+    threadgroup memory, and the flag on."""
+    mats = [gate] + ([shared] if shared is not None else [])
+    D = x.shape[-1]
+    return (flags.get("kernel_moe_mma") and dialect == "cuda"
+            and all(getattr(m, "mode", None) in MX_MODES and m.bits == MX_MODES[m.mode] and m.group_size == 32
+                    for m in mats)
+            and D % 128 == 0 and gate.out_features % 32 == 0
+            and 4 * D + D // 8 + 2 * KSPLIT * 32 * 4 <= shared_memory_limit(dialect))
+
+
+def applies(x, gate, shared) -> bool:
+    return supports(x, gate, shared, backend())
+
+
+def template(common: list, act_quant: bool, I: int, D: int) -> list:
+    """The launch's template values after those both experts launches share (`common`)."""
+    return common + [("KSPLIT", KSPLIT), ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
+
+
+def check_template() -> list:
+    """V4.1's layouts (mxfp4 routed, mxfp8 shared) for the compile gate."""
+    return [("T", mx.bfloat16), ("MODE", 1), ("BITS", 4), ("GS", 32), ("SMODE", 2), ("SBITS", 8), ("SGS", 32),
+            ("HS", 1), ("K", 6)]

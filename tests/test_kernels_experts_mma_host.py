@@ -1,0 +1,145 @@
+"""The tensor-core gate/up body (dsv4/kernels/experts_mma.py) run on the host, CPU, in CI.
+
+mma.sync is warp-wide: here each lane posts its fragment registers and every lane computes its D
+elements from the whole A, B and C, which it reassembles by the PTX ISA's layout tables for
+m16n8k16 ("Matrix Fragments for mma.m16n8k16 with floating point type"), transcribed in
+MMA_EMULATOR with the products of the fp16 values summed in fp32. The body is compiled with
+clang under that emulator and test_kernels_matvec's threadgroup emulator and run over the
+dispatcher's launch grid; h must match hidden_reference (plain MLX) within the portable
+kernel's bounds. Mutations of the tables (a register, a half or an output position swapped)
+must fail the same check: the kernel's placement of weights, x and sums depends on the layout,
+so the pass is no accident of symmetric data. Unverified here: the real instruction (ptxas and
+the GPU: the NVRTC gate compiles it, tests/test_kernels_gpu-style runs come with the H200).
+"""
+
+import subprocess
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+from dsv4 import flags
+from dsv4.kernels import experts as ex
+from dsv4.kernels import experts_mma
+from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_experts import check_hidden, quantized
+from tests.test_kernels_experts_host import BF16, GATE_UP_MAIN, bf16_bits, from_bf16_bits, layout, matrix_bytes
+from tests.test_kernels_matvec import EMULATOR
+
+MMA_EMULATOR = r"""
+#ifndef A_REG
+#define A_REG(row, k) (((row) >= 8 ? 1 : 0) + ((k) >= 8 ? 2 : 0))
+#endif
+#ifndef B_HALF
+#define B_HALF(k) ((k) & 1)
+#endif
+#ifndef D_ROW
+#define D_ROW(i) ((i) >= 2 ? 8 : 0)
+#endif
+uint32_t mma_a[32][32][4], mma_b[32][32][2];
+inline float frag_half(uint32_t reg, int high) { return half_bits(high ? reg >> 16 : reg & 0xffffu); }
+inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+  for (int i = 0; i < 4; ++i) mma_a[t_warp][t_lane][i] = a[i];
+  for (int i = 0; i < 2; ++i) mma_b[t_warp][t_lane][i] = b[i];
+  warp_bar[t_warp]->arrive_and_wait();
+  const int q = t_lane >> 2, t = t_lane & 3;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = q + D_ROW(i), col = 2 * t + (i & 1);
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) {
+      // A (row, k): lane 4 (row % 8) + (k % 8) / 2; B (k, col): lane 4 col + (k % 8) / 2
+      const float av = frag_half(mma_a[t_warp][4 * (row % 8) + (k % 8) / 2][A_REG(row, k)], k & 1);
+      const float bv = frag_half(mma_b[t_warp][4 * col + (k % 8) / 2][(k) >= 8 ? 1 : 0], B_HALF(k));
+      s += av * bv;
+    }
+    out[i] = s;
+  }
+  warp_bar[t_warp]->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+inline uint32_t host_f2h_bits(float f) { _Float16 h = (_Float16)f; uint16_t u; std::memcpy(&u, &h, 2); return u; }
+#define F2H_BITS(x) host_f2h_bits(x)
+"""
+
+MUTATIONS = {
+    "A rows and k halves swapped": "#define A_REG(row, k) (((row) >= 8 ? 2 : 0) + ((k) >= 8 ? 1 : 0))\n",
+    "B halves swapped": "#define B_HALF(k) (1 - ((k) & 1))\n",
+    "D rows taken for columns": "#define D_ROW(i) ((i) & 1 ? 8 : 0)\n",
+}
+
+
+def run_body(tmp_path, name, x, idx, rw, gate, up, shared, limit, act_quant, mutation=""):
+    tokens, D = x.shape
+    E, I = gate.weight.shape[0], gate.out_features
+    K = idx.shape[-1]
+    s_gate, s_up, _ = shared
+    consts = dict(K=K, HS=1, I=I, D=D, **layout("", gate), **layout("S", s_gate), KSPLIT=experts_mma.KSPLIT,
+                  ACTQ=act_quant, ROWS=4, LANES=32)   # ROWS * 32 / LANES = 4: GATE_UP_MAIN launches 256 threads
+    assert 32 * 32 // 4 == experts_mma.THREADS
+    source = (EMULATOR + BF16 + mutation + MMA_EMULATOR
+              + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
+              + ex._HEADER + experts_mma.HEADER
+              + GATE_UP_MAIN.replace("BODY", ex.MMA_GATE_UP_KERNEL.body).replace("SSCALE", "uint8_t")
+              .replace("SCALE", "uint8_t"))
+    exe = build_host(tmp_path, name, source)
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
+            + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
+            + matrix_bytes(gate, gate, E * I, D) + matrix_bytes(up, gate, E * I, D)
+            + matrix_bytes(s_gate, s_gate, I, D) + matrix_bytes(s_up, s_gate, I, D))
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    return from_bf16_bits(out, (tokens, K + 1, I))
+
+
+def problem(rng, tokens, I, D):
+    """V4.1's layouts (routed mxfp4, shared mxfp8) at small widths; x spans 2^-20..2^2 across
+    its 32-value groups (each group's power of two, hi and lo parts at work)."""
+    E, K = 5, 3
+    gate, up = (quantized(rng, (E, I, D), "mxfp4", 4, 32, mx.bfloat16) for _ in range(2))
+    shared = tuple(quantized(rng, s, "mxfp8", 8, 32, mx.bfloat16) for s in ((I, D), (I, D), (D, I)))
+    spread = 2.0 ** rng.integers(-20, 3, (tokens, D // 32, 1))
+    x = mx.array((rng.standard_normal((tokens, D // 32, 32)) * spread).reshape(tokens, D).astype(np.float32))
+    x = x.astype(mx.bfloat16)
+    idx = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.05, 1.0, (tokens, K)).astype(np.float32))
+    return x, idx, rw, gate, up, shared
+
+
+# D = 256: 2 chunks of 128 for 4 splits (two SIMD groups of each row set have none);
+# D = 640: 5 chunks, uneven over the splits. I = 64: two threadgroups of 32 rows.
+@pytest.mark.parametrize("tokens,D,act_quant", [(1, 640, True), (2, 256, False)])
+def test_mma_gate_up_body_on_the_host(tmp_path, tokens, D, act_quant):
+    rng = np.random.default_rng()
+    x, idx, rw, gate, up, shared = problem(rng, tokens, 64, D)
+    with flags.override(kernel_moe_mma=True):
+        assert experts_mma.supports(x, gate, shared[0], "cuda")
+        assert not experts_mma.supports(x, gate, shared[0], "metal")
+    h = run_body(tmp_path, "mma", x, idx, rw, gate, up, shared, 0.3 if act_quant else 8.0, act_quant)
+    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 0.3 if act_quant else 8.0, act_quant),
+                 act_quant)
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
+def test_a_wrong_fragment_layout_fails(tmp_path, mutation):
+    rng = np.random.default_rng()
+    x, idx, rw, gate, up, shared = problem(rng, 1, 64, 256)
+    h = run_body(tmp_path, "mutant", x, idx, rw, gate, up, shared, 8.0, False, MUTATIONS[mutation])
+    with pytest.raises(AssertionError):
+        check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 8.0, False), False)
+
+
+def test_the_switch_picks_the_mma_launch_on_cuda_only():
+    from tools.launch_limits import record
+
+    rng = np.random.default_rng()
+    x, idx, rw, gate, up, shared = problem(rng, 1, 64, 256)
+
+    def calls():
+        ex.experts(x, idx, rw, gate, up, quantized(rng, (5, 256, 64), "mxfp4", 4, 32, mx.bfloat16), shared, 8.0)
+
+    for on in (False, True):
+        with flags.override(kernel_moe_mma=on):
+            names = {launch.kernel.name for launch in record("cuda", calls)}
+            assert ("dsv4_experts_gate_up_mma" in names) == on
+            assert "dsv4_experts_gate_up_mma" not in {launch.kernel.name for launch in record("metal", calls)}
