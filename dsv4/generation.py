@@ -209,11 +209,14 @@ def print_stats(r: GenerationResponse, file=None, load_s: Optional[float] = None
 def warm_up(model) -> None:
     """One token through a throwaway cache: the weights' first-use work (the CPU's dense
     copies, kernel builds) happens here, not in the first prompt's timing. CUDA kernels that
-    the kernel cache builds redraw a progress line."""
+    the kernel cache builds (DSV4_KERNEL_CACHE) build in parallel before the evaluation and
+    redraw a progress line."""
     from .kernels import cuda_cache
 
     with cuda_cache.progress("warm-up"):
-        mx.eval(model(np.zeros((1, 1), np.int64), model.make_cache()))
+        logits = model(np.zeros((1, 1), np.int64), model.make_cache())
+        cuda_cache.wait()
+        mx.eval(logits)
 
 
 def prefill_progress(total: int, enabled: bool = True) -> Optional[Callable[[int, int], None]]:

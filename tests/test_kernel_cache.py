@@ -119,7 +119,9 @@ def test_ensure_builds_once_what_mlx_will_look_for(tmp_path, monkeypatch):
         cuda_cache.ensure(PROBE, ins, [mx.float32], TEMPLATE)
         cuda_cache.ensure(PROBE, ins, [mx.float32], TEMPLATE)            # seen: nothing to do
         cuda_cache.ensure(PROBE, ins, [mx.float32], TEMPLATE[:2] + [("FLAG", False)])
-    assert cuda_cache.builds.built == 2
+        assert len(cuda_cache.builds.pending) == 2 and cuda_cache.builds.built == 0   # in parallel, joined by wait
+        cuda_cache.wait()
+        assert cuda_cache.builds.built == 2
     name, text = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 1)], [mx.float32], TEMPLATE)
     ptx = cuda_cache.module_path(tmp_path, name, text)
     cubin = ptx.read_bytes()

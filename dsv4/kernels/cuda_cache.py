@@ -292,12 +292,13 @@ class Builds:
     """What this process built, for the warm-up's progress line and the benchmarks."""
 
     def __init__(self):
-        self.built, self.found, self.seconds = 0, 0, 0.0
+        self.built, self.found, self.seconds = 0, 0, 0.0   # seconds: the builds' own, summed
         self.scope: str | None = None
         self.failed = False
+        self.pending: list = []   # (kernel name, future) of builds not yet waited for
 
     def line(self, last: str, final: bool = False) -> None:
-        text = (f"{self.scope or 'dsv4'}: built {self.built} CUDA kernel(s) in {self.seconds:.1f} s "
+        text = (f"{self.scope or 'dsv4'}: built {self.built} CUDA kernel(s), {self.seconds:.1f} s of NVRTC "
                 f"(kept for later starts), {last}")
         if self.scope is None:
             print(text, file=sys.stderr, flush=True)
@@ -309,9 +310,26 @@ builds = Builds()
 _seen: set = set()
 
 
+@lru_cache(maxsize=1)
+def _pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    # NVRTC compiles programs in parallel threads (ctypes lets go of the GIL during the call).
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 4, thread_name_prefix="nvrtc")
+
+
+def _build(path: Path, name: str, source: str, arch: str) -> float:
+    start = time.perf_counter()
+    cubin, lowered = nvrtc_build(source, name, arch)
+    write_build(path, name, lowered, cubin)
+    return time.perf_counter() - start
+
+
 def ensure(kernel, inputs, output_dtypes, template) -> None:
     """Before MLX's first launch of this instantiation: its build in the cache directory, made
-    now if absent. A failure warns once and leaves the building to MLX for the process."""
+    now if absent; inside `progress`, started on a pool of NVRTC threads that `wait` joins (a
+    build not joined before MLX's eval is compiled by MLX as well, meanwhile). A failure warns
+    once and leaves the building to MLX for the process."""
     where = directory()
     key = (kernel, tuple((a.dtype, a.ndim) for a in inputs), tuple(output_dtypes), tuple(template))
     if where is None or builds.failed or key in _seen:
@@ -322,28 +340,37 @@ def ensure(kernel, inputs, output_dtypes, template) -> None:
     if path.exists():
         builds.found += 1
         return
-    start = time.perf_counter()
-    try:
-        cubin, lowered = nvrtc_build(source, name, device_arch())
-        write_build(path, name, lowered, cubin)
-    except Exception as e:   # MLX builds it as before
-        builds.failed = True
-        warnings.warn(f"kernel cache: could not build {kernel.name} ({e!r}); MLX builds the CUDA kernels "
-                      f"itself in this process (DSV4_KERNEL_CACHE=off silences this)", RuntimeWarning)
-        return
-    builds.built += 1
-    builds.seconds += time.perf_counter() - start
-    builds.line(f"last {kernel.name}")
+    builds.pending.append((kernel.name, _pool().submit(_build, path, name, source, device_arch())))
+    if builds.scope is None:
+        wait()
+
+
+def wait() -> None:
+    """Join the builds started so far (before evaluating what launches them)."""
+    while builds.pending:
+        kernel, future = builds.pending.pop(0)
+        try:
+            builds.seconds += future.result()
+        except Exception as e:   # MLX builds it as before
+            if not builds.failed:
+                warnings.warn(f"kernel cache: could not build {kernel} ({e!r}); MLX builds the CUDA kernels "
+                              f"itself in this process (DSV4_KERNEL_CACHE=off silences this)", RuntimeWarning)
+            builds.failed = True
+            continue
+        builds.built += 1
+        builds.line(f"last {kernel}")
 
 
 @contextlib.contextmanager
 def progress(scope: str) -> Iterator[None]:
-    """Kernels built inside the block redraw one progress line on stderr, ended with the block."""
+    """Kernels first called inside the block build in parallel (call `wait` before evaluating)
+    and redraw one progress line on stderr, ended with the block."""
     saved, before = builds.scope, builds.built
     builds.scope = scope
     try:
         yield
     finally:
+        wait()
         if builds.built > before:
             builds.line("done", final=True)
         builds.scope = saved
