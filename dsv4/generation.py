@@ -284,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
             parallel: Optional[str] = typer.Option(
                 None, help="run across the processes mlx.launch started, each holding its shard: "
-                "expert, tensor or expert+tensor (README: Several machines)")):
+                "expert, tensor, expert+tensor or pipeline (README: Several machines)")):
         from .distributed import ranks
         from .loader import load, resident_bytes
 

@@ -70,7 +70,10 @@ def _env(**extra):
 
 def _launch(tiny_dir, out: Path, name: str, ranks: int, **env) -> list[tuple[np.ndarray, dict]]:
     launch = Path(sys.executable).with_name("mlx.launch")
-    done = subprocess.run([str(launch), "-n", str(ranks), "--backend", "ring", "--", sys.executable,
+    from dsv4.testing import free_ring_port
+
+    done = subprocess.run([str(launch), "-n", str(ranks), "--backend", "ring", "--starting-port",
+                           str(free_ring_port(ranks)), "--", sys.executable,
                            __file__, str(tiny_dir), str(out), name, "pipeline"],
                           env=_env(**env), timeout=180, capture_output=True, text=True)
     results = []
@@ -127,7 +130,7 @@ def test_stages_cover_the_layers_and_replay_what_they_read(runs, tiny_dir, case)
         compress, select = pipeline.replays(args, range(report["layers"][0], report["layers"][-1] + 1))
         assert (report["compress"], report["select"]) == (sorted(compress), sorted(select))
     # A teacher-forced step: one exchange at each stage boundary the rank touches (generation
-    # adds the token's all_sum; the greedy test's agreement shows it).
+    # adds the token's pass round the ring; the greedy test's agreement shows it).
     for r, report in enumerate(reports):
         assert report["exchanges_per_step"] == (r > 0) + (r < len(reports) - 1)
 

@@ -26,8 +26,8 @@ A replayed layer's weights (its compressor, its indexer) are loaded by both stag
 MB at V4.1's widths. Engram rows are read on the host of the rank that holds the Engram layer,
 from the token ids every rank has (the prompt; each sampled token is shared), so none cross.
 
-Decode: the last stage samples; one all_sum, to which the other ranks add zeros, gives every
-rank the token (`Pipelined.shared_sampler`). Per token: N - 1 sends and one all_sum.
+Decode: the last stage samples and passes the token round the ring to every rank
+(`Pipelined.shared_sampler`). Per token: N - 1 sends of the streams, N - 1 of the token.
 Caches stay with their layers: each rank's Cache holds its own layers and its replayed
 layers' rows (the others stay empty), and trims and saves as one process's does.
 The reference's shared-key quirk (DSV4_INDEX_KEY_QUIRK) reads whichever kv source published
@@ -440,7 +440,7 @@ class Pipelined:
         sent = mx.distributed.send(self.outgoing.pack(parts, b, s), self.stage.rank + 1, group=self.group)
         self._in_order(sent)
         # A stand-in of the logits' shape (a broadcast: nothing allocated) that depends on the
-        # send, so evaluating it runs this stage and orders the token's all_sum after it.
+        # send, so that evaluating it runs this stage.
         return mx.depends(mx.broadcast_to(mx.zeros((1, 1, 1), mx.float32), (b, s, m.args.vocab_size)), sent)
 
     def _replay(self, state, carried: dict) -> None:
@@ -455,17 +455,25 @@ class Pipelined:
                 state.topk = state.select(attn, x, carried[f"{layer}.qr"])
 
     def shared_sampler(self, sampler):
-        """`sampler` as every rank runs it: the last stage samples its logits, and one all_sum
-        (the other ranks add zeros that wait on their stage's send) gives all the token [B]."""
-        from . import all_sum
+        """`sampler` as every rank runs it: the last stage samples its logits and the token [B]
+        goes round the ring, last -> 0 -> 1 -> ... -> N-2, one send per rank (N - 1 in all).
+        Not an all_sum: on the ring backend a 4-byte all_sum took 24 ms where a send took
+        0.17 ms (benchmarks/results/*-distributed-pipeline.md)."""
+        n, rank = self.group.size(), self.stage.rank
 
         def sample(logits: mx.array) -> mx.array:
+            self._in_order()   # this stage's send first: the token's recv has no input to wait on
             if self.plan.last:
                 token = sampler(logits).astype(mx.int32)
             else:
-                token = mx.depends(mx.zeros(logits.shape[:1], mx.int32), logits)
-            shared = all_sum(token, self.group)
-            self._in_order(shared)
-            return shared
+                stats.exchanges += 1
+                stats.bytes += 4 * logits.shape[0]
+                token = mx.distributed.recv(logits.shape[:1], mx.int32, (rank - 1) % n, group=self.group)
+            if rank != n - 2:
+                stats.exchanges += 1
+                stats.bytes += token.nbytes
+                token = mx.depends(token, mx.distributed.send(token, (rank + 1) % n, group=self.group))
+            self._in_order(token)
+            return token
 
         return sample
