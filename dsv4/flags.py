@@ -245,9 +245,9 @@ define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
 define("kernel_moe_mma", False,
-       "CUDA: the fused experts' gate/up launch on tensor cores (mma.sync m16n8k16, fp16 weights "
-       "decoded from mxfp4/mxfp8, fp32 sums; dsv4/kernels/experts_mma.py) for MX layouts; off "
-       "(default until measured on the H200) runs the portable kernel, as Metal always does")
+       "CUDA: the fused experts' gate/up and down launches on tensor cores (mma.sync m16n8k16, fp16 "
+       "weights decoded from mxfp4/mxfp8, fp32 sums; dsv4/kernels/experts_mma.py) for MX layouts; "
+       "off (default until measured on the H200) runs the portable kernels, as Metal always does")
 define("kernel_qdq", True,
        "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")

@@ -1,12 +1,12 @@
-"""The tensor-core gate/up body (dsv4/kernels/experts_mma.py) run on the host, CPU, in CI.
+"""The tensor-core gate/up and down bodies (dsv4/kernels/experts_mma.py) run on the host, CPU, in CI.
 
 mma.sync is warp-wide: here each lane posts its fragment registers and every lane computes its D
 elements from the whole A, B and C, which it reassembles by the PTX ISA's layout tables for
 m16n8k16 ("Matrix Fragments for mma.m16n8k16 with floating point type"), transcribed in
 MMA_EMULATOR with the products of the fp16 values summed in fp32. The body is compiled with
 clang under that emulator and test_kernels_matvec's threadgroup emulator and run over the
-dispatcher's launch grid; h must match hidden_reference (plain MLX) within the portable
-kernel's bounds. Mutations of the tables (a register, a half or an output position swapped)
+dispatcher's launch grid; h must match hidden_reference and y down_reference (plain MLX) within
+the portable kernel's bounds. Mutations of the tables (a register, a half or an output position swapped)
 must fail the same check: the kernel's placement of weights, x and sums depends on the layout,
 so the pass is no accident of symmetric data. Unverified here: the real instruction (ptxas and
 the GPU: the NVRTC gate compiles it, tests/test_kernels_gpu-style runs come with the H200).
@@ -20,11 +20,13 @@ import pytest
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.kernels import dialect
 from dsv4.kernels import experts as ex
 from dsv4.kernels import experts_mma
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_experts import check_hidden, quantized
-from tests.test_kernels_experts_host import BF16, GATE_UP_MAIN, bf16_bits, from_bf16_bits, layout, matrix_bytes
+from tests.test_kernels_experts import check_down, check_hidden, quantized
+from tests.test_kernels_experts_host import (BF16, DOWN_MAIN, GATE_UP_MAIN, bf16_bits, from_bf16_bits, layout,
+                                             matrix_bytes)
 from tests.test_kernels_matvec import EMULATOR
 
 MMA_EMULATOR = r"""
@@ -120,6 +122,36 @@ def test_mma_gate_up_body_on_the_host(tmp_path, tokens, D, act_quant):
                  act_quant)
 
 
+def run_down(tmp_path, h, idx, down, s_down):
+    tokens, slots, I = h.shape
+    E, DO = down.weight.shape[0], down.out_features
+    consts = dict(K=slots - 1, HS=1, I=I, DO=DO, HC=0, **layout("", down), **layout("S", s_down),
+                  ROWS=16, LANES=32)   # ROWS * 32 / LANES = 16 rows per threadgroup, as DOWN_ROWS
+    assert experts_mma.DOWN_ROWS == 16
+    source = (EMULATOR + BF16 + MMA_EMULATOR + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
+              + ex._HEADER + experts_mma.HEADER
+              + DOWN_MAIN.replace("BODY", ex.MMA_DOWN_KERNEL.body).replace("SSCALE", "uint8_t").replace("SCALE", "uint8_t"))
+    exe = build_host(tmp_path, "down", source)
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
+            + matrix_bytes(down, down, E * DO, I) + matrix_bytes(s_down, s_down, DO, I))
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    return from_bf16_bits(out, (tokens, DO))
+
+
+# I = 384: 3 chunks of 128 a row; DO = 40: the last threadgroup of 16 rows clamps its rows 40-47.
+@pytest.mark.parametrize("tokens,act_quant", [(1, True), (2, False)])
+def test_mma_down_body_on_the_host(tmp_path, tokens, act_quant):
+    rng = np.random.default_rng()
+    x, idx, rw, gate, up, shared = problem(rng, tokens, 384, 128)
+    down = quantized(rng, (5, 40, 384), "mxfp4", 4, 32, mx.bfloat16)
+    s_down = quantized(rng, (40, 384), "mxfp8", 8, 32, mx.bfloat16)
+    shared = (*shared[:2], s_down)
+    h = ex.hidden_reference(x, idx, rw, gate, up, shared, 8.0, act_quant)
+    with flags.override(kernel_moe_mma=True), dialect.pretend_gpu("cuda", None):
+        assert experts_mma.down_applies(h, down, s_down)
+    check_down(run_down(tmp_path, h, idx, down, s_down), h, idx, down, s_down)
+
+
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
 def test_a_wrong_fragment_layout_fails(tmp_path, mutation):
     rng = np.random.default_rng()
@@ -133,13 +165,14 @@ def test_the_switch_picks_the_mma_launch_on_cuda_only():
     from tools.launch_limits import record
 
     rng = np.random.default_rng()
-    x, idx, rw, gate, up, shared = problem(rng, 1, 64, 256)
+    x, idx, rw, gate, up, shared = problem(rng, 1, 128, 256)   # I = 128: the down launch's one chunk
 
     def calls():
-        ex.experts(x, idx, rw, gate, up, quantized(rng, (5, 256, 64), "mxfp4", 4, 32, mx.bfloat16), shared, 8.0)
+        ex.experts(x, idx, rw, gate, up, quantized(rng, (5, 256, 128), "mxfp4", 4, 32, mx.bfloat16), shared, 8.0)
 
     for on in (False, True):
         with flags.override(kernel_moe_mma=on):
             names = {launch.kernel.name for launch in record("cuda", calls)}
-            assert ("dsv4_experts_gate_up_mma" in names) == on
-            assert "dsv4_experts_gate_up_mma" not in {launch.kernel.name for launch in record("metal", calls)}
+            assert ("dsv4_experts_gate_up_mma" in names) == on and ("dsv4_experts_down_mma" in names) == on
+            assert not {"dsv4_experts_gate_up_mma", "dsv4_experts_down_mma"} & {
+                launch.kernel.name for launch in record("metal", calls)}

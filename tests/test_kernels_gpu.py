@@ -351,3 +351,26 @@ def test_tensor_core_gate_up(mode, shared_mode, I, D, tokens, act_quant):
     check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 0.3, act_quant), act_quant)
     np.testing.assert_array_equal(np.array(ids), np.array(idx))
     np.testing.assert_array_equal(f32(routed_h), f32(h))
+
+
+@pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_tensor_core_down(I, D, tokens):
+    """DSV4_KERNEL_MOE_MMA: the mma.sync down launch against down_reference with the portable
+    launch's bounds, and its fused mHC expand against hc_expand of its own y."""
+    from dsv4.kernels import experts_mma
+    E, K = 384, 6
+    down, s_down = quantized((E, D, I), "mxfp4", 4, 32), quantized((D, I), "mxfp8", 8, 32)
+    h = arr(RNG.standard_normal((tokens, K + 1, I)) * 0.1, mx.bfloat16)
+    h = qdq_fp8(h)   # as the gate/up launch leaves it with act_quant
+    idx = mx.array(np.stack([RNG.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    expand = (arr(RNG.standard_normal((tokens, 4, D)), mx.bfloat16), arr(RNG.uniform(0, 2, (tokens, 4))),
+              arr(RNG.uniform(0, 1, (tokens, 4, 4))))
+    with flags.override(kernel_moe_mma=True):
+        assert experts_mma.down_applies(h, down, s_down)
+        y = ex.down_kernel(h, idx, down, s_down)
+        fused = f32(ex.down_kernel(h, idx, down, s_down, expand))
+    check_down(y, h, idx, down, s_down)
+    want = f32(mhc.hc_expand(y, *expand))
+    np.testing.assert_allclose(fused, want, rtol=2.0 ** -7, atol=1e-6)
+    assert np.mean(fused == want) > 0.99

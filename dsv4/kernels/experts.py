@@ -417,7 +417,7 @@ _GATE_UP_BODY = r"""
   }
 """
 
-_DOWN_BODY = r"""
+_DOWN_DOTS = r"""
   // grid (32*(K+HS), ceil(DO / RW), tokens) with RW = ROWS*32/LANES: SIMD group s makes slot s's
   // dots for the threadgroup's RW rows (every expert's weights stream at once); the threadgroup
   // then sums the slots in slot order. h is [tokens, K+HS, I], y is [tokens, DO].
@@ -439,6 +439,10 @@ _DOWN_BODY = r"""
   SHARED float part[(K + HS) * RW];
   if ((int)lane % LANES == 0)
     for (int r = 0; r < ROWS; ++r) part[slot * RW + (int)lane / LANES * ROWS + r] = float(static_cast<T>(acc[r]));
+"""
+# The down launch's sum of the slots' outputs and its epilogue, after part[slot * RW + row] (also
+# the tensor-core launch's, experts_mma.DOWN_DOTS).
+_DOWN_SUM = r"""
   BARRIER();
   const int o = row0 + (int)tid;
   if ((int)tid < RW && o < DO) {
@@ -458,6 +462,8 @@ _DOWN_BODY = r"""
     }
   }
 """
+
+_DOWN_BODY = _DOWN_DOTS + _DOWN_SUM
 
 # Where the gate/up kernel gets slot `slot`'s expert and router weight: from the router's
 # outputs, or (the routed variant) by running the router's tail itself, SIMD group 0 of every
@@ -552,6 +558,13 @@ MMA_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_mma", input
                                    output_names=("h", "ids"), body=_gate_up_body(_ROUTED, experts_mma.BODY),
                                    header=_HEADER + experts_mma.HEADER + ROUTER_HEADER,
                                    checks=_mma_checks(True), dialects=("cuda",))
+
+MMA_DOWN_KERNEL = Kernel(name="dsv4_experts_down_mma", input_names=_DOWN_INPUTS, output_names=("y",),
+                         body=experts_mma.DOWN_DOTS + _DOWN_SUM, header=_HEADER + experts_mma.HEADER,
+                         checks=tuple(((mx.bfloat16, mx.int32) + (mx.uint32, mx.uint8, mx.uint8) * 2 + extra, (mx.bfloat16,),
+                                       tuple(experts_mma.check_template() + [("I", 2304), ("DO", 5120), ("HC", hc)]))
+                                      for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32)))),
+                         dialects=("cuda",))
 
 
 # The same bodies over rows of GGUF blocks (gguf_dot.py's rows_dot). Launch shapes (ROWS, LANES)
@@ -727,15 +740,19 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
         hc = residual.shape[-2]
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
-    *_, kernel, _, (rows, lanes) = _kernels(down)
-    per_group = rows * 32 // lanes
+    template = _common_template(h.dtype, K, down, s_down)
+    if experts_mma.down_applies(h, down, s_down):
+        kernel, per_group = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS
+    else:
+        *_, kernel, _, (rows, lanes) = _kernels(down)
+        per_group = rows * 32 // lanes
+        template += [("ROWS", rows), ("LANES", lanes)]
     (y,) = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
         output_shapes=[out_shape], output_dtypes=[h.dtype],
         grid=(32 * slots, math.ceil(DO / per_group), T), threadgroup=(32 * slots, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
-        template=_common_template(h.dtype, K, down, s_down) + [("ROWS", rows), ("LANES", lanes), ("I", I),
-                                                                ("DO", DO), ("HC", hc)])
+        template=template + [("I", I), ("DO", DO), ("HC", hc)])
     return y
 
 

@@ -1,5 +1,5 @@
-"""The fused experts' gate/up launch on CUDA tensor cores (flag `kernel_moe_mma`, off by default:
-not yet run on a GPU; experts.py's portable kernel is the rollback, and Metal's kernel).
+"""The fused experts' gate/up and down launches on CUDA tensor cores (flag `kernel_moe_mma`, off by
+default: not yet run on a GPU; experts.py's portable kernels are the rollback, and Metal's).
 
 The portable kernel spends ~4.2 instructions per fp4 weight (decode to fp16, widen to fp32, one
 FMA per weight and token). Here the decoded fp16 pairs go straight into `mma.sync.m16n8k16`
@@ -19,6 +19,10 @@ is block-diagonal: column n < 4 holds group n's x (its fp16 high part), column n
 (hi + lo carries 22 bits of x divided by a power of two that keeps hi within fp16's range), zero
 elsewhere. D's column n is then group n's partial sum of each row, which its lane scales by the
 row's e8m0 scale and x's power of two before summing; the lane group's four lanes sum last.
+
+The down launch does the same for each slot's h (one fp16 part: h is bf16, so it fits whole
+but for values below 2^-32 of their group's largest), a SIMD group per slot over 16 rows,
+then the portable launch's slot sum and mHC expand epilogue (experts._DOWN_SUM).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ template <int MODE> KFN uint32_t pair_bits(LOCAL const uint32_t* w, int p) {
 }
 template <int MODE> KFN int pair_k(int p) { return MODE == 1 ? 8 * (p >> 2) + (p & 3) : 4 * (p >> 1) + (p & 1); }
 
-// Pack p (32 values v) of x as the B side reads it: per value the fp16 bits of v / s (low half)
-// and of what that leaves (high half), s = the pack's power of two that keeps |v / s| <= 2^15.
-template <typename PH, typename PS>
-KFN void store_x_halves(PH xhl, PS xscale, int p, LOCAL const float* v) {
+// Pack p (32 values v) of an input as the B side reads it: per value the fp16 bits of v / s,
+// s = the pack's power of two that keeps |v / s| <= 2^15, and with LO in the high half the fp16
+// bits of what that leaves (hi + lo carries 22 bits: a bf16 x exactly; without LO, values below
+// 2^-32 of the pack's largest lose bits, as fp16 subnormals).
+template <bool LO, typename PH, typename PS>
+KFN void store_x_halves(PH xh, PS xscale, int p, LOCAL const float* v) {
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
   const float s = pow2_ceil(FMAX(amax * (1.0f / 32768.0f), 1.17549435e-38f));
@@ -59,17 +65,18 @@ KFN void store_x_halves(PH xhl, PS xscale, int p, LOCAL const float* v) {
   for (int i = 0; i < 32; ++i) {
     const float a = v[i] * inv;
     const uint32_t hi = F2H_BITS(a);
-    xhl[32 * p + i] = hi | (F2H_BITS(a - half2_bits_to_float2(hi).x) << 16);
+    if (LO) xh[32 * p + i] = hi | (F2H_BITS(a - half2_bits_to_float2(hi).x) << 16);
+    else xh[32 * p + i] = hi;
   }
 }
 
-// Gate and up sums of one token's x (xhl, xscale as store_x_halves left them) with the 16 rows
-// row0.. (clamped to rows_out) of the MX matrices at w0/s0 and w1/s1 from row `first`, over the
-// chunks split, split + splits, ... of 128 inputs. On return each lane of lane group q holds rows
-// row0 + q (acc[0]) and row0 + q + 8 (acc[1]).
-template <int MODE, int K_IN, typename PX, typename PF, typename PW, typename PS>
-KFN void gate_up_mma(PX xhl, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first, int row0, int rows_out,
-                     int split, int splits, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
+// Sums of an input (xh, xscale as store_x_halves<LO> left them) with the 16 rows row0..
+// (clamped to rows_out) of the MX matrix at w0/s0 (and w1/s1 if TWO) from row `first`, over
+// the chunks split, split + splits, ... of 128 inputs. On return each lane of lane group q holds
+// rows row0 + q (acc[0]) and row0 + q + 8 (acc[1]).
+template <int MODE, int K_IN, bool TWO, bool LO, typename PX, typename PF, typename PW, typename PS>
+KFN void rows_mma(PX xh, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first, int row0, int rows_out,
+                  int split, int splits, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
   constexpr int BITS = MODE == 1 ? 4 : 8;    // words per group of a row
   constexpr int GROUPS = K_IN / 32;
   constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;
@@ -77,16 +84,18 @@ KFN void gate_up_mma(PX xhl, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first
   const int q = (int)lane >> 2, t = (int)lane & 3;
   const size_t ra = first + (size_t)min(row0 + q, rows_out - 1);
   const size_t rb = first + (size_t)min(row0 + q + 8, rows_out - 1);
-  const bool holds_x = (q & 3) == t;          // B's nonzero lanes: column q is group t's
-  const int part = q < 4 ? 0 : 16;            // high part in columns 0-3, low part in 4-7
+  const bool holds_x = (q & 3) == t && (LO || q < 4);   // B's nonzero lanes: column q is group t's
+  const int part = q < 4 ? 0 : 16;                        // high part in columns 0-3, low part in 4-7
   acc0[0] = 0.0f; acc0[1] = 0.0f; acc1[0] = 0.0f; acc1[1] = 0.0f;
   for (int c = split; c < GROUPS / 4; c += splits) {
     const int grp = 4 * c + t;
     uint32_t wa0[BITS], wb0[BITS], wa1[BITS], wb1[BITS];
     load_words<BITS>(w0 + (ra * GROUPS + grp) * BITS, wa0);
     load_words<BITS>(w0 + (rb * GROUPS + grp) * BITS, wb0);
-    load_words<BITS>(w1 + (ra * GROUPS + grp) * BITS, wa1);
-    load_words<BITS>(w1 + (rb * GROUPS + grp) * BITS, wb1);
+    if (TWO) {
+      load_words<BITS>(w1 + (ra * GROUPS + grp) * BITS, wa1);
+      load_words<BITS>(w1 + (rb * GROUPS + grp) * BITS, wb1);
+    }
     float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -94,14 +103,16 @@ KFN void gate_up_mma(PX xhl, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first
       if (holds_x)
         for (int i = 0; i < 2; ++i) {
           const int k = 32 * grp + pair_k<MODE>(2 * s + i);
-          b[i] = ((xhl[k] >> part) & 0xffffu) | (((xhl[k + PAIR_GAP] >> part) & 0xffffu) << 16);
+          b[i] = (((uint32_t)xh[k] >> part) & 0xffffu) | ((((uint32_t)xh[k + PAIR_GAP] >> part) & 0xffffu) << 16);
         }
       const uint32_t a0[4] = {pair_bits<MODE>(wa0, 2 * s), pair_bits<MODE>(wb0, 2 * s),
                               pair_bits<MODE>(wa0, 2 * s + 1), pair_bits<MODE>(wb0, 2 * s + 1)};
-      const uint32_t a1[4] = {pair_bits<MODE>(wa1, 2 * s), pair_bits<MODE>(wb1, 2 * s),
-                              pair_bits<MODE>(wa1, 2 * s + 1), pair_bits<MODE>(wb1, 2 * s + 1)};
       mma_16816(d0, a0, b);
-      mma_16816(d1, a1, b);
+      if (TWO) {
+        const uint32_t a1[4] = {pair_bits<MODE>(wa1, 2 * s), pair_bits<MODE>(wb1, 2 * s),
+                                pair_bits<MODE>(wa1, 2 * s + 1), pair_bits<MODE>(wb1, 2 * s + 1)};
+        mma_16816(d1, a1, b);
+      }
     }
     // This lane's D columns 2t and 2t+1 are groups (2t) % 4 and (2t+1) % 4 of the chunk.
     for (int j = 0; j < 2; ++j) {
@@ -109,13 +120,15 @@ KFN void gate_up_mma(PX xhl, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first
       const float sx = xscale[gi] * UNIT;
       acc0[0] += d0[j] * (e8m0_scale((uint32_t)s0[ra * GROUPS + gi]) * sx);
       acc0[1] += d0[2 + j] * (e8m0_scale((uint32_t)s0[rb * GROUPS + gi]) * sx);
-      acc1[0] += d1[j] * (e8m0_scale((uint32_t)s1[ra * GROUPS + gi]) * sx);
-      acc1[1] += d1[2 + j] * (e8m0_scale((uint32_t)s1[rb * GROUPS + gi]) * sx);
+      if (TWO) {
+        acc1[0] += d1[j] * (e8m0_scale((uint32_t)s1[ra * GROUPS + gi]) * sx);
+        acc1[1] += d1[2 + j] * (e8m0_scale((uint32_t)s1[rb * GROUPS + gi]) * sx);
+      }
     }
   }
   for (int o = 1; o <= 2; o <<= 1) {   // the lane group's four lanes summed groups of their own
     acc0[0] += simd_xor_f(acc0[0], o); acc0[1] += simd_xor_f(acc0[1], o);
-    acc1[0] += simd_xor_f(acc1[0], o); acc1[1] += simd_xor_f(acc1[1], o);
+    if (TWO) { acc1[0] += simd_xor_f(acc1[0], o); acc1[1] += simd_xor_f(acc1[1], o); }
   }
 }
 
@@ -141,7 +154,7 @@ BODY = r"""
     float v[32];
     for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
     if (ACTQ) qdq_fp8_32(v);
-    store_x_halves(xhl, xscale, p, v);
+    store_x_halves<true>(xhl, xscale, p, v);
   }
   BARRIER();
   SELECT_EXPERT
@@ -149,10 +162,11 @@ BODY = r"""
   const int row0 = (int)group_y * 32 + 16 * set;
   float g[2], u[2];
   if (slot < K) {
-    gate_up_mma<MODE, D>(xhl, xscale, gate_w, gate_s, up_w, up_s, (size_t)expert * I, row0, I, split, KSPLIT,
-                         g, u, lane);
+    rows_mma<MODE, D, true, true>(xhl, xscale, gate_w, gate_s, up_w, up_s, (size_t)expert * I, row0, I, split,
+                                  KSPLIT, g, u, lane);
   } else {
-    gate_up_mma<SMODE, D>(xhl, xscale, sgate_w, sgate_s, sup_w, sup_s, 0, row0, I, split, KSPLIT, g, u, lane);
+    rows_mma<SMODE, D, true, true>(xhl, xscale, sgate_w, sgate_s, sup_w, sup_s, 0, row0, I, split, KSPLIT, g, u,
+                                   lane);
   }
   SHARED float part[2][KSPLIT][32];
   if ((lane & 3u) == 0u) {
@@ -171,6 +185,52 @@ BODY = r"""
   }
 """
 
+DOWN_DOTS = r"""
+  // grid (32 * (K + HS), ceil(DO / 16), tokens): SIMD group s makes slot s's sums for the
+  // threadgroup's 16 rows (every expert's weights stream at once), from the slots' h in
+  // threadgroup memory as fp16 (h is bf16, fp8-rounded with act_quant: one part suffices).
+  constexpr int RW = 16;
+  const int t = group_z;
+  const int row0 = (int)group_y * RW;
+  const int slot = (int)warp;
+  SHARED uint16_t hh[(K + HS) * I];
+  SHARED float hscale[(K + HS) * (I / 32)];
+  for (int p = (int)tid; p < (K + HS) * (I / 32); p += (int)group_threads) {
+    float v[32];
+    for (int c = 0; c < 4; ++c) load_bf16_8(h + (size_t)t * (K + HS) * I, p, c, v + 8 * c);
+    store_x_halves<false>(hh, hscale, p, v);
+  }
+  BARRIER();
+  float acc[2], unused[2];
+  if (slot < K) {
+    rows_mma<MODE, I, false, false>(hh + slot * I, hscale + slot * (I / 32), down_w, down_s, down_w, down_s,
+                                    (size_t)idx[t * K + slot] * DO, row0, DO, 0, 1, acc, unused, lane);
+  } else {
+    rows_mma<SMODE, I, false, false>(hh + slot * I, hscale + slot * (I / 32), sdown_w, sdown_s, sdown_w, sdown_s,
+                                     0, row0, DO, 0, 1, acc, unused, lane);
+  }
+  // Each expert's output is rounded to the activation dtype, as its own matmul would be.
+  SHARED float part[(K + HS) * RW];
+  if ((lane & 3u) == 0u) {
+    part[slot * RW + (int)(lane >> 2)] = float(static_cast<T>(acc[0]));
+    part[slot * RW + (int)(lane >> 2) + 8] = float(static_cast<T>(acc[1]));
+  }
+"""
+DOWN_ROWS = 16
+
+
+def _mx(m) -> bool:
+    return getattr(m, "mode", None) in MX_MODES and m.bits == MX_MODES[m.mode] and m.group_size == 32
+
+
+def down_applies(h, down, s_down) -> bool:
+    """Whether the tensor-core down launch takes h [T, slots, I]: the flag, CUDA, MX layouts,
+    I in chunks of 128 and every slot's fp16 h in threadgroup memory."""
+    slots, I = h.shape[1], h.shape[2]
+    dialect = backend()
+    return (flags.get("kernel_moe_mma") and dialect == "cuda" and all(_mx(m) for m in (down, s_down) if m is not None)
+            and I % 128 == 0 and slots * (2 * I + I // 8 + 4 * DOWN_ROWS) <= shared_memory_limit(dialect))
+
 
 def supports(x, gate, shared, dialect) -> bool:
     """Whether the tensor-core launch takes this gate/up: CUDA, routed and shared experts in MX
@@ -179,8 +239,7 @@ def supports(x, gate, shared, dialect) -> bool:
     mats = [gate] + ([shared] if shared is not None else [])
     D = x.shape[-1]
     return (flags.get("kernel_moe_mma") and dialect == "cuda"
-            and all(getattr(m, "mode", None) in MX_MODES and m.bits == MX_MODES[m.mode] and m.group_size == 32
-                    for m in mats)
+            and all(_mx(m) for m in mats)
             and D % 128 == 0 and gate.out_features % 32 == 0
             and 4 * D + D // 8 + 2 * KSPLIT * 32 * 4 <= shared_memory_limit(dialect))
 
