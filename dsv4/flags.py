@@ -277,6 +277,10 @@ define("kernel_matvec", "auto",
        "rounding + MLX's quantized_matmul on the H200, i.e. an input still to be rounded and >= "
        "2048 rows (wo_b: 31.5 vs 37.6 µs, benchmarks/results/2026-11-29-1815-kernels-matvec-h200.md); "
        "on: every such projection; off: quantized_matmul", choices=AUTO_ON_OFF)
+define("kernel_matvec_mma", False,
+       "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
+       "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default until measured on the "
+       "H200) runs the portable matvec kernel")
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "

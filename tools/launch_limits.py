@@ -213,7 +213,9 @@ def v41_calls():
             for n, d in projections:
                 q = dense((n, d))
                 if matvec.kernel_supports(_zeros(t, d), q):
-                    matvec.quantized_matvec(_zeros(t, d), q, True)
+                    for mma in (False, True):   # mma: the CUDA tensor-core matvec
+                        with flags.override(kernel_matvec_mma=mma):
+                            matvec.quantized_matvec(_zeros(t, d), q, True)
 
         for n, d in projections:   # the head product of a bf16 weight (the head, the gate, ...)
             for dtype in (mx.float32, mx.bfloat16):
