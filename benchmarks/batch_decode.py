@@ -5,11 +5,13 @@
 Each session is prefilled with a prompt of its own length (--context + 37 x i tokens, so the
 sessions sit at different positions, as a server's do), then every step decodes one token for
 each session through the server's engine (dsv4/serve/engine.py): one session alone takes the
-decoder the switches pick (the fixed-shape compiled step on a GPU), several take one forward of
-dsv4.batch_decode. Sizes are measured in turn, forward then backward, --repeats times; the report
-gives median tokens/s (B x steps / time) and ms per step, and how many greedy tokens of each
-session equal that session's tokens decoded alone (all of them on the CPU, where batching is
-exact; on a GPU a batched product may round differently from a single one). `--slice` builds the
+decoder the switches pick (the fixed-shape compiled step on a GPU), several the batched
+fixed-shape step on a GPU (dsv4.batch_step, one compiled graph for the batch) or one forward of
+dsv4.batch_decode on the CPU (DSV4_BATCH_FIXED_DECODE=on|off picks either anywhere). Sizes are
+measured in turn, forward then backward, --repeats times; the report gives median tokens/s
+(B x steps / time) and ms per step, and how many greedy tokens of each session equal that
+session's tokens decoded alone (all of them on the CPU, where batching is exact; on a GPU a
+batched product may round differently from a single one). `--slice` builds the
 shape-true 7-layer V4.1 slice of benchmarks/slice_decode.py (random weights, no Engram).
 """
 
@@ -84,6 +86,10 @@ def main(argv=None) -> int:
         model, _ = dsv4.load(options.model)
         what = options.model or "the bundled demo"
     engine = ModelEngine(model, None)
+    from dsv4.batch_step import use_batch_fixed_decode
+
+    batched = ("the batched fixed-shape step (dsv4.batch_step)" if use_batch_fixed_decode(model)
+               else "one forward of the reference path (dsv4.batch_decode)")
     sizes = [int(s) for s in options.sessions.split(",")]
     alone = {}   # session index -> its tokens decoded alone
     for i in range(max(sizes)):
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
     lines = [f"# Sessions decoded together: throughput by batch size ({stamp})", "", to_markdown(describe()), "",
              f"`python -m benchmarks.batch_decode {' '.join(argv or sys.argv[1:])}` on {what}: prompts of "
              f"{options.context} + 37 x i tokens, {options.steps} greedy steps, median of {options.repeats} "
-             "(sizes in turn, forward then backward).", "",
+             f"(sizes in turn, forward then backward). Sessions decoded together by {batched}.", "",
              "| sessions | tokens/s | x one session | ms per step | greedy tokens equal to alone |",
              "|---:|---:|---:|---:|---:|"]
     for b in sizes:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .attention import ForwardState, Rotation
+from .attention import Rotation
 from .cache import Cache
 from .constants import ramp
 
@@ -51,10 +51,12 @@ class RaggedState:
 
     fused = False   # the reference path's ops, one by one
 
-    def __init__(self, states: Sequence[ForwardState]):
+    def __init__(self, states: Sequence):
+        """states: each session's ForwardState (the reference caches), or its dsv4.step
+        StepState (fixed-shape buffers: dsv4.batch_step); their start an int or an int32 [1]."""
         self.states = list(states)
         # [B] int32: mx.fast.rope rotates each batch row at its own offset.
-        self.start = mx.array([s.start for s in self.states], mx.int32)
+        self.start = mx.concatenate([mx.array(s.start, mx.int32).reshape(1) for s in self.states])
         self.topk: Optional[mx.array] = None
         self._compressed: dict[int, Optional[mx.array]] = {}
 

@@ -309,6 +309,10 @@ define("fixed_decode", "auto",
        "so one graph (compiled with DSV4_COMPILE) serves every step: auto (on for GPU "
        "backends; the CPU keeps the reference path, whose results do not depend on chunking), "
        "on, off", choices=AUTO_ON_OFF)
+define("batch_fixed_decode", "auto",
+       "sessions decoded together (the server's batch) at fixed shapes, one compiled graph for "
+       "the batch (dsv4/batch_step.py): auto (wherever DSV4_FIXED_DECODE is on), on, off (one "
+       "forward of the reference path, dsv4/batch_decode.py)", choices=AUTO_ON_OFF)
 define("async_decode", True,
        "build and queue the next decode step before the current token reaches the host "
        "(one step in flight, as mlx-lm does); off waits for each token first")

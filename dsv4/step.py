@@ -263,18 +263,22 @@ class FixedDecoder:
         """Layers whose compressor (ratio > 1) completes a group at this step."""
         return frozenset(i for i, r in self._pooling if (self.pos + 1) % r == 0)
 
+    def variant(self) -> tuple:
+        """What this step's traced graph depends on besides the switches and the shapes, all
+        known on the host: the ring, the index sources' regimes and the completing groups."""
+        return self.ring, self._regimes(flags.get("indexer_skip")), self._completing()
+
     def _function(self):
         """The step at this position. Traced graphs live on the model (a server's requests
         share them); switches are read while tracing, so their values are part of the key,
         with the index sources' regimes and the completing groups. Picking one is all the
         host work a step adds to running its graph."""
         switches = flags.snapshot()
-        regimes = self._regimes(flags.get("indexer_skip"))
-        completing = self._completing()
+        ring, regimes, completing = self.variant()
         steps = self.model.__dict__.setdefault("_fixed_steps", {})
-        key = (self.ring, regimes, completing, switches)
+        key = (ring, regimes, completing, switches)
         if key not in steps:
-            model, args, ring = self.model, self.args, self.ring
+            model, args = self.model, self.args
 
             def step(token, pos, engram, buffers):
                 state = StepState(args, pos, ring, dict(buffers), dict(regimes), completing)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import flags
 from ..batch_decode import decode_sessions
+from ..batch_step import SessionsDecoder, use_batch_fixed_decode
 from ..cache import load_cache
 from ..generation import prefill
 from ..sampling import Sampling
@@ -36,6 +37,7 @@ class ModelEngine:
         self.vocab_size = model.args.vocab_size
         self.context = model.args.max_position_embeddings
         self._alone: Optional[list] = None   # [cache, decoder, positions fed] of a lone session
+        self._batch: Optional[tuple] = None  # (caches, dsv4.batch_step.SessionsDecoder) of a batch
         self._drafting: Optional[tuple] = None   # (cache, tokens) of a lone session drafting
         self.draft_stats = None                  # dsv4.speculative.Stats of every session that drafted
         self._constraint_tokenizer = None
@@ -79,8 +81,9 @@ class ModelEngine:
 
     def decode(self, caches: Sequence, tokens: Sequence[int]) -> mx.array:
         """Feed tokens[i] to caches[i]; -> logits [B, V]. A lone session takes the decoder the
-        switches pick (on a GPU the fixed-shape step, which keeps its state until settled);
-        several take one forward of the reference path (dsv4.batch_decode)."""
+        switches pick (on a GPU the fixed-shape step), several the batched fixed-shape step on a
+        GPU (dsv4.batch_step) or one forward of the reference path (dsv4.batch_decode). The
+        fixed-shape decoders keep the sessions' state until settled, or until the batch changes."""
         if len(caches) == 1:
             cache = caches[0]
             if self._alone is None or self._alone[0] is not cache:
@@ -90,24 +93,35 @@ class ModelEngine:
             logits = alone[1](mx.array(list(tokens)))
             alone[2] += 1
             return logits
-        self.settle()
-        return decode_sessions(self.model, caches, tokens)
+        if not use_batch_fixed_decode(self.model):
+            self.settle()
+            return decode_sessions(self.model, caches, tokens)
+        if self._batch is None or len(self._batch[0]) != len(caches) or \
+                any(a is not b for a, b in zip(self._batch[0], caches)):
+            self.settle()
+            self._batch = (list(caches), SessionsDecoder(self.model, caches))
+        return self._batch[1](mx.array(list(tokens)))
 
     def settle(self, cache=None) -> None:
-        """Hand the lone session's decoder state back to its cache (only if it is `cache`, when
-        given); a drafting session's cache drops the positions verified past its last token."""
+        """Hand the fixed-shape decoders' state back to their caches: only the decoder that
+        holds `cache`, when given (a batch's hands back all of its sessions); a drafting
+        session's cache drops the positions verified past its last token."""
         if self._alone is not None and (cache is None or self._alone[0] is cache):
             _, step, fed = self._alone
             self._alone = None
             step.close(fed)
+        if self._batch is not None and (cache is None or any(c is cache for c in self._batch[0])):
+            _, batch = self._batch
+            self._batch = None
+            batch.close(batch.positions)
         if self._drafting is not None and (cache is None or self._drafting[0] is cache):
             _, tokens = self._drafting
             self._drafting = None
             tokens.close()
 
     def forget(self) -> None:
-        """After a failed step: drop the lone decoder without writing its state back."""
-        self._alone = self._drafting = None
+        """After a failed step: drop the decoders without writing their state back."""
+        self._alone = self._drafting = self._batch = None
 
     def constraint_tokenizer(self):
         """The tokenizer as llguidance reads it (structured.py), made once (~1 s for V4.1's vocabulary)."""
