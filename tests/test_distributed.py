@@ -15,26 +15,13 @@ import pytest
 
 from dsv4 import distributed, layout
 from dsv4.config import ModelArgs, read_json
-from dsv4.distributed import reading
-from dsv4.distributed.sharding import Sharding
+from dsv4.distributed import ranks, reading
+from dsv4.distributed.sharding import Place, Sharding
 from dsv4.safetensors_file import Checkpoint
 
 WORKER = Path(__file__).with_name("distributed_ranks.py")
 MODES = ("expert", "tensor", "expert+tensor")
 FORWARDS = 5          # the worker's 8-token prefill, then 4 decode steps
-
-
-class Ranks:
-    """A group's rank and size, for plans built in this process (no exchange is made)."""
-
-    def __init__(self, rank: int, size: int):
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +32,8 @@ def runs(tiny_dir, tmp_path_factory):
     subprocess.run([sys.executable, str(WORKER), str(tiny_dir), str(out), "--parallel", ",@bf16"],
                    check=True, env=env, timeout=120)
     launch = Path(sys.executable).with_name("mlx.launch")
-    done = subprocess.run([str(launch), "-n", "2", "--backend", "ring", "--", sys.executable,
+    done = subprocess.run([str(launch), "-n", "2", "--backend", "ring", "--starting-port",
+                           str(ranks.free_ports(2)), "--", sys.executable,
                            str(WORKER), str(tiny_dir), str(out), "--parallel", ",".join(MODES + ("expert@bf16",))],
                           env=env, timeout=300, capture_output=True, text=True)
     # mlx.launch exits 0 even when a rank fails: each rank's own files say it finished.
@@ -97,7 +85,7 @@ def test_each_rank_loads_its_plan_and_nothing_else(runs, tiny_dir, mode):
     logs = [result(runs, mode, r)[1]["tensors"] for r in range(2)]
     split_whole = split_kept = 0
     for r, log in enumerate(logs):
-        plan = Sharding(args, config, Ranks(r, 2), tuple(mode.split("+")))
+        plan = Sharding(args, config, Place(r, 2), tuple(mode.split("+")))
         for name, info in ckpt.tensors.items():
             if name not in log:   # not loaded: the plan holds none of it, or the model never needs it
                 assert plan.tensor(name, info.shape) is None or layout.is_unused(name), name
@@ -125,7 +113,7 @@ def test_plan_shares_are_this_ranks_part():
     from dsv4.testing import tiny_config
 
     args = ModelArgs.from_dict(tiny_config())
-    plans = [Sharding(args, {}, Ranks(r, 2), ("expert", "tensor")) for r in range(2)]
+    plans = [Sharding(args, {}, Place(r, 2), ("expert", "tensor")) for r in range(2)]
     assert [p.experts(args) for p in plans] == [range(0, 4), range(4, 8)]
     assert [p.attention_groups(args) for p in plans] == [range(0, 1), range(1, 2)]
     assert [p.shared_columns(args) for p in plans] == [range(0, 32), range(32, 64)]
@@ -148,21 +136,21 @@ def test_a_split_that_cuts_a_block_is_refused(tmp_path):
 
     four_groups = write_tiny_checkpoint(tmp_path / "g4", config_overrides={"o_groups": 4})
     config = read_json(four_groups / "config.json")
-    plan = Sharding(ModelArgs.from_dict(config), config, Ranks(1, 4), ("tensor",))
+    plan = Sharding(ModelArgs.from_dict(config), config, Place(1, 4), ("tensor",))
     # 64 intermediate columns over 4 ranks: 16 each, inside the fp4 experts' scale blocks of 32
     with pytest.raises(distributed.ParallelError, match=r"layers\.0\.ffn\.experts\.0\.w2\.scale.*cuts a block"):
         plan.tensor("layers.0.ffn.experts.0.w2.scale", (64, 2))
     with pytest.raises(distributed.ParallelError, match="cuts a block"):
-        dsv4.load(four_groups, group=Ranks(1, 4), parallel="tensor")
+        dsv4.load(four_groups, group=Place(1, 4), parallel="tensor")
     # a GGUF module's rows hold blocks of 256 weights: half of 384 columns is no whole block
     gguf = {"quantization": {"layers.0.ffn.shared_experts.w2": {"mode": "gguf", "type": "Q4_K"}}}
     wide = ModelArgs.from_dict(tiny_config(moe_intermediate_size=384))
     with pytest.raises(distributed.ParallelError, match="blocks of 256"):
-        Sharding(wide, gguf, Ranks(0, 2), ("tensor",)).tensor(
+        Sharding(wide, gguf, Place(0, 2), ("tensor",)).tensor(
             "layers.0.ffn.shared_experts.w2.weight", (64, 216))
     # the tiny model's 2 output groups cannot go to 4 ranks
     with pytest.raises(distributed.ParallelError, match=r"o_groups\) \(2\) do not split evenly over 4"):
-        Sharding(ModelArgs.from_dict(tiny_config()), {}, Ranks(0, 4), ("tensor",))
+        Sharding(ModelArgs.from_dict(tiny_config()), {}, Place(0, 4), ("tensor",))
 
 
 @pytest.mark.parametrize("text", ["bogus", "expert+expert", "tensor+", "Expert+pipeline+x"])

@@ -117,8 +117,10 @@ def demo_server(port: int, command: str = "python -m dsv4.server --model PATH --
 
 def several_ranks(command, inputs):                   # mlx.launch: ranks of this machine on loopback
     argv = shlex.split(command)
-    argv = [str(Path(sys.executable).with_name("mlx.launch"))] + argv[1:argv.index("python")] + \
-        python(shlex.join(argv[argv.index("python"):]), PATH=str(DEMO))
+    from dsv4.distributed.ranks import free_ports
+
+    argv = [str(Path(sys.executable).with_name("mlx.launch")), "--starting-port", str(free_ports(2))] + \
+        argv[1:argv.index("python")] + python(shlex.join(argv[argv.index("python"):]), PATH=str(DEMO))
     out = run(argv, timeout=300)
     # mlx.launch exits 0 when a rank fails: both ranks finished, and only rank 0 printed
     assert out.stdout.count("Generation:") == 1 and out.stdout.count("Distributed:") == 1, out.stdout

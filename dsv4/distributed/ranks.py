@@ -25,6 +25,25 @@ def join(parallel: Optional[str]):
     return group
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive loopback ports free now (mlx.launch --starting-port: the
+    ring backend's ranks listen on it and the next ones; two launches on one machine at the same
+    default ports would connect across)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        first = random.randrange(20000, 60000)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise OSError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 def count(forward) -> tuple[int, int]:
     """(exchanges, bytes) that one call of `forward` puts into its graph (one decode step
     through the model: the exchanges per token)."""

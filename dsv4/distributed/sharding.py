@@ -28,6 +28,20 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.+?)\.?(weight|scales?|biases|attn_sink)$
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])$")
 
 
+class Place:
+    """A rank's place in a group of `size`, for plans made without one (to size them: tests,
+    benchmarks); it makes no exchange."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
 def _even(what: str, total: int, size: int, rank: int) -> range:
     if total % size:
         raise ParallelError(f"--parallel: {what} ({total}) do not split evenly over {size} ranks")
