@@ -179,10 +179,12 @@ def test_the_switch_picks_the_mma_launch_on_cuda_only():
                 launch.kernel.name for launch in record("metal", calls)}
 
 
-# N = 40 with 8 splits (16 rows a threadgroup, the last one clamped); N = 4100 with 4 (two row sets
-# of 16); K = 384 / 256: 3 and 2 chunks over the splits (some have none).
-@pytest.mark.parametrize("n,k,mode,bits,act_quant", [(40, 384, "mxfp8", 8, True), (4100, 256, "mxfp4", 4, False)])
-def test_mma_matvec_body_on_the_host(tmp_path, n, k, mode, bits, act_quant):
+# N = 40 with 8 splits (16 rows a threadgroup, the last one clamped), as matvec_split gives a
+# small N; N = 72 with 4 (two row sets of 16, as for N > 4096); K = 384 / 256: 3 and 2 chunks
+# over the splits (some have none).
+@pytest.mark.parametrize("n,k,mode,bits,act_quant,split", [(40, 384, "mxfp8", 8, True, 8),
+                                                           (72, 256, "mxfp4", 4, False, 4)])
+def test_mma_matvec_body_on_the_host(tmp_path, n, k, mode, bits, act_quant, split):
     from dsv4.kernels import matvec as mv
     from tests.test_kernels_experts import dequantize_np
     from tests.test_kernels_matvec import EMULATOR_MAIN, inputs
@@ -191,7 +193,7 @@ def test_mma_matvec_body_on_the_host(tmp_path, n, k, mode, bits, act_quant):
     rng = np.random.default_rng()
     q = quantized(rng, (n, k), mode, bits, 32, mx.float32)
     x = inputs(rng, 2, k)
-    split = experts_mma.matvec_split(n)
+    assert experts_mma.matvec_split(40) == 8 and experts_mma.matvec_split(4100) == 4
     rows_per_group = 16 * (8 // split)
     consts = dict(WARPS=8, MODE=ex.MODE_IDS[mode], BITS=bits, GS=32, SPLIT=1, ROWS=rows_per_group // 8, K=k,
                   ACTQ=int(act_quant), MKSPLIT=split)   # EMULATOR_MAIN's grid: ceil(n / (WARPS * ROWS))

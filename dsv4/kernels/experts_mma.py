@@ -1,5 +1,6 @@
-"""The fused experts' gate/up and down launches on CUDA tensor cores (flag `kernel_moe_mma`, off by
-default: not yet run on a GPU; experts.py's portable kernels are the rollback, and Metal's).
+"""The fused experts' gate/up and down launches on CUDA tensor cores (flag `kernel_moe_mma`), and
+the projection matvec's (`kernel_matvec_mma`, matvec.py); both off by default: not yet run on a
+GPU; the portable kernels of experts.py and matvec.py are the rollback, and Metal's.
 
 The portable kernel spends ~4.2 instructions per fp4 weight (decode to fp16, widen to fp32, one
 FMA per weight and token). Here the decoded fp16 pairs go straight into `mma.sync.m16n8k16`
