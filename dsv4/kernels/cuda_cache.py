@@ -232,9 +232,11 @@ class BuildError(RuntimeError):
 
 
 def nvrtc_build(source: str, name: str, arch: str, library: str | None = None,
-                includes: list[Path] | None = None) -> tuple[bytes, str]:
+                includes: list[Path] | None = None, options: tuple = (), log: list | None = None
+                ) -> tuple[bytes, str]:
     """Compile `source` as MLX does (NVRTC, --device-as-default-execution-space, the target
-    `arch` such as sm_90a, utils.cuh stood in for): (cubin, lowered name of `name`)."""
+    `arch` such as sm_90a, utils.cuh stood in for): (cubin, lowered name of `name`). `options`
+    are added to MLX's (benchmarks: --ptxas-options=-v); `log` gets NVRTC's log appended."""
     lib = ctypes.CDLL(library or nvrtc_library() or "libnvrtc.so")
     prog = ctypes.c_void_p()
     headers = (ctypes.c_char_p * 1)(UTILS_STANDIN.encode())
@@ -246,13 +248,16 @@ def nvrtc_build(source: str, name: str, arch: str, library: str | None = None,
         lib.nvrtcAddNameExpression(prog, full)
         opts = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
         opts += [f"--include-path={p}".encode() for p in (includes if includes is not None else include_dirs())]
+        opts += [o.encode() for o in options]
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        text = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, text)
         if rc != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise BuildError(log.value.decode(errors="replace"))
+            raise BuildError(text.value.decode(errors="replace"))
+        if log is not None:
+            log.append(text.value.decode(errors="replace"))
         lowered = ctypes.c_char_p()
         lib.nvrtcGetLoweredName(prog, full, ctypes.byref(lowered))
         size = ctypes.c_size_t()
