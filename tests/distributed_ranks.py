@@ -1,8 +1,8 @@
 """One rank of tests/test_distributed.py, started by mlx.launch (or alone for the reference):
-load the checkpoint (sharded with --parallel), feed the tokens teacher forced (a prefill
-chunk, then one token a step), write this rank's fp32 logits, its load log and its
-exchange count to OUT/<mode>.rank<r>.npy + .json, for each mode in turn (one launch). mlx.launch exits 0 when a rank fails, so the
-test reads every rank's files, which are written only after the rank finished."""
+load each checkpoint (sharded with each mode), feed the tokens teacher forced (a prefill chunk,
+then one token a step), write this rank's fp32 logits, its load log and its exchange count to
+OUT/<label>.<mode>.rank<r>.npy + .json, all in one launch. mlx.launch exits 0 when a rank fails,
+so the test reads every rank's files, which are written only after the rank finished."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import dsv4
 from dsv4 import distributed, flags
 
 
-def run(model_dir: str, out_dir: Path, name: str, ids: list[int], prefill: int) -> None:
+def run(model_dir: str, out_dir: Path, label: str, name: str, ids: list[int], prefill: int) -> None:
     """`name`: the --parallel mode ('' for one process), '@bf16' after it for the weights as
     stored and the official roundings on (else fp32, roundings off)."""
     parallel, _, as_stored = name.partition("@")
@@ -41,22 +41,24 @@ def run(model_dir: str, out_dir: Path, name: str, ids: list[int], prefill: int) 
               "read_bytes": log.read_bytes,
               "tensors": {n: [s.axis, s.start, s.stop, b] for n, (s, b) in log.tensors.items()},
               "resident_bytes": dsv4.loader.resident_bytes(model)}
-    name = name if parallel else "single" + name
+    name = f"{label}.{name if parallel else 'single' + name}"
     np.save(out_dir / f"{name}.rank{rank}.npy", out)
     (out_dir / f"{name}.rank{rank}.json").write_text(json.dumps(report))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("model")
     p.add_argument("out")
-    p.add_argument("--parallel", default="", help="modes, comma-separated, each loaded in turn")
+    p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR=MODES",
+                   help="load DIR with each of the comma-separated MODES in turn ('' one process)")
     p.add_argument("--tokens", default="5,17,42,99,7,3,250,11,64,128,31,200")
     p.add_argument("--prefill", type=int, default=8)
     a = p.parse_args()
     ids = [int(t) for t in a.tokens.split(",")]
-    for name in a.parallel.split(","):
-        run(a.model, Path(a.out), name, ids, a.prefill)
+    for spec in a.run:
+        label, model_dir, modes = spec.split("=")
+        for name in modes.split(","):
+            run(model_dir, Path(a.out), label, name, ids, a.prefill)
 
 
 if __name__ == "__main__":

@@ -24,34 +24,57 @@ MODES = ("expert", "tensor", "expert+tensor")
 FORWARDS = 5          # the worker's 8-token prefill, then 4 decode steps
 
 
+# What each checkpoint runs on 2 ranks: the official layout (fp8/fp4 with block scales) in every
+# mode; converted to a dsv4 directory (stacked mxfp4 experts, mxfp8 codes + per-32 scales); a
+# converted ds4 GGUF (Q2_K / IQ2_XXS expert blocks of 256: its 64 columns do not split, so no
+# tensor mode; Q8_0 elsewhere).
+RUNS = {"official": MODES + ("expert@bf16",), "converted": MODES, "gguf": ("expert", "expert+tensor")}
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_dir, tmp_path_factory):
-    """Every mode's results from one 2-rank launch, and one process's."""
+def models(tiny_dir, tmp_path_factory):
+    from convert import gguf, official
+    from tests.gguf_fixtures import write_ds4_gguf
+
+    root = tmp_path_factory.mktemp("parallel-models")
+    official.convert(tiny_dir, root / "converted", progress=False, log=lambda *a, **k: None)
+    write_ds4_gguf(root / "q2.gguf", "q2", seed=1)
+    gguf.convert(root / "q2.gguf", root / "gguf", progress=False)
+    return {"official": tiny_dir, "converted": root / "converted", "gguf": root / "gguf"}
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """Every checkpoint's modes from one 2-rank launch, and one process's."""
     out = tmp_path_factory.mktemp("ranks")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    subprocess.run([sys.executable, str(WORKER), str(tiny_dir), str(out), "--parallel", ",@bf16"],
+    spec = lambda modes: [a for label, d in models.items() for a in ("--run", f"{label}={d}={modes(label)}")]
+    subprocess.run([sys.executable, str(WORKER), str(out)] + spec(lambda label: ",@bf16"),
                    check=True, env=env, timeout=120)
     launch = Path(sys.executable).with_name("mlx.launch")
     done = subprocess.run([str(launch), "-n", "2", "--backend", "ring", "--starting-port",
-                           str(ranks.free_ports(2)), "--", sys.executable,
-                           str(WORKER), str(tiny_dir), str(out), "--parallel", ",".join(MODES + ("expert@bf16",))],
+                           str(ranks.free_ports(2)), "--", sys.executable, str(WORKER), str(out)]
+                          + spec(lambda label: ",".join(RUNS[label])),
                           env=env, timeout=300, capture_output=True, text=True)
     # mlx.launch exits 0 even when a rank fails: each rank's own files say it finished.
-    for mode in MODES:
-        for r in range(2):
-            assert (out / f"{mode}.rank{r}.json").is_file(), f"rank {r} of {mode} failed:\n{done.stderr[-3000:]}"
+    for label, modes in RUNS.items():
+        for mode in modes:
+            for r in range(2):
+                assert (out / f"{label}.{mode}.rank{r}.json").is_file(), \
+                    f"rank {r} of {label} {mode} failed:\n{done.stderr[-3000:]}"
     return out
 
 
-def result(out: Path, mode: str, rank: int = 0):
-    return np.load(out / f"{mode}.rank{rank}.npy"), json.loads((out / f"{mode}.rank{rank}.json").read_text())
+def result(out: Path, mode: str, rank: int = 0, label: str = "official"):
+    name = f"{label}.{mode}.rank{rank}"
+    return np.load(out / f"{name}.npy"), json.loads((out / f"{name}.json").read_text())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_logits_equal_one_process(runs, mode):
-    one, _ = result(runs, "single")
+@pytest.mark.parametrize("label,mode", [(label, m) for label, modes in RUNS.items() for m in modes if "@" not in m])
+def test_logits_equal_one_process(runs, label, mode):
+    one, _ = result(runs, "single", label=label)
     for r in range(2):
-        logits, _ = result(runs, mode, r)
+        logits, _ = result(runs, mode, r, label)
         if mode == "expert":
             # Each slot's output comes whole from one rank and is summed in one process's order.
             np.testing.assert_array_equal(logits, one)
@@ -59,7 +82,7 @@ def test_logits_equal_one_process(runs, mode):
             # Partial sums of split products added across ranks: fp32 reordering, ~1e-6 of the
             # logits measured; a lost or doubled share moves them by O(1).
             np.testing.assert_allclose(logits, one, rtol=0, atol=1e-5 * np.abs(one).max())
-    np.testing.assert_array_equal(result(runs, mode, 0)[0], result(runs, mode, 1)[0])
+    np.testing.assert_array_equal(result(runs, mode, 0, label)[0], result(runs, mode, 1, label)[0])
 
 
 def test_expert_parallel_is_bit_identical_as_stored(runs):

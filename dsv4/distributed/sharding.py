@@ -138,7 +138,8 @@ class Sharding(Plan):
             raise ParallelError(f"{name}: stored shape {list(shape)} has no axis {axis} to split")
         axis = len(shape) + axis
         stored = shape[axis]
-        unit = self._block(module)
+        # GGUF blocks run along a weight's rows (its other tensors are checked by proportion)
+        unit = self._block(module) if axis == len(shape) - 1 and name.endswith(".weight") else 1
         edges = []
         for at in (part.start, part.stop):
             if (at * stored) % logical or at % unit:
@@ -150,7 +151,7 @@ class Sharding(Plan):
         return Shard(axis, *edges)
 
     def _block(self, module: str) -> int:
-        """Weights per block of a GGUF module (its rows hold whole blocks), else 1 (packed
+        """Weights per block of a GGUF module's rows (blocks along the input), else 1 (packed
         codes and scales are checked by proportion)."""
         quant, default = self._quant
         setting = quant.get(module, default)
