@@ -86,10 +86,12 @@ def test_configure_points_mlx_at_the_flag_directory(tmp_path):
     with flags.override(kernel_cache="auto"):
         cuda_cache.configure(env)   # a directory the user chose stays
     assert env == {"MLX_PTX_CACHE_DIR": str(tmp_path / "k")}
-    env.clear()
-    with flags.override(kernel_cache="auto"):
-        cuda_cache.configure(env)
-    assert f"mlx-{mx.__version__}-" in env["MLX_PTX_CACHE_DIR"]
+    for on in ("auto", "On", "1"):
+        env.clear()
+        with flags.override(kernel_cache=on):
+            cuda_cache.configure(env)
+        assert env["MLX_PTX_CACHE_DIR"] == str(cuda_cache.default_directory()) and \
+            f"mlx-{mx.__version__}-" in env["MLX_PTX_CACHE_DIR"]
 
 
 class Inputs:   # what ensure reads of an array

@@ -162,21 +162,26 @@ def default_directory() -> Path:
     return base / "dsv4" / "cuda-kernels" / f"mlx-{mx.__version__}-{_gpu_slug()}"
 
 
+def setting() -> Path | None:
+    """The flag's directory (auto, on: the default one), or None when it is off."""
+    value = str(flags.get("kernel_cache")).strip()
+    if value.lower() in ("off", "0", "false", "no", ""):
+        return None
+    return default_directory() if value.lower() in ("auto", "on", "1", "true", "yes") else Path(value).expanduser()
+
+
 def configure(environ=os.environ) -> None:
     """Point MLX's build cache at the flag's directory (unless $MLX_PTX_CACHE_DIR is set). MLX
     reads the variable at its first build, so this runs when dsv4's kernels are imported."""
-    value = str(flags.get("kernel_cache")).strip()
-    if value.lower() in ("off", "0", "false", "no") or "MLX_PTX_CACHE_DIR" in environ:
-        return
-    environ["MLX_PTX_CACHE_DIR"] = str(default_directory() if value.lower() == "auto" else Path(value).expanduser())
+    where = setting()
+    if where is not None and "MLX_PTX_CACHE_DIR" not in environ:
+        environ["MLX_PTX_CACHE_DIR"] = str(where)
 
 
 def directory() -> Path | None:
     """The directory MLX reads builds from, or None when the cache is off."""
-    if str(flags.get("kernel_cache")).strip().lower() in ("off", "0", "false", "no"):
-        return None
     d = os.environ.get("MLX_PTX_CACHE_DIR")
-    return Path(d) if d else None
+    return Path(d) if d and setting() is not None else None
 
 
 # --- NVRTC ---------------------------------------------------------------------------------
