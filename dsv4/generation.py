@@ -249,11 +249,7 @@ def bench_line(prompt_tokens: int, responses: list[GenerationResponse], ttft: fl
         "prompt_tokens": prompt_tokens, "prompt_tps": last.prompt_tps, "ttft_s": ttft, "load_s": load_s,
         "generation_tokens": len(tokens), "generation_tps": last.generation_tps,
         "peak_memory_gb": last.peak_memory, "tokens": tokens,
-        **({} if last.speculative is None else {   # numbers at the top: benchmarks/ab.py reports them
-            "draft_acceptance": last.speculative.acceptance,
-            "draft_tokens_per_verify": last.speculative.tokens_per_verify,
-            "draft_verifies": last.speculative.verifies, "draft_plain_steps": last.speculative.plain_steps,
-            "draft_propose_s": last.speculative.propose_s, "draft_verify_s": last.speculative.verify_s}),
+        **({} if last.speculative is None else last.speculative.numbers()),
         "tokens_md5": hashlib.md5(",".join(map(str, tokens)).encode()).hexdigest()})
 
 

@@ -365,10 +365,15 @@ def test_generate_cli_reports_the_drafting(draft_dir, capsys):
 
     with pytest.raises(SystemExit) as done:
         generation.main(["--model", str(draft_dir), "--draft", "on", "--draft-k", "2", "-m", "12",
-                         "--raw", "-p", "Simple is better"])
+                         "--raw", "-p", "Simple is better", "--bench-json"])
     out = capsys.readouterr().out
     assert (done.value.code or 0) == 0
-    assert re.search(r"Speculative: \d+ verifies, \d+ plain steps; acceptance [\d.]+ \(\d+/\d+\)", out), out
+    found = re.search(r"Speculative: (\d+) verifies, (\d+) plain steps; acceptance [\d.]+ \((\d+)/(\d+)\)", out)
+    assert found, out
+    result = json.loads(out.split("DSV4_RESULT ")[1])   # the same numbers for benchmarks/ab.py
+    verifies, plain_steps, accepted, drafted = map(int, found.groups())
+    assert (result["draft_verifies"], result["draft_plain_steps"]) == (verifies, plain_steps)
+    assert result["draft_acceptance"] == pytest.approx(accepted / drafted)
 
 
 # --- the bundled demo's trained draft stages ---------------------------------------------------
