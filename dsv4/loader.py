@@ -252,7 +252,7 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
         from .distributed.pipeline import Pipelined
 
         net = Pipelined(model, plan)
-        make_dense_copies(model, net.dtype)
+        make_dense_copies(model, net.activation_dtype)
         model.eval()
         return net
     make_dense_copies(model, model.embed.weight.dtype)

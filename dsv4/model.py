@@ -136,6 +136,11 @@ class Model(nn.Module):
         cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
         return logits
 
+    @property
+    def activation_dtype(self) -> mx.Dtype:
+        """The streams' dtype: the embedding's."""
+        return self.embed.weight.dtype
+
     def shared_sampler(self, sampler):
         """The sampler as generation runs it: here as is; a pipeline's ranks also share the
         last stage's token with it (dsv4.distributed.pipeline.Pipelined)."""

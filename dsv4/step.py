@@ -172,12 +172,15 @@ class FixedDecoder:
         self.batch = cache.tokens.shape[0]
         self.fed: list[mx.array] = []              # tokens fed, [B] each, not yet on the host
         self.host_tokens = cache.tokens            # kept current only when Engram needs them
-        dtype = model.embed.weight.dtype
+        dtype = model.activation_dtype
         self.buffers: dict[str, mx.array] = {}
         self.valid_from: dict[str, int] = {}       # first position a ring holds correctly
         for i, lc in enumerate(cache.layers):
-            attn = model.layers[i].attn
-            self._ring(f"{i}.window", lc.window, lc.window_start, a.head_dim, dtype)
+            attn = model.layers[i].get("attn")   # a pipeline's stage holds some layers only
+            if attn is None:
+                continue
+            if "wkv" in attn:   # not a layer of an earlier stage that this one replays
+                self._ring(f"{i}.window", lc.window, lc.window_start, a.head_dim, dtype)
             if "compressor" in attn and self.ratios[i] > 1:   # ratio 1 pools nothing
                 self._ring(f"{i}.comp_kv", lc.comp_kv, lc.comp_start, a.head_dim, mx.float32)
                 self._ring(f"{i}.comp_gate", lc.comp_gate, lc.comp_start, a.head_dim, mx.float32)
@@ -187,8 +190,9 @@ class FixedDecoder:
                 if "indexer" in attn and "wk" in attn.indexer:
                     self._buffer(f"{i}.index_keys", lc.index_keys, rows, a.index_head_dim, dtype)
         need = max(0, self.pos - a.sliding_window + 1)
-        if self.valid_from["0.window"] > need:
-            raise ValueError(f"the cache holds window rows from position {self.valid_from['0.window']}, "
+        held = min((v for n, v in self.valid_from.items() if n.endswith(".window")), default=0)
+        if held > need:
+            raise ValueError(f"the cache holds window rows from position {held}, "
                              f"decoding position {self.pos} needs them from {need}")
         # The cache's arrays now live in the buffers: drop them, so that a long context is not
         # held twice while decoding (close() puts the state back).
@@ -323,7 +327,8 @@ class FixedDecoder:
         cache = self.cache
         cache.checked_out = False
         for i, lc in enumerate(cache.layers):
-            lc.window, lc.window_start = self._unring(f"{i}.window", keep)
+            if f"{i}.window" in self.buffers:
+                lc.window, lc.window_start = self._unring(f"{i}.window", keep)
             if f"{i}.comp_kv" in self.buffers:
                 lc.comp_kv, lc.comp_start = self._unring(f"{i}.comp_kv", keep)
                 lc.comp_gate, _ = self._unring(f"{i}.comp_gate", keep)

@@ -31,6 +31,7 @@ def worker(model_dir: str, out: str, name: str, parallel: bool) -> None:
     import dsv4
     from dsv4 import distributed, flags
     from dsv4.generation import stream_generate
+    from dsv4.step import decoder
 
     group = distributed.init("ring") if parallel else None
     with flags.override(act_quant=False, kv_qdq=False):
@@ -49,6 +50,16 @@ def worker(model_dir: str, out: str, name: str, parallel: bool) -> None:
             logits.append(model(np.array([[t]]), cache)[0])
             mx.eval(logits)
         logits = np.array(mx.concatenate(logits))
+        # the decoder the switches pick (DSV4_FIXED_DECODE: the fixed-shape step), teacher forced
+        cache = model.make_cache()
+        model(np.array([PROMPT]), cache)
+        step = decoder(model, cache)
+        stepped = []
+        for t in STEPS:   # each step evaluated before the next is built, as generation does
+            stepped.append(step(mx.array([t])))
+            mx.async_eval(stepped[-1])
+        stepped = np.array(mx.stack(stepped))
+        step.close(len(PROMPT) + len(STEPS))
         tokens = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=GREEDY, ignore_eos=True)]
     rank = 0 if group is None else group.rank()
     stage = getattr(getattr(model, "plan", None), "stage", None)
@@ -59,6 +70,7 @@ def worker(model_dir: str, out: str, name: str, parallel: bool) -> None:
               "select": [] if stage is None else sorted(stage.select),
               "last": stage is None or stage.rank == group.size() - 1}
     np.save(Path(out) / f"{name}.rank{rank}.npy", logits)
+    np.save(Path(out) / f"{name}.rank{rank}.step.npy", stepped)
     (Path(out) / f"{name}.rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -68,7 +80,7 @@ def _env(**extra):
     return {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **extra}
 
 
-def _launch(tiny_dir, out: Path, name: str, ranks: int, **env) -> list[tuple[np.ndarray, dict]]:
+def _launch(tiny_dir, out: Path, name: str, ranks: int, **env) -> list[tuple[dict, dict]]:
     launch = Path(sys.executable).with_name("mlx.launch")
     from dsv4.testing import free_ring_port
 
@@ -80,40 +92,57 @@ def _launch(tiny_dir, out: Path, name: str, ranks: int, **env) -> list[tuple[np.
     for r in range(ranks):
         file = out / f"{name}.rank{r}.json"
         assert file.is_file(), f"rank {r} of {name} failed:\n{done.stderr[-3000:]}"
-        results.append((np.load(out / f"{name}.rank{r}.npy"), json.loads(file.read_text())))
+        results.append((_logits(out, name, r), json.loads(file.read_text())))
     return results
+
+
+def _logits(out: Path, name: str, rank: int) -> dict:
+    return {"forward": np.load(out / f"{name}.rank{rank}.npy"), "step": np.load(out / f"{name}.rank{rank}.step.npy")}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_dir, tmp_path_factory):
-    """One process's results, and those of three pipelines: 2 ranks of equal memory, 2 ranks of
-    memory 3:1 (the cut moves into the ratio-1 layers: replays the candidate source), 3 ranks."""
+    """One process's results (decoding on the reference path, and with the fixed-shape step),
+    and those of four pipelines: 2 ranks of equal memory, 2 ranks of memory 3:1 (the cut moves
+    into the ratio-1 layers: replays the candidate source), the same with the fixed-shape step,
+    3 ranks."""
     out = tmp_path_factory.mktemp("pipeline")
-    subprocess.run([sys.executable, __file__, str(tiny_dir), str(out), "single", ""],
-                   env=_env(), check=True, timeout=120)
-    one = (np.load(out / "single.rank0.npy"), json.loads((out / "single.rank0.json").read_text()))
-    return one, {"2 even": _launch(tiny_dir, out, "even", 2),
-                 "2 at 3:1": _launch(tiny_dir, out, "skewed", 2, DSV4_PIPELINE_MEMORY="3,1"),
-                 "3 even": _launch(tiny_dir, out, "three", 3)}
+    one = {}
+    for name, fixed in (("single", "off"), ("single_fixed", "on")):
+        subprocess.run([sys.executable, __file__, str(tiny_dir), str(out), name, ""],
+                       env=_env(DSV4_FIXED_DECODE=fixed), check=True, timeout=120)
+        one[name] = (_logits(out, name, 0), json.loads((out / f"{name}.rank0.json").read_text()))
+    return one, {"2 even": _launch(tiny_dir, out, "even", 2, DSV4_FIXED_DECODE="off"),
+                 "2 at 3:1": _launch(tiny_dir, out, "skewed", 2, DSV4_PIPELINE_MEMORY="3,1",
+                                     DSV4_FIXED_DECODE="off"),
+                 "2 at 3:1, fixed step": _launch(tiny_dir, out, "fixed", 2, DSV4_PIPELINE_MEMORY="3,1",
+                                                 DSV4_FIXED_DECODE="on"),
+                 "3 even": _launch(tiny_dir, out, "three", 3, DSV4_FIXED_DECODE="off")}
 
 
-CASES = ("2 even", "2 at 3:1", "3 even")
+CASES = ("2 even", "2 at 3:1", "2 at 3:1, fixed step", "3 even")
+
+
+def _single(runs, case):
+    return runs[0]["single_fixed" if "fixed" in case else "single"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_logits_bit_identical(runs, case):
-    (one, _), ranks = runs
-    last = [logits for logits, report in ranks[case] if report["last"]]
+    one, _ = _single(runs, case)
+    last = [logits for logits, report in runs[1][case] if report["last"]]
     assert len(last) == 1
-    # The same ops on the same inputs, only on different ranks: exact, not within a bound.
-    np.testing.assert_array_equal(last[0], one)
+    # The same ops on the same inputs, only on different ranks: exact, not within a bound;
+    # a forward's chunks, and the steps of the decoder the switches pick.
+    np.testing.assert_array_equal(last[0]["forward"], one["forward"])
+    np.testing.assert_array_equal(last[0]["step"], one["step"])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_identical_on_every_rank(runs, case):
-    (_, single), ranks = runs
+    _, single = _single(runs, case)
     assert len(single["tokens"]) == GREEDY
-    for _, report in ranks[case]:
+    for _, report in runs[1][case]:
         assert report["tokens"] == single["tokens"]
 
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from . import ParallelError, Plan, stats
 from .. import flags
+from ..attention import ForwardState
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -381,7 +382,7 @@ class Pipelined:
         # The activations' dtype, the first stage's (embedding output), told once to all.
         code = _DTYPES.index(model.embed(mx.array([[0]])).dtype) if plan.first else 0
         code = int(mx.distributed.all_sum(mx.array([code], mx.int32), group=self.group).item())
-        self.dtype = dtype = _DTYPES[code]
+        self.activation_dtype = dtype = _DTYPES[code]   # (the Model's is its embedding's)
         self.incoming = None if plan.first else Wire(model.args, forwarded(plan.stages, k - 1), dtype)
         self.outgoing = None if plan.last else Wire(model.args, forwarded(plan.stages, k), dtype)
         self._pending = None   # this rank's latest exchange, see _in_order
@@ -416,7 +417,11 @@ class Pipelined:
         """This stage's part of Model.forward (same arguments)."""
         m, lead = self.model, ids.shape
         b, s = lead
-        self._in_order()
+        # The fixed-shape step (dsv4.step) is traced once, and no eval may sit inside it: its
+        # steps keep their order by being evaluated (or async_eval'd) one by one, as generation does.
+        ordered = isinstance(state, ForwardState)
+        if ordered:
+            self._in_order()
         if self.incoming is None:
             streams, pre = m.embed_streams(ids)
             carried = {}
@@ -425,7 +430,8 @@ class Pipelined:
             stats.bytes += self.incoming.nbytes(b, s)
             buf = mx.distributed.recv((self.incoming.nbytes(b, s),), mx.uint8, self.stage.rank - 1,
                                       group=self.group)
-            self._in_order(buf)
+            if ordered:
+                self._in_order(buf)
             carried = self.incoming.unpack(buf, b, s)
             streams, pre = carried["streams"], carried["pre"]
             self._replay(state, carried)
@@ -438,7 +444,10 @@ class Pipelined:
         stats.exchanges += 1
         stats.bytes += self.outgoing.nbytes(b, s)
         sent = mx.distributed.send(self.outgoing.pack(parts, b, s), self.stage.rank + 1, group=self.group)
-        self._in_order(sent)
+        if ordered:
+            # Sent now: the receiver may go on without evaluating this forward (a decoder that
+            # takes the cache over), and a later send must not overtake it.
+            mx.eval(sent)
         # A stand-in of the logits' shape (a broadcast: nothing allocated) that depends on the
         # send, so that evaluating it runs this stage.
         return mx.depends(mx.broadcast_to(mx.zeros((1, 1, 1), mx.float32), (b, s, m.args.vocab_size)), sent)
@@ -462,10 +471,10 @@ class Pipelined:
         n, rank = self.group.size(), self.stage.rank
 
         def sample(logits: mx.array) -> mx.array:
-            self._in_order()   # this stage's send first: the token's recv has no input to wait on
             if self.plan.last:
                 token = sampler(logits).astype(mx.int32)
             else:
+                mx.eval(logits)   # this stage's send first: the token's recv has no input to wait on
                 stats.exchanges += 1
                 stats.bytes += 4 * logits.shape[0]
                 token = mx.distributed.recv(logits.shape[:1], mx.int32, (rank - 1) % n, group=self.group)
