@@ -514,8 +514,10 @@ def test_server_speculates_for_a_lone_session_with_plain_decodes_answers(demo, d
                                                    max_tokens=32).choices[0].message.content
     questions = [DEMO_PROMPT, DEMO_PROMPT + " A set holds each value once.", "What is a tuple?"]
     alone = [ask(q) for q in questions[:2]]
-    stats = draft_server.scheduler.engine.draft_stats
-    assert stats.verifies > 0 and stats.accepted > 0, stats.line()
+    from tests.server_helpers import get_json
+
+    stats = get_json(draft_server.host, draft_server.port, "/v1/stats")[1]["draft"]
+    assert stats["draft_verifies"] > 0 and stats["draft_acceptance"] > 0, stats
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(ask, questions[1:]))
     assert draft_server.scheduler.stats["largest_batch"] == 2

@@ -221,6 +221,9 @@ class Scheduler(threading.Thread):
             out["prefix_cache"] = self.prefix.stats()
         if self.replay is not None:
             out["replay_records"] = len(self.replay)
+        drafted = getattr(self.engine, "draft_stats", None)   # speculation of lone sessions (--draft)
+        if drafted is not None:
+            out["draft"] = drafted.numbers()
         return out
 
     # --- one turn of the loop --------------------------------------------------------------
