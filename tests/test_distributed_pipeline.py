@@ -25,53 +25,63 @@ AGAIN = [9, 400, 33, 81]                             # after trimming the last 3
 GREEDY = 32
 
 
-def worker(model_dir: str, out: str, name: str, parallel: bool) -> None:
+def worker(model_dir: str, out: str, runs: str, parallel: bool) -> None:
+    """`runs`: name:memory:fixed;... - each loaded and run in turn in this one launch, with
+    DSV4_PIPELINE_MEMORY=memory and DSV4_FIXED_DECODE=fixed."""
+    from dsv4 import distributed, flags
+
+    group = distributed.init("ring") if parallel else None
+    for run in runs.split(";"):
+        name, memory, fixed = run.split(":")
+        with flags.override(act_quant=False, kv_qdq=False, pipeline_memory=memory, fixed_decode=fixed):
+            results = one_run(model_dir, group)
+        rank = 0 if group is None else group.rank()
+        np.save(Path(out) / f"{name}.rank{rank}.npy", results.pop("forward"))
+        np.save(Path(out) / f"{name}.rank{rank}.step.npy", results.pop("step"))
+        (Path(out) / f"{name}.rank{rank}.json").write_text(json.dumps(results))
+
+
+def one_run(model_dir: str, group) -> dict:
     import mlx.core as mx
 
     import dsv4
-    from dsv4 import distributed, flags
+    from dsv4 import distributed
     from dsv4.generation import stream_generate
     from dsv4.step import decoder
 
-    group = distributed.init("ring") if parallel else None
-    with flags.override(act_quant=False, kv_qdq=False):
-        model, tokenizer = dsv4.load(model_dir, dtype=mx.float32, group=group,
-                                     parallel="pipeline" if parallel else None)
-        cache = model.make_cache()
-        logits = [model(np.array([PROMPT]), cache)[0]]
+    model, tokenizer = dsv4.load(model_dir, dtype=mx.float32, group=group,
+                                 parallel="pipeline" if group is not None else None)
+    cache = model.make_cache()
+    logits = [model(np.array([PROMPT]), cache)[0]]
+    mx.eval(logits)
+    distributed.stats.reset()
+    for t in STEPS:
+        logits.append(model(np.array([[t]]), cache)[0])
         mx.eval(logits)
-        distributed.stats.reset()
-        for t in STEPS:
-            logits.append(model(np.array([[t]]), cache)[0])
-            mx.eval(logits)
-        per_step = distributed.stats.exchanges / len(STEPS)
-        cache.trim(3)
-        for t in AGAIN:
-            logits.append(model(np.array([[t]]), cache)[0])
-            mx.eval(logits)
-        logits = np.array(mx.concatenate(logits))
-        # the decoder the switches pick (DSV4_FIXED_DECODE: the fixed-shape step), teacher forced
-        cache = model.make_cache()
-        model(np.array([PROMPT]), cache)
-        step = decoder(model, cache)
-        stepped = []
-        for t in STEPS:   # each step evaluated before the next is built, as generation does
-            stepped.append(step(mx.array([t])))
-            mx.async_eval(stepped[-1])
-        stepped = np.array(mx.stack(stepped))
-        step.close(len(PROMPT) + len(STEPS))
-        tokens = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=GREEDY, ignore_eos=True)]
-    rank = 0 if group is None else group.rank()
+    per_step = distributed.stats.exchanges / len(STEPS)
+    cache.trim(3)
+    for t in AGAIN:
+        logits.append(model(np.array([[t]]), cache)[0])
+        mx.eval(logits)
+    # the decoder the switches pick (DSV4_FIXED_DECODE: the fixed-shape step), teacher forced
+    cache = model.make_cache()
+    model(np.array([PROMPT]), cache)
+    step = decoder(model, cache)
+    stepped = []
+    for t in STEPS:   # each step evaluated before the next is built, as generation does
+        stepped.append(step(mx.array([t])))
+        mx.async_eval(stepped[-1])
+    stepped = np.array(mx.stack(stepped))
+    step.close(len(PROMPT) + len(STEPS))
+    tokens = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=GREEDY, ignore_eos=True)]
     stage = getattr(getattr(model, "plan", None), "stage", None)
-    report = {"tokens": tokens, "exchanges_per_step": per_step,
-              "loaded": sorted(model.load_log.tensors) if parallel else [],
-              "layers": [] if stage is None else list(stage.layers),
-              "compress": [] if stage is None else sorted(stage.compress),
-              "select": [] if stage is None else sorted(stage.select),
-              "last": stage is None or stage.rank == group.size() - 1}
-    np.save(Path(out) / f"{name}.rank{rank}.npy", logits)
-    np.save(Path(out) / f"{name}.rank{rank}.step.npy", stepped)
-    (Path(out) / f"{name}.rank{rank}.json").write_text(json.dumps(report))
+    return {"forward": np.array(mx.concatenate(logits)), "step": stepped,
+            "tokens": tokens, "exchanges_per_step": per_step,
+            "loaded": sorted(model.load_log.tensors) if group is not None else [],
+            "layers": [] if stage is None else list(stage.layers),
+            "compress": [] if stage is None else sorted(stage.compress),
+            "select": [] if stage is None else sorted(stage.select),
+            "last": stage is None or stage.rank == group.size() - 1}
 
 
 # --- the tests ---------------------------------------------------------------------------------
@@ -80,19 +90,26 @@ def _env(**extra):
     return {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **extra}
 
 
-def _launch(tiny_dir, out: Path, name: str, ranks: int, **env) -> list[tuple[dict, dict]]:
+def _launch(tiny_dir, out: Path, runs: dict, ranks: int) -> dict:
+    """{name: (memory, fixed)} run in turn by one launch of `ranks` ranks -> {name: per rank}."""
     launch = Path(sys.executable).with_name("mlx.launch")
     from dsv4.testing import free_ring_port
 
-    done = subprocess.run([str(launch), "-n", str(ranks), "--backend", "ring", "--starting-port",
-                           str(free_ring_port(ranks)), "--", sys.executable,
-                           __file__, str(tiny_dir), str(out), name, "pipeline"],
-                          env=_env(**env), timeout=180, capture_output=True, text=True)
-    results = []
-    for r in range(ranks):
-        file = out / f"{name}.rank{r}.json"
-        assert file.is_file(), f"rank {r} of {name} failed:\n{done.stderr[-3000:]}"
-        results.append((_logits(out, name, r), json.loads(file.read_text())))
+    spec = ";".join(f"{name}:{memory}:{fixed}" for name, (memory, fixed) in runs.items())
+    argv = [sys.executable, __file__, str(tiny_dir), str(out), spec]
+    if ranks > 1:
+        argv = [str(launch), "-n", str(ranks), "--backend", "ring", "--starting-port",
+                str(free_ring_port(ranks)), "--"] + argv + ["pipeline"]
+    else:
+        argv += [""]
+    done = subprocess.run(argv, env=_env(), timeout=300, capture_output=True, text=True)
+    results = {}
+    for name in runs:
+        results[name] = []
+        for r in range(ranks):
+            file = out / f"{name}.rank{r}.json"
+            assert file.is_file(), f"rank {r} of {name} failed:\n{done.stderr[-3000:]}"
+            results[name].append((_logits(out, name, r), json.loads(file.read_text())))
     return results
 
 
@@ -105,22 +122,16 @@ def runs(tiny_dir, tmp_path_factory):
     """One process's results (decoding on the reference path, and with the fixed-shape step),
     and those of four pipelines: 2 ranks of equal memory, 2 ranks of memory 3:1 (the cut moves
     into the ratio-1 layers: replays the candidate source), the same with the fixed-shape step,
-    3 ranks."""
+    3 ranks. Three processes or launches in all (each loads a model per run)."""
     out = tmp_path_factory.mktemp("pipeline")
-    one = {}
-    for name, fixed in (("single", "off"), ("single_fixed", "on")):
-        subprocess.run([sys.executable, __file__, str(tiny_dir), str(out), name, ""],
-                       env=_env(DSV4_FIXED_DECODE=fixed), check=True, timeout=120)
-        one[name] = (_logits(out, name, 0), json.loads((out / f"{name}.rank0.json").read_text()))
-    return one, {"2 even": _launch(tiny_dir, out, "even", 2, DSV4_FIXED_DECODE="off"),
-                 "2 at 3:1": _launch(tiny_dir, out, "skewed", 2, DSV4_PIPELINE_MEMORY="3,1",
-                                     DSV4_FIXED_DECODE="off"),
-                 "2 at 3:1, fixed step": _launch(tiny_dir, out, "fixed", 2, DSV4_PIPELINE_MEMORY="3,1",
-                                                 DSV4_FIXED_DECODE="on"),
-                 "3 even": _launch(tiny_dir, out, "three", 3, DSV4_FIXED_DECODE="off")}
+    one = {name: ranks[0] for name, ranks in _launch(
+        tiny_dir, out, {"single": ("", "off"), "single_fixed": ("", "on")}, 1).items()}
+    two = _launch(tiny_dir, out, {"2 even": ("", "off"), "2 at 3,1": ("3,1", "off"),
+                                  "2 at 3,1 fixed step": ("3,1", "on")}, 2)
+    return one, {**two, **_launch(tiny_dir, out, {"3 even": ("", "off")}, 3)}
 
 
-CASES = ("2 even", "2 at 3:1", "2 at 3:1, fixed step", "3 even")
+CASES = ("2 even", "2 at 3,1", "2 at 3,1 fixed step", "3 even")
 
 
 def _single(runs, case):
