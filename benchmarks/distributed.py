@@ -130,10 +130,11 @@ def run_variant(a, mode: str) -> dict:
     return json.loads(lines[-1][len(RESULT):])
 
 
-def read_per_token(mode: str, n: int) -> float:
-    """Bytes of weights rank 0 reads per decode token at V4.1's widths and 40 layers, as stored
-    officially (fp8 projections, fp4 experts: the routed ones k of E, the embedding not at all),
-    its shares from the plan: the slice's layers averaged, times 40, plus the head."""
+def weight_bytes(mode: str, n: int, per_token: bool = True) -> float:
+    """Bytes of weights rank 0 holds (or, `per_token`, reads per decode token: the routed
+    experts k of E, the embedding not at all) at V4.1's widths and 40 layers, as stored
+    officially (fp8 projections, fp4 experts), its shares from the plan: the slice's layers
+    averaged, times 40, plus the embedding and head."""
     from dsv4.distributed.sharding import Place, Sharding
     from dsv4 import layout
     from dsv4.safetensors_file import STORAGE
@@ -142,13 +143,13 @@ def read_per_token(mode: str, n: int) -> float:
     plan = Sharding(args, {}, Place(0, n), tuple(mode.split("+"))) if mode != "single" else distributed.Plan()
     layers = head = 0.0
     for name, (dtype, shape) in layout.expected_tensors(args).items():
-        if name.startswith("embed."):
+        if name.startswith("embed.") and per_token:
             continue
         shard = plan.tensor(name, shape)
         if shard is None:
             continue
         size = np.prod(reading.shard_shape(shape, shard)) * np.dtype(STORAGE[dtype]).itemsize
-        if re.search(r"\.experts\.\d+\.", name):   # a token picks k of the E experts
+        if per_token and re.search(r"\.experts\.\d+\.", name):   # a token picks k of the E experts
             size *= args.num_experts_per_tok / args.n_routed_experts
         if name.startswith("layers."):
             layers += size
@@ -159,13 +160,13 @@ def read_per_token(mode: str, n: int) -> float:
 
 def modeled(r: dict, mode: str, n: int, scale: float) -> dict:
     """Two M3 Ultras, a model: the one-Mac step scaled by the weight bytes rank 0 reads per
-    token against one process's (read_per_token), plus each exchange's latency and bytes over
+    token against one process's (weight_bytes), plus each exchange's latency and bytes over
     the link; exchanges from the slice's layers to V4.1's 40, their bytes (counted on this run)
     by V4.1's hidden size over this run's (`scale`: every exchange is [tokens, slots, hidden])."""
-    share = read_per_token(mode, n) / read_per_token("single", 1)
+    share = weight_bytes(mode, n) / weight_bytes("single", 1)
     exchanges = r["exchanges_per_token"] * LAYERS / slice_decode.ROLES["num_hidden_layers"]
     nbytes = r["bytes_per_exchange"] * scale
-    out = {"share": share, "bytes": nbytes}
+    out = {"share": share, "bytes": nbytes, "held": weight_bytes(mode, n, per_token=False)}
     for name, (latency, bandwidth) in LINKS.items():
         out[name] = 1000 / (ONE_MAC_MS * share + exchanges * (latency + nbytes / bandwidth) * 1e3)
     return out
@@ -198,16 +199,20 @@ def write_report(a, results: dict[str, list[dict]]) -> Path:
               f"bandwidth)); exchanges per layer and bytes per exchange as counted on this run, the "
               f"bytes scaled to V4.1's hidden size. Links: "
               + ", ".join(f"{n} {lat * 1e6:.0f} us, {bw / 1e9:.1f} GB/s" for n, (lat, bw) in LINKS.items())
-              + ".", "", "| mode | weight bytes/token/rank | exchanges/token | KiB/exchange | "
-              + " | ".join(LINKS) + " |", "|---|---|---|---|" + "---|" * len(LINKS)]
+              + ". Weights held per rank: all of V4.1's 40 layers (no Engram tables, which stay "
+              "on disk), as officially stored.", "",
+              "| mode | weights held/rank | weight bytes read/token/rank | exchanges/token | KiB/exchange | "
+              + " | ".join(LINKS) + " |", "|---|---|---|---|---|" + "---|" * len(LINKS)]
     for mode in results:
         if mode == "single":
             continue
         r = results[mode][0]
         m = modeled(r, mode, a.n, scale)
-        lines.append(f"| {mode} | {m['share'] * 100:.0f}% | {r['exchanges_per_token'] * LAYERS // layers} | "
+        lines.append(f"| {mode} | {m['held'] / 1e9:.0f} GB | {m['share'] * 100:.0f}% | "
+                     f"{r['exchanges_per_token'] * LAYERS // layers} | "
                      f"{m['bytes'] / 1024:.1f} | " + " | ".join(f"{m[n]:.1f} tok/s" for n in LINKS) + " |")
-    lines.append(f"| one Mac | 100% | 0 | - | {1000 / ONE_MAC_MS:.1f} tok/s | {1000 / ONE_MAC_MS:.1f} tok/s |")
+    lines.append(f"| one Mac | {weight_bytes('single', 1, per_token=False) / 1e9:.0f} GB | 100% | 0 | - | "
+                 f"{1000 / ONE_MAC_MS:.1f} tok/s | {1000 / ONE_MAC_MS:.1f} tok/s |")
     lines += ["", "Each process's result line (rank 0):", "", "```json"] + \
         [json.dumps(x) for mode in results for x in results[mode]] + ["```"]
     out = a.out / f"{datetime.now(timezone.utc):%Y-%m-%d-%H%M}-distributed{'-small' if a.small else ''}.md"
