@@ -66,9 +66,12 @@ def worker(a) -> None:
     report = {"variant": a.worker, "ranks": 1 if group is None else group.size()}
     if group is not None:
         report["layers"] = [list(s.layers) for s in model.plan.stages]
-    # decode, as generate runs it
+    # decode, as generate runs it; this process's CPU time against the wall clock says whether
+    # a rank waiting for the other spins (on a machine of 2 cores the ranks share them)
+    cpu, wall = time.process_time(), time.perf_counter()
     responses = list(stream_generate(model, tokenizer, ids[0].tolist(), max_tokens=a.steps, ignore_eos=True))
     report["decode_ms"] = 1000 / responses[-1].generation_tps
+    report["decode_cpu_per_wall"] = (time.process_time() - cpu) / (time.perf_counter() - wall)
     report["tokens"] = [r.token for r in responses]
     # one decode step's exchanges: the forward's sends and the token's all_sum
     cache = model.make_cache()
@@ -104,8 +107,8 @@ def worker(a) -> None:
         report["send_round_trip_us"] = timed(ping, 50) * 1e6
         report["decode_message_bytes"] = n
         mx.eval(mx.distributed.all_sum(x4, group=group))
-    if group is None or group.rank() == group.size() - 1:
-        print(RESULT + json.dumps(report), flush=True)
+    report["rank"] = 0 if group is None else group.rank()
+    print(RESULT + json.dumps(report), flush=True)
 
 
 def run(a, variant: str) -> dict:
@@ -117,10 +120,12 @@ def run(a, variant: str) -> dict:
          "--starting-port", str(free_ring_port(a.n)), "--"] + me
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout, env=env)
-    lines = [l for l in done.stdout.splitlines() if l.startswith(RESULT)]
-    if not lines:   # mlx.launch exits 0 when a rank fails: the result line says it finished
-        raise SystemExit(f"{variant}: no result (exit {done.returncode})\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    ranks = sorted((json.loads(l[len(RESULT):]) for l in done.stdout.splitlines() if l.startswith(RESULT)),
+                   key=lambda r: r["rank"])
+    if len(ranks) != (1 if variant == "single" else a.n):   # mlx.launch exits 0 when a rank fails
+        raise SystemExit(f"{variant}: {len(ranks)} ranks finished (exit {done.returncode})\n{done.stderr[-3000:]}")
+    return {**ranks[-1], "per_rank": [{k: r[k] for k in ("exchanges_per_token", "bytes_per_token",
+                                                       "decode_cpu_per_wall")} for r in ranks]}
 
 
 def report(a, results: dict[str, list[dict]], label: str) -> Path:
@@ -135,14 +140,20 @@ def report(a, results: dict[str, list[dict]], label: str) -> Path:
              f"{a.n} ranks of `mlx.launch --backend ring` on loopback against one process; "
              f"{len(one)} fresh processes per variant, interleaved. Stages: {p['layers']}.", "",
              "## Decode", "",
-             "| variant | ms/token | exchanges/token (last rank) | bytes/token (last rank) |", "|---|---|---|---|",
-             f"| one process | {med('single', lambda r: r['decode_ms']):.2f} | 0 | 0 |",
+             "| variant | ms/token | exchanges/token, per rank | bytes/token, per rank | CPU s / wall s while decoding, per rank |",
+             "|---|---|---|---|---|",
+             f"| one process | {med('single', lambda r: r['decode_ms']):.2f} | 0 | 0 | "
+             f"{med('single', lambda r: r['decode_cpu_per_wall']):.2f} |",
              f"| pipeline x{a.n} | {med('pipeline', lambda r: r['decode_ms']):.2f} | "
-             f"{p['exchanges_per_token']} | {p['bytes_per_token']} |", "",
+             f"{', '.join(str(r['exchanges_per_token']) for r in p['per_rank'])} | "
+             f"{', '.join(str(r['bytes_per_token']) for r in p['per_rank'])} | "
+             + ", ".join(f"{statistics.median(x['per_rank'][k]['decode_cpu_per_wall'] for x in pipe):.2f}"
+                         for k in range(a.n)) + " |", "",
              f"Greedy tokens ({a.steps} after a {a.prompt}-token prompt) identical in every run: {same}. "
              f"Per token the pipeline makes {a.n - 1} send(s) of the streams (one decode message: "
-             f"{p['decode_message_bytes']} B) and one all_sum of the token (4 B); each rank counts the "
-             f"exchanges it takes part in. The link: a 4-byte all_sum takes "
+             f"{p['decode_message_bytes']} B) and passes the token (4 B) from the last rank round the "
+             f"ring ({a.n - 1} send(s)); each rank counts the exchanges it takes part in. The link: a "
+             f"4-byte all_sum (not used: for comparison) takes "
              f"{med('pipeline', lambda r: r['all_sum_4B_us']):.0f} us, a send + send back of one decode "
              f"message {med('pipeline', lambda r: r['send_round_trip_us']):.0f} us.", "",
              "## Prefill in micro-batches", "",

@@ -161,17 +161,9 @@ class PipelinePlan(Plan):
     The stages are chosen in `prepare`, from the sizes of the skeleton as it will be loaded."""
     modes = ("pipeline",)
 
-    def __init__(self, args, group, inner: Plan, stages_: Optional[Sequence[Stage]] = None):
+    def __init__(self, args, group, inner: Plan):
         self.args, self.group, self.inner = args, group, inner
         self.stages: list[Stage] = []
-        if stages_ is not None:
-            self._choose(stages_)
-
-    def _choose(self, stages_: Sequence[Stage]) -> None:
-        self.stages = list(stages_)
-        self.stage = self.stages[self.group.rank()]
-        self.first = self.stage.rank == 0
-        self.last = self.stage.rank == len(self.stages) - 1
 
     def tensor(self, name, shape):
         if not self.stages:   # asked before the stages are chosen: the share in whichever holds it
@@ -191,17 +183,18 @@ class PipelinePlan(Plan):
         return None
 
     def prepare(self, model) -> None:
-        """Choose the stages by the skeleton's bytes (unless given), then drop from it every
+        """Choose the stages by the skeleton's bytes, then drop from it every
         module this rank does not load: other stages' blocks become empty modules, a replayed
         layer keeps the parts of its attention that replay it; embed, norm and head stay
         where their stage is. Nothing of the skeleton is allocated (lazy arrays)."""
-        if not self.stages:
-            from mlx.utils import tree_flatten
+        from mlx.utils import tree_flatten
 
-            sizes = {n: a.nbytes for n, a in tree_flatten(model.parameters())}
-            capacity = capacities(self.group, flags.get("pipeline_memory"))
-            self._choose(stages(self.args, split_by_bytes(self.args, sizes, capacity)))
-        stage = self.stage
+        sizes = {n: a.nbytes for n, a in tree_flatten(model.parameters())}
+        capacity = capacities(self.group, flags.get("pipeline_memory"))
+        self.stages = stages(self.args, split_by_bytes(self.args, sizes, capacity))
+        self.stage = stage = self.stages[self.group.rank()]
+        self.first = stage.rank == 0
+        self.last = stage.rank == len(self.stages) - 1
         for i, block in enumerate(model.layers):
             if i in stage.layers:
                 continue
