@@ -217,6 +217,9 @@ def warm_up(model) -> None:
         logits = model(np.zeros((1, 1), np.int64), model.make_cache())
         cuda_cache.wait()
         mx.eval(logits)
+    # and its token shared as generation shares it: the exchanges of a decode step, all of them
+    # (a pipeline's ranks pass the token on; dsv4.distributed.ranks counts them here)
+    mx.eval(model.shared_sampler(lambda x: mx.argmax(x, axis=-1))(logits[:, -1]))
 
 
 def prefill_progress(total: int, enabled: bool = True) -> Optional[Callable[[int, int], None]]:
