@@ -227,6 +227,20 @@ def test_replays_by_hand():
     assert replays(args, range(7, 8)) == ({4}, {4, 6})                    # 7: 6's top-k, which needs 4's
 
 
+def test_memory_sizes_are_checked():
+    from dsv4.distributed import ParallelError
+    from dsv4.distributed.pipeline import capacities
+
+    class Two:
+        size = lambda self: 2
+
+    assert capacities(Two(), "") == [1.0, 1.0]
+    assert capacities(Two(), "512,256") == [512.0, 256.0]
+    for bad in ("512", "512,0", "a,b", "1,2,3"):
+        with pytest.raises(ParallelError, match="DSV4_PIPELINE_MEMORY"):
+            capacities(Two(), bad)
+
+
 def test_combined_with_another_mode_is_refused(tiny_dir):
     done = subprocess.run([sys.executable, "-c", (
         "import dsv4, sys\nfrom dsv4.errors import reported\n"
