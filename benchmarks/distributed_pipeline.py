@@ -16,6 +16,10 @@ wider layers written once to a temporary directory), then measures
     against the one process fed the same chunks;
   * the link: a 4-byte all_sum and a send of one decode message, round trip.
 The report goes to benchmarks/results/<date>-distributed-pipeline.md.
+
+`--v41` runs nothing: for V4.1 Flash's shapes it prints the stages the code chooses for 2-4
+ranks, what each boundary's decode send carries (counted by the code's own Wire), and, labelled
+as a model, what two M3 Ultras would decode over each link of benchmarks/distributed.py.
 """
 
 from __future__ import annotations
@@ -176,6 +180,41 @@ def _machine() -> str:
     return f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores, MLX {mx.__version__} on {mx.default_device()}"
 
 
+def v41_model() -> str:
+    """The --v41 section: stages, exchanges and bytes per decode token at V4.1 Flash's shapes
+    (the split by the parameters of the unquantized skeleton: nothing is allocated; the loader
+    splits by the quantized sizes, which move the embedding's and head's share), and the model."""
+    from mlx.utils import tree_flatten
+
+    from benchmarks import cache_bytes, slice_decode
+    from benchmarks.distributed import LINKS, ONE_MAC_MS
+    from dsv4.config import ModelArgs
+    from dsv4.distributed import pipeline
+    from dsv4.model import Model
+    from dsv4.testing import tiny_config
+
+    args = ModelArgs.from_dict(tiny_config(**{**slice_decode.REAL, **cache_bytes.V41_FLASH,
+                                              "engram_layer_ids": [1, 14]}))
+    sizes = {n: a.nbytes for n, a in tree_flatten(Model(args).parameters())}
+    lines = ["| ranks | stages | replayed by later stages | bytes per stage send (decode) | exchanges/token (all ranks) | "
+             + " | ".join(f"model: {name}" for name in LINKS) + " |", "|---|---|---|---|---|" + "---|" * len(LINKS)]
+    for n in (2, 3, 4):
+        stages = pipeline.stages(args, pipeline.split_by_bytes(args, sizes, [1.0] * n))
+        sends = [pipeline.Wire(args, pipeline.forwarded(stages, k), mx.bfloat16).nbytes(1, 1) for k in range(n - 1)]
+        replayed = sorted({l for st in stages for l in st.replayed})
+        model = []
+        for latency, bandwidth in LINKS.values():
+            ms = ONE_MAC_MS + sum(latency + b / bandwidth for b in sends) * 1e3 + (n - 1) * (latency + 4 / bandwidth) * 1e3
+            model.append(f"{1000 / ms:.1f} tok/s")
+        lines.append(f"| {n} | {', '.join(f'{s.layers.start}-{s.layers.stop - 1}' for s in stages)} | "
+                     f"{replayed or '-'} | {', '.join(map(str, sends))} | {2 * (n - 1)} | " + " | ".join(model) + " |")
+    lines += ["", f"A model, not a measurement: the stages run in turn, so a token costs one machine's step "
+              f"({ONE_MAC_MS:.1f} ms: ds4's 25.6 tok/s for V4.1 Q4 on one M3 Ultra, issue 24) plus each "
+              f"stage send (latency + bytes / bandwidth) and the token's N - 1 hops of 4 B. Links: "
+              + ", ".join(f"{k} {lat * 1e6:.0f} us, {bw / 1e9:.1f} GB/s" for k, (lat, bw) in LINKS.items()) + "."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: the bundled demo)")
@@ -187,10 +226,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="prefills timed per micro-batch count")
     p.add_argument("--micro", default="1,2,4,8", type=lambda t: [int(v) for v in t.split(",")])
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--v41", action="store_true", help="V4.1 Flash's stages, exchanges and bytes (no run), and a model")
     p.add_argument("--worker", choices=("single", "pipeline"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         return worker(a)
+    if a.v41:
+        out = Path(__file__).parent / "results" / f"{datetime.now(timezone.utc):%Y-%m-%d-%H%M}-distributed-pipeline-v41.md"
+        out.write_text(f"# Pipeline parallel at V4.1 Flash's shapes: stages, decode traffic, a model\n\n"
+                       f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. `python benchmarks/distributed_pipeline.py "
+                       f"--v41` (counted by the code, nothing run). Each boundary's send: the streams "
+                       f"[1, 4, 5120] bf16 and pre [1, 4] fp32 (40976 B), plus x [1, 1, 5120] bf16 (and qr "
+                       f"[1, 1, 1280] for a selection) of each layer a later stage replays. The toy runs' counts "
+                       f"(benchmarks/results/*-distributed-pipeline.md) are the same formula at their widths: "
+                       f"720 B (demo), 4112 B (wide).\n\n{v41_model()}\n")
+        return print(out)
     with tempfile.TemporaryDirectory() as tmp:
         label = "the bundled demo checkpoint" if a.model is None else a.model
         a.model = a.model or str(DEMO_DIR)
