@@ -315,7 +315,7 @@ def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path
     cache = model.make_cache()
     model(prompt()[:, :8], cache)
     os.truncate(lost.file, cut)
-    read_before_the_cut = resident(store)
+    read_before_the_cut = filled_slots(store)
     with pytest.raises(expert_store.ExpertReadError) as info:
         for t in range(400):                       # until a lost expert is needed
             model(np.array([[7 + t % 400]]), cache)
@@ -339,7 +339,7 @@ def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path
             assert not lies_past_the_cut or (pool, slot, layer, e) in read_before_the_cut
 
 
-def resident(store) -> set:
+def filled_slots(store) -> set:
     """(pool, slot, layer, expert) of every filled slot."""
     return {(pool, slot, pool.owner_layer[slot], pool.owner_expert[slot])
             for pool in store.pools for slot in np.flatnonzero(pool.owner_layer >= 0)}
