@@ -77,7 +77,7 @@ def generate_demo(command, inputs):                    # pip install -e . && pyt
 
 
 def pytest_suite(command, inputs):                     # this test runs inside that command
-    assert command.endswith("python -m pytest -q")
+    assert command.endswith("python -m pytest -q -n auto")
 
 
 def generate(command, inputs):
@@ -164,7 +164,7 @@ def train(command, inputs):                            # ~30 minutes: its option
 
 RUNNERS = [
     (r"^pip install -e \. && python -m dsv4\.generate$", generate_demo),
-    (r'^pip install -e "\.\[test\]" && python -m pytest -q$', pytest_suite),
+    (r'^pip install -e "\.\[test\]" && python -m pytest -q -n auto$', pytest_suite),
     (r"^python -m dsv4\.generate --model PATH_OR_REPO ", generate),
     (r"^python -m dsv4\.chat --model PATH$", chat),
     (r"^python -m dsv4\.server --model PATH --port 8080$", server),
