@@ -173,6 +173,9 @@ define("index_key_quirk", False,
 define("pipeline_memory", "",
        "--parallel pipeline: each rank's share of the weights; empty: equal shares, 'auto': in "
        "proportion to each rank's physical memory, or one size per rank (e.g. 512,256)")
+define("join_timeout", 60,
+       "--parallel: seconds a rank waits for its ring peers to connect before it stops with an "
+       "error naming the one it waited for (MLX's ring accept waits forever)", minimum=1)
 define("indexer_skip", True,
        "skip the indexer's scoring while every visible compressed row makes its top-k "
        "(the selection is then known); exact")

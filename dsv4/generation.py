@@ -284,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             parallel: Optional[str] = typer.Option(
                 None, help="run across the processes mlx.launch started, each holding its shard: "
                 "expert, tensor, expert+tensor or pipeline (README: Several machines)")):
-        from .distributed import ranks
+        from .distributed import link, ranks
         from .loader import load, resident_bytes
 
         with reported(), contextlib.ExitStack() as scope:
@@ -294,6 +294,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             flags.check_environment()
             scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
             group = ranks.join(parallel)
+            scope.enter_context(link.watched(group))   # a peer lost: one line, exit 2
             if prompt == "-":
                 if group is not None:
                     raise InputError("--prompt - with --parallel: only rank 0 has the input; give the prompt as text")

@@ -59,10 +59,14 @@ def parse_modes(text: Optional[str]) -> tuple[str, ...]:
 
 def init(backend: str = "any"):
     """The group of every process mlx.launch started (a lone process started without
-    mlx.launch gets a group of one)."""
+    mlx.launch gets a group of one); a peer that does not join within DSV4_JOIN_TIMEOUT
+    seconds is a ParallelError (dsv4/distributed/link.py)."""
+    from .. import flags
+    from . import link
+
     if backend not in BACKENDS:
         raise ParallelError(f"--backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    return mx.distributed.init(strict=False, backend=backend)
+    return link.join(backend, flags.get("join_timeout"))
 
 
 @dataclass
