@@ -305,8 +305,39 @@ class MessageReader:
         return text.rstrip("\n")
 
 
-def run_repl(session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
-    reader = MessageReader(stdin, out)
+class FollowedReader:
+    """Under --parallel: rank 0 reads each message and every rank gets it (its end of input and
+    its Ctrl-C at the prompt too), so every rank takes the same turns (dsv4/distributed/follow.py)."""
+
+    def __init__(self, channel, reader: Optional[MessageReader]):
+        self.channel, self.reader = channel, reader
+
+    def read(self) -> str:
+        from .distributed.follow import END, INTERRUPT
+
+        if self.channel.leader:
+            try:
+                text = self.reader.read()
+            except EOFError:
+                self.channel.share(END)
+                raise
+            except KeyboardInterrupt:
+                self.channel.share(INTERRUPT)
+                raise
+            return self.channel.share(text)
+        got = self.channel.share()
+        if got == END:
+            raise EOFError
+        if got == INTERRUPT:
+            raise KeyboardInterrupt
+        return got
+
+
+def run_repl(session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
+             channel=None) -> None:
+    """The chat loop; with `channel` (--parallel) rank 0 reads and the other ranks follow."""
+    reader = MessageReader(stdin, out) if channel is None or channel.leader else None
+    reader = reader if channel is None else FollowedReader(channel, reader)
     out.write("dsv4 chat. /help for commands.\n")
     interrupted = False  # the previous read ended in Ctrl-C
     while True:
@@ -327,7 +358,7 @@ def run_repl(session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.
         argument = argument.strip()
         if "\n" in text.strip() or not command.startswith("/"):
             if text.strip():
-                _answer(session, text, out)
+                _answer(session, text, out, channel)
         elif command in ("/quit", "/exit"):
             return
         elif command == "/help":
@@ -341,15 +372,19 @@ def run_repl(session: ChatSession, stdin: TextIO = sys.stdin, out: TextIO = sys.
             else:
                 session.thinking = argument == "on"
                 out.write(f"[thinking {argument}]\n")
+        elif command in ("/save", "/load") and channel is not None:
+            out.write(f"[{command} is not available under --parallel: each rank holds only its share of the cache]\n")
         elif command in ("/save", "/load"):
             _save_or_load(session, command, argument, out)
         else:
             out.write(f"unknown command {command}; /help lists them\n")
 
 
-def _answer(session: ChatSession, text: str, out: TextIO) -> None:
+def _answer(session: ChatSession, text: str, out: TextIO, channel=None) -> None:
     try:
-        with StopOnInterrupt() as stop:
+        with StopOnInterrupt() as interrupted:
+            # under --parallel every rank asks at the same points: any rank's Ctrl-C stops all
+            stop = interrupted if channel is None else (lambda: channel.any(interrupted()))
             _, stats = session.ask(text, _printer(out), stop)
     except InputError as error:  # e.g. the conversation outgrew the model's context
         out.write(f"\n[not answered: {message(error)}]\n")
@@ -394,9 +429,13 @@ def main(
         "auto) instead of loading them; default DSV4_EXPERT_CACHE_GB, empty: all resident"),
     draft: Optional[str] = typer.Option(None, help=flags.OPTION_HELP["draft"]),
     draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
+    parallel: Optional[str] = typer.Option(
+        None, help="run across the processes mlx.launch started (expert, tensor, expert+tensor or "
+        "pipeline): rank 0 reads the chat, the others follow (README: Several machines)"),
 ):
     """Chat with a dsv4 model. In the chat, /help lists the commands, how to enter several
     lines and what Ctrl-C does."""
+    from .distributed import follow, link, ranks
     from .generation import warm_up
     from .loader import load
     from .sampling import Sampling, check_max_tokens, check_seed, option_name
@@ -407,12 +446,15 @@ def main(
         Sampling(temp, top_p).check(spell=option_name)
         flags.check_environment()
         scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
+        group = ranks.join(parallel)
+        scope.enter_context(link.watched(group))   # a peer lost: one line, exit 2
         print(f"loading {model or 'the bundled demo model'} ...", flush=True)
-        loaded_model, tokenizer = load(model, expert_cache_gb=expert_cache_gb)
+        loaded_model, tokenizer = load(model, expert_cache_gb=expert_cache_gb, group=group, parallel=parallel)
         warm_up(loaded_model)
         session = ChatSession(loaded_model, tokenizer, system=system, thinking=think, max_tokens=max_tokens,
                               temp=temp, top_p=top_p, seed=seed, prompt_cache=prompt_cache)
-        run_repl(session)
+        # sys.stdout as it is now: a follower's is os.devnull (ranks.join)
+        run_repl(session, sys.stdin, sys.stdout, channel=follow.channel(group))
 
 
 if __name__ == "__main__":

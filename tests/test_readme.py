@@ -126,6 +126,16 @@ def several_ranks(command, inputs):                   # mlx.launch: ranks of thi
     assert out.stdout.count("Generation:") == 1 and out.stdout.count("Distributed:") == 1, out.stdout
 
 
+def chat_ranks(command, inputs):                       # rank 0 reads the piped chat, rank 1 follows
+    from dsv4.distributed.ranks import free_ports
+
+    argv = shlex.split(command)
+    argv = [str(Path(sys.executable).with_name("mlx.launch")), "--starting-port", str(free_ports(2))] + \
+        argv[1:argv.index("python")] + python(shlex.join(argv[argv.index("python"):]), PATH=str(DEMO))
+    out = run(argv + ["--max-tokens", "4"], timeout=300, input="Hello\n/quit\n")
+    assert out.stdout.count(" generated") == 1 and "error" not in out.stderr, out.stdout + out.stderr
+
+
 def server(command, inputs):
     with demo_server(free_port(), command):
         pass
@@ -169,6 +179,7 @@ RUNNERS = [
     (r"^python -m dsv4\.chat --model PATH$", chat),
     (r"^python -m dsv4\.server --model PATH --port 8080$", server),
     (r"^mlx\.launch -n 2 --backend ring -- python -m dsv4\.generate --model PATH ", several_ranks),
+    (r"^mlx\.launch -n 2 --backend ring -- python -m dsv4\.chat --model PATH ", chat_ranks),
     (r"^ANTHROPIC_BASE_URL=http://127\.0\.0\.1:8080 .* claude$", claude_code),
     (r"^python -m dsv4_convert (official|gguf|exl3) (SRC|FILE) DST$", convert),
     (r"^python training/train_demo\.py ", train),
