@@ -84,6 +84,15 @@ def shut_down(scheduler) -> None:
         os._exit(EXIT_INTERRUPTED)
 
 
+def _follow(load, channel) -> None:
+    """A rank other than 0: load as rank 0 does, then repeat its engine calls until it stops.
+    Ctrl-C is rank 0's to act on (mlx.launch's terminal sends it to every local rank)."""
+    from .serve.followed import follow
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    follow(load(), channel)
+
+
 app = typer.Typer(add_completion=False)
 
 
@@ -110,8 +119,12 @@ def main(
     draft: Optional[str] = typer.Option(None, help=flags.OPTION_HELP["draft"] + "; a request decoded "
                                         "alone speculates, requests decoded together do not"),
     draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
+    parallel: Optional[str] = typer.Option(
+        None, help="run across the processes mlx.launch started (expert, tensor or expert+tensor): rank 0 "
+        "serves HTTP, the others follow its forwards; no prefix cache, no drafting (README: Several machines)"),
 ):
     """Serve a dsv4 model over the OpenAI and Anthropic HTTP APIs. Ctrl-C or SIGTERM stops it."""
+    from .distributed import follow, link, parse_modes, ranks, ParallelError
     from .serve.app import Service, make_app
     from .serve.scheduler import CacheOptions, Scheduler
 
@@ -122,9 +135,14 @@ def main(
         from .serve.disk_cache import model_fingerprint
         from .serve.engine import ModelEngine
 
-        net, tokenizer = load_model(model, expert_cache_gb=expert_cache_gb)
+        net, tokenizer = load_model(model, expert_cache_gb=expert_cache_gb, group=group, parallel=parallel)
         warm_up(net)
-        return ModelEngine(net, tokenizer, model_fingerprint(resolve(model)))
+        engine = ModelEngine(net, tokenizer, model_fingerprint(resolve(model)))
+        if channel is None or not channel.leader:
+            return engine
+        from .serve.followed import LeadingEngine
+
+        return LeadingEngine(engine, channel)
 
     with reported(), contextlib.ExitStack() as scope:
         check_max_tokens(max_tokens, "--max-tokens")
@@ -138,6 +156,17 @@ def main(
             raise InputError(f"--port={port}: expected a port number 0..65535")
         flags.check_environment()
         scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
+        if "pipeline" in parse_modes(parallel):
+            raise ParallelError(f"--parallel {parallel}: the server samples on rank 0, and a pipeline's "
+                                f"logits are on its last rank; use expert, tensor or expert+tensor")
+        group = ranks.join(parallel)
+        scope.enter_context(link.watched(group))   # a peer lost: one line, exit 2
+        channel = follow.channel(group)
+        if channel is not None:   # the prefix cache and drafting act on caches outside the engine's calls
+            prompt_cache, kv_disk_dir = False, None
+            scope.enter_context(flags.override(draft="off"))
+            if not channel.leader:
+                return _follow(load, channel)
         cache = CacheOptions(prompt_cache, kv_cache_mb << 20, str(kv_disk_dir) if kv_disk_dir else None,
                              kv_disk_space_mb << 20)
         scheduler = Scheduler(load, max_context=max_context, max_sessions=max_sessions, cache=cache)
@@ -157,6 +186,8 @@ def main(
         finally:
             sock.close()
             shut_down(scheduler)
+            if channel is not None and scheduler.ready.is_set() and scheduler.load_error is None:
+                scheduler.engine.stop()   # the followers return
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""`python -m dsv4.server --parallel expert` on 2 ranks (started as mlx.launch starts them, ring on
+loopback): rank 0 serves HTTP, rank 1 repeats its engine calls (dsv4/serve/followed.py); a
+chat/completions request is answered as one process answers it, and Ctrl-C on rank 0 ends both
+ranks with status 0. A pipeline is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from dsv4.testing import free_ring_port
+from tests.test_distributed_failures import _hostfile
+
+REQUEST = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 10,
+           "temperature": 0}
+
+
+def _server(tiny_dir, port: int, rank: int = 0, hostfile: Path = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dsv4.server", "--model", str(tiny_dir), "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    if hostfile is not None:
+        cmd += ["--parallel", "expert"]
+        env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _answer(port: int, proc: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.5)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(REQUEST).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["message"]["content"]
+
+
+def test_server_under_two_ranks_answers_as_one_process(tiny_dir, tmp_path):
+    hostfile, _ = _hostfile(tmp_path, 2)
+    ports = [free_ring_port(1) for _ in range(2)]
+    one = _server(tiny_dir, ports[0])
+    ranks = [_server(tiny_dir, ports[1], r, hostfile) for r in range(2)]
+    try:
+        want = _answer(ports[0], one)
+        got = _answer(ports[1], ranks[0])
+        assert want and got == want
+        for proc in (one, ranks[0]):
+            proc.send_signal(signal.SIGINT)
+        for proc in [one] + ranks:
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0 and "Traceback" not in err and "error" not in err, err[-2000:]
+    finally:
+        for proc in [one] + ranks:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_server_refuses_a_pipeline(tiny_dir):
+    done = subprocess.run([sys.executable, "-m", "dsv4.server", "--model", str(tiny_dir), "--parallel", "pipeline"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("error: --parallel pipeline: the server samples on rank 0")
