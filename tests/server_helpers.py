@@ -227,6 +227,25 @@ def model_server(path, **options):
     return served
 
 
+def clients_server(path, **options):
+    """model_server for `path` with the real clients on it: `openai` and `anthropic`, no retries."""
+    import anthropic
+    import openai
+
+    served = model_server(path, **options)
+    served.openai = openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=120)
+    served.anthropic = anthropic.Anthropic(base_url=served.base, api_key="x", max_retries=0, timeout=120)
+    return served
+
+
+def in_parallel(ask, items, workers: int = 8) -> list:
+    """ask(item) for every item, `workers` at a time (requests decoded together), in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(ask, items))
+
+
 def start_server(args: list[str]):
     """`python -m dsv4.server` in a subprocess -> (process, host, port); process.output collects
     what it prints (stdout and stderr)."""

@@ -6,7 +6,6 @@ free until `</think>`; schemas that cannot be enforced, and schemas with tools, 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,7 +13,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from tests.server_helpers import model_server, post_raw, scripted_server  # noqa: E402
+from tests.server_helpers import clients_server, in_parallel, post_raw, scripted_server  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -26,16 +25,9 @@ QUESTION = [{"role": "user", "content": "Describe a record as JSON."}]
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    served = model_server(tiny_dir, max_sessions=8, max_context=4096)
-    served.openai = openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=120)
-    served.anthropic = anthropic.Anthropic(base_url=served.base, api_key="x", max_retries=0, timeout=120)
+    served = clients_server(tiny_dir, max_sessions=8, max_context=4096)
     yield served
     served.stop()
-
-
-def in_parallel(ask, seeds):
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(ask, seeds))
 
 
 def test_chat_answers_sampled_under_a_schema_validate(served):

@@ -8,7 +8,6 @@ refused under none, its text passed through under auto."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,7 +18,7 @@ from llguidance import LLMatcher  # noqa: E402
 
 from dsv4.encoding import CALLS_OPEN, _render_tool_calls, parse_tool_calls  # noqa: E402
 from dsv4.serve.tool_choice import NO_CALLS_GRAMMAR, calls_grammar  # noqa: E402
-from tests.server_helpers import ScriptedEngine, model_server, post_raw, scripted_server  # noqa: E402
+from tests.server_helpers import ScriptedEngine, clients_server, in_parallel, post_raw, scripted_server  # noqa: E402
 
 # Parameters a random model ends (enums, booleans, bounded integers), and a free-text one.
 SETTINGS = {"type": "object", "properties": {
@@ -93,16 +92,9 @@ def test_none_refuses_a_calls_block_only():
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    served = model_server(tiny_dir, max_sessions=8, max_context=4096)
-    served.openai = openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=120)
-    served.anthropic = anthropic.Anthropic(base_url=served.base, api_key="x", max_retries=0, timeout=120)
+    served = clients_server(tiny_dir, max_sessions=8, max_context=4096)
     yield served
     served.stop()
-
-
-def in_parallel(ask, items):
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(ask, items))
 
 
 def check_calls(calls: list[tuple[str, dict]], names: set[str]):
