@@ -44,7 +44,7 @@ import dsv4                                     # noqa: E402
 from dsv4 import distributed                    # noqa: E402
 from dsv4.generation import prefill, stream_generate  # noqa: E402
 from dsv4.loader import DEMO_DIR                       # noqa: E402
-from dsv4.testing import free_ring_port                # noqa: E402
+from dsv4.distributed.ranks import free_ports                # noqa: E402
 
 RESULT = "DSV4_PIPELINE "
 WIDE = dict(hidden_size=512, moe_intermediate_size=512, n_routed_experts=16, num_hidden_layers=8,
@@ -121,7 +121,7 @@ def run(a, variant: str) -> dict:
           "--micro", ",".join(map(str, a.micro))]
     argv = me if variant == "single" else \
         [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(a.n), "--backend", "ring",
-         "--starting-port", str(free_ring_port(a.n)), "--"] + me
+         "--starting-port", str(free_ports(a.n)), "--"] + me
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout, env=env)
     ranks = sorted((json.loads(l[len(RESULT):]) for l in done.stdout.splitlines() if l.startswith(RESULT)),

@@ -305,22 +305,3 @@ def write_tiny_checkpoint(path: Path | str, seed: int = 0, shards: int = 3,
         "bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1], "pad_token": SPECIAL_TOKENS[2],
         "add_bos_token": True, "model_max_length": 4096}, indent=1))
     return path
-
-
-def free_ring_port(ranks: int) -> int:
-    """A first port for `mlx.launch --backend ring --starting-port` on this machine with the
-    `ranks` ports from it free now: its default (32323) is one port for every launch, so two
-    launches at once (tests, benchmarks) would take each other's connections."""
-    import random
-    import socket
-
-    for _ in range(100):
-        base = random.randint(20000, 60000 - ranks)
-        try:
-            for port in range(base, base + ranks):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free range of ports for the ring backend")

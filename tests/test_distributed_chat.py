@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsv4.testing import free_ring_port
+from dsv4.distributed.ranks import free_ports
 
 TALK = "hello\nhow are you\n/reset\nhi there\n"
 
@@ -19,7 +19,7 @@ def _chat(tiny_dir, talk: str, tmp_path: Path, parallel: str = "") -> subprocess
     cmd = [sys.executable, "-m", "dsv4.chat", "--model", str(tiny_dir), "--max-tokens", "12"]
     if parallel:
         cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", "2", "--backend", "ring",
-               "--starting-port", str(free_ring_port(2)), "--"] + cmd + ["--parallel", parallel]
+               "--starting-port", str(free_ports(2)), "--"] + cmd + ["--parallel", parallel]
     (tmp_path / f"talk{parallel}").write_text(talk)
     with open(tmp_path / f"talk{parallel}") as stdin:
         return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

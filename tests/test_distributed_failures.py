@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.testing import free_ring_port
+from dsv4.distributed.ranks import free_ports
 
 
 def _start(tiny_dir, rank: int, hostfile: Path, parallel: str, die: str = "", **env) -> subprocess.Popen:
@@ -30,7 +30,7 @@ def _start(tiny_dir, rank: int, hostfile: Path, parallel: str, die: str = "", **
 
 
 def _hostfile(tmp_path, ranks: int) -> tuple[Path, list[str]]:
-    first = free_ring_port(ranks)
+    first = free_ports(ranks)
     hosts = [f"127.0.0.1:{first + r}" for r in range(ranks)]
     path = tmp_path / f"hosts-{first}.json"
     path.write_text(json.dumps([[h] for h in hosts]))

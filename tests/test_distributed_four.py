@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4.testing import free_ring_port, write_tiny_checkpoint
+from dsv4.distributed.ranks import free_ports
+from dsv4.testing import write_tiny_checkpoint
 
 WORKER = Path(__file__).with_name("distributed_ranks.py")
 MODES = ("expert", "tensor", "pipeline")
@@ -36,7 +37,7 @@ def runs(tmp_path_factory):
     subprocess.run(worker + ["--run", f"four={model}="], check=True, env=env, timeout=120)
     launch = Path(sys.executable).with_name("mlx.launch")
     done = subprocess.run([str(launch), "-n", str(RANKS), "--backend", "ring", "--starting-port",
-                           str(free_ring_port(RANKS)), "--"] + worker + ["--run", f"four={model}={','.join(MODES)}"],
+                           str(free_ports(RANKS)), "--"] + worker + ["--run", f"four={model}={','.join(MODES)}"],
                           env=env, timeout=400, capture_output=True, text=True)
     # mlx.launch exits 0 even when a rank fails: each rank's own files say it finished.
     results = {}

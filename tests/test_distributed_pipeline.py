@@ -93,13 +93,13 @@ def _env(**extra):
 def _launch(tiny_dir, out: Path, runs: dict, ranks: int) -> dict:
     """{name: (memory, fixed)} run in turn by one launch of `ranks` ranks -> {name: per rank}."""
     launch = Path(sys.executable).with_name("mlx.launch")
-    from dsv4.testing import free_ring_port
+    from dsv4.distributed.ranks import free_ports
 
     spec = ";".join(f"{name}:{memory}:{fixed}" for name, (memory, fixed) in runs.items())
     argv = [sys.executable, __file__, str(tiny_dir), str(out), spec]
     if ranks > 1:
         argv = [str(launch), "-n", str(ranks), "--backend", "ring", "--starting-port",
-                str(free_ring_port(ranks)), "--"] + argv + ["pipeline"]
+                str(free_ports(ranks)), "--"] + argv + ["pipeline"]
     else:
         argv += [""]
     done = subprocess.run(argv, env=_env(), timeout=300, capture_output=True, text=True)

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dsv4.testing import free_ring_port
+from dsv4.distributed.ranks import free_ports
 from tests.test_distributed_failures import _hostfile
 
 REQUEST = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 10,
@@ -47,7 +47,7 @@ def _answer(port: int, proc: subprocess.Popen) -> str:
 
 def test_server_under_two_ranks_answers_as_one_process(tiny_dir, tmp_path):
     hostfile, _ = _hostfile(tmp_path, 2)
-    ports = [free_ring_port(1) for _ in range(2)]
+    ports = [free_ports(1) for _ in range(2)]
     one = _server(tiny_dir, ports[0])
     ranks = [_server(tiny_dir, ports[1], r, hostfile) for r in range(2)]
     try:
