@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmar
 
 from benchmarks import slice_decode   # noqa: E402
 from dsv4 import distributed          # noqa: E402
-from dsv4.distributed import ranks, reading    # noqa: E402
+from dsv4.distributed import planning, ranks, reading    # noqa: E402
 
 RESULT = "DSV4_DISTRIBUTED "
 # A model, not a measurement: V4.1 Flash has 40 layers (the slice 7); ds4 decodes V4.1 Q4 at
@@ -80,7 +80,7 @@ def worker(a) -> None:
     args = slice_args(a.small)
     group = distributed.init(a.backend) if a.worker != "single" else None
     # one process: a plan of its own (the exchanges are switched off below by replacing its combine)
-    plan = distributed.Plan() if group is None else distributed.build(args, {}, group, a.worker)
+    plan = distributed.Plan() if group is None else planning.build(args, {}, group, a.worker)
     model, step_bytes = built(args, plan)
     exchanges, nbytes = ranks.count(lambda: mx.eval(model(np.zeros((1, 1), np.int64),
                                                                       model.make_cache())))

@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from . import distributed, expert_store, flags, gguf_blocks, tensor_refs
 from .config import ModelArgs, read_json
+from .distributed import planning
 from .distributed.reading import Reader
 from .engram import NgramHasher, build_token_map
 from .linear import ExpertLinear, GGUFExpertLinear, GGUFLinear, QuantizedLinear, make_dense_copies
@@ -217,7 +218,7 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
     `group` (mx.distributed) and `parallel` ('expert', 'tensor', 'pipeline' or a '+'
     combination): this rank's shard only (dsv4/distributed); `model.load_log` says what it read."""
     config, args = read_config(path)
-    plan = distributed.build(args, config, group, parallel)
+    plan = planning.build(args, config, group, parallel)
     budget = flags.get("expert_cache_gb") if expert_cache_gb is None else expert_cache_gb
     stream = expert_store.Streaming(budget) if expert_store.parse_budget(budget) else None
     if stream is not None and plan is not distributed.SINGLE:

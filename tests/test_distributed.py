@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dsv4 import distributed, layout
+from dsv4.distributed import planning
 from dsv4.config import ModelArgs, read_json
 from dsv4.distributed import ranks, reading
 from dsv4.distributed.sharding import Place, Sharding
@@ -186,7 +187,7 @@ def test_modes_parse():
     assert distributed.parse_modes("tensor+Expert") == ("expert", "tensor")
     assert distributed.parse_modes(None) == ()
     with pytest.raises(distributed.ParallelError, match="mlx.launch"):
-        distributed.build(None, {}, None, "expert")
+        planning.build(None, {}, None, "expert")
 
 
 @pytest.mark.parametrize("shape,axis,start,stop", [

@@ -8,7 +8,8 @@ A `Plan` says what this rank holds and how its layers combine with the other ran
     its collectives (`combine`), so they never branch on rank: the single-process plan
     answers "everything" and its collectives are the identity.
 
-Modes (`parse_modes`): "expert" and "tensor" (dsv4/distributed/sharding.py) and "pipeline"
+Modes (`parse_modes`; `planning.build` makes a rank's plan): "expert" and "tensor"
+(dsv4/distributed/sharding.py) and "pipeline"
 (dsv4/distributed/pipeline.py: `pipeline.plan(args, group, inner) -> Plan`, the layers of
 this rank's stage, each asked of `inner` for its own split), joined with '+'.
 
@@ -132,20 +133,3 @@ def all_sum(x: mx.array, group) -> mx.array:
     stats.exchanges += 1
     stats.bytes += x.nbytes
     return mx.distributed.all_sum(x, group=group)
-
-
-def build(args, config: dict, group, parallel: Optional[str]) -> Plan:
-    """The plan of this rank of `group` for the modes of `parallel` (see parse_modes)."""
-    modes = parse_modes(parallel)
-    if group is None or not modes:
-        if modes:
-            raise ParallelError(f"--parallel {parallel}: needs a group (run under mlx.launch)")
-        return SINGLE
-    from .sharding import Sharding
-
-    inner = Sharding(args, config, group, tuple(m for m in modes if m != "pipeline"))
-    if "pipeline" in modes:
-        from . import pipeline
-
-        return pipeline.plan(args, group, inner)
-    return inner
