@@ -125,7 +125,8 @@ def main(
 ):
     """Serve a dsv4 model over the OpenAI and Anthropic HTTP APIs. Ctrl-C or SIGTERM stops it."""
     from .distributed import follow, link, parse_modes, ranks, ParallelError
-    from .serve.app import Service, make_app
+    from .serve.app import make_app
+    from .serve.service import Service
     from .serve.scheduler import CacheOptions, Scheduler
 
     def load():

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dsv4.serve.app import Service, make_app
+from dsv4.serve.app import make_app
+from dsv4.serve.service import Service
 from dsv4.serve.scheduler import CacheOptions, Scheduler
 from dsv4.tokenizer import StreamingDetokenizer
 

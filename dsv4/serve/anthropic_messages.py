@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import options as opt
-from .app import Service, read_json, sse
+from .service import Service, read_json, sse
 from .errors import RequestError
 from .output import ClientGone, Generation
 from .structured import constraint_for

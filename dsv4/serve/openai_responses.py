@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import options as opt
-from .app import Service, openai_error, read_json, sse
+from .service import Service, openai_error, read_json, sse
 from .errors import RequestError
 from .output import ClientGone, Generation
 from .structured import constraint_for

@@ -13,7 +13,6 @@ import asyncio
 from typing import AsyncIterator, Optional
 
 from ..encoding import Delta, StreamParser, longest_marker_prefix
-from .errors import RequestError
 from .options import Limits
 from .scheduler import Job
 
