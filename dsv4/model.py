@@ -126,13 +126,19 @@ class Model(nn.Module):
                  hidden: Optional[list] = None) -> mx.array:
         """fp32 logits [B, S, V] of input_ids [B, S] after what `cache` holds; with a list
         `hidden`, also the draft stages' inputs (see `forward`)."""
+        return self.feed(input_ids, cache, lambda ids, state, rows: self.forward(ids, state, rows, hidden))
+
+    def feed(self, input_ids, cache: Optional[Cache], forward: Callable) -> mx.array:
+        """`forward(ids, state, engram_rows)` (this model's, or a pipeline stage's) over input_ids
+        after what `cache` holds (a new cache if None): the ids checked, the forward state and the
+        Engram reads made, the ids appended to the cache's tokens."""
         ids = self.checked_ids(input_ids)
         cache = cache if cache is not None else self.make_cache()
         b, s = ids.shape
         state = self.forward_state(cache, ids)
         requests = self.start_engram_reads(ids, cache.tokens, cache.offset)
         rows = lambda layer: requests[layer].wait().reshape(b, s, -1, self.args.engram_head_dim)
-        logits = self.forward(mx.array(ids), state, rows, hidden)
+        logits = forward(mx.array(ids), state, rows)
         cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
         return logits
 

@@ -395,16 +395,7 @@ class Pipelined:
     def __call__(self, input_ids, cache=None, hidden: Optional[list] = None) -> mx.array:
         if hidden is not None:
             raise ParallelError("--parallel pipeline: the DSpark draft stages do not run in a pipeline")
-        m = self.model
-        ids = m.checked_ids(input_ids)
-        cache = cache if cache is not None else m.make_cache()
-        b, s = ids.shape
-        state = m.forward_state(cache, ids)
-        requests = m.start_engram_reads(ids, cache.tokens, cache.offset)
-        rows = lambda layer: requests[layer].wait().reshape(b, s, -1, m.args.engram_head_dim)
-        logits = self.forward(mx.array(ids), state, rows)
-        cache.tokens = np.concatenate([cache.tokens, ids], axis=1)
-        return logits
+        return self.model.feed(input_ids, cache, self.forward)
 
     def forward(self, ids: mx.array, state, engram_rows) -> mx.array:
         """This stage's part of Model.forward (same arguments)."""
