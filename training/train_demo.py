@@ -162,14 +162,19 @@ def next_token_loss(model, ids: np.ndarray) -> mx.array:
     return nn.losses.cross_entropy(logits, mx.array(ids[:, 1:]), reduction="mean")
 
 
-def train(trainee: Trainee, stream: np.ndarray, steps: int, batch: int, seq: int, lr: float,
-          seed: int) -> list[tuple[int, float]]:
-    rng = np.random.default_rng(seed)
+def adamw(lr: float, steps: int) -> optim.AdamW:
+    """AdamW with a linear warm-up over the first 5% of `steps`, then a cosine decay to lr / 10."""
     warmup = max(1, steps // 20)
     schedule = optim.join_schedules(
         [optim.linear_schedule(lr / warmup, lr, warmup),
          optim.cosine_decay(lr, steps - warmup, lr * 0.1)], [warmup])
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    return optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+
+
+def train(trainee: Trainee, stream: np.ndarray, steps: int, batch: int, seq: int, lr: float,
+          seed: int) -> list[tuple[int, float]]:
+    rng = np.random.default_rng(seed)
+    opt = adamw(lr, steps)
     step_fn = nn.value_and_grad(trainee, lambda ids: next_token_loss(trainee, ids))
     history, recent, start = [], [], time.time()
     with flags.override(kv_qdq=False, act_quant=False):
@@ -350,11 +355,7 @@ def train_draft(model, draft: Draft, stream: np.ndarray, steps: int, seq: int, l
                 seed: int) -> list[tuple[int, float, list[float]]]:
     """AdamW on the draft stages only (the backbone frozen), one window of `seq` tokens a step."""
     rng = np.random.default_rng(seed)
-    warmup = max(1, steps // 20)
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(lr / warmup, lr, warmup),
-         optim.cosine_decay(lr, steps - warmup, lr * 0.1)], [warmup])
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    opt = adamw(lr, steps)
     model.freeze()
     step_fn = nn.value_and_grad(draft, lambda ids: draft_loss(model, draft, ids)[0])
     history, recent, start = [], [], time.time()
