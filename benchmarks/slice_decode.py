@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     from benchmarks.graph_ops import count_graph, launches
     from dsv4 import profiler
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.roofline import copy_roofline
     from dsv4 import flags
 
     config = {**(SMALL if a.small else REAL), **ROLES}
@@ -248,6 +249,9 @@ def main(argv=None) -> int:
     args = model.args
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     nbytes = step_bytes(params, args)
+    roof = copy_roofline()   # TB/s, this process, this card; None on the CPU
+    if roof:
+        print(f"roofline: torch device copy {roof:.2f} TB/s", flush=True)
     variants = {
         "mlx-lm": (lambda c, n: decode_mlx_lm(rmodel, c, n), {}),
         "dsv4 reference path": (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="off")),
@@ -289,14 +293,15 @@ def main(argv=None) -> int:
                       f"({time.perf_counter() - t:.1f} s with the prefill)", flush=True)
         for name, ts in times.items():
             if not ts:
-                rows.append(f"| {context} | {name} | failed | | | |")
+                rows.append(f"| {context} | {name} | failed | | | | |")
                 continue
             ms = statistics.median(ts)
             layers40 = ms * 40 / args.num_hidden_layers  # upper bound: head and embed scaled too
             gbs = nbytes / (ms / 1e3) / 1e9
+            share = f"{100 * gbs / 1e3 / roof:.0f}%" if roof else "-"
             results[f"{context}/{name}"] = dict(ms=ms, runs=ts, tps40=1e3 / layers40, gbs=gbs)
             rows.append(f"| {context} | {name} | {ms:.2f} [{min(ts):.2f}-{max(ts):.2f}] | "
-                        f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} |")
+                        f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} | {share} |")
     with flags.override(dequant_matmul="off"):
         counts = {path: count_graph(model, 64, path == "fixed") for path in ("reference", "fixed")}
     prims = {path: sum(c.values()) / args.num_hidden_layers for path, c in counts.items()}
@@ -313,8 +318,10 @@ def main(argv=None) -> int:
              f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
              f"per layer: {top}); without the view-only primitives (reshapes, broadcasts, slices): "
              f"reference {work['reference']:.0f}, fixed {work['fixed']:.0f}.", "",
-             "| context | variant | ms/token [min-max] | tok/s (slice) | tok/s (40 layers, est.) | weight GB/s |",
-             "|---|---|---|---|---|---|", *rows, "",
+             "| context | variant | ms/token [min-max] | tok/s (slice) | tok/s (40 layers, est.) | weight GB/s | of copy roofline |",
+             "|---|---|---|---|---|---|---|", *rows, "",
+             (f"Copy roofline, this process: torch's device copy {roof:.2f} TB/s (read + write, "
+              "`benchmarks/roofline.py`)." if roof else "No CUDA torch: no copy roofline."), "",
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
              "tokens/s).", "", to_markdown(describe())]
     a.out.mkdir(parents=True, exist_ok=True)

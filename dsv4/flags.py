@@ -250,7 +250,9 @@ define("kernel_moe", True,
 define("kernel_moe_mma", False,
        "CUDA: the fused experts' gate/up and down launches on tensor cores (mma.sync m16n8k16, fp16 "
        "weights decoded from mxfp4/mxfp8, fp32 sums; dsv4/kernels/experts_mma.py) for MX layouts; "
-       "off (default until measured on the H200) runs the portable kernels, as Metal always does")
+       "off (default: within the bounds on the H200 but slower there, the slice 2.83 vs 2.73 "
+       "ms/token at 512, benchmarks/results/2026-12-02-0353-slice-decode.md) runs the portable "
+       "kernels, as Metal always does")
 define("kernel_qdq", True,
        "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")
@@ -282,8 +284,8 @@ define("kernel_matvec", "auto",
        "on: every such projection; off: quantized_matmul", choices=AUTO_ON_OFF)
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
-       "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default until measured on the "
-       "H200) runs the portable matvec kernel")
+       "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
+       "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "
@@ -295,12 +297,13 @@ define("kernel_first_launch_check", "auto",
        "has run before a user's Mac, off for CUDA (its kernels are checked on the H200; the one "
        "H200 run with it on warned of a fallback in tests/test_model_gpu.py, not yet explained)",
        choices=AUTO_ON_OFF)
-define("kernel_cache", "off",
+define("kernel_cache", "auto",
        "CUDA: build each custom kernel once with NVRTC into MLX's disk cache ($MLX_PTX_CACHE_DIR; "
-       "auto points it at ~/.cache/dsv4/cuda-kernels/mlx-<version>-<gpu> unless set, or give a "
-       "directory), so later processes load it instead of compiling it again (MLX never writes "
-       "custom kernels there); off (default until measured on the H200: benchmarks/cold_start.py): "
-       "MLX builds them in every process (dsv4/kernels/cuda_cache.py)")
+       "auto (default) points it at ~/.cache/dsv4/cuda-kernels/mlx-<version>-<gpu> unless set, or "
+       "give a directory), so later processes load it instead of compiling it again (MLX never "
+       "writes custom kernels there): a second start's warm-up 1.9 s instead of 36 s on the H200 "
+       "slice (benchmarks/results/2026-12-02-0406-cold-start.md); off: MLX builds them in every "
+       "process (dsv4/kernels/cuda_cache.py)")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
