@@ -10,10 +10,11 @@ shapes (128 routed experts of 2304 in mxfp4, top-3, Markov rank 256, main_proj 1
 in mxfp8) reading the slice's last three layers. At `--context` positions:
   * plain: ms per token of plain decode as generation runs it (decode_tokens: the fixed-shape
     compiled step on GPUs, the reference forward on the CPU, one step run ahead) — the yardstick;
-  * verify(n): one forward of n positions with the draft stages' hidden means (the reference
-    forward over the Cache, as dsv4/speculative.py runs it), the target's rows through the
-    acceptance, then the cache trimmed back (Cache.trim, exact) so every repeat is alike;
-    verify(1) is that path's own single step;
+  * verify(n): one step of n positions with the draft stages' hidden means, as
+    dsv4/speculative.py runs it (`Target`: at fixed shapes where DSV4_FIXED_VERIFY is on, the
+    GPU's default, else the reference forward over the Cache), the target's rows through the
+    acceptance, then the positions taken back (exact) so every repeat is alike; verify(1) is
+    that path's own single step (the cycle's plain step);
   * propose(k): the draft block (three stages over the window and the block's 5 rows), the
     head, and k draft picks (the Markov head between them).
 A cycle verifying k drafts at acceptance a yields (1 - a^(k+1)) / (1 - a) tokens in
@@ -72,7 +73,7 @@ def timed(fn, repeats: int) -> list[float]:
 def measure(model, context: int, repeats: int) -> dict[str, list[float]]:
     from dsv4.generation import prefill
     from dsv4.sampling import LogitAdjustment, Sampling
-    from dsv4.speculative import accept, propose
+    from dsv4.speculative import Target, accept, propose
 
     args, draft = model.args, model.draft
     ids = np.random.default_rng(context).integers(7, args.vocab_size, (1, context))
@@ -87,20 +88,21 @@ def measure(model, context: int, repeats: int) -> dict[str, list[float]]:
     # pick), ms per token over `repeats` steps, three times.
     times["plain"] = [decode_dsv4(model, context, repeats)[0] for _ in range(3)]
 
+    target = Target(model, cache)
     for n in range(1, 7):
         drafts = mx.array(np.random.default_rng(n).integers(7, args.vocab_size, n - 1), mx.int32)
 
         def verify():
-            hidden = []
-            rows = model(np.concatenate([[token], np.array(drafts, np.int64)])[None], cache, hidden=hidden)[0]
+            rows, hidden = target.feed(np.concatenate([[token], np.array(drafts, np.int64)]))
             if n > 1:
                 j, nxt = accept(adjust.rows(rows, drafts), _proposal(drafts), greedy)
             else:
                 j, nxt = mx.array(0), mx.argmax(rows[-1])
             mx.eval(j, nxt, hidden)
-            cache.trim(n)
+            target.rewind(n)
 
         times[f"verify({n})"] = timed(verify, repeats)
+    target.close()
     for k in range(1, args.dspark_block_size + 1):
         times[f"propose({k})"] = timed(lambda: mx.eval(propose(model, window, token, k, adjust, greedy).drafts), repeats)
     return times
@@ -155,6 +157,10 @@ def main(argv=None) -> int:
         what = f"a {'toy-width' if a.small else 'shape-true'} V4.1 slice with DSpark draft stages"
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     times = measure(model, a.context, a.repeats)
+    from dsv4 import flags
+    from dsv4.step import use_fixed_decode
+    path = ("fixed-shape steps (DSV4_FIXED_VERIFY)" if flags.switch("fixed_verify", use_fixed_decode(model))
+            else "the reference forward over the Cache")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     when = datetime.now()
     rows = [f"| {name} | {med[name]:.2f} [{min(ts):.2f}-{max(ts):.2f}] | {med[name] / med['plain']:.2f} |"
@@ -166,7 +172,8 @@ def main(argv=None) -> int:
     lines = [f"# Speculative decoding step costs on {what}", "",
              f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers + "
              f"{model.args.num_nextn_predict_layers} draft stages, context "
-             f"{a.context}, median [min-max] of {a.repeats} repeats after one untimed call.", "",
+             f"{a.context}, median [min-max] of {a.repeats} repeats after one untimed call; the "
+             f"verify through {path}.", "",
              "| step | ms | / plain step |", "|---|---|---|", *rows, "",
              f"A 4-position verify costs {ratio4:.2f}x a plain decode step (target: <= 1.4x).", "",
              "Speedup over plain decode by drafts per cycle k and acceptance a (per draft, given the "

@@ -315,6 +315,12 @@ define("fixed_decode", "auto",
        "so one graph (compiled with DSV4_COMPILE) serves every step: auto (on for GPU "
        "backends; the CPU keeps the reference path, whose results do not depend on chunking), "
        "on, off", choices=AUTO_ON_OFF)
+define("fixed_verify", "auto",
+       "speculative decoding's verify (and its plain steps) at fixed shapes: the draft's k + 1 "
+       "positions in one compiled step over the fixed-shape decoder's buffers, rejected "
+       "positions rewound (dsv4/step.py FixedDecoder.feed); auto (wherever DSV4_FIXED_DECODE is "
+       "on), on, off (the reference forward over the Cache, 4.2x a plain step on the H200 "
+       "slice: benchmarks/results/2026-12-02-0406-speculative-steps.md)", choices=AUTO_ON_OFF)
 define("batch_fixed_decode", "auto",
        "sessions decoded together (the server's batch) at fixed shapes, one compiled graph for "
        "the batch (dsv4/batch_step.py): auto (wherever DSV4_FIXED_DECODE is on), on, off (one "

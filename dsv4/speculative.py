@@ -17,12 +17,15 @@ the main KV of 0..n-1):
 - the cache drops the rejected positions (Cache.trim, exact), the draft window takes the
   main KV of the kept ones (the verify's hidden means; drafts never enter it).
 
+The verify runs where plain decode does (`Target`): on GPUs at fixed shapes (dsv4/step.py
+FixedDecoder.feed: one compiled graph per count of positions, rejected positions rewound),
+else the reference forward over the Cache (DSV4_FIXED_VERIFY).
+
 `Policy` picks k each cycle, 0 meaning a plain step (still seeding the draft window).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -30,9 +33,48 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
+from . import flags
 from .cache import Cache
 from .draft import DraftCache
 from .sampling import LogitAdjustment, Sampling, picker, sampled_logits
+
+
+class Target:
+    """The backbone as the cycle feeds it: positions fed, every position's logits and the
+    draft stages' inputs back, rejected positions taken back. Over the Cache (the reference
+    forward) or, where DSV4_FIXED_VERIFY says, a fixed-shape decoder that holds the cache's
+    state until `close`."""
+
+    def __init__(self, model, cache: Cache):
+        from .step import FixedDecoder, use_fixed_decode
+
+        self.model, self.cache = model, cache
+        fixed = flags.switch("fixed_verify", use_fixed_decode(model)) and cache.offset > 0
+        self.decoder = FixedDecoder(model, cache) if fixed else None
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset if self.decoder is None else self.decoder.pos
+
+    def feed(self, ids: np.ndarray) -> tuple[mx.array, list]:
+        """ids [n] -> (fp32 logits [n, V], the draft stages' inputs [n, D] per target layer)."""
+        if self.decoder is not None:
+            logits, hidden = self.decoder.feed(mx.array(ids[None]), hidden=True)
+            return logits[0], hidden
+        hidden = []
+        return self.model(ids[None], self.cache, hidden=hidden)[0], hidden
+
+    def rewind(self, n: int) -> None:
+        if self.decoder is not None:
+            self.decoder.rewind(n)
+        elif n:
+            self.cache.trim(n)
+
+    def close(self) -> None:
+        """The state back in the cache (a fixed-shape decoder's)."""
+        if self.decoder is not None:
+            decoder, self.decoder = self.decoder, None
+            decoder.close(decoder.pos)
 
 
 @dataclass
@@ -282,7 +324,8 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
     pick = picker(sampling.temp, sampling.top_p)
     y = first
     adjust.count(mx.array([y]))
-    start, handed = cache.offset, 0
+    target = Target(model, cache)
+    start, handed = target.offset, 0
     try:
         while True:
             handed += 1          # counted before the yield: a close there has handed it out
@@ -292,8 +335,7 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             k = policy.k(limit - handed)
             if k == 0:
                 t0 = time.perf_counter()
-                hidden = []
-                logits = model(np.array([[y]], np.int64), cache, hidden=hidden)[:, -1]
+                logits, hidden = target.feed(np.array([y], np.int64))
                 draft.seed(draft_cache, hidden, 1)
                 y = int(pick(adjust(logits)).item())
                 adjust.count(mx.array([y]))
@@ -311,11 +353,10 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             if k < proposal.drafts.shape[0]:
                 proposal = Proposal(proposal.drafts[:k], None if proposal.q_logits is None
                                     else proposal.q_logits[:k], proposal.confidence[:k])
-            hidden = []
-            logits = model(np.concatenate([[y], drafts])[None], cache, hidden=hidden)[0]
+            logits, hidden = target.feed(np.concatenate([[y], drafts]))
             j, nxt = accept(adjust.rows(logits, proposal.drafts), proposal, sampling)
             j, nxt = int(j.item()), int(nxt.item())
-            cache.trim(k - j)
+            target.rewind(k - j)
             draft.seed(draft_cache, [h[:j + 1] for h in hidden], 1)
             adjust.count(mx.array([*drafts[:j].tolist(), nxt]))
             t2 = time.perf_counter()
@@ -335,6 +376,7 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
                     return
             y = nxt
     finally:
-        excess = cache.offset - (start + handed - 1)
+        excess = target.offset - (start + handed - 1)
         if excess > 0:
-            cache.trim(excess)
+            target.rewind(excess)
+        target.close()

@@ -52,6 +52,12 @@ def ring_size(window: int, reserve: int, ratios: list[int]) -> int:
     return -(-(window + reserve + 1) // step) * step
 
 
+def pooled_groups(length: int, ratio: int) -> int:
+    """Groups of `ratio` positions a step of `length` positions pools, wherever it starts: the
+    one holding its first position and every later one its positions can reach."""
+    return 1 if length == 1 else (length - 2) // ratio + 2
+
+
 def capacity_for(rows: int) -> int:
     return max(MIN_CAPACITY, 1 << (rows - 1).bit_length() if rows > 1 else 1)
 
@@ -71,37 +77,44 @@ class StepState:
     buffers: dict                 # "layer.name" -> array, replaced as layers write
     regimes: dict                 # index source layer -> "none" | "all" | "score" | "score+candidates"
     completing: frozenset = frozenset()   # layers whose compressor completes a group at this step
+    length: int = 1               # positions fed by this step: pos .. pos + length - 1
     topk: Optional[mx.array] = None
     candidates: Optional[mx.array] = None
     angles: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        w = self.args.sliding_window
+        w, n = self.args.sliding_window, self.length
         self.start = self.pos                      # the rope offset, as in ForwardState
-        self.positions = self.pos
-        self.slot = self.pos % self.ring
-        # Positions pos-w+1 .. pos, oldest first, as ring slots [1, 1, w]; -1 before position 0.
-        u = self.pos - w + 1 + ramp(w, mx.int32, (1, 1, w))
+        self.positions = self.pos if n == 1 else self.pos + ramp(n, mx.int32)   # [n]
+        self.slot = self.positions % self.ring
+        # Each query's positions t-w+1 .. t, oldest first, as ring slots [1, n, w]; -1 before 0.
+        u = self.positions.reshape(1, n, 1) - w + 1 + ramp(w, mx.int32, (1, 1, w))
         self.window_idx = mx.where(u >= 0, mx.maximum(u, 0) % self.ring, -1)
+        # A step of several positions (a speculative verify) pools every group its positions
+        # touch, complete or not (the rows past the visible count stay unseen until their
+        # group's last position writes them again); one position pools at completion only.
+        self.fused = n == 1
 
     def write(self, name: str, rows: mx.array, at: mx.array) -> mx.array:
-        """Rows [B, n, D] into buffer `name` from row `at` ([1] int32) on. A scatter, not a
+        """Rows [B, n, D] into buffer `name` from row `at` ([1] int32) on, or at rows `at` ([n]). A scatter, not a
         slice_update: MLX's CUDA backend runs a dynamic-offset slice_update with a thread per
         element of the whole buffer (23-34 µs per one-row write at decode sizes on the H200),
         a scatter with one per element written. Either reuses the buffer when nothing else
         holds it (MLX donates its input)."""
         buf = self.buffers[name]
-        at = at if rows.shape[1] == 1 else at + ramp(rows.shape[1])
+        at = at if rows.shape[1] == at.shape[0] else at + ramp(rows.shape[1])
         index = mx.broadcast_to(at[None, :, None], rows.shape)
         self.buffers[name] = mx.put_along_axis(buf, index, rows.astype(buf.dtype), axis=1)
         return self.buffers[name]
 
-    fused = True     # projection tails may run as one kernel (Rotation.angles are given)
-
     def rotation(self, freqs: mx.array, offset=None, scale: float = 1.0) -> Rotation:
         """RoPE placement at this step's position (or at `offset`, an int32 array), with the
-        cos/sin [R] of its angles; made once per step for each (freqs, placement)."""
+        cos/sin [R] of its angles (one position's: only where the step feeds one); made once
+        per step for each (freqs, placement). While `fused`, projection tails may run as one
+        kernel with those angles."""
         offset = self.pos if offset is None else offset
+        if not self.fused:
+            return Rotation(offset, freqs, scale)
         key = (id(freqs), id(offset), scale)
         if key not in self.angles:
             self.angles[key] = rope_angles(offset, freqs, scale)
@@ -110,8 +123,9 @@ class StepState:
     # What `Attention.__call__` asks of its state (see attention.ForwardState), here over the
     # fixed-shape buffers.
 
-    def output_angles(self, attn) -> tuple[mx.array, mx.array]:
-        """cos/sin [R] of this position's angles (every query's): the attention de-rotates its output."""
+    def output_angles(self, attn) -> Optional[tuple[mx.array, mx.array]]:
+        """cos/sin [R] of this position's angles (every query's): the attention de-rotates its
+        output; None for several positions (the output is de-rotated on its own)."""
         return self.rotation(attn._freqs).angles
 
     def window(self, attn, rows: mx.array) -> tuple[mx.array, mx.array]:
@@ -129,15 +143,18 @@ class StepState:
             kv, gate = comp.inputs(x)
             kv = self.write(f"{layer}.comp_kv", kv, self.slot)
             gate = self.write(f"{layer}.comp_gate", gate, self.slot)
-            if layer not in self.completing:
+            if self.length == 1 and layer not in self.completing:
                 # The group's row is pooled once, at its last position: until then nobody
                 # sees it (rows < (pos + 1) // r are visible, close() keeps those).
                 return
             first = self.pos // r
-            group = (first * r) % self.ring
             b, _, d = kv.shape
-            take = lambda a: mx.slice(a, group, axes=(1,), slice_size=(b, r, d))
-            latents = comp.pool(take(kv), take(gate), x.dtype, keepdims=True)
+            latents = []
+            for j in range(pooled_groups(self.length, r)):
+                group = ((first + j) * r) % self.ring
+                take = lambda a: mx.slice(a, group, axes=(1,), slice_size=(b, r, d))
+                latents.append(comp.pool(take(kv), take(gate), x.dtype, keepdims=True))
+            latents = latents[0] if len(latents) == 1 else mx.concatenate(latents, axis=1)
         row, keys = attn.compressed_rows(latents, first, self)
         self.write(f"{layer}.compressed", row, first)
         if keys is not None:
@@ -168,7 +185,7 @@ class FixedDecoder:
         self.model, self.cache, self.args = model, cache, a
         self.ratios = cache.ratios
         self.ring = ring_size(a.sliding_window, cache.reserve, self.ratios)
-        self.start = self.pos = cache.offset
+        self.start = self.pos = self.high = cache.offset   # high: past the last position written
         self.batch = cache.tokens.shape[0]
         self.fed: list[mx.array] = []              # tokens fed, [B] each, not yet on the host
         self.host_tokens = cache.tokens            # kept current only when Engram needs them
@@ -226,12 +243,16 @@ class FixedDecoder:
             buf[:, :n] = rows.astype(dtype)
         self.buffers[name] = buf
 
-    def _grow(self) -> None:
-        """Double the buffers the coming step would write past."""
-        if self.pos < self._grow_at:
+    def _grow(self, length: int = 1) -> None:
+        """Double the buffers the coming step of `length` positions would write past."""
+        def last(r):   # a position in the last row of ratio r the step writes
+            return self.pos + (length - 1 if r == 1 else (pooled_groups(length, r) - 1) * r)
+
+        if max(map(last, filter(None, self.ratios)), default=self.pos) < self._grow_at:
             return
-        for name, end in self._growing_ends().items():
-            if self.pos >= end:
+        for name in self._growing_ends():
+            r = self.ratios[int(name.split(".")[0])]
+            while last(r) >= self.buffers[name].shape[1] * r:
                 buf = self.buffers[name]
                 grown = mx.zeros((buf.shape[0], capacity_for(buf.shape[1] + 1), buf.shape[2]), buf.dtype)
                 grown[:, :buf.shape[1]] = buf
@@ -246,12 +267,13 @@ class FixedDecoder:
     def _next_growth(self) -> int:
         return min(self._growing_ends().values(), default=math.inf)
 
-    def _regimes(self, skip: bool) -> tuple:
+    def _regimes(self, skip: bool, length: int = 1) -> tuple:
         """How each index source selects at this step (known on the host from the position),
-        as sorted (layer, regime) pairs; `skip` is the indexer_skip switch."""
+        as sorted (layer, regime) pairs; `skip` is the indexer_skip switch. A step of several
+        positions takes its last position's regime, which selects what the earlier ones need."""
         a, out = self.args, []
         for layer, ratio, candidate_source in self._index_sources:
-            n = (self.pos + 1) // ratio
+            n = (self.pos + length) // ratio
             matter = candidate_source and candidates_matter(a, n)
             if n == 0:
                 out.append((layer, "none"))
@@ -267,27 +289,36 @@ class FixedDecoder:
         """Layers whose compressor (ratio > 1) completes a group at this step."""
         return frozenset(i for i, r in self._pooling if (self.pos + 1) % r == 0)
 
-    def variant(self) -> tuple:
+    def variant(self, length: int = 1) -> tuple:
         """What this step's traced graph depends on besides the switches and the shapes, all
-        known on the host: the ring, the index sources' regimes and the completing groups."""
-        return self.ring, self._regimes(flags.get("indexer_skip")), self._completing()
+        known on the host: the ring, the index sources' regimes and the completing groups
+        (none for several positions: those pool every group they touch)."""
+        completing = self._completing() if length == 1 else frozenset()
+        return self.ring, self._regimes(flags.get("indexer_skip"), length), completing
 
-    def _function(self):
+    def _function(self, length: int = 1, hidden: bool = False):
         """The step at this position. Traced graphs live on the model (a server's requests
         share them); switches are read while tracing, so their values are part of the key,
         with the index sources' regimes and the completing groups. Picking one is all the
-        host work a step adds to running its graph."""
+        host work a step adds to running its graph. One position gives the last logits [B, V];
+        several (or `hidden`) give every position's [B, n, V] and the draft stages' inputs."""
         switches = flags.snapshot()
-        ring, regimes, completing = self.variant()
+        ring, regimes, completing = self.variant(length)
         steps = self.model.__dict__.setdefault("_fixed_steps", {})
-        key = (ring, regimes, completing, switches)
+        every = length > 1 or hidden
+        key = (ring, regimes, completing, switches) + ((length, hidden) if every else ())
         if key not in steps:
             model, args = self.model, self.args
 
             def step(token, pos, engram, buffers):
-                state = StepState(args, pos, ring, dict(buffers), dict(regimes), completing)
-                with keeping():
-                    logits = model.forward(token, state, lambda layer: engram[str(layer)])
+                state = StepState(args, pos, ring, dict(buffers), dict(regimes), completing, length)
+                rows = lambda layer: engram[str(layer)]
+                inputs = []
+                with keeping():   # (a pipeline's stage takes no draft inputs: no `hidden` there)
+                    logits = (model.forward(token, state, rows, inputs) if hidden
+                              else model.forward(token, state, rows))
+                if every:
+                    return (logits, inputs), state.buffers
                 return logits[:, -1], state.buffers
 
             # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
@@ -305,17 +336,57 @@ class FixedDecoder:
         self._grow()
         step = self._function()
         logits, self.buffers = step(token, mx.array([self.pos], mx.int32), engram, self.buffers)
-        self.fed.append(token[:, 0])
-        self.pos += 1
+        self._advance(token)
         return logits
 
-    def _engram_rows(self, token: mx.array) -> dict:
+    def feed(self, tokens: mx.array, hidden: bool = False) -> tuple[mx.array, list]:
+        """Feed tokens [B, n] at the next n positions in one step (a speculative verify);
+        -> (logits [B, n, V] fp32, the draft stages' inputs [B*n, D] per target layer if
+        `hidden`, else []). `rewind` takes positions back."""
+        n = tokens.shape[1]
+        if max(self.high, self.pos + n) - self.pos > self.room:
+            raise ValueError(f"a step of {n} positions at {self.pos} would overwrite window rows "
+                             f"it reads (ring {self.ring}: at most {self.room} positions past "
+                             f"the step's first may have been written)")
+        engram = self._engram_rows(tokens)
+        self._grow(n)
+        step = self._function(n, hidden)
+        (logits, inputs), self.buffers = step(tokens, mx.array([self.pos], mx.int32), engram, self.buffers)
+        self._advance(tokens)
+        return logits, inputs
+
+    @property
+    def room(self) -> int:
+        """How far past a step's first position the rings may hold written positions while it
+        still finds the window (and the groups) it reads: its own and any rewound."""
+        return self.ring - max(self.args.sliding_window, *filter(None, self.ratios), 1) + 1
+
+    def rewind(self, n: int) -> None:
+        """Take back the last n positions fed (their rows stay in the rings and buffers, unseen,
+        until later steps write those positions again)."""
+        if not 0 <= n <= self.pos - self.start:
+            raise ValueError(f"can rewind 0..{self.pos - self.start} positions, not {n}")
+        if self.high - (self.pos - n) > self.room - 1:
+            raise ValueError(f"rewinding {n} positions would need window rows the ring "
+                             f"({self.ring}) no longer holds")
+        if n:
+            self.pos -= n
+            del self.fed[len(self.fed) - n:]
+            if self.args.engram_layer_ids:
+                self.host_tokens = self.host_tokens[:, :self.host_tokens.shape[1] - n]
+
+    def _advance(self, tokens: mx.array) -> None:
+        self.fed.extend(tokens[:, i] for i in range(tokens.shape[1]))
+        self.pos += tokens.shape[1]
+        self.high = max(self.high, self.pos)
+
+    def _engram_rows(self, tokens: mx.array) -> dict:
         if not self.args.engram_layer_ids:
             return {}
-        ids = np.array(token, dtype=np.int64)          # the one host sync Engram needs
+        ids = np.array(tokens, dtype=np.int64)          # the one host sync Engram needs
         requests = self.model.start_engram_reads(ids, self.host_tokens, self.pos)
         self.host_tokens = np.concatenate([self.host_tokens, ids], axis=1)
-        shape = (self.batch, 1, -1, self.args.engram_head_dim)
+        shape = (self.batch, ids.shape[1], -1, self.args.engram_head_dim)
         return {str(layer): req.wait().reshape(shape) for layer, req in requests.items()}
 
     # --- back to the cache --------------------------------------------------------------------
@@ -348,8 +419,9 @@ class FixedDecoder:
 
     def _unring(self, name: str, keep: int) -> tuple[mx.array, int]:
         """Rows of positions lo..keep-1 held in a ring, oldest first, and lo. The step run
-        ahead may have overwritten position keep - ring, so at most ring - 1 are kept."""
-        lo = max(self.valid_from[name], keep - self.ring + 1, 0)
+        ahead may have overwritten position keep - ring, so at most ring - 1 are kept, and a
+        rewound step the positions below `high` - ring."""
+        lo = max(self.valid_from[name], keep - self.ring + 1, self.high - self.ring, 0)
         slots = mx.array(np.arange(lo, keep) % self.ring)
         return self.buffers[name][:, slots], lo
 

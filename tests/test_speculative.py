@@ -13,7 +13,7 @@ import pytest
 import dsv4
 from dsv4 import flags, speculative
 from dsv4.generation import decode_tokens, prefill
-from dsv4.sampling import LogitAdjustment, Sampling, make_sampler, picker, sampled_logits
+from dsv4.sampling import Sampling, make_sampler, picker, sampled_logits
 from dsv4.speculative import Policy, Proposal, Stats, accept, speculative_tokens
 from dsv4.testing import write_tiny_checkpoint
 
@@ -114,16 +114,19 @@ class Scripted:
         return Proposal(mx.array(drafts, mx.int32), None, mx.zeros((k,)))
 
 
+@pytest.mark.parametrize("verify", ["reference", "fixed"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-def test_greedy_after_a_rejection_at_every_block_position(tiny, prompt, plain_run, monkeypatch, k):
+def test_greedy_after_a_rejection_at_every_block_position(tiny, prompt, plain_run, monkeypatch, k, verify):
     """Drafts right up to a chosen row, that row wrong, cycling through every row (and none):
     each cycle keeps exactly the drafts before the wrong one, and the tokens and the cache
-    after 256 tokens are plain decode's."""
+    after 256 tokens are plain decode's; the verify over the Cache or at fixed shapes
+    (DSV4_FIXED_VERIFY: k + 1 positions a step, rejected ones rewound)."""
     want, want_cache = plain_run
     script = Scripted(want, prompt.shape[1], k)
     monkeypatch.setattr(speculative, "propose", script)
     stats = Stats()
-    got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
+    with flags.override(fixed_verify=verify == "fixed"):
+        got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
     assert got == want
     n = stats.verifies
     assert stats.accepted == sum(script.wrong_at[:n])
@@ -143,7 +146,8 @@ def test_greedy_with_penalties_and_bias(tiny, prompt, monkeypatch):
     assert got == want
 
 
-def test_stopping_inside_a_block_leaves_the_cache_of_the_tokens_handed_out(tiny, prompt, monkeypatch):
+@pytest.mark.parametrize("verify", ["reference", "fixed"])
+def test_stopping_inside_a_block_leaves_the_cache_of_the_tokens_handed_out(tiny, prompt, monkeypatch, verify):
     want, _ = plain(tiny, prompt, 40)
     script = Scripted(want, prompt.shape[1], 5)
     monkeypatch.setattr(speculative, "propose", script)
@@ -151,9 +155,10 @@ def test_stopping_inside_a_block_leaves_the_cache_of_the_tokens_handed_out(tiny,
     hidden = []
     logits = tiny(prompt, cache, hidden=hidden)[:, -1]
     tiny.draft.seed(window, hidden, 1)
-    tokens = speculative_tokens(tiny, cache, window, logits, Sampling(), 40, Policy(5))
-    got = [next(tokens) for _ in range(23)]
-    tokens.close()
+    with flags.override(fixed_verify=verify == "fixed"):
+        tokens = speculative_tokens(tiny, cache, window, logits, Sampling(), 40, Policy(5))
+        got = [next(tokens) for _ in range(23)]
+        tokens.close()
     assert got == want[:23]
     assert cache.offset == prompt.shape[1] + 22
     np.testing.assert_array_equal(cache.tokens[0, prompt.shape[1]:], want[:22])

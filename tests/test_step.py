@@ -125,11 +125,14 @@ def test_close_hands_back_the_reference_cache(model, keep_back):
         assert cache.offset == keep and cache.tokens[0, ids.shape[1]:].tolist() == tokens[:len(tokens) - keep_back]
         ref = model.make_cache(reserve=4)
         model(np.concatenate([ids, [tokens[:len(tokens) - keep_back]]], axis=1), ref)
-        assert cache.max_trim() >= 4
+        # The ring holds its last `ring` positions fed; those past keep took the slots of as
+        # many older ones, beyond the one the run-ahead step may take.
+        back = 4 - max(keep_back - 1, 0)
+        assert cache.max_trim() >= back
         nxt = np.array([[11, 12, 13]])
         assert relative(model(nxt, cache), model(nxt, ref)) < 1e-5
-        cache.trim(4)
-        ref.trim(4)
+        cache.trim(back)
+        ref.trim(back)
         assert relative(model(nxt, cache), model(nxt, ref)) < 1e-5
 
 
@@ -201,3 +204,67 @@ def test_batch_rows_equal_the_reference_batch(model):
             assert got.shape == want.shape and relative(got, want) < 1e-5
         dec.close(cache.offset + len(tokens))
     assert cache.tokens.shape == (2, 24 + len(tokens)) and np.array_equal(cache.tokens[:, 24:], tokens.T)
+
+
+@pytest.fixture(scope="module")
+def draft_model(tmp_path_factory):
+    from dsv4.testing import write_tiny_checkpoint
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("fixed_verify") / "ckpt", seed=4, draft=True)
+    with flags.override(draft="on"):
+        return dsv4.load(path, dtype=mx.float32)[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_steps_of_several_positions_and_rewinds_equal_the_reference(draft_model, monkeypatch, compiled):
+    """FixedDecoder.feed (a speculative verify: n = 1..6 positions in one step) and rewind,
+    against the reference forward over the same chunks and Cache.trim: every position's
+    logits and the draft stages' inputs, over a schedule that wraps the rings, doubles the
+    buffers, completes groups of every ratio inside a step, and rewinds after most steps.
+    Then close() hands back a cache that continues as the reference's."""
+    model = draft_model
+    monkeypatch.setattr(step, "MIN_CAPACITY", 4)
+    rng = np.random.default_rng(3)
+    ids = prompt(5)
+    schedule = [(int(n), int(rng.integers(0, n))) for n in rng.integers(1, 7, 24)]   # (fed, taken back)
+    with flags.override(compile=compiled, **FP32):
+        ref = model.make_cache(reserve=8)
+        model(ids, ref)
+        cache = model.make_cache(reserve=8)
+        model(ids, cache)
+        dec = step.FixedDecoder(model, cache)
+        errs, hidden_errs = [], []
+        for n, back in schedule:
+            chunk = rng.integers(7, 500, (1, n))
+            want_hidden = []
+            want = model(chunk, ref, hidden=want_hidden)
+            got, got_hidden = dec.feed(mx.array(chunk), hidden=True)
+            errs.append(relative(got, want))
+            assert len(got_hidden) == len(want_hidden) == len(model.args.dspark_target_layer_ids)
+            hidden_errs += [relative(g, w) for g, w in zip(got_hidden, want_hidden)]
+            ref.trim(back)
+            dec.rewind(back)
+        assert dec.buffers["2.compressed"].shape[1] > 4   # the buffers grew
+        assert dec.pos == ref.offset > dec.ring           # the rings wrapped
+        dec.close(dec.pos)
+        assert np.array_equal(cache.tokens, ref.tokens)
+        nxt = np.array([[11, 12, 13]])
+        assert relative(model(nxt, cache), model(nxt, ref)) < 1e-5
+    assert max(errs) < 1e-5, errs
+    assert max(hidden_errs) < 1e-5, max(hidden_errs)
+
+
+def test_a_step_may_not_overwrite_the_window_it_reads(draft_model):
+    with flags.override(**FP32):
+        cache = model_cache(draft_model)
+        dec = step.FixedDecoder(draft_model, cache)
+        with pytest.raises(ValueError, match="would overwrite window rows"):
+            dec.feed(mx.array(np.full((1, dec.room + 1), 9)))
+        dec.feed(mx.array(np.full((1, 3), 9)))
+        with pytest.raises(ValueError, match="can rewind 0..3 positions, not 4"):
+            dec.rewind(4)
+
+
+def model_cache(model):
+    cache = model.make_cache(reserve=4)
+    model(prompt(5), cache)
+    return cache
