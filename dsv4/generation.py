@@ -46,7 +46,7 @@ def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK,
     total = ids.shape[1]
     for lo in range(0, total, chunk):
         hidden = None if draft_cache is None else []
-        logits = model(ids[:, lo:lo + chunk], cache, hidden=hidden)[:, -1]
+        logits = model(ids[:, lo:lo + chunk], cache, hidden=hidden, last=True)[:, -1]
         if draft_cache is not None:
             model.draft.seed(draft_cache, hidden, ids.shape[0])
         mx.eval(logits)

@@ -123,10 +123,11 @@ class Model(nn.Module):
         return {layer: table.start(rows[layer]) for layer, table in self._engram_tables.items()}
 
     def __call__(self, input_ids, cache: Optional[Cache] = None,
-                 hidden: Optional[list] = None) -> mx.array:
-        """fp32 logits [B, S, V] of input_ids [B, S] after what `cache` holds; with a list
-        `hidden`, also the draft stages' inputs (see `forward`)."""
-        return self.feed(input_ids, cache, lambda ids, state, rows: self.forward(ids, state, rows, hidden))
+                 hidden: Optional[list] = None, last: bool = False) -> mx.array:
+        """fp32 logits [B, S, V] of input_ids [B, S] after what `cache` holds ([B, 1, V] of the
+        last position only with `last`: a prefill's); with a list `hidden`, also the draft
+        stages' inputs (see `forward`)."""
+        return self.feed(input_ids, cache, lambda ids, state, rows: self.forward(ids, state, rows, hidden, last))
 
     def feed(self, input_ids, cache: Optional[Cache], forward: Callable) -> mx.array:
         """`forward(ids, state, engram_rows)` (this model's, or a pipeline stage's) over input_ids
@@ -151,6 +152,11 @@ class Model(nn.Module):
         """The sampler as generation runs it: here as is; a pipeline's ranks also share the
         last stage's token with it (dsv4.distributed.pipeline.Pipelined)."""
         return sampler
+
+    def first_rank_logits(self, logits: mx.array) -> mx.array:
+        """The logits as rank 0 has them (the server samples there): here as they are; a
+        pipeline's last stage sends them to its first (dsv4.distributed.pipeline.Pipelined)."""
+        return logits
 
     def checked_ids(self, input_ids) -> np.ndarray:
         """input_ids as int64 [B, S], or a ValueError naming the first id outside the vocabulary."""
@@ -180,16 +186,17 @@ class Model(nn.Module):
                             positions=mx.arange(start, start + s, dtype=mx.int32))
 
     def forward(self, ids: mx.array, state, engram_rows: Callable[[int], mx.array],
-                hidden: Optional[list] = None) -> mx.array:
+                hidden: Optional[list] = None, last: bool = False) -> mx.array:
         """The layers over ids [B, S] with a state that knows the cache (ForwardState or the
         fixed-shape step's); `engram_rows(layer)` gives the table rows [B, S, heads, dim]
         (called when that layer is reached, so reads overlap the earlier layers). A list
         `hidden` gets, for each of `dspark_target_layer_ids` in layer order, the streams
-        entering that layer averaged over the copies, [B*S, D] (the draft stages' input)."""
+        entering that layer averaged over the copies, [B*S, D] (the draft stages' input).
+        `last`: the logits of the last position only."""
         lead = ids.shape
         streams, pre = self.embed_streams(ids)
         streams, pre = self.run_layers(self.layers, streams, pre, state, lead, engram_rows, hidden)
-        return self.finish(streams, pre, lead)
+        return self.finish(streams, pre, lead, last)
 
     # The three parts of `forward`, apart for a pipeline (dsv4.distributed.pipeline) whose
     # stages each run some of them.
@@ -221,8 +228,13 @@ class Model(nn.Module):
             streams, pre = block(streams, pre, state, (b, s))
         return streams, pre
 
-    def finish(self, streams: mx.array, pre: mx.array, lead: tuple[int, int]) -> mx.array:
-        """The last layer's streams and pre -> fp32 logits [B, S, V]."""
+    def finish(self, streams: mx.array, pre: mx.array, lead: tuple[int, int], last: bool = False) -> mx.array:
+        """The last layer's streams and pre -> fp32 logits [B, S, V] ([B, 1, V] of the last
+        position with `last`: a prefill chunk skips the head's product for every other row)."""
+        if last:
+            b, s = lead
+            streams, pre = streams.reshape(b, s, *streams.shape[1:])[:, -1], pre.reshape(b, s, -1)[:, -1]
+            lead = (b, 1)
         x = hc_collapse_norm(streams, pre, self.norm.weight, self.norm.eps, (*lead, self.args.hidden_size))
         return profiler.mark("head", self.logits(x))
 

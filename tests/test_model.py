@@ -68,6 +68,21 @@ def test_chunked_prefill_equals_one_shot(tiny_dir):
     assert err < 1e-5
 
 
+def test_last_position_logits_are_the_last_row_of_all(tiny_dir):
+    """`last=True` (a prefill's chunks) runs the head for the last position of each sequence
+    only; the logits are that row of the whole chunk's, and the cache is the same."""
+    model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
+    ids = np.concatenate([ids_for(13, 3), ids_for(13, 4)])
+    with flags.override(kv_qdq=False, act_quant=False):
+        full_cache, last_cache = model.make_cache(), model.make_cache()
+        full = model(ids, full_cache)
+        last = model(ids, last_cache, last=True)
+        assert last.shape == (2, 1, model.args.vocab_size)
+        assert float(mx.max(mx.abs(last - full[:, -1:])) / mx.max(mx.abs(full))) < 1e-6
+        nxt = np.array([[5], [6]])
+        assert mx.array_equal(model(nxt, full_cache), model(nxt, last_cache))
+
+
 def test_trim_then_refeed_is_bit_identical(tiny_dir):
     model, _ = dsv4.load(tiny_dir)
     ids = ids_for(50, 3)
