@@ -120,11 +120,12 @@ def main(
                                         "alone speculates, requests decoded together do not"),
     draft_k: Optional[int] = typer.Option(None, help=flags.OPTION_HELP["draft_k"]),
     parallel: Optional[str] = typer.Option(
-        None, help="run across the processes mlx.launch started (expert, tensor or expert+tensor): rank 0 "
-        "serves HTTP, the others follow its forwards; no prefix cache, no drafting (README: Several machines)"),
+        None, help="run across the processes mlx.launch started (pipeline, expert, tensor or expert+tensor): "
+        "rank 0 serves HTTP, the others follow its forwards (a pipeline's last rank sends it the logits); no "
+        "prefix cache, no drafting (README: Several machines)"),
 ):
     """Serve a dsv4 model over the OpenAI and Anthropic HTTP APIs. Ctrl-C or SIGTERM stops it."""
-    from .distributed import follow, link, parse_modes, ranks, ParallelError
+    from .distributed import follow, link, ranks
     from .serve.app import make_app
     from .serve.service import Service
     from .serve.scheduler import CacheOptions, Scheduler
@@ -157,9 +158,6 @@ def main(
             raise InputError(f"--port={port}: expected a port number 0..65535")
         flags.check_environment()
         scope.enter_context(flags.override(**flags.from_options(draft=draft, draft_k=draft_k)))
-        if "pipeline" in parse_modes(parallel):
-            raise ParallelError(f"--parallel {parallel}: the server samples on rank 0, and a pipeline's "
-                                f"logits are on its last rank; use expert, tensor or expert+tensor")
         group = ranks.join(parallel)
         scope.enter_context(link.watched(group))   # a peer lost: one line, exit 2
         channel = follow.channel(group)

@@ -1,7 +1,7 @@
-"""`python -m dsv4.server --parallel expert` on 2 ranks (started as mlx.launch starts them, ring on
-loopback): rank 0 serves HTTP, rank 1 repeats its engine calls (dsv4/serve/followed.py); a
-chat/completions request is answered as one process answers it, and Ctrl-C on rank 0 ends both
-ranks with status 0. A pipeline is refused in one line."""
+"""`python -m dsv4.server --parallel expert|pipeline` on 2 ranks (started as mlx.launch starts them,
+ring on loopback): rank 0 serves HTTP, rank 1 repeats its engine calls (dsv4/serve/followed.py;
+a pipeline's last rank sends rank 0 the logits); a chat/completions request is answered as one
+process answers it, and Ctrl-C on rank 0 ends both ranks with status 0."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from dsv4.distributed.ranks import free_ports
 from tests.test_distributed_failures import _hostfile
@@ -21,16 +24,16 @@ REQUEST = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}
            "temperature": 0}
 
 
-def _server(tiny_dir, port: int, rank: int = 0, hostfile: Path = None) -> subprocess.Popen:
+def _server(tiny_dir, port: int, rank: int = 0, hostfile: Path = None, mode: str = "expert") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dsv4.server", "--model", str(tiny_dir), "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     if hostfile is not None:
-        cmd += ["--parallel", "expert"]
+        cmd += ["--parallel", mode]
         env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _answer(port: int, proc: subprocess.Popen) -> str:
+def _answer(port: int, proc: subprocess.Popen, text: str = "Hello there") -> str:
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -39,21 +42,29 @@ def _answer(port: int, proc: subprocess.Popen) -> str:
         except OSError:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
             time.sleep(0.5)
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(REQUEST).encode(),
+    body = {**REQUEST, "messages": [{"role": "user", "content": text}]}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as r:
         return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
-def test_server_under_two_ranks_answers_as_one_process(tiny_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_server_under_two_ranks_answers_as_one_process(tiny_dir, tmp_path, mode):
     hostfile, _ = _hostfile(tmp_path, 2)
     ports = [free_ports(1) for _ in range(2)]
     one = _server(tiny_dir, ports[0])
-    ranks = [_server(tiny_dir, ports[1], r, hostfile) for r in range(2)]
+    ranks = [_server(tiny_dir, ports[1], r, hostfile, mode) for r in range(2)]
     try:
         want = _answer(ports[0], one)
         got = _answer(ports[1], ranks[0])
         assert want and got == want
+        # Two requests at once: the scheduler decodes them together once both are admitted.
+        texts = ["Tell me a story", "What is two and two"]
+        want = [_answer(ports[0], one, t) for t in texts]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda t: _answer(ports[1], ranks[0], t), texts))
+        assert got == want
         for proc in (one, ranks[0]):
             proc.send_signal(signal.SIGINT)
         for proc in [one] + ranks:
@@ -64,9 +75,3 @@ def test_server_under_two_ranks_answers_as_one_process(tiny_dir, tmp_path):
             if proc.poll() is None:
                 proc.kill()
 
-
-def test_server_refuses_a_pipeline(tiny_dir):
-    done = subprocess.run([sys.executable, "-m", "dsv4.server", "--model", str(tiny_dir), "--parallel", "pipeline"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1
-    assert done.stderr.startswith("error: --parallel pipeline: the server samples on rank 0")

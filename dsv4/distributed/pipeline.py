@@ -392,13 +392,13 @@ class Pipelined:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, input_ids, cache=None, hidden: Optional[list] = None) -> mx.array:
+    def __call__(self, input_ids, cache=None, hidden: Optional[list] = None, last: bool = False) -> mx.array:
         if hidden is not None:
             raise ParallelError("--parallel pipeline: the DSpark draft stages do not run in a pipeline")
-        return self.model.feed(input_ids, cache, self.forward)
+        return self.model.feed(input_ids, cache, lambda ids, state, rows: self.forward(ids, state, rows, last))
 
-    def forward(self, ids: mx.array, state, engram_rows) -> mx.array:
-        """This stage's part of Model.forward (same arguments)."""
+    def forward(self, ids: mx.array, state, engram_rows, last: bool = False) -> mx.array:
+        """This stage's part of Model.forward (same arguments, no draft inputs)."""
         m, lead = self.model, ids.shape
         b, s = lead
         # The fixed-shape step (dsv4.step) is traced once, and no eval may sit inside it: its
@@ -423,7 +423,7 @@ class Pipelined:
         record = _Recording(state, noting & set(self.stage.layers))
         streams, pre = m.run_layers(self.blocks, streams, pre, record, lead, engram_rows)
         if self.outgoing is None:
-            return m.finish(streams, pre, lead)
+            return m.finish(streams, pre, lead, last)
         parts = {**carried, **record.noted, "streams": streams, "pre": pre}
         stats.exchanges += 1
         stats.bytes += self.outgoing.nbytes(b, s)
@@ -434,7 +434,8 @@ class Pipelined:
             mx.eval(sent)
         # A stand-in of the logits' shape (a broadcast: nothing allocated) that depends on the
         # send, so that evaluating it runs this stage.
-        return mx.depends(mx.broadcast_to(mx.zeros((1, 1, 1), mx.float32), (b, s, m.args.vocab_size)), sent)
+        shape = (b, 1 if last else s, m.args.vocab_size)
+        return mx.depends(mx.broadcast_to(mx.zeros((1, 1, 1), mx.float32), shape), sent)
 
     def _replay(self, state, carried: dict) -> None:
         """The earlier layers' cache rows and selection this stage reads, rebuilt from their
@@ -446,6 +447,27 @@ class Pipelined:
                 state.compress(attn, x)
             if layer in self.stage.select:
                 state.topk = state.select(attn, x, carried[f"{layer}.qr"])
+
+    def first_rank_logits(self, logits: mx.array) -> mx.array:
+        """The last stage's logits [.., V] on the first rank (the server samples there): the
+        last rank sends them, the first receives them in place of its placeholder, after its
+        own stage has run (a recv has no input to wait on); the others keep theirs. One send
+        of B x V fp32 per step (0.5 MB a session at V4.1's vocabulary)."""
+        n = self.group.size()
+        if self.plan.last:
+            stats.exchanges += 1
+            stats.bytes += logits.nbytes
+            logits = mx.depends(logits, mx.distributed.send(logits, 0, group=self.group))
+            mx.eval(logits)
+            return logits
+        if not self.plan.first:
+            return logits
+        mx.eval(logits)
+        stats.exchanges += 1
+        stats.bytes += logits.size * 4
+        received = mx.distributed.recv(logits.shape, mx.float32, n - 1, group=self.group)
+        mx.eval(received)
+        return received
 
     def shared_sampler(self, sampler):
         """`sampler` as every rank runs it: the last stage samples its logits and the token [B]

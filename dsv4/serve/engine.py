@@ -55,7 +55,8 @@ class ModelEngine:
     def prefill(self, cache, tokens: Sequence[int], window=None) -> mx.array:
         """Feed tokens after what `cache` holds (seeding the draft `window` with them); -> the
         last one's logits [V] (fp32)."""
-        return prefill(self.model, np.array([tokens], np.int64), cache, draft_cache=window)[0]
+        logits = prefill(self.model, np.array([tokens], np.int64), cache, draft_cache=window)
+        return self.model.first_rank_logits(logits)[0]
 
     def draft_window(self, cache):
         """A draft window for a session continuing `cache`, or None (DSV4_DRAFT off, no stages)."""
@@ -83,7 +84,11 @@ class ModelEngine:
         """Feed tokens[i] to caches[i]; -> logits [B, V]. A lone session takes the decoder the
         switches pick (on a GPU the fixed-shape step), several the batched fixed-shape step on a
         GPU (dsv4.batch_step) or one forward of the reference path (dsv4.batch_decode). The
-        fixed-shape decoders keep the sessions' state until settled, or until the batch changes."""
+        fixed-shape decoders keep the sessions' state until settled, or until the batch changes.
+        The logits are the first rank's too (a pipeline's last stage sends them there)."""
+        return self.model.first_rank_logits(self._decode(caches, tokens))
+
+    def _decode(self, caches: Sequence, tokens: Sequence[int]) -> mx.array:
         if len(caches) == 1:
             cache = caches[0]
             if self._alone is None or self._alone[0] is not cache:

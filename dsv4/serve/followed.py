@@ -3,7 +3,8 @@ other rank each engine call (a new cache, a prefill chunk's tokens, a decode ste
 tokens, a settle, a forget) before making it; the other ranks (`follow`) make the same calls on
 their own ModelEngine, so every rank runs the same forwards and the exchanges inside them line
 up. Sampling, grammars and HTTP stay on rank 0, which needs the whole logits: expert and tensor
-modes give them to every rank (a pipeline's are on its last rank only, so it is refused). The
+modes give them to every rank, a pipeline's last rank sends them to rank 0 (ModelEngine asks
+`first_rank_logits` after every call). The
 prefix cache and drafting copy, trim and step caches outside these calls, so they are off.
 Each call costs two small all_sums (dsv4/distributed/follow.py)."""
 
