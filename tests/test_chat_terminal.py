@@ -82,11 +82,12 @@ class Terminal:
     def interrupt_at_prompt(self) -> None:
         """Ctrl-C at the prompt, repeated until the REPL answers: CPython's readline loop
         checks for signals only when its select() is interrupted, so one that lands between
-        the prompt being drawn and select() starting waits there for a key."""
-        for _ in range(10):
+        the prompt being drawn and select() starting waits there for a key. The waits grow
+        (60 s in all): on a loaded machine the child may take seconds to answer one."""
+        for wait in (2, 2, 4, 4, 8, 8, 16, 16):
             self.interrupt()
             try:
-                self.expect(re.escape(HINT) + r"\n>> ", timeout=2)
+                self.expect(re.escape(HINT) + r"\n>> ", timeout=wait)
                 return
             except AssertionError:
                 continue

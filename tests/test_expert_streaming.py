@@ -443,3 +443,31 @@ def test_metal_pool_buffers_and_wired_limit(official, monkeypatch):
         dsv4.load(official, expert_cache_gb=f"{64 * per_expert / 1e9:.9f}")
     model, _ = dsv4.load(official, expert_cache_gb=f"{16 * per_expert / 1e9:.9f}")
     assert sum(p.slots for p in model.expert_store.pools) == 16 and wired == [10 ** 9]
+
+
+@pytest.mark.parametrize("verify", ["reference", "fixed"])
+def test_speculation_streams_and_gives_plain_decodes_tokens(tmp_path_factory, verify):
+    """DSpark over streamed experts at the least cache gives plain decode's greedy tokens on the
+    resident model, the verify over the Cache or at fixed shapes (its k + 1 positions are one
+    chunk, routed together: test_prefill_reads_each_selected_expert_once)."""
+    from dsv4.generation import decode_tokens, prefill
+    from dsv4.sampling import Sampling
+    from dsv4.speculative import Policy, Stats, speculative_tokens
+
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("stream_draft") / "ckpt", seed=4, draft=True,
+                                 config_overrides={"n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K})
+    ids = prompt()
+    with flags.override(draft="on"):
+        resident, _ = dsv4.load(path)
+        cache = resident.make_cache()
+        sampler = lambda logits: mx.argmax(logits, axis=-1)
+        want = list(decode_tokens(resident, cache, sampler(prefill(resident, ids, cache)), sampler, 48))
+        streamed, _ = dsv4.load(path, expert_cache_gb=least_gb(path))
+    cache, window = streamed.make_cache(), streamed.draft.make_cache()
+    logits = prefill(streamed, ids, cache, draft_cache=window)
+    stats = Stats()
+    with flags.override(fixed_verify=verify == "fixed"):
+        got = list(speculative_tokens(streamed, cache, window, logits, Sampling(), 48, Policy(3), stats))
+    assert got == want
+    assert stats.verifies > 0 and streamed.expert_store.totals().misses > 0
+    streamed.expert_store.close()

@@ -76,3 +76,39 @@ def test_fp32_fixed_compiled_kernels_equal_reference_without_kernels_over_64_gre
     assert fast_tokens == ref_tokens
     err = float(mx.max(mx.abs(fast_logits - ref_logits)) / mx.max(mx.abs(ref_logits)))
     assert err < 1e-4, err
+
+
+def test_fp32_batched_fixed_step_equals_each_session_alone(ckpt):
+    """The server's batch on the GPU (dsv4.batch_step, compiled, kernels on) against each
+    session's lone fixed-shape step, teacher-forced on the lone runs' greedy tokens: in fp32
+    with the roundings off only summation order differs (the batch's projection tails as plain
+    ops, its index sources in the batch's regime), so logits agree to ~1e-6 relative."""
+    from dsv4.batch_step import SessionsDecoder
+    from dsv4.generation import prefill
+    from dsv4.step import FixedDecoder
+
+    model, _ = dsv4.load(ckpt, dtype=mx.float32)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(7, 500, (1, n)) for n in (3, 17, 40)]
+    steps = 24
+    with flags.override(kv_qdq=False, act_quant=False):
+        alone, fed = [], []
+        for prompt in prompts:
+            cache = model.make_cache()
+            token = mx.argmax(prefill(model, prompt, cache), axis=-1)
+            dec, logits, tokens = FixedDecoder(model, cache), [], [int(token.item())]
+            for _ in range(steps):
+                logits.append(dec(mx.array(tokens[-1:]))[0])
+                tokens.append(int(mx.argmax(logits[-1]).item()))
+            alone.append(mx.stack(logits))
+            fed.append(tokens)
+        caches = []
+        for prompt in prompts:
+            caches.append(model.make_cache())
+            prefill(model, prompt, caches[-1])
+        batch = SessionsDecoder(model, caches)
+        got = mx.stack([batch(mx.array([t[n] for t in fed])) for n in range(steps)], axis=1)   # [B, steps, V]
+    for i, want in enumerate(alone):
+        err = float(mx.max(mx.abs(got[i] - want)) / mx.max(mx.abs(want)))
+        assert err < 1e-5, (i, err)
+        assert np.array_equal(np.argmax(np.array(got[i]), -1), np.array(fed[i][1:]))
