@@ -176,6 +176,10 @@ define("pipeline_memory", "",
 define("join_timeout", 60,
        "--parallel: seconds a rank waits for its ring peers to connect before it stops with an "
        "error naming the one it waited for (MLX's ring accept waits forever)", minimum=1)
+define("answer_timeout", 60,
+       "--parallel server: seconds rank 0 waits for the other ranks to take its next call (they "
+       "wait for it, so they answer at once) before it stops with an error naming them (MLX's ring "
+       "waits forever once it has noticed a lost peer between calls)", minimum=1)
 define("indexer_skip", True,
        "skip the indexer's scoring while every visible compressed row makes its top-k "
        "(the selection is then known); exact")

@@ -168,7 +168,9 @@ def main(
                 return _follow(load, channel)
         cache = CacheOptions(prompt_cache, kv_cache_mb << 20, str(kv_disk_dir) if kv_disk_dir else None,
                              kv_disk_space_mb << 20)
-        scheduler = Scheduler(load, max_context=max_context, max_sessions=max_sessions, cache=cache)
+        # A peer lost mid-request stops the server as SIGTERM does; it exits 2 with the link's line.
+        scheduler = Scheduler(load, max_context=max_context, max_sessions=max_sessions, cache=cache,
+                              fatal=(link.LinkLost,), on_fatal=lambda: os.kill(os.getpid(), signal.SIGTERM))
         service = Service(scheduler, model_name or model or "dsv4-demo", max_tokens, thinking)
         sock = bind(host, port)  # a taken port is found before minutes of loading
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as Ctrl-C does
@@ -185,8 +187,11 @@ def main(
         finally:
             sock.close()
             shut_down(scheduler)
-            if channel is not None and scheduler.ready.is_set() and scheduler.load_error is None:
+            if (channel is not None and scheduler.ready.is_set() and scheduler.load_error is None
+                    and scheduler.fatal_error is None):
                 scheduler.engine.stop()   # the followers return
+        if scheduler.fatal_error is not None:
+            raise scheduler.fatal_error
 
 
 if __name__ == "__main__":

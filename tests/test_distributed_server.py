@@ -24,16 +24,17 @@ REQUEST = {"model": "m", "messages": [{"role": "user", "content": "Hello there"}
            "temperature": 0}
 
 
-def _server(tiny_dir, port: int, rank: int = 0, hostfile: Path = None, mode: str = "expert") -> subprocess.Popen:
+def _server(tiny_dir, port: int, rank: int = 0, hostfile: Path = None, mode: str = "expert",
+            **env) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dsv4.server", "--model", str(tiny_dir), "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), **env}
     if hostfile is not None:
         cmd += ["--parallel", mode]
         env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _answer(port: int, proc: subprocess.Popen, text: str = "Hello there") -> str:
+def _answer(port: int, proc: subprocess.Popen, text: str = "Hello there", timeout: float = 120) -> str:
     deadline = time.monotonic() + 180
     while True:
         try:
@@ -45,7 +46,7 @@ def _answer(port: int, proc: subprocess.Popen, text: str = "Hello there") -> str
     body = {**REQUEST, "messages": [{"role": "user", "content": text}]}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as r:
+    with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read())["choices"][0]["message"]["content"]
 
 
@@ -75,3 +76,32 @@ def test_server_under_two_ranks_answers_as_one_process(tiny_dir, tmp_path, mode)
             if proc.poll() is None:
                 proc.kill()
 
+
+
+def test_a_lost_peer_stops_the_server_in_one_line(tiny_dir, tmp_path):
+    """Rank 1 killed between requests: rank 0's next request fails (503 or no answer) and rank 0
+    stops by itself with one `error:` line naming the peer, status 2: the ring's error where it
+    reports one, else DSV4_ANSWER_TIMEOUT's watchdog (MLX's ring, having noticed the lost peer
+    while idle, waits forever at the next exchange)."""
+    hostfile, _ = _hostfile(tmp_path, 2)
+    port = free_ports(1)
+    ranks = [_server(tiny_dir, port, r, hostfile, DSV4_ANSWER_TIMEOUT="5") for r in range(2)]
+    try:
+        assert _answer(port, ranks[0])
+        ranks[1].kill()
+        ranks[1].wait(timeout=30)
+        with pytest.raises(OSError):   # the connection closes unanswered
+            _answer(port, ranks[0], "Are you there", timeout=60)
+        _, err = ranks[0].communicate(timeout=90)
+        assert ranks[0].returncode == 2, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        # Either the ring reports the lost peer at rank 0's next exchange, or (having noticed it
+        # while idle) it waits forever and the watchdog gives up after 5 s.
+        assert last.startswith("error: rank 0 of 2") and "lost the link to the other ranks" in last, err[-2000:]
+        assert ("rank 1 (127.0.0.1:" in last and "stopped or became unreachable" in last
+                or "did not answer within 5 s" in last), last
+        assert "Traceback" not in err, err[-2000:]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()

@@ -16,6 +16,8 @@ import contextlib
 import json
 import os
 import signal
+import sys
+import threading
 from typing import Iterator, Optional
 
 import mlx.core as mx
@@ -74,6 +76,35 @@ def join(backend: str, timeout: float):
 
 
 @contextlib.contextmanager
+def answered(group, timeout: float) -> Iterator[None]:
+    """An exchange that the other ranks, waiting for it, complete at once: if it has not within
+    `timeout`, the link is gone (a backend that noticed a lost peer while this rank was idle
+    fails that peer's pending work, and later exchanges wait forever), so this rank stops with
+    one line and status 2 from a watchdog thread (it cannot unblock the wait)."""
+    rank, size = group.rank(), group.size()
+
+    def give_up():
+        peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+        sys.stdout.flush()
+        print(f"error: {rank_name(rank, size)}: lost the link to the other ranks: "
+              f"{' or '.join(rank_name(p) for p in peers)} did not answer within {timeout:g} s",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+class LinkLost(ParallelError):
+    """A peer of the group went away mid-run: nothing more can run across the group."""
+
+
+@contextlib.contextmanager
 def watched(group) -> Iterator[None]:
     """Run a command line's work across `group`: the backend's error when a peer goes away (it
     stopped, or its machine or link did) becomes one ParallelError line naming this rank and
@@ -86,6 +117,6 @@ def watched(group) -> Iterator[None]:
             raise
         rank, size = group.rank(), group.size()
         peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
-        raise ParallelError(f"{rank_name(rank, size)}: lost the link to the other ranks ({text}): "
+        raise LinkLost(f"{rank_name(rank, size)}: lost the link to the other ranks ({text}): "
                             f"{' or '.join(rank_name(p) for p in peers)} stopped or became "
                             f"unreachable") from None

@@ -14,6 +14,8 @@ import json
 
 import mlx.core as mx
 
+from .. import flags
+from ..distributed import link
 from .engine import ModelEngine
 
 
@@ -29,8 +31,18 @@ class LeadingEngine:
     def __getattr__(self, name):   # tokenizer, context, draft_window (None: drafting off), ...
         return getattr(self.engine, name)
 
+    # A peer lost in any call surfaces in the scheduler's thread as link.LinkLost (which stops
+    # the server): the forwards are evaluated here, inside the watch, for their exchanges.
+
     def _tell(self, *call) -> None:
-        self.channel.share(json.dumps(call))
+        with link.watched(self.channel.group), link.answered(self.channel.group, flags.get("answer_timeout")):
+            self.channel.share(json.dumps(call))
+
+    def _run(self, forward):
+        with link.watched(self.channel.group):
+            logits = forward()
+            mx.eval(logits)
+        return logits
 
     def new_cache(self):
         cache = self.engine.new_cache()
@@ -41,11 +53,11 @@ class LeadingEngine:
 
     def prefill(self, cache, tokens, window=None):
         self._tell("prefill", self._numbers[id(cache)], [int(t) for t in tokens])
-        return self.engine.prefill(cache, tokens, window)
+        return self._run(lambda: self.engine.prefill(cache, tokens, window))
 
     def decode(self, caches, tokens):
         self._tell("decode", [self._numbers[id(c)] for c in caches], [int(t) for t in tokens])
-        return self.engine.decode(caches, tokens)
+        return self._run(lambda: self.engine.decode(caches, tokens))
 
     def settle(self, cache=None) -> None:
         number = None if cache is None else self._numbers.pop(id(cache), None)

@@ -106,9 +106,11 @@ class Scheduler(threading.Thread):
 
     def __init__(self, load: Callable[[], Any], *, max_context: Optional[int] = None, max_sessions: int = 8,
                  prefill_chunk: int = PREFILL_CHUNK, cache: CacheOptions = CacheOptions(),
-                 replay_limit: int = 4096):
+                 replay_limit: int = 4096, fatal: tuple = (), on_fatal: Callable[[], None] = lambda: None):
         """load() -> an engine (engine.py), run in this thread. max_context defaults to the
-        model's context and may not exceed it."""
+        model's context and may not exceed it. An error of a `fatal` type (a lost peer under
+        --parallel) fails its requests, is kept in `fatal_error`, and calls on_fatal() once:
+        the server stops and reports it."""
         super().__init__(name="dsv4-generation", daemon=True)
         self._load = load
         self.max_context = max_context
@@ -120,6 +122,8 @@ class Scheduler(threading.Thread):
         self.finished = threading.Event()   # no job runs any more, nor will (see run)
         self._submitting = threading.Lock()  # no job is queued once stop() has begun
         self.load_error: Optional[BaseException] = None
+        self.fatal, self.on_fatal = fatal, on_fatal
+        self.fatal_error: Optional[BaseException] = None
         self.engine = self.tokenizer = self.replay = self.prefix = None
         self.vocab_size: Optional[int] = None
         self.waiting: deque[Job] = deque()
@@ -383,6 +387,12 @@ class Scheduler(threading.Thread):
                          "finish_reason": finish}
 
     def _fail(self, job: Job, error: Exception) -> None:
+        if isinstance(error, self.fatal):
+            job.events.put(("error", RequestError(f"the server stopped: {error}", status=503, kind="server_error")))
+            if self.fatal_error is None:
+                self.fatal_error = error
+                self.on_fatal()
+            return
         if isinstance(error, InputError):   # what the request checks could not know
             job.events.put(("error", RequestError(str(error))))
             return
