@@ -21,34 +21,54 @@ import time
 COPY_BYTES = 1 << 32   # 4 GiB: far beyond any cache, short enough to time in ~10 ms
 
 
-def _torch_copy(nbytes: int, repeats: int) -> float | None:
+def _cuda_torch():
+    """torch where it has a CUDA device, else None."""
     try:
         import torch
     except ImportError:
         return None
-    if not torch.cuda.is_available():
-        return None
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    src.fill_(1.0)
-    dst.copy_(src)
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_seconds(torch, run, repeats: int) -> float:
+    """Median seconds of run() by CUDA events, after one untimed call."""
+    run()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times) / 1e12
+    return statistics.median(times)
+
+
+def _mlx_seconds(make, repeats: int) -> float:
+    """Median seconds to evaluate make()'s result, after one untimed evaluation."""
+    import mlx.core as mx
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        mx.eval(make())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def copy_roofline(nbytes: int = COPY_BYTES, repeats: int = 20) -> float | None:
     """TB/s of a device copy by torch (read + write), or None without a CUDA torch."""
-    return _torch_copy(nbytes, repeats)
+    torch = _cuda_torch()
+    if torch is None:
+        return None
+    def timed():   # the buffers go when it returns, before the cache is emptied for MLX
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+        dst = torch.empty_like(src)
+        return _torch_seconds(torch, lambda: dst.copy_(src), repeats)
+
+    seconds = timed()
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds / 1e12
 
 
 def mlx_copy(nbytes: int = COPY_BYTES, repeats: int = 20) -> float:
@@ -56,40 +76,23 @@ def mlx_copy(nbytes: int = COPY_BYTES, repeats: int = 20) -> float:
     import mlx.core as mx
     src = mx.ones((nbytes // 4,), dtype=mx.float32)
     mx.eval(src)
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        dst = mx.array(src + 0)   # a fresh buffer: one read and one write of every element
-        mx.eval(dst)
-        times.append(time.perf_counter() - t)
-        del dst
-    return 2 * nbytes / statistics.median(times[1:]) / 1e12
+    return 2 * nbytes / _mlx_seconds(lambda: src + 0, repeats) / 1e12   # a fresh buffer each time
 
 
 def matmul_roofline(n: int = 8192, repeats: int = 10) -> float | None:
     """TFLOP/s of a bf16 n x n x n matmul by torch (cuBLAS), or None without a CUDA torch: the
     compute roofline a prefill is measured against."""
-    try:
-        import torch
-    except ImportError:
+    torch = _cuda_torch()
+    if torch is None:
         return None
-    if not torch.cuda.is_available():
-        return None
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    a @ b
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
+    def timed():
+        a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        return _torch_seconds(torch, lambda: a @ b, repeats)
+
+    seconds = timed()
     torch.cuda.empty_cache()
-    return 2 * n ** 3 / statistics.median(times) / 1e12
+    return 2 * n ** 3 / seconds / 1e12
 
 
 def mlx_matmul(n: int = 8192, repeats: int = 10) -> float:
@@ -97,22 +100,16 @@ def mlx_matmul(n: int = 8192, repeats: int = 10) -> float:
     import mlx.core as mx
     a = mx.random.normal((n, n)).astype(mx.bfloat16)
     b = mx.random.normal((n, n)).astype(mx.bfloat16)
-    mx.eval(a @ b)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        mx.eval(a @ b)
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times) / 1e12
+    mx.eval(a, b)
+    return 2 * n ** 3 / _mlx_seconds(lambda: a @ b, repeats) / 1e12
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.parse_args(argv)
-    torch_tbs = copy_roofline()
-    print(f"torch device copy: {torch_tbs:.2f} TB/s" if torch_tbs else "torch device copy: no CUDA torch")
+    copy, flops = copy_roofline(), matmul_roofline()
+    print(f"torch device copy: {copy:.2f} TB/s" if copy else "torch device copy: no CUDA torch")
     print(f"MLX copy (x + 0):  {mlx_copy():.2f} TB/s")
-    flops = matmul_roofline()
     print(f"torch bf16 matmul: {flops:.0f} TFLOP/s" if flops else "torch bf16 matmul: no CUDA torch")
     print(f"MLX bf16 matmul:   {mlx_matmul():.0f} TFLOP/s")
     return 0
