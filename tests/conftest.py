@@ -1,7 +1,21 @@
+import signal
+
 import pytest
 
 from dsv4.kernels.dialect import backend, poisoned_outputs
 from dsv4.testing import write_tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def signal_dispositions():
+    """Every test ends with SIGINT and SIGTERM handled as it began: a disposition left behind
+    would reach the processes later tests start in this worker (an ignored SIGINT is inherited
+    across exec, and a chat REPL that inherits it never sees Ctrl-C at its prompt)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
 
 
 @pytest.fixture(scope="session")

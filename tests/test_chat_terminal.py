@@ -33,8 +33,10 @@ class Terminal:
     def __init__(self, home, *options: str):
         master, slave = os.openpty()
         env = dict(os.environ, HOME=str(home), TERM="xterm", INPUTRC=os.devnull)
+        # Started as a shell starts it, SIGINT at its default (not whatever this process has).
         self.process = subprocess.Popen([sys.executable, "-m", "dsv4.chat", *options], stdin=slave,
-                                        stdout=slave, stderr=slave, env=env, start_new_session=True)
+                                        stdout=slave, stderr=slave, env=env, start_new_session=True,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         os.close(slave)
         self.master, self.text, self.read_to = master, "", 0
         self.expect(r">> ", timeout=120)
@@ -82,12 +84,11 @@ class Terminal:
     def interrupt_at_prompt(self) -> None:
         """Ctrl-C at the prompt, repeated until the REPL answers: CPython's readline loop
         checks for signals only when its select() is interrupted, so one that lands between
-        the prompt being drawn and select() starting waits there for a key. The waits grow
-        (60 s in all): on a loaded machine the child may take seconds to answer one."""
-        for wait in (2, 2, 4, 4, 8, 8, 16, 16):
+        the prompt being drawn and select() starting waits there for a key."""
+        for _ in range(10):
             self.interrupt()
             try:
-                self.expect(re.escape(HINT) + r"\n>> ", timeout=wait)
+                self.expect(re.escape(HINT) + r"\n>> ", timeout=2)
                 return
             except AssertionError:
                 continue
