@@ -90,17 +90,15 @@ class StepState:
         # Each query's positions t-w+1 .. t, oldest first, as ring slots [1, n, w]; -1 before 0.
         u = self.positions.reshape(1, n, 1) - w + 1 + ramp(w, mx.int32, (1, 1, w))
         self.window_idx = mx.where(u >= 0, mx.maximum(u, 0) % self.ring, -1)
-        # A step of several positions (a speculative verify) pools every group its positions
-        # touch, complete or not (the rows past the visible count stay unseen until their
-        # group's last position writes them again); one position pools at completion only.
+        # The projection tails' kernels take one position's angles: several run as plain ops.
         self.fused = n == 1
 
     def write(self, name: str, rows: mx.array, at: mx.array) -> mx.array:
-        """Rows [B, n, D] into buffer `name` from row `at` ([1] int32) on, or at rows `at` ([n]). A scatter, not a
-        slice_update: MLX's CUDA backend runs a dynamic-offset slice_update with a thread per
-        element of the whole buffer (23-34 µs per one-row write at decode sizes on the H200),
-        a scatter with one per element written. Either reuses the buffer when nothing else
-        holds it (MLX donates its input)."""
+        """Rows [B, n, D] into buffer `name` from row `at` ([1] int32) on, or at the rows `at`
+        ([n] int32). A scatter, not a slice_update: MLX's CUDA backend runs a dynamic-offset
+        slice_update with a thread per element of the whole buffer (23-34 µs per one-row write
+        at decode sizes on the H200), a scatter with one per element written. Either reuses the
+        buffer when nothing else holds it (MLX donates its input)."""
         buf = self.buffers[name]
         at = at if rows.shape[1] == at.shape[0] else at + ramp(rows.shape[1])
         index = mx.broadcast_to(at[None, :, None], rows.shape)
@@ -147,6 +145,9 @@ class StepState:
                 # The group's row is pooled once, at its last position: until then nobody
                 # sees it (rows < (pos + 1) // r are visible, close() keeps those).
                 return
+            # A step of several positions (a speculative verify) pools every group they touch,
+            # complete or not: a row past the visible count stays unseen until its group's last
+            # position writes it again, so no trace depends on where the step starts.
             first = self.pos // r
             b, _, d = kv.shape
             latents = []

@@ -95,6 +95,7 @@ class ScriptedEngine:
 
     fingerprint = "scripted"
     context = 1 << 20
+    runs_ahead = False   # its decode takes host tokens (the model engine's run-ahead: test_server_batch)
 
     def __init__(self, pieces: Sequence[str], delay: float = 0.0):
         self.script = list(pieces)

@@ -76,6 +76,39 @@ def test_eight_concurrent_sessions_answer_and_cache_as_each_alone(tiny_dir, orac
         served.stop()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_lone_session_runs_ahead_and_answers_and_caches_as_without(tiny_dir, oracle, monkeypatch, temperature):
+    """A lone session's next step is queued on its token still on the device (the engine's
+    runs_ahead, DSV4_ASYNC_DECODE): the answers (greedy and seeded sampling) and the cache kept
+    for the prefix cache (the step queued past the last token dropped) equal the server's
+    without it, and the steps did run ahead."""
+    from dsv4 import flags
+
+    ahead = []
+    results = {}
+    for runs_ahead in (False, True):
+        with flags.override(async_decode=runs_ahead):
+            served = model_server(tiny_dir, max_sessions=8, max_context=4096)
+            engine = served.scheduler.engine
+            decode = engine.decode
+            monkeypatch.setattr(engine, "decode", lambda caches, tokens: (
+                ahead.append(runs_ahead) if isinstance(tokens, mx.array) else None) or decode(caches, tokens))
+            client = openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=120)
+            try:
+                replies = [chat(client, q, temperature=temperature, seed=5).choices[0].message.content
+                           for q in QUESTIONS[:2]]
+                entries = sorted(served.scheduler.prefix.entries.values(), key=lambda e: len(e.tokens))
+                results[runs_ahead] = replies, entries
+            finally:
+                served.stop()
+    assert results[True][0] == results[False][0]
+    assert ahead and all(ahead)   # only the run-ahead server fed device tokens, and it did
+    assert len(results[True][1]) == len(results[False][1]) > 0
+    for mine, theirs in zip(results[True][1], results[False][1]):
+        assert np.array_equal(mine.tokens, theirs.tokens)
+        assert_same_cache(mine.cache, theirs.cache)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_dir):
     served = model_server(tiny_dir, max_sessions=8, max_context=4096)
     client = openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=120)

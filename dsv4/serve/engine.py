@@ -80,22 +80,35 @@ class ModelEngine:
             self._drafting = (cache, tokens)
         return next(self._drafting[1])
 
-    def decode(self, caches: Sequence, tokens: Sequence[int]) -> mx.array:
-        """Feed tokens[i] to caches[i]; -> logits [B, V]. A lone session takes the decoder the
+    def decode(self, caches: Sequence, tokens) -> mx.array:
+        """Feed tokens[i] to caches[i] (ints, or for a lone session that runs ahead a token [1]
+        still on the device); -> logits [B, V]. A lone session takes the decoder the
         switches pick (on a GPU the fixed-shape step), several the batched fixed-shape step on a
         GPU (dsv4.batch_step) or one forward of the reference path (dsv4.batch_decode). The
         fixed-shape decoders keep the sessions' state until settled, or until the batch changes.
         The logits are the first rank's too (a pipeline's last stage sends them there)."""
         return self.model.first_rank_logits(self._decode(caches, tokens))
 
-    def _decode(self, caches: Sequence, tokens: Sequence[int]) -> mx.array:
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether a lone session's next step may be queued before its token reaches the host
+        (DSV4_ASYNC_DECODE, as generation does): `decode` then takes the token on the device."""
+        return flags.get("async_decode")
+
+    def drop_ahead(self, cache) -> None:
+        """Settle the lone session of `cache` without the step queued ahead of its last token."""
+        if self._alone is not None and self._alone[0] is cache:
+            self._alone[2] -= 1
+        self.settle(cache)
+
+    def _decode(self, caches: Sequence, tokens) -> mx.array:
         if len(caches) == 1:
             cache = caches[0]
             if self._alone is None or self._alone[0] is not cache:
                 self.settle()
                 self._alone = [cache, decoder(self.model, cache), cache.offset]
             alone = self._alone
-            logits = alone[1](mx.array(list(tokens)))
+            logits = alone[1](tokens if isinstance(tokens, mx.array) else mx.array(list(tokens)))
             alone[2] += 1
             return logits
         if not use_batch_fixed_decode(self.model):

@@ -22,6 +22,8 @@ from .engine import ModelEngine
 class LeadingEngine:
     """Rank 0's engine: a ModelEngine whose calls the other ranks repeat."""
 
+    runs_ahead = False   # the followers are told each token, so it must be on the host first
+
     def __init__(self, engine: ModelEngine, channel):
         self.engine, self.channel = engine, channel
         self._numbers: dict[int, int] = {}   # id(cache) -> the number the followers know it by

@@ -125,6 +125,7 @@ class Scheduler(threading.Thread):
         self.fatal, self.on_fatal = fatal, on_fatal
         self.fatal_error: Optional[BaseException] = None
         self.engine = self.tokenizer = self.replay = self.prefix = None
+        self._ahead: Optional[tuple] = None   # (session, logits): its next step, queued (engine.runs_ahead)
         self.vocab_size: Optional[int] = None
         self.waiting: deque[Job] = deque()
         self.prefilling: deque[Session] = deque()
@@ -298,9 +299,14 @@ class Scheduler(threading.Thread):
             else:
                 for session in sessions:
                     session.window = None
-                logits = self.engine.decode([s.cache for s in sessions], [s.produced[-1] for s in sessions])
-                tokens = self._sample(sessions, logits)
+                logits = self._queued(sessions)
+                if logits is None:
+                    logits = self.engine.decode([s.cache for s in sessions], [s.produced[-1] for s in sessions])
+                picks = self._picks(sessions, logits)
+                self._run_ahead(sessions, picks)
+                tokens = self._tokens(sessions, picks)
         except Exception as error:   # a failed step leaves every cache in it in doubt
+            self._ahead = None
             self.engine.forget()
             for session in sessions:
                 self.decoding.remove(session)
@@ -319,8 +325,33 @@ class Scheduler(threading.Thread):
         return self.engine.speculate(session.cache, session.window, session.produced[-1], session.job.sampling,
                                      session.limit - len(session.produced) + 1)
 
+    def _queued(self, sessions: list[Session]) -> Optional[mx.array]:
+        """The logits of the step queued for this lone session, if one was (else None; a step
+        queued for a session that is no longer alone is dropped)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        if len(sessions) == 1 and ahead[0] is sessions[0]:
+            return ahead[1]
+        self.engine.drop_ahead(ahead[0].cache)
+        return None
+
+    def _run_ahead(self, sessions: list[Session], picks: list[mx.array]) -> None:
+        """Queue a lone session's next step on its token still on the device, so that the GPU
+        runs it while this thread samples, detokenizes and streams (not for a grammar, which
+        needs the token on the host first, nor past the last token)."""
+        session = sessions[0]
+        if (len(sessions) == 1 and session.constraint is None and self.engine.runs_ahead
+                and len(session.produced) + 1 < session.limit):
+            self._ahead = (session, self.engine.decode([session.cache], picks[0].reshape(1)))
+            mx.async_eval(self._ahead[1])
+
     def _sample(self, sessions: list[Session], logits: mx.array) -> list[int]:
         """One token per session from its row of logits [B, V], each by its own sampler."""
+        return self._tokens(sessions, self._picks(sessions, logits))
+
+    def _picks(self, sessions: list[Session], logits: mx.array) -> list[mx.array]:
+        """Each session's token [1], sampled on the device, not yet evaluated."""
         picks = []
         for i, session in enumerate(sessions):
             row = logits[i:i + 1]
@@ -329,6 +360,9 @@ class Scheduler(threading.Thread):
             if session.rng is not None:
                 mx.random.seed(int(session.rng.integers(1 << 63)))
             picks.append(session.sampler(row))
+        return picks
+
+    def _tokens(self, sessions: list[Session], picks: list[mx.array]) -> list[int]:
         mx.eval(picks)
         tokens = [int(p.item()) for p in picks]
         for session, token in zip(sessions, tokens):
@@ -356,6 +390,9 @@ class Scheduler(threading.Thread):
             self.decoding.remove(session)
         else:
             self.prefilling.remove(session)
+        if self._ahead is not None and self._ahead[0] is session:   # its last token is not fed
+            self._ahead = None
+            self.engine.drop_ahead(session.cache)
         self.engine.settle(session.cache)
         replay = []
         if job.mode is not None and finish in ("stop", "length") and not job.cancelled.is_set():
