@@ -75,6 +75,11 @@ def join(backend: str, timeout: float):
             signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
+def neighbours(rank: int, size: int) -> str:
+    """'rank 0 (addr) or rank 2 (addr)': the ring neighbours whose link this rank depends on."""
+    return " or ".join(rank_name(p) for p in sorted({(rank - 1) % size, (rank + 1) % size} - {rank}))
+
+
 @contextlib.contextmanager
 def answered(group, timeout: float) -> Iterator[None]:
     """An exchange that the other ranks, waiting for it, complete at once: if it has not within
@@ -84,11 +89,9 @@ def answered(group, timeout: float) -> Iterator[None]:
     rank, size = group.rank(), group.size()
 
     def give_up():
-        peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
         sys.stdout.flush()
         print(f"error: {rank_name(rank, size)}: lost the link to the other ranks: "
-              f"{' or '.join(rank_name(p) for p in peers)} did not answer within {timeout:g} s",
-              file=sys.stderr, flush=True)
+              f"{neighbours(rank, size)} did not answer within {timeout:g} s", file=sys.stderr, flush=True)
         os._exit(2)
 
     timer = threading.Timer(timeout, give_up)
@@ -116,7 +119,5 @@ def watched(group) -> Iterator[None]:
         if group is None or not text.startswith(BACKENDS_SAY):
             raise
         rank, size = group.rank(), group.size()
-        peers = sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
         raise LinkLost(f"{rank_name(rank, size)}: lost the link to the other ranks ({text}): "
-                            f"{' or '.join(rank_name(p) for p in peers)} stopped or became "
-                            f"unreachable") from None
+                       f"{neighbours(rank, size)} stopped or became unreachable") from None
