@@ -1,9 +1,17 @@
-import signal
+"""Shared fixtures. TF32 is off for every test: MLX's CUDA backend runs fp32 matmuls in TF32 by
+default, and the GPU tests hold kernels to exact fp32 math against fp32 references (with TF32
+on, a tiny random model's greedy tokens part within three steps). The CPU ignores it."""
 
-import pytest
+import os
 
-from dsv4.kernels.dialect import backend, poisoned_outputs
-from dsv4.testing import write_tiny_checkpoint
+os.environ.setdefault("MLX_ENABLE_TF32", "0")   # before any import of MLX: read at its first fp32 matmul
+
+import signal  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dsv4.kernels.dialect import backend, poisoned_outputs  # noqa: E402
+from dsv4.testing import write_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -4,23 +4,19 @@ their plain-MLX references (exact decoding, fp32 matmuls), at V4.1's shapes: gat
 tokens; ds4's q2 (IQ2_XXS gate/up, Q2_K down, Q8_0 shared) and q4 (Q4_K, Q8_0 shared) recipes.
 
 Run on the GPU machine: `pytest -m gpu tests/test_kernels_gguf_gpu.py`. Every output starts as
-NaN (`kernels_poisoned`); TF32 off so the references' fp32 matmuls are fp32.
+NaN (`kernels_poisoned`); TF32 off (tests/conftest.py) so the references' fp32 matmuls are fp32.
 """
 
-import os
+import mlx.core as mx
+import numpy as np
+import pytest
 
-os.environ.setdefault("MLX_ENABLE_TF32", "0")   # read by MLX at its first fp32 matmul
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from dsv4 import flags  # noqa: E402
-from dsv4.kernels import experts as ex  # noqa: E402
-from dsv4.kernels import matvec as mv  # noqa: E402
-from dsv4.kernels import mhc  # noqa: E402
-from tests.test_kernels_experts import check_down, check_hidden  # noqa: E402
-from tests.test_kernels_gguf_host import gguf_matrix  # noqa: E402
+from dsv4 import flags
+from dsv4.kernels import experts as ex
+from dsv4.kernels import matvec as mv
+from dsv4.kernels import mhc
+from tests.test_kernels_experts import check_down, check_hidden
+from tests.test_kernels_gguf_host import gguf_matrix
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 

@@ -3,20 +3,16 @@
 Run on the GPU machine: `pytest -m gpu tests/test_kernels_gpu.py`. Random inputs every run,
 edge cases on purpose, every kernel output filled with NaN before the kernel writes it
 (`poisoned_outputs`), tolerances stated next to each comparison. fp32 matmuls of the
-references would run in TF32 on CUDA (MLX_ENABLE_TF32 defaults to on), so it is turned off
-here: the references then do the exact fp32 math the kernels are held to.
+references would run in TF32 on CUDA (MLX_ENABLE_TF32 defaults to on), so tests/conftest.py turns
+it off: the references then do the exact fp32 math the kernels are held to.
 """
 
-import os
-
-os.environ.setdefault("MLX_ENABLE_TF32", "0")   # read by MLX at its first fp32 matmul
-
-import numpy as np  # noqa: E402
+import numpy as np
 import pytest
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-from dsv4 import flags  # noqa: E402
+from dsv4 import flags
 from dsv4.kernels import experts as ex
 from dsv4.kernels import mhc
 from dsv4.kernels import sparse_attention as sa

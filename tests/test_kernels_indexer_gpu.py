@@ -4,11 +4,7 @@ Oracle: float64 numpy of the same inputs (tests/test_kernels_indexer.py's transc
 spec). The masks (-inf) must match exactly. A finite score is a sum over H heads of w_h times a
 sum of DK products, each product and each addition rounded once in fp32: in any order, to first
 order within (DK + H + 2) * 2^-24 * (the same sums of absolute values). The reference path
-(MLX's fp32 matmul, TF32 off as in tests/test_kernels_gpu.py) is held to the same bound."""
-
-import os
-
-os.environ.setdefault("MLX_ENABLE_TF32", "0")   # read by MLX at its first fp32 matmul
+(MLX's fp32 matmul, TF32 off by tests/conftest.py) is held to the same bound."""
 
 import mlx.core as mx
 import numpy as np

@@ -6,22 +6,17 @@ Run on the GPU machine: `pytest -m gpu tests/test_kernels_matvec_gpu.py`. Random
 run, every kernel output filled with NaN first (`poisoned_outputs`), tolerances stated next to
 the comparison. CUDA compiles each template instantiation (x dtype, layout, rows per SIMD
 group, K, act_quant) with NVRTC, seconds each: CASES names 12, token counts are free (grid).
-TF32 is turned off so that the reference's fp32 matmul is exact fp32 math, as in
-test_kernels_gpu.py.
+TF32 is off (tests/conftest.py), so the reference's fp32 matmul is exact fp32 math.
 """
 
-import os
+import mlx.core as mx
+import numpy as np
+import pytest
 
-os.environ.setdefault("MLX_ENABLE_TF32", "0")   # read by MLX at its first fp32 matmul
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from dsv4 import flags  # noqa: E402
-from dsv4.kernels import matvec as mv  # noqa: E402
-from dsv4.linear import Linear, fp8_linear  # noqa: E402
-from dsv4.quant import qdq_fp8  # noqa: E402
+from dsv4 import flags
+from dsv4.kernels import matvec as mv
+from dsv4.linear import Linear, fp8_linear
+from dsv4.quant import qdq_fp8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 

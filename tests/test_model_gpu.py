@@ -112,3 +112,50 @@ def test_fp32_batched_fixed_step_equals_each_session_alone(ckpt):
         err = float(mx.max(mx.abs(got[i] - want)) / mx.max(mx.abs(want)))
         assert err < 1e-5, (i, err)
         assert np.array_equal(np.argmax(np.array(got[i]), -1), np.array(fed[i][1:]))
+
+
+class Scripted:
+    """Stands in for `speculative.propose`: drafts the known continuation with block row
+    `cycle % (k + 1)` wrong (k: none), so verifies of every length accept every prefix."""
+
+    def __init__(self, continuation, start, k):
+        self.continuation, self.start, self.k, self.cycle = continuation, start, k, 0
+
+    def __call__(self, model, window, token, k, adjust, sampling):
+        from dsv4.speculative import Proposal
+
+        at = window.end - self.start
+        drafts = list(self.continuation[at + 1:at + 1 + k])
+        wrong = self.cycle % (self.k + 1)
+        if wrong < k:
+            drafts[wrong] = (drafts[wrong] + 1) % model.args.vocab_size
+        self.cycle += 1
+        return Proposal(mx.array(drafts, mx.int32), None, mx.zeros((k,)))
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_fp32_fixed_verify_with_kernels_gives_the_reference_greedy_tokens(tmp_path_factory, monkeypatch, k):
+    """DSpark's verify at fixed shapes on the GPU (DSV4_FIXED_VERIFY: k + 1 positions through
+    the attention and experts kernels in one compiled step, rejected positions rewound)
+    against plain greedy decode on the reference path without kernels, 96 tokens past window
+    and compression-group boundaries, a rejection at every block row in turn."""
+    from dsv4 import speculative
+    from dsv4.sampling import Sampling
+    from dsv4.speculative import Policy, speculative_tokens
+    from dsv4.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-draft") / "ckpt", seed=4, draft=True)
+    with flags.override(draft="on"):
+        model, _ = dsv4.load(path, dtype=mx.float32)
+    prompt = np.random.default_rng(2).integers(7, 500, (1, 19))
+    steps = 96
+    with flags.override(kv_qdq=False, act_quant=False):
+        with flags.override(fixed_decode="off", **KERNELS_OFF):
+            want, _ = greedy(model, prompt, steps)
+        monkeypatch.setattr(speculative, "propose", Scripted(want, prompt.shape[1], k))
+        cache, window, hidden = model.make_cache(), model.draft.make_cache(), []
+        logits = model(prompt, cache, hidden=hidden)[:, -1]
+        model.draft.seed(window, hidden, 1)
+        with flags.override(fixed_decode="on", fixed_verify=True, compile=True):
+            got = list(speculative_tokens(model, cache, window, logits, Sampling(), steps, Policy(k)))
+    assert got == want
