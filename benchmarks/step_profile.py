@@ -1,6 +1,6 @@
 """Where one fixed-shape decode step's time goes: host encode vs GPU, and GPU time per kernel.
 
-    python -m benchmarks.step_profile [--small] [--context 512] [--kernels] [--out DIR]
+    python -m benchmarks.step_profile [--small] [--context 512] [--kernels] [--verify N] [--out DIR]
 
 On the shape-true slice of benchmarks/slice_decode.py (or `--small`), after a prefill and a
 warm-up, with the decode loop's run-ahead (one step in flight):
@@ -14,6 +14,10 @@ warm-up, with the decode loop's run-ahead (one step in flight):
   itself under ncu around exactly one step and lists every kernel family with its launches,
   GPU time, DRAM bytes read and their rate. ncu runs kernels one at a time at locked clocks,
   so the total is longer than a real step; the shares are what to read.
+- `--verify N`: the same for DSpark's verify of N positions instead of a decode step: the
+  slice with draft stages (benchmarks/speculative_steps.py), FixedDecoder.feed of N tokens with
+  the draft stages' inputs, as speculative.Target runs it, rewound after each; the split then
+  has no run-ahead (a verify's rows are read before the next is built): encode, then the GPU.
 
 Writes a dated Markdown report under --out (default benchmarks/results/).
 """
@@ -88,6 +92,26 @@ def split(model, context: int, steps: int) -> dict:
             "alone encode": ms([a for a, _ in alone]), "alone run": ms([b for _, b in alone])}
 
 
+def verify_split(model, context: int, n: int, steps: int) -> dict:
+    """Median ms of one n-position verify (feed with the draft stages' inputs, rewound after):
+    encode (host, up to the queued step), then the GPU's remaining run."""
+    cache, dec, y = decoder_after_prefill(model, context)
+    tokens = mx.broadcast_to(y.astype(mx.int32).reshape(1, 1), (1, n))
+    alone = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits, hidden = dec.feed(tokens, hidden=True)
+        mx.async_eval(logits, hidden)
+        t1 = time.perf_counter()
+        mx.eval(logits, hidden)
+        alone.append((t1 - t0, time.perf_counter() - t1))
+        dec.rewind(n)
+    dec.close(cache.offset)
+    ms = lambda v: 1e3 * statistics.median(v)
+    encode, run = ms([a for a, _ in alone]), ms([b for _, b in alone])
+    return {"encode": encode, "run": run, "verify": encode + run}
+
+
 def kernel_family(name: str) -> str:
     """A readable family name: dsv4 kernels without their template suffix, MLX kernels
     without their arguments."""
@@ -118,21 +142,49 @@ def ncu_path() -> str | None:
     return shutil.which("ncu") or (cuda_ncu if os.path.exists(cuda_ncu) else None)
 
 
-def profiled_step(model, context: int) -> None:
-    """One step between cuProfilerStart/Stop (what `ncu --profile-from-start off` records)."""
+def profiled_step(model, context: int, verify: int = 0) -> None:
+    """One step (or one verify of `verify` positions) between cuProfilerStart/Stop (what
+    `ncu --profile-from-start off` records)."""
     import ctypes
 
     cuda = ctypes.CDLL("libcuda.so.1")
     cache, step, y = decoder_after_prefill(model, context)
+    if verify:
+        tokens = mx.broadcast_to(y.astype(mx.int32).reshape(1, 1), (1, verify))
+        run = lambda: (mx.eval(step.feed(tokens, hidden=True)), step.rewind(verify))
+    else:
+        run = lambda: mx.eval(mx.argmax(step(y), axis=-1))
     for _ in range(6):                       # kernels built, graphs traced and cached
-        y = mx.argmax(step(y), axis=-1)
-        mx.eval(y)
+        run()
     mx.synchronize()
     cuda.cuProfilerStart()
-    mx.eval(mx.argmax(step(y), axis=-1))
+    run()
     mx.synchronize()
     cuda.cuProfilerStop()
     step.close(cache.offset)
+
+
+def kernel_table(a) -> list[str]:
+    """Report lines: every kernel family of one profiled step (or verify) under ncu, or why
+    there are none."""
+    ncu = ncu_path()
+    if ncu is None:
+        return ["", "--kernels: no ncu found; kernel table skipped."]
+    cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable,
+           "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context),
+           "--verify", str(a.verify)]
+    out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
+    rows = summarize_ncu(out.stdout)
+    if not rows:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]
+        print((out.stdout + out.stderr)[-3000:], file=sys.stderr)
+        return ["", f"--kernels: ncu recorded no kernels (exit status {out.returncode}): {tail[0]}"]
+    total = sum(t for _, _, t, _ in rows)
+    return ["", f"Kernels of {'one verify' if a.verify else 'one step'} under ncu: "
+            f"{sum(c for _, c, _, _ in rows)} launches, {total:.0f} µs of GPU time at ncu's locked clocks.", "",
+            "| kernel | launches | µs | share | DRAM MB read | TB/s |", "|---|---|---|---|---|---|",
+            *[f"| `{n}` | {c} | {t:.1f} | {100 * t / total:.1f}% | {b / 1e6:.2f} | "
+              f"{b / (t * 1e-6) / 1e12 if t else 0:.2f} |" for n, c, t, b in rows]]
 
 
 def main(argv=None) -> int:
@@ -141,6 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kernels", action="store_true", help="also profile one step's kernels under ncu")
+    p.add_argument("--verify", type=int, default=0, help="profile a verify of N positions instead")
     p.add_argument("--profiled-step", action="store_true", help=argparse.SUPPRESS)   # the run under ncu
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
@@ -148,43 +201,39 @@ def main(argv=None) -> int:
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build
     from dsv4 import flags
 
-    model, _, _ = build({**(SMALL if a.small else REAL), **ROLES})
+    # The ncu run first: its process then has the GPU's memory to itself (this one, holding a
+    # slice with draft stages and MLX's cache, left it too little).
+    kernel_lines = kernel_table(a) if a.kernels and not a.profiled_step else []
+    config = {**(SMALL if a.small else REAL), **ROLES}
+    model, _, _ = build(config)
+    if a.verify:
+        from benchmarks.speculative_steps import DRAFT, DRAFT_SMALL, with_draft
+
+        with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
     with flags.override(fixed_decode="on"):
         if a.profiled_step:
-            profiled_step(model, a.context)
+            profiled_step(model, a.context, a.verify)
             return 0
-        split(model, 64, 4)                  # warm-up: kernel builds, traces
-        runs = [split(model, a.context, a.steps) for _ in range(3)]
+        measure = (lambda c, s: verify_split(model, c, a.verify, s)) if a.verify else (lambda c, s: split(model, c, s))
+        measure(64, 4)                       # warm-up: kernel builds, traces
+        runs = [measure(a.context, a.steps) for _ in range(3)]
     when = datetime.now()
-    lines = [f"# Decode step profile: {'toy-width' if a.small else 'shape-true'} V4.1 slice", "",
+    what = f"a verify of {a.verify} positions" if a.verify else "Decode step"
+    lines = [f"# {what.capitalize()} profile: {'toy-width' if a.small else 'shape-true'} V4.1 slice", "",
              f"{when:%Y-%m-%d %H:%M}; context {a.context}, {a.steps} steps per run, 3 runs "
-             "(medians per step, ms).", "",
-             "| run | loop step | encode (host) | wait for token | chained | alone: encode | alone: GPU after encode |",
-             "|---|---|---|---|---|---|---|"]
+             "(medians per step, ms).", ""]
+    columns = (("verify", "encode", "run") if a.verify else
+               ("loop", "encode", "wait", "chained", "alone encode", "alone run"))
+    lines += (["| run | verify | encode (host) | GPU after encode |", "|---|---|---|---|"] if a.verify else
+              ["| run | loop step | encode (host) | wait for token | chained | alone: encode | alone: GPU after encode |",
+               "|---|---|---|---|---|---|---|"])
     for i, r in enumerate(runs):
-        lines.append(f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}" for k in
-                     ("loop", "encode", "wait", "chained", "alone encode", "alone run")) + " |")
-    if a.kernels:
-        ncu = ncu_path()
-        if ncu is None:
-            lines += ["", "--kernels: no ncu found; kernel table skipped."]
-        else:
-            cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable,
-                   "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context)]
-            out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
-            rows = summarize_ncu(out.stdout)
-            if not rows:
-                raise SystemExit(f"--kernels: ncu recorded no kernels (exit status {out.returncode}); "
-                                 f"its output ends:\n{(out.stdout + out.stderr)[-3000:]}")
-            total = sum(t for _, _, t, _ in rows)
-            lines += ["", f"Kernels of one step under ncu: {sum(c for _, c, _, _ in rows)} launches, "
-                      f"{total:.0f} µs of GPU time at ncu's locked clocks.", "",
-                      "| kernel | launches | µs | share | DRAM MB read | TB/s |", "|---|---|---|---|---|---|"]
-            lines += [f"| `{n}` | {c} | {t:.1f} | {100 * t / total:.1f}% | {b / 1e6:.2f} | "
-                      f"{b / (t * 1e-6) / 1e12 if t else 0:.2f} |" for n, c, t, b in rows]
+        lines.append(f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}" for k in columns) + " |")
+    lines += kernel_lines
     lines += ["", to_markdown(describe())]
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{when:%Y-%m-%d-%H%M}-step-profile{'-small' if a.small else ''}.md"
+    tag = (f"-verify{a.verify}" if a.verify else "") + ("-small" if a.small else "")
+    path = a.out / f"{when:%Y-%m-%d-%H%M}-step-profile{tag}.md"
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"report: {path}")
