@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmar
 MARK = "DSV4_COLD_START "
 
 
-def child(small: bool) -> None:
-    """One run (in its own process): the phases' seconds since the process started."""
-    start = float(os.environ["DSV4_COLD_START_T0"])
+def child(small: bool, start: float) -> None:
+    """One run (in its own process): the phases' seconds since `start`, when the parent
+    started it (time.time())."""
     import mlx.core as mx
 
     import dsv4.model  # noqa: F401
@@ -68,9 +68,8 @@ def child(small: bool) -> None:
 
 
 def run_child(small: bool, cache: str, mlx_dir: Path) -> dict:
-    env = dict(os.environ, DSV4_KERNEL_CACHE=cache, MLX_PTX_CACHE_DIR=str(mlx_dir),
-               DSV4_COLD_START_T0=repr(time.time()))
-    cmd = [sys.executable, "-m", "benchmarks.cold_start", "--child"] + (["--small"] if small else [])
+    env = dict(os.environ, DSV4_KERNEL_CACHE=cache, MLX_PTX_CACHE_DIR=str(mlx_dir))
+    cmd = [sys.executable, "-m", "benchmarks.cold_start", "--child", repr(time.time())] + (["--small"] if small else [])
     result = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith(MARK)]
     if result.returncode != 0 or not lines:
@@ -97,11 +96,11 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="toy widths")
     p.add_argument("--runs", type=int, default=2, help="processes per variant, one after the other")
     p.add_argument("--count", action="store_true", help="only count the kernel instantiations (no GPU needed)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", type=float, metavar="STARTED", help=argparse.SUPPRESS)   # a run, started then
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
-    if a.child:
-        child(a.small)
+    if a.child is not None:
+        child(a.small, a.child)
         return 0
     from benchmarks.hardware import describe, to_markdown
 
