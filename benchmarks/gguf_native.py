@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmar
 
 from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, random_mx  # noqa: E402
 from benchmarks.slice_decode import GGUF_EXPERTS, gguf_blocks_on_device  # noqa: E402
+from dsv4 import flags  # noqa: E402
 from dsv4.kernels import experts as ex  # noqa: E402
 from dsv4.kernels import matvec as mv  # noqa: E402
 from dsv4.kernels.gguf_dot import GGUFMatrix  # noqa: E402
@@ -108,13 +109,18 @@ def decode_rows(name, weights, tokens_list):
 
 
 def matvec_rows():
+    """(N, K, seconds a block at a time, seconds two blocks at a time, bytes) per dense shape."""
     rows = []
     for n, k in ((1280, 5120), (32768, 1280), (5120, 8192), (2304, 5120)):
         q = gguf((n, k), "Q8_0")
         x = (mx.random.normal((1, k))).astype(mx.bfloat16)
         mx.eval(x)
-        t = compare({"k": lambda: mv.quantized_matvec(x, q, True)})["k"]
-        rows.append((n, k, t, q.weight.nbytes))
+
+        def run(pairs: bool):
+            with flags.override(kernel_gguf_q8_pairs=pairs):   # read when the launch is made
+                return mv.quantized_matvec(x, q, True)
+        t = compare({"blocks": lambda: run(False), "pairs": lambda: run(True)})
+        rows.append((n, k, t["blocks"], t["pairs"], q.weight.nbytes))
     return rows
 
 
@@ -198,14 +204,23 @@ def main(argv=None) -> int:
             lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
                          f"{gate_up} | {down} |")
             print(lines[-1], flush=True)
+        if name != "mxfp4":   # the shared expert's Q8_0 read two blocks at a time
+            with flags.override(kernel_gguf_q8_pairs=True):
+                for n, t, sec, nbytes, gate_up, down in decode_rows(f"{name}, Q8_0 pairs", weights, tokens):
+                    lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
+                                 f"{gate_up} | {down} |")
+                    print(lines[-1], flush=True)
         if name != "mxfp4" and not a.no_prefill:
             prefill += prefill_rows(name, weights)
             print(prefill[-2:], flush=True)
         del weights
     lines += ["", "## GGUF Q8_0 dense matvec, one token (act_quant fused)", "",
-              "| N x K | µs/call | MB | effective TB/s |", "|---|---|---|---|"]
-    for n, k, sec, nbytes in matvec_rows():
-        lines.append(f"| {n} x {k} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} |")
+              "A block at a time (17 u16 loads), and two at a time (DSV4_KERNEL_GGUF_Q8_PAIRS: 17 u32 loads "
+              "per 68 bytes), interleaved.", "",
+              "| N x K | MB | blocks µs/call | TB/s | pairs µs/call | TB/s |", "|---|---|---|---|---|---|"]
+    for n, k, blocks, pairs, nbytes in matvec_rows():
+        lines.append(f"| {n} x {k} | {nbytes / 1e6:.1f} | {blocks * 1e6:.1f} | {nbytes / blocks / 1e12:.2f} | "
+                     f"{pairs * 1e6:.1f} | {nbytes / pairs / 1e12:.2f} |")
         print(lines[-1], flush=True)
     lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
               "| recipe | path | tokens/s |", "|---|---|---|"]

@@ -290,6 +290,11 @@ define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
        "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
+define("kernel_gguf_q8_pairs", False,
+       "GPU kernels over GGUF Q8_0 rows (the dense projections and shared experts of ds4's files) "
+       "read two blocks at a time: 68 bytes from a 4-byte boundary in 17 u32 loads, where one block "
+       "takes 17 u16 loads (dsv4/kernels/gguf_dot.py); the same values and sums. Off (default) "
+       "until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "

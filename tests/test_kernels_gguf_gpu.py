@@ -83,13 +83,16 @@ def test_gguf_routed_experts_with_expand(experts, tokens):
 # Q4_K of its q4 attention option, at V4.1's shapes.
 @pytest.mark.parametrize("qtype,n,k", [("Q8_0", 1280, 5120), ("Q8_0", 32768, 1280), ("Q8_0", 512, 5120),
                                        ("Q8_0", 5120, 8192), ("Q4_K", 1280, 5120), ("Q2_K", 512, 5120),
-                                       ("IQ2_XXS", 2304, 5120)])
+                                       ("IQ2_XXS", 2304, 5120), ("Q8_0 pairs", 1280, 5120),
+                                       ("Q8_0 pairs", 32768, 1280), ("Q8_0 pairs", 5120, 8192)])
 @pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_gguf_matvec(qtype, n, k, tokens):
-    q = gguf_matrix(RNG, (n, k), qtype)
+    """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS)."""
+    q = gguf_matrix(RNG, (n, k), qtype.split()[0])
     x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
     assert mv.kernel_supports(x, q)
-    got = f32(mv.quantized_matvec(x, q, True))
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs")):
+        got = f32(mv.quantized_matvec(x, q, True))
     want = f32(mv.matvec_reference(x, q, True))
     # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation
     scale = np.abs(want).max(-1, keepdims=True)

@@ -13,7 +13,7 @@ import pytest
 
 import mlx.core as mx
 
-from dsv4 import gguf_blocks
+from dsv4 import flags, gguf_blocks
 from dsv4.kernels import experts as ex
 from dsv4.kernels import gguf_dot
 from dsv4.kernels import matvec as mv
@@ -48,7 +48,7 @@ struct uint2 { uint32_t x, y; };
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = r"""
 inline size_t row_bytes(int qtype, int n_in) {
-  return qtype == 10 ? n_in / 32 * 34 : qtype == 11 ? n_in / 256 * 144 : qtype == 12 ? n_in / 256 * 84 : n_in / 256 * 66;
+  return qtype == 10 || qtype == 14 ? n_in / 32 * 34 : qtype == 11 ? n_in / 256 * 144 : qtype == 12 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
@@ -138,7 +138,8 @@ def build(tmp_path, name, kernel, main, consts):
 
 
 def mode(m: GGUFMatrix) -> int:
-    return gguf_dot.GGUF_MODE_IDS[m.qtype]
+    """The unit decoder the switches pick for m (Q8_0 in pairs under DSV4_KERNEL_GGUF_Q8_PAIRS)."""
+    return dict(m.template())["MODE"]
 
 
 # (routed, shared, I, D): ds4's q2 and q4 recipes at toy widths whose rows hold several units
@@ -150,8 +151,14 @@ def mode(m: GGUFMatrix) -> int:
     (("Q4_K", "Q4_K", "Q4_K"), "Q8_0", 256, 768),
     (("Q8_0", "Q8_0", "Q8_0"), None, 96, 160),
 ])
-@pytest.mark.parametrize("tokens,act_quant", [(1, True), (2, False)])
-def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant):
+@pytest.mark.parametrize("tokens,act_quant,pairs", [(1, True, False), (2, False, False), (2, True, True)])
+def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs):
+    """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS)."""
+    with flags.override(kernel_gguf_q8_pairs=pairs):
+        experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
+
+
+def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     rng = np.random.default_rng()
     E, K = 4, 3
     gate, up = (gguf_matrix(rng, (E, I, D), q) for q in routed[:2])
@@ -192,10 +199,16 @@ def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens,
     ("Q4_K", 37, 1024),     # 4 slices of one block
     ("Q2_K", 300, 512),
     ("IQ2_XXS", 64, 768),
+    ("Q8_0 pairs", 40, 512),      # split in 4 slices of 2 pairs
+    ("Q8_0 pairs", 2100, 128),    # 2 rows per SIMD group, 2 pairs a row: most lanes without one
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
-    q = gguf_matrix(rng, (n, k), qtype)
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs")):
+        matvec_body(tmp_path, rng, gguf_matrix(rng, (n, k), qtype.split()[0]), n, k)
+
+
+def matvec_body(tmp_path, rng, q, n, k):
     split, rows = mv.work_split(n, k, q.block_values)
     consts = dict(WARPS=mv.WARPS, MODE=mode(q), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k, XS=ex.X_STRIDE, ACTQ=1)
     exe = build(tmp_path, "matvec", mv.GGUF_MATVEC_KERNEL, MATVEC_MAIN, consts)

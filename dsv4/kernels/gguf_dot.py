@@ -12,7 +12,9 @@ A row is the tensor's own bytes (K_IN / BLOCK_VALUES blocks), read in place: no 
 so a weight is exactly as big as in the GGUF file. A lane's unit is what it decodes from one
 set of loads:
 
-  Q8_0     32 values: a block (34 B, 2-byte aligned: 17 u16 loads), d * sum(q x)
+  Q8_0     32 values: a block (34 B, 2-byte aligned: 17 u16 loads), d * sum(q x); with
+           DSV4_KERNEL_GGUF_Q8_PAIRS and rows of 64k values, 64 values: two blocks (68 B from a
+           4-byte boundary: 17 u32 loads, half the load instructions), mode id 14
   IQ2_XXS  32 values: a sub-block (8 B + the block's f16 d, u16 loads), db * sum(+-grid x);
            the grid (256 x 8 bytes) and the sign table come in the matrix's `scales` operand
   Q4_K     64 values: two sub-blocks sharing 32 bytes of nibbles (16-byte loads: a block is
@@ -32,9 +34,10 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from dsv4 import gguf_blocks
+from dsv4 import flags, gguf_blocks
 
 GGUF_MODE_IDS = {"Q8_0": 10, "Q4_K": 11, "Q2_K": 12, "IQ2_XXS": 13}
+Q8_0_PAIRS = 14   # the mode id of Q8_0 read two blocks at a time
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -71,6 +74,30 @@ template <> struct GgufUnit<10> {   // Q8_0
       s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
     }
     return d * s;
+  }
+};
+
+template <> struct GgufUnit<14> {   // Q8_0, two blocks per unit: 68 bytes, 4-byte aligned
+  static constexpr int VALUES = 64, BLOCK_VALUES = 64, BLOCK_BYTES = 68;
+  uint32_t q[16];
+  float d[2];
+  template <typename P> KFN void load(P row, int u) {
+    P b = row + 68 * u;
+    uint32_t w[17];
+    for (int k = 0; k < 17; ++k) w[k] = u32_at(b, k);
+    d[0] = f16_bits(w[0] & 0xffffu);                   // bytes 0-1; its int8s at bytes 2-33
+    for (int k = 0; k < 8; ++k) q[k] = (w[k] >> 16) | (w[k + 1] << 16);
+    d[1] = f16_bits(w[8] >> 16);                       // bytes 34-35; its int8s at 36-67, aligned
+    for (int k = 0; k < 8; ++k) q[8 + k] = w[9 + k];
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = q[2 * c + j] ^ 0x80808080u;   // int8 + 128, as bytes
+      const float2 a = ints2(u & 0x00ff00ffu, 128.0f), b = ints2((u >> 8) & 0x00ff00ffu, 128.0f);
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
+    return d[c / 4] * s;
   }
 };
 
@@ -222,11 +249,18 @@ class GGUFMatrix:
         return ("gguf", self.qtype)
 
     @property
+    def paired(self) -> bool:
+        """Q8_0 read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS; rows of 64k values)."""
+        return self.qtype == "Q8_0" and self.in_features % 64 == 0 and bool(flags.get("kernel_gguf_q8_pairs"))
+
+    @property
     def block_values(self) -> int:
-        return gguf_blocks.BLOCK_WEIGHTS[self.qtype]
+        """Values of the unit a kernel's work split must keep whole: a block, or a pair."""
+        return 64 if self.paired else gguf_blocks.BLOCK_WEIGHTS[self.qtype]
 
     def template(self, prefix: str = "") -> list:
-        return [(prefix + "MODE", GGUF_MODE_IDS[self.qtype]), (prefix + "BITS", 0), (prefix + "GS", 0)]
+        mode = Q8_0_PAIRS if self.paired else GGUF_MODE_IDS[self.qtype]
+        return [(prefix + "MODE", mode), (prefix + "BITS", 0), (prefix + "GS", 0)]
 
     def operands(self) -> list:
         """weight, tables (IQ2_XXS's grid and signs; else a placeholder), and a placeholder bias."""

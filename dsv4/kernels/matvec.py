@@ -100,10 +100,13 @@ MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec", input_names=("x", "w", "s",
 
 
 def _gguf_checks():
-    """GGUF dense projections: ds4's Q8_0 (split and rows) and the Q4_K of its q4 attention option."""
+    """GGUF dense projections: ds4's Q8_0 (split and rows; read in pairs too) and the Q4_K of its
+    q4 attention option."""
     out = []
-    for qtype, split, rows, k in (("Q8_0", 1, 2, 4096), ("Q8_0", 4, 1, 1024), ("Q4_K", 2, 1, 4096)):
-        template = (("T", mx.bfloat16), ("MODE", gguf_dot.GGUF_MODE_IDS[qtype]), ("BITS", 0), ("GS", 0),
+    modes = dict(gguf_dot.GGUF_MODE_IDS, Q8_0_PAIRS=gguf_dot.Q8_0_PAIRS)
+    for qtype, split, rows, k in (("Q8_0", 1, 2, 4096), ("Q8_0", 4, 1, 1024), ("Q4_K", 2, 1, 4096),
+                                  ("Q8_0_PAIRS", 1, 2, 4096)):
+        template = (("T", mx.bfloat16), ("MODE", modes[qtype]), ("BITS", 0), ("GS", 0),
                     ("SPLIT", split), ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", True))
         out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))
     return tuple(out)
