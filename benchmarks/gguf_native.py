@@ -200,13 +200,10 @@ def main(argv=None) -> int:
     prefill = []
     for name in ("mxfp4", "q2", "q4"):
         weights = recipe_weights(name)
-        for n, t, sec, nbytes, gate_up, down in decode_rows(name, weights, tokens):
-            lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
-                         f"{gate_up} | {down} |")
-            print(lines[-1], flush=True)
-        if name != "mxfp4":   # the shared expert's Q8_0 read two blocks at a time
-            with flags.override(kernel_gguf_q8_pairs=True):
-                for n, t, sec, nbytes, gate_up, down in decode_rows(f"{name}, Q8_0 pairs", weights, tokens):
+        runs = [(name, False)] + ([] if name == "mxfp4" else [(f"{name}, Q8_0 pairs", True)])
+        for label, pairs in runs:   # pairs: the shared expert's Q8_0 read two blocks at a time
+            with flags.override(kernel_gguf_q8_pairs=pairs):
+                for n, t, sec, nbytes, gate_up, down in decode_rows(label, weights, tokens):
                     lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
                                  f"{gate_up} | {down} |")
                     print(lines[-1], flush=True)

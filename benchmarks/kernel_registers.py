@@ -65,12 +65,11 @@ def main(argv=None) -> int:
         print("error: NVRTC is not installed (pip install -e '.[test]' installs it)", file=sys.stderr)
         return 2
     when = datetime.now()
-    lines = [f"# CUDA kernel resources at V4.1's widths (ptxas, sm_90a){': GGUF blocks' if a.gguf else ''}", "", f"{when:%Y-%m-%d %H:%M}.", "",
-             "| launch | kernel | registers / thread | spill bytes | static smem bytes | NVRTC s |",
-             "|---|---|---|---|---|---|"]
+    template = ["template"] if a.gguf else []   # GGUF: every instantiation, so each row names its own
+    columns = ["launch", "kernel", *template, "registers / thread", "spill bytes", "static smem bytes", "NVRTC s"]
+    lines = [f"# CUDA kernel resources at V4.1's widths (ptxas, sm_90a){': GGUF blocks' if a.gguf else ''}", "",
+             f"{when:%Y-%m-%d %H:%M}.", "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     if a.gguf:
-        lines[-2:] = ["| launch | kernel | template | registers / thread | spill bytes | static smem bytes | NVRTC s |",
-                      "|---|---|---|---|---|---|---|"]
         for what, attr in GGUF:
             kernel = getattr(experts, attr, None) or getattr(matvec, attr)
             for i in range(len(kernel.checks)):

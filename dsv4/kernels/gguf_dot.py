@@ -52,6 +52,17 @@ KFN float2 ints2(uint32_t w, float offset) {
 }
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
+// sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7].
+KFN float int8_dot8(uint32_t w0, uint32_t w1, LOCAL const float* x) {
+  const uint32_t w[2] = {w0, w1};
+  float s = 0.0f;
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t u = w[j] ^ 0x80808080u;   // int8 + 128, as bytes
+    const float2 a = ints2(u & 0x00ff00ffu, 128.0f), b = ints2((u >> 8) & 0x00ff00ffu, 128.0f);
+    s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+  }
+  return s;
+}
 
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
@@ -67,13 +78,7 @@ template <> struct GgufUnit<10> {   // Q8_0
     for (int k = 0; k < 8; ++k) q[k] = u16_at(b, 1 + 2 * k) | (u16_at(b, 2 + 2 * k) << 16);
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    float s = 0.0f;
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t u = q[2 * c + j] ^ 0x80808080u;   // int8 + 128, as bytes
-      const float2 a = ints2(u & 0x00ff00ffu, 128.0f), b = ints2((u >> 8) & 0x00ff00ffu, 128.0f);
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
-    }
-    return d * s;
+    return d * int8_dot8(q[2 * c], q[2 * c + 1], x);
   }
 };
 
@@ -91,13 +96,7 @@ template <> struct GgufUnit<14> {   // Q8_0, two blocks per unit: 68 bytes, 4-by
     for (int k = 0; k < 8; ++k) q[8 + k] = w[9 + k];
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    float s = 0.0f;
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t u = q[2 * c + j] ^ 0x80808080u;   // int8 + 128, as bytes
-      const float2 a = ints2(u & 0x00ff00ffu, 128.0f), b = ints2((u >> 8) & 0x00ff00ffu, 128.0f);
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
-    }
-    return d[c / 4] * s;
+    return d[c / 4] * int8_dot8(q[2 * c], q[2 * c + 1], x);
   }
 };
 
