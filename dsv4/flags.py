@@ -248,6 +248,11 @@ define("kernel_sparse_attention", True,
 define("attention_threadgroups", 256,
        "threadgroups the sparse-attention kernel aims for (its rows split between them, then "
        "merged): more keep a large GPU busy at decode, fewer make the merge cheaper", minimum=1)
+define("kernel_attention_rows8", False,
+       "sparse attention at decode (bf16, 256/512 dims) takes 8 rows per step per SIMD group (one "
+       "transposed shuffle reduction for their dots, 16-byte loads of 512 consecutive bytes) and "
+       "merges its splits over D/128 SIMD groups per head (dsv4/kernels/sparse_attention.py); off "
+       "(default until the H200 measures it: benchmarks/attention_decode.py) runs the 4-row kernels")
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")

@@ -118,23 +118,26 @@ KFN void load_lane(P p, LOCAL float* v) {
   }
 }
 
-// RoPE of this lane's DPL values v (dims lane*DPL.., pairs adjacent) on the last 2R dims of a
-// row of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
+// RoPE of the pair v[0], v[1] (dims d, d + 1, d even) if it lies in the last 2R dims of a row
+// of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
 // a sin + b cos) or, INVERSE, back (a cos + b sin, b cos - a sin).
+template <int D, int R, bool INVERSE, typename PC>
+KFN void rotate_pair(LOCAL float* v, int d, PC cosv, PC sinv, int qi) {
+  const int first_rot = D - 2 * R;
+  if (R > 0 && d >= first_rot) {
+    const int k = (d - first_rot) / 2;
+    const float c = cosv[(size_t)qi * R + k];
+    const float sn = sinv[(size_t)qi * R + k];
+    const float a = v[0], bb = v[1];
+    v[0] = INVERSE ? a * c + bb * sn : a * c - bb * sn;
+    v[1] = INVERSE ? bb * c - a * sn : a * sn + bb * c;
+  }
+}
+
+// rotate_pair on this lane's DPL values v (dims lane*DPL.., pairs adjacent).
 template <int D, int DPL, int R, bool INVERSE, typename PC>
 KFN void rotate_lane(LOCAL float* v, PC cosv, PC sinv, int qi, uint32_t lane) {
-  const int first_rot = D - 2 * R;
-  for (int i = 0; i < DPL; i += 2) {
-    const int d = (int)lane * DPL + i;
-    if (R > 0 && d >= first_rot) {
-      const int k = (d - first_rot) / 2;
-      const float c = cosv[(size_t)qi * R + k];
-      const float sn = sinv[(size_t)qi * R + k];
-      const float a = v[i], bb = v[i + 1];
-      v[i] = INVERSE ? a * c + bb * sn : a * c - bb * sn;
-      v[i + 1] = INVERSE ? bb * c - a * sn : a * sn + bb * c;
-    }
-  }
+  for (int i = 0; i < DPL; i += 2) rotate_pair<D, R, INVERSE>(v + i, (int)lane * DPL + i, cosv, sinv, qi);
 }
 
 // DPL consecutive fp32 values at p, 4 at a time when DPL % 4 == 0 (p 16-byte aligned).
@@ -264,6 +267,168 @@ _MERGE_BODY = r"""
   for (int i = 0; i < DPL; ++i) out[out_off + i] = static_cast<T>(o[i]);
 """
 
+# The 8-row kernels (flag `kernel_attention_rows8`; bf16, D % 256 == 0). Per SIMD group and
+# step: 8 rows' loads in flight at once (the 4-row kernel waits on memory twice as often), their
+# 8 dot products summed across the lanes by one transposed butterfly (9 shuffles where 8 sums
+# take 40; lane l ends with the whole dot of row (l >> 2) & 7), and the rows held as bf16 words
+# (32 registers a row less than fp32 values). A lane's values are striped (8-value chunk c at
+# dims 256c + 8 lane), so one 16-byte load of the SIMD group reads 512 consecutive bytes.
+# The merge spreads each (query, head) over D/128 SIMD groups of 4 dims a lane, the splits'
+# maxima and sums over the lanes: the 4-row merge's 64 SIMD groups each walked every split's
+# 512 values alone (ncu: 27 µs a layer for 4 MB of partials, latency-bound).
+_ROWS8_HEADER = r"""
+KFN int striped_dim(uint32_t lane, int i) { return 256 * (i / 8) + 8 * (int)lane + (i % 8); }
+
+KFN uint4 zero_u4() { uint4 z; z.x = 0u; z.y = 0u; z.z = 0u; z.w = 0u; return z; }
+
+// Products with the 8C bf16 values of the words w (two a word, the low half first), in fp32.
+template <int C>
+KFN float dot_bf16_words(LOCAL const float* v, LOCAL const uint4* w) {
+  float s = 0.0f;
+  for (int k = 0; k < C; ++k) {
+    const uint32_t ws[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
+    for (int j = 0; j < 4; ++j) {
+      s += v[8 * k + 2 * j] * AS_FLOAT(ws[j] << 16);
+      s += v[8 * k + 2 * j + 1] * AS_FLOAT(ws[j] & 0xffff0000u);
+    }
+  }
+  return s;
+}
+
+template <int C>
+KFN void add_bf16_words(LOCAL float* acc, float p, LOCAL const uint4* w) {
+  for (int k = 0; k < C; ++k) {
+    const uint32_t ws[4] = {w[k].x, w[k].y, w[k].z, w[k].w};
+    for (int j = 0; j < 4; ++j) {
+      acc[8 * k + 2 * j] += p * AS_FLOAT(ws[j] << 16);
+      acc[8 * k + 2 * j + 1] += p * AS_FLOAT(ws[j] & 0xffff0000u);
+    }
+  }
+}
+
+// Float f of lane src, through the int shuffle.
+KFN float shuffle_f(float f, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(f), src)); }
+"""
+
+_ROWS8_PARTIAL_BODY = r"""
+  // grid (32*G, n_head_groups*splits, B*S); one SIMD group per head, its rows 8 at a time.
+  constexpr int DPL = D / 32, C = DPL / 8;
+  const int S = q_shape[1], W = window_kv_shape[1], N = compressed_kv_shape[1];
+  const int NW = window_idx_shape[2], NK = topk_idx_shape[2];
+  const int RPS = ((NW + NK + SPLITS - 1) / SPLITS + 7) / 8 * 8;   // whole steps of 8 rows
+  const int qi = group_z;
+  const int b = qi / S;
+  const int split = group_y % SPLITS;
+  const int h = (group_y / SPLITS) * G + warp;
+  if (h >= H) return;
+  const float scale = params[0];
+  const size_t part = ((size_t)qi * H + h) * SPLITS + split;
+
+  float qv[DPL];
+  for (int k = 0; k < C; ++k) load_bf16_8(q + ((size_t)qi * H + h) * D + 256 * k, 0, lane, qv + 8 * k);
+  if (ROPE_Q > 0) {   // as the 4-row kernel: rotated in fp32, rounded to T
+    for (int i = 0; i < DPL; i += 2) rotate_pair<D, ROPE_Q, false>(qv + i, striped_dim(lane, i), rope_cos, rope_sin, qi);
+    for (int i = 0; i < DPL; ++i) qv[i] = float(static_cast<T>(qv[i]));
+  }
+  float m = -INFINITY, l = 0.0f;
+  float acc[DPL];
+  for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+  const bool up16 = (lane & 16u) != 0, up8 = (lane & 8u) != 0, up4 = (lane & 4u) != 0;
+  const int row_of_lane = ((int)lane >> 2) & 7;   // the row whose whole dot this lane ends with
+
+  const int r_begin = split * RPS;
+  const int r_end = min(NW + NK, r_begin + RPS);
+  for (int base = r_begin; base < r_end; base += 32) {
+    // Each lane fetches one row's index; rows are then taken 8 at a time from the lanes.
+    const int r = base + (int)lane;
+    int my_row = -1;
+    if (r < r_end) {
+      if (r < NW) {
+        const int j = window_idx[(size_t)qi * NW + r];
+        my_row = (j >= 0 && j < W) ? j : -1;
+      } else {
+        const int j = topk_idx[(size_t)qi * NK + (r - NW)];
+        my_row = (j >= 0 && j < N) ? (W + j) : -1;   // W + j marks a compressed row
+      }
+    }
+    const int count = min(32, r_end - base);
+    for (int c = 0; c < count; c += 8) {
+      int rows[8];
+      bool any = false;
+      for (int u = 0; u < 8; ++u) {
+        rows[u] = simd_shuffle_i(my_row, c + u);   // lanes past the end hold -1
+        any = any || rows[u] >= 0;
+      }
+      if (!any) continue;
+      uint4 kv[8][C];
+      for (int u = 0; u < 8; ++u) {
+        GLOBAL T* src = rows[u] >= W ? compressed_kv + ((size_t)b * N + (rows[u] - W)) * D
+                                     : window_kv + ((size_t)b * W + max(rows[u], 0)) * D;
+        for (int k = 0; k < C; ++k) kv[u][k] = rows[u] >= 0 ? LOAD_U4(src + 256 * k, lane) : zero_u4();
+      }
+      float d8[8], d4[4], d2[2];
+      for (int u = 0; u < 8; ++u) d8[u] = dot_bf16_words<C>(qv, kv[u]);
+      // Each step keeps half of the rows and adds the other lane's half of them.
+      for (int i = 0; i < 4; ++i) d4[i] = (up16 ? d8[i + 4] : d8[i]) + simd_xor_f(up16 ? d8[i] : d8[i + 4], 16);
+      for (int i = 0; i < 2; ++i) d2[i] = (up8 ? d4[i + 2] : d4[i]) + simd_xor_f(up8 ? d4[i] : d4[i + 2], 8);
+      float dot = (up4 ? d2[1] : d2[0]) + simd_xor_f(up4 ? d2[0] : d2[1], 4);
+      dot += simd_xor_f(dot, 2);
+      dot += simd_xor_f(dot, 1);
+      int mine = rows[0];
+      for (int u = 1; u < 8; ++u) mine = row_of_lane == u ? rows[u] : mine;
+      const float s = mine >= 0 ? dot * scale : -INFINITY;
+      // Over the 8 rows: lanes l, l^4, l^8, ... hold them all.
+      float top = FMAX(s, simd_xor_f(s, 4));
+      top = FMAX(top, simd_xor_f(top, 8));
+      top = FMAX(top, simd_xor_f(top, 16));
+      const float m_new = FMAX(m, top);
+      const float p = EXP(s - m_new);
+      float p_sum = p + simd_xor_f(p, 4);
+      p_sum += simd_xor_f(p_sum, 8);
+      p_sum += simd_xor_f(p_sum, 16);
+      const float corr = EXP(m - m_new);
+      l = l * corr + p_sum;
+      for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+      const float p_rounded = float(static_cast<T>(p));   // bf16 probabilities before PV
+      for (int u = 0; u < 8; ++u) add_bf16_words<C>(acc, shuffle_f(p_rounded, 4 * u), kv[u]);
+      m = m_new;
+    }
+  }
+  for (int i = 0; i < DPL; ++i) part_acc[part * D + striped_dim(lane, i)] = acc[i];
+  if (lane == 0) {
+    part_ml[part * 2] = m;
+    part_ml[part * 2 + 1] = l;
+  }
+"""
+
+_ROWS8_MERGE_BODY = r"""
+  // grid (32*D/128, H, B*S): D/128 SIMD groups merge one (query, head), 4 dims a lane.
+  const int qi = group_z;
+  const int h = group_y;
+  const size_t first = ((size_t)qi * H + h) * SPLITS;
+  float top = -1e30f;
+  for (int s = (int)lane; s < SPLITS; s += 32) top = FMAX(top, part_ml[(first + s) * 2]);
+  top = simd_max_f(top);
+  float denom = 0.0f;
+  for (int s = (int)lane; s < SPLITS; s += 32)
+    denom += EXP(part_ml[(first + s) * 2] - top) * part_ml[(first + s) * 2 + 1];
+  denom = simd_sum_f(denom) + EXP(sinks[h] - top);
+  const int d0 = 128 * (int)warp + 4 * (int)lane;
+  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < SPLITS; ++s) {
+    const float w = EXP(part_ml[(first + s) * 2] - top);
+    float p[4];
+    load_lane_f32<4>(part_acc + (first + s) * D + d0, p);
+    for (int i = 0; i < 4; ++i) o[i] += w * p[i];
+  }
+  const size_t out_off = ((size_t)qi * H + h) * D + d0;
+  for (int i = 0; i < 4; ++i) o[i] = float(static_cast<T>(o[i] / denom));
+  // Inverse RoPE on the last 2*ROPE_HALF dims, after the output's rounding (as unfused).
+  for (int i = 0; i < 4; i += 2) rotate_pair<D, ROPE_HALF, true>(o + i, d0 + i, rope_cos, rope_sin, qi);
+  for (int i = 0; i < 4; ++i) out[out_off + i] = static_cast<T>(o[i]);
+"""
+
+
 def _vector_loads(dtype, D: int) -> bool:
     """Whether the partial kernel's lanes read rows 8 bf16 values at a time."""
     return dtype == mx.bfloat16 and (D // 32) % 8 == 0
@@ -294,6 +459,35 @@ MERGE_KERNEL = Kernel(
          (("T", t), ("D", d), ("H", h), ("ROPE_HALF", r), ("SPLITS", 5)))
         for t, d, h, r in _CHECK_TYPES),
 )
+
+
+_ROWS8_CHECKS = ((512, 64, 32), (256, 11, 0))
+
+ROWS8_PARTIAL_KERNEL = Kernel(
+    name="dsv4_sparse_attention_rows8_partial",
+    input_names=PARTIAL_KERNEL.input_names, output_names=PARTIAL_KERNEL.output_names,
+    body=_ROWS8_PARTIAL_BODY, header=_HEADER + _ROWS8_HEADER,
+    checks=tuple(
+        ((mx.bfloat16, mx.bfloat16, mx.int32, mx.bfloat16, mx.int32, mx.float32, mx.float32, mx.float32),
+         (mx.float32, mx.float32),
+         (("T", mx.bfloat16), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", 32), ("ROPE_Q", r)))
+        for d, h, r in _ROWS8_CHECKS),
+)
+
+ROWS8_MERGE_KERNEL = Kernel(
+    name="dsv4_sparse_attention_rows8_merge",
+    input_names=MERGE_KERNEL.input_names, output_names=MERGE_KERNEL.output_names,
+    body=_ROWS8_MERGE_BODY, header=_HEADER,
+    checks=tuple(
+        ((mx.float32,) * 5, (mx.bfloat16,), (("T", mx.bfloat16), ("D", d), ("H", h), ("ROPE_HALF", r), ("SPLITS", s)))
+        for (d, h, r), s in zip(_ROWS8_CHECKS, (32, 37))),
+)
+
+
+def rows8_applies(q) -> bool:
+    """Whether the 8-row kernels take this call: the switch, and bf16 rows of 256 or 512 values."""
+    return (flags.get("kernel_attention_rows8") and q.dtype == mx.bfloat16
+            and q.shape[-1] in (256, 512))
 
 
 def kernel_supports(q, window_kv, compressed_kv, rope_cos) -> bool:
@@ -345,18 +539,21 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     elif rope_cos.size != B * S * rope_half:   # [R] shared by several queries: one row each
         rope_cos, rope_sin = (mx.broadcast_to(a, (B, S, rope_half)) for a in (rope_cos, rope_sin))
     rope_cos, rope_sin = _float32(rope_cos), _float32(rope_sin)
-    part_acc, part_ml = PARTIAL_KERNEL(
+    rows8 = rows8_applies(q)
+    template = [("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits),
+                ("ROPE_Q", rope_half if rotate_queries else 0)]
+    part_acc, part_ml = (ROWS8_PARTIAL_KERNEL if rows8 else PARTIAL_KERNEL)(
         inputs=[q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx),
                 constant((float(scale),)), rope_cos, rope_sin],
         output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
         output_dtypes=[mx.float32, mx.float32],
         grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
-        template=[("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits),
-                  ("ROPE_Q", rope_half if rotate_queries else 0), ("VEC", _vector_loads(q.dtype, D))])
-    (out,) = MERGE_KERNEL(
+        template=template if rows8 else template + [("VEC", _vector_loads(q.dtype, D))])
+    merge_threads = 32 * D // 128 if rows8 else 32
+    (out,) = (ROWS8_MERGE_KERNEL if rows8 else MERGE_KERNEL)(
         inputs=[part_acc, part_ml, _float32(sinks), rope_cos, rope_sin],
         output_shapes=[q.shape if shape is None else shape], output_dtypes=[q.dtype],
-        grid=(32, H, B * S), threadgroup=(32, 1, 1),
+        grid=(merge_threads, H, B * S), threadgroup=(merge_threads, 1, 1),
         template=[("T", q.dtype), ("D", D), ("H", H), ("ROPE_HALF", rope_half), ("SPLITS", splits)])
     return out
 
