@@ -116,6 +116,26 @@ def test_attention_layouts_change_no_value():
     np.testing.assert_array_equal(f32(grouped), f32(per_query).reshape(B * S, 8, 1, H * D // 8))
 
 
+@pytest.mark.parametrize("S", [1, 4, 8])
+def test_attention_rows8_kernels(S):
+    """The 8-row kernels (DSV4_KERNEL_ATTENTION_ROWS8) at decode and verify widths: real shape
+    with the fused RoPE both ways, 512 of 8192 rows and 512 of 512 selected; odd sizes; the
+    edge cases (no row, one row, out of range)."""
+    with flags.override(kernel_attention_rows8=True):
+        case = attention_case(1, S, 64, 512, 128, 8192, 128, 512, mx.bfloat16, rope=32, rotate_queries=True)
+        assert sa.rows8_applies(case["q"])
+        compare_attention(case)
+        compare_attention(attention_case(1, S, 64, 512, 128, 512, 128, 512, mx.bfloat16, invalid=0.0))
+        compare_attention(attention_case(2, S // 2 + 1, 11, 256, 13, 37, 9, 29, mx.bfloat16, rope=8))
+        case = attention_case(1, 3, 8, 512, 8, 8, 5, 4, mx.bfloat16, invalid=0.0)
+        wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
+        wi[0, 0] = -1; ti[0, 0] = -1
+        wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1
+        ti[0, 2] = [100, -5, 2, 2]
+        case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
+        assert np.all(compare_attention(case)[0, 0] == 0)
+
+
 # --- mHC ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (7, 96, mx.float32), (3, 5120, mx.bfloat16)])

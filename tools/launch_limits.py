@@ -192,9 +192,12 @@ def v41_calls():
                                      (_zeros(1, CONTEXT, Dh), a.index_topk)):
             topk_idx = None if compressed is None else _zeros(1, t, selected, dtype=mx.int32)
             angles = _zeros(1, t, R, dtype=mx.float32)
-            sparse_attention.sparse_attention(
-                _zeros(1, t, H, Dh), _zeros(1, a.sliding_window, Dh), _zeros(1, t, a.sliding_window, dtype=mx.int32),
-                compressed, topk_idx, _zeros(H, dtype=mx.float32), Dh ** -0.5, angles, angles, rotate_queries=True)
+            for rows8 in (False, True):   # rows8: the 8-row kernels
+                with flags.override(kernel_attention_rows8=rows8):
+                    sparse_attention.sparse_attention(
+                        _zeros(1, t, H, Dh), _zeros(1, a.sliding_window, Dh),
+                        _zeros(1, t, a.sliding_window, dtype=mx.int32), compressed, topk_idx,
+                        _zeros(H, dtype=mx.float32), Dh ** -0.5, angles, angles, rotate_queries=True)
 
         x = _zeros(t, D)
         logits = _zeros(t, E, dtype=mx.float32)

@@ -312,7 +312,8 @@ KFN float shuffle_f(float f, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i
 
 _ROWS8_PARTIAL_BODY = r"""
   // grid (32*G, n_head_groups*splits, B*S); one SIMD group per head, its rows 8 at a time.
-  constexpr int DPL = D / 32, C = DPL / 8;
+  constexpr int DPL = D / 32;
+  constexpr int C = DPL / 8;   // 8-value chunks a lane
   const int S = q_shape[1], W = window_kv_shape[1], N = compressed_kv_shape[1];
   const int NW = window_idx_shape[2], NK = topk_idx_shape[2];
   const int RPS = ((NW + NK + SPLITS - 1) / SPLITS + 7) / 8 * 8;   // whole steps of 8 rows
