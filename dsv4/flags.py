@@ -321,6 +321,12 @@ define("kernel_cache", "auto",
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
+define("kernel_mhc_wide", False,
+       "decode (1-8 tokens): each mHC site entry's two launches spread a token over the whole GPU "
+       "(partials of the projection and collapse on D/32 SIMD groups, the expand's included; then "
+       "the RMSNorm over D/256 threadgroups beside the Sinkhorn's), where they ran on one SM per "
+       "token at ~15-20 µs each; the same roundings. Off until the H200 measures it "
+       "(benchmarks/mhc_decode.py)")
 
 # --- decode loop ----------------------------------------------------------------------------
 define("fixed_decode", "auto",

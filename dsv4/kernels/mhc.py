@@ -10,12 +10,21 @@ all Sinkhorn iterations in registers (one comb entry per lane); collapse + RMSNo
 kernel (one threadgroup per token). A site's collapse + RMSNorm can instead ride along in the
 Sinkhorn kernel (8 more SIMD groups per token): two launches for the site's entry instead of
 three. Expand is one elementwise kernel.
+
+At decode those launches ran one threadgroup per token where they reduce (one SM of a GPU's
+hundred), and the projection's 2 MB of fp32 on 16-20 threadgroups. DSV4_KERNEL_MHC_WIDE
+(`_wide`) gives a site's entry two launches that each spread a token over the whole GPU:
+the partials (the projection with 16-byte loads, the sum of squares, and the collapse with
+the previous site's pre, its sum of squares) over D / 32 SIMD groups, made by the expand
+itself at the FFN site; then the finish, whose threadgroups each normalise 256 columns while
+one more reduces the projection and runs the Sinkhorn.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -29,6 +38,16 @@ PROJECT_THREADS = 256
 PROJECT_TARGET_THREADGROUPS = 128
 PROJECT_MIN_CHUNK = 1024
 ROW_THREADS = 256
+WIDE_MAX_TOKENS = 8   # decode and verify; prefill keeps the per-token launches
+
+
+class Projection(NamedTuple):
+    """What `hc_expand` with the next site's fn hands that site's entry: the projection partials
+    (`splits` per token) and, from the wide path, the new streams' collapse with the site's
+    pre_in (else None)."""
+    partial: mx.array
+    splits: int
+    collapsed: Optional[mx.array] = None
 
 
 def hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
@@ -58,7 +77,7 @@ def hc_collapse_norm_reference(streams, pre, weight, eps, shape=None):
     return out if shape is None else out.reshape(shape)
 
 
-def hc_expand_reference(y, residual, post, comb, fn=None):
+def hc_expand_reference(y, residual, post, comb, fn=None, pre=None):
     """Plain-MLX definition; see `hc_expand` (with fn: (streams, None), no projection made)."""
     y = y.reshape(*residual.shape[:-2], y.shape[-1])   # the same tokens, maybe laid out otherwise
     mixed = comb.swapaxes(-1, -2) @ residual.astype(mx.float32)
@@ -67,22 +86,31 @@ def hc_expand_reference(y, residual, post, comb, fn=None):
 
 
 _STREAM_HEADER = r"""
-// Threadgroup sums of each thread's NM + 1 projection partials (acc), SIMD groups added in
-// index order, written to dst[0..NM] by threads 0..NM. red: warps x (NM + 1) floats of
-// threadgroup memory. Every thread of the threadgroup must call it (it has a barrier).
-template <int NM, typename PR, typename PD>
+// Threadgroup sums of each thread's N partials (acc), SIMD groups added in index order,
+// written to dst[0..N) by threads 0..N-1. red: warps x N floats of threadgroup memory. Every
+// thread of the threadgroup must call it (it has a barrier).
+template <int N, typename PR, typename PD>
 KFN void store_partials(LOCAL const float* acc, PR red, uint32_t lane, uint32_t warp, uint32_t tid,
                         uint32_t warps, PD dst) {
-  for (int o = 0; o <= NM; ++o) {
+  for (int o = 0; o < N; ++o) {
     const float v = simd_sum_f(acc[o]);
-    if (lane == 0) red[warp * (NM + 1) + o] = v;
+    if (lane == 0) red[warp * N + o] = v;
   }
   BARRIER();
-  if ((int)tid <= NM) {
+  if ((int)tid < N) {
     float v = 0.0f;
-    for (uint32_t w = 0; w < warps; ++w) v += red[w * (NM + 1) + tid];
+    for (uint32_t w = 0; w < warps; ++w) v += red[w * N + tid];
     dst[tid] = v;
   }
+}
+
+// Stream j of the expand of token qi at one column, in fp32 (before its rounding):
+// post_j y + sum_i comb[i][j] R_i, from r[i] = R_i and yv = y at that column.
+template <int HC, typename PP>
+KFN float expand_stream(LOCAL const float* r, float yv, PP post, PP comb, int qi, int j) {
+  float v = post[qi * HC + j] * yv;
+  for (int i = 0; i < HC; ++i) v += comb[(qi * HC + i) * HC + j] * r[i];
+  return v;
 }
 
 // Expand of column d of token qi: out_j = post_j y + sum_i comb[i][j] R_i in fp32, stored in
@@ -93,9 +121,7 @@ KFN void expand_column(PY y, PY residual, PP post, PP comb, int qi, int d, PO ou
   for (int i = 0; i < HC; ++i) r[i] = float(residual[((size_t)qi * HC + i) * D + d]);
   const float yv = float(y[(size_t)qi * D + d]);
   for (int j = 0; j < HC; ++j) {
-    float v = post[qi * HC + j] * yv;
-    for (int i = 0; i < HC; ++i) v += comb[(qi * HC + i) * HC + j] * r[i];
-    const T value = static_cast<T>(v);
+    const T value = static_cast<T>(expand_stream<HC>(r, yv, post, comb, qi, j));
     out[((size_t)qi * HC + j) * D + d] = value;
     stored[j] = float(value);
   }
@@ -116,7 +142,7 @@ _PROJECT_BODY = r"""
     for (int o = 0; o < NM; ++o) acc[o] += x * fn[(size_t)o * K + k];
   }
   SHARED float red[32 * (NM + 1)];
-  store_partials<NM>(acc, red, lane, warp, tid, group_threads / 32,
+  store_partials<NM + 1>(acc, red, lane, warp, tid, group_threads / 32,
                      partial + ((size_t)qi * SPLITS + split) * (NM + 1));
 """
 
@@ -180,6 +206,15 @@ KFN float collapse_part(PX streams, PP pre, int qi, uint32_t tid, LOCAL float* h
   return ss;
 }
 
+// Column d of token qi: out = round(w_d * (h * n)), n the RMS factor; with FP8 also out_q = out
+// rounded to e4m3 per 32 values (the 32 lanes of the SIMD group hold one block: they must all call).
+template <typename T, int D, bool FP8, typename PW, typename PO>
+KFN void norm_store(float h, float n, PW weight, int qi, int d, PO out, PO out_q) {
+  const T v = static_cast<T>(float(weight[d]) * (h * n));
+  out[(size_t)qi * D + d] = v;
+  if (FP8) out_q[(size_t)qi * D + d] = static_cast<T>(qdq_pow2_lane<0>(float(v)));
+}
+
 // out = round(w * h * rsqrt(mean(h^2) + eps)), the sum of h^2 given per SIMD group in red[8].
 // With FP8, out_q = out rounded to e4m3 per 32 values (qdq.HEADER's qdq_pow2_lane): the 32
 // values d = 32 w + 256 e + lane of SIMD group w are one block, whole when D % 32 == 0.
@@ -191,11 +226,7 @@ KFN void norm_part(PR red, float eps, PW weight, int qi, uint32_t tid, LOCAL con
   const float n = RSQRT(total / (float)D + eps);
   for (int e = 0; e < (D + 255) / 256; ++e) {
     const int d = (int)tid + 256 * e;
-    if (d < D) {
-      const T v = static_cast<T>(float(weight[d]) * (h[e] * n));
-      out[(size_t)qi * D + d] = v;
-      if (FP8) out_q[(size_t)qi * D + d] = static_cast<T>(qdq_pow2_lane<0>(float(v)));
-    }
+    if (d < D) norm_store<T, D, FP8>(h[e], n, weight, qi, d, out, out_q);
   }
 }
 """
@@ -281,8 +312,103 @@ _EXPAND_PROJECT_BODY = r"""
     }
   }
   SHARED float red[8 * (NM + 1)];
-  store_partials<NM>(acc, red, lane, warp, tid, group_threads / 32,
+  store_partials<NM + 1>(acc, red, lane, warp, tid, group_threads / 32,
                      partial + ((size_t)qi * SPLITS + group_x) * (NM + 1));
+"""
+
+# The wide decode path (DSV4_KERNEL_MHC_WIDE): a site's entry in two launches that both spread
+# one token over many threadgroups. First the partials, one SIMD group per 4 * 32 / HC columns
+# of all HC streams (each lane one stream's 4 columns: 16-byte loads of fn); then the finish:
+# every threadgroup RMS-normalises 256 columns, one more reduces the projection and runs the
+# Sinkhorn.
+_PARTIALS_BODY = r"""
+  // grid (32 * SPLITS, tokens, 1), threadgroup 32: lane j * QW + q holds stream j at the 4
+  // columns d..d+3 of quad q. partial[qi, group] = (the NM projections, sum of X^2, sum of h^2)
+  // over this group's columns; collapsed[qi, d] = h = round(sum_c pre_c X_c), the collapse
+  // with the previous site's pre, which the finish normalises.
+  constexpr int K = HC * D;
+  constexpr int NM = HC * (2 + HC);
+  constexpr int QW = 32 / HC;
+  const int qi = group_y;
+  const int j = (int)lane / QW, q = (int)lane % QW;
+  const int d = ((int)group_x * QW + q) * 4;
+  const bool live = d < D;
+  float x[4];
+  STREAM_VALUES
+  float acc[NM + 2];
+  for (int o = 0; o < NM + 2; ++o) acc[o] = 0.0f;
+  for (int e = 0; e < 4; ++e) acc[NM] += x[e] * x[e];
+  if (live)
+    for (int o = 0; o < NM; ++o) {
+      const uint4 f = LOAD_U4(fn + (size_t)o * K + j * D + d, 0);
+      acc[o] += x[0] * AS_FLOAT(f.x);
+      acc[o] += x[1] * AS_FLOAT(f.y);
+      acc[o] += x[2] * AS_FLOAT(f.z);
+      acc[o] += x[3] * AS_FLOAT(f.w);
+    }
+  float p[HC];
+  for (int c = 0; c < HC; ++c) p[c] = pre_in[qi * HC + c];
+  for (int e = 0; e < 4; ++e) {
+    float v = 0.0f;
+    for (int c = 0; c < HC; ++c) v += p[c] * shuffle_f(x[e], c * QW + q);
+    const T h = static_cast<T>(v);
+    if (j == 0 && live) {
+      collapsed[(size_t)qi * D + d + e] = h;
+      acc[NM + 1] += float(h) * float(h);
+    }
+  }
+  SHARED float red[NM + 2];
+  store_partials<NM + 2>(acc, red, lane, warp, tid, 1, partial + ((size_t)qi * SPLITS + group_x) * (NM + 2));
+"""
+# x[e]: the site's streams as they are.
+_LOADED_VALUES = r"""
+  for (int e = 0; e < 4; ++e) x[e] = live ? float(streams[((size_t)qi * HC + j) * D + d + e]) : 0.0f;
+"""
+# x[e]: the new streams of the expand (hc_expand's arithmetic), stored and taken as rounded.
+_EXPANDED_VALUES = r"""
+  for (int e = 0; e < 4; ++e) {
+    x[e] = 0.0f;
+    if (live) {
+      float r[HC];
+      for (int i = 0; i < HC; ++i) r[i] = float(residual[((size_t)qi * HC + i) * D + d + e]);
+      const T v = static_cast<T>(expand_stream<HC>(r, float(y[(size_t)qi * D + d + e]), post, comb, qi, j));
+      out[((size_t)qi * HC + j) * D + d + e] = v;
+      x[e] = float(v);
+    }
+  }
+"""
+
+_FINISH_BODY = r"""
+  // grid (256 * (ceil(D / 256) + 1), tokens, 1): threadgroup g < ceil(D / 256) normalises
+  // columns 256 g + tid of token qi with the sum of h^2 over the partials (each SIMD group sums
+  // them alike: the same factor everywhere); the last one sums the projection partials (SIMD
+  // group w the splits w, w + 8, ...) and its SIMD group 0 runs the Sinkhorn.
+  constexpr int NM = HC * (2 + HC);
+  const int qi = group_y;
+  if ((int)group_x * 256 < D) {
+    float ss = 0.0f;
+    for (int s = (int)lane; s < SPLITS; s += 32) ss += partial[((size_t)qi * SPLITS + s) * (NM + 2) + NM + 1];
+    const float n = RSQRT(simd_sum_f(ss) / (float)D + params[2]);
+    const int d = (int)(group_x * 256 + tid);
+    if (d < D) norm_store<T, D, FP8_COPY>(float(collapsed[(size_t)qi * D + d]), n, weight, qi, d, out, OUT_Q);
+    return;
+  }
+  SHARED float red[8 * (NM + 1)];
+  SHARED float mv[NM + 1];
+  if ((int)lane <= NM) {
+    float v = 0.0f;
+    for (int s = (int)warp; s < SPLITS; s += 8) v += partial[((size_t)qi * SPLITS + s) * (NM + 2) + lane];
+    red[warp * (NM + 1) + lane] = v;
+  }
+  BARRIER();
+  if ((int)tid <= NM) {
+    float v = 0.0f;
+    for (int w = 0; w < 8; ++w) v += red[w * (NM + 1) + tid];
+    mv[tid] = v;
+  }
+  BARRIER();
+  if (warp == 0)
+    mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, pre, post, comb);
 """
 
 _F = mx.float32
@@ -330,6 +456,35 @@ EXPAND_PROJECT_KERNEL = Kernel(
              (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 20))),
             ((_F,) * 5, (_F, _F), (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 1)))))
 
+_WIDE_HEADER = _STREAM_HEADER + _ROW_HEADER
+ENTRY_PARTIALS_KERNEL = Kernel(
+    name="dsv4_hc_entry_partials", input_names=("streams", "fn", "pre_in"),
+    output_names=("partial", "collapsed"), header=_WIDE_HEADER,
+    body=_PARTIALS_BODY.replace("STREAM_VALUES", _LOADED_VALUES),
+    checks=(((mx.bfloat16, _F, _F), (_F, mx.bfloat16), (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 160))),
+            ((_F, _F, _F), (_F, _F), (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 4)))))
+EXPAND_PARTIALS_KERNEL = Kernel(
+    name="dsv4_hc_expand_partials", input_names=("y", "residual", "post", "comb", "fn", "pre_in"),
+    output_names=("out", "partial", "collapsed"), header=_WIDE_HEADER,
+    body=_PARTIALS_BODY.replace("STREAM_VALUES", _EXPANDED_VALUES),
+    checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16, _F, mx.bfloat16),
+             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 160))),
+            ((_F,) * 6, (_F,) * 3, (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 4)))))
+_FINISH_CHECKS = (
+    ((_F, _F, _F, _F, mx.bfloat16, mx.bfloat16), (_F, _F, _F, mx.bfloat16),
+     (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 160))),
+    ((_F,) * 6, (_F,) * 4, (("T", _F), ("HC", 4), ("D", 96), ("ITERS", 20), ("SPLITS", 3))))
+ENTRY_FINISH_KERNEL = Kernel(
+    name="dsv4_hc_entry_finish", input_names=("partial", "scale", "base", "params", "collapsed", "weight"),
+    output_names=("pre", "post", "comb", "out"), header=_ROW_HEADER,
+    body=_FINISH_BODY.replace("FP8_COPY", "false").replace("OUT_Q", "out"), checks=_FINISH_CHECKS)
+# The same, also writing x rounded to fp8 per 32 values (the attention's wq_a/wkv input).
+ENTRY_FINISH_FP8_KERNEL = Kernel(
+    name="dsv4_hc_entry_finish_fp8", input_names=("partial", "scale", "base", "params", "collapsed", "weight"),
+    output_names=("pre", "post", "comb", "out", "out_q"), header=_ROW_HEADER,
+    body=_FINISH_BODY.replace("FP8_COPY", "true").replace("OUT_Q", "out_q"),
+    checks=tuple((i, (*o, o[-1]), t) for i, o, t in _FINISH_CHECKS))
+
 
 def _float32(a):
     return a if a.dtype == mx.float32 else a.astype(mx.float32)
@@ -348,8 +503,31 @@ def _compiled_mixes_reference(norm_eps: float, hc_eps: float, iterations: int):
                                         iterations=iterations))
 
 
-def _project(streams, fn):
-    """Launch the split-K projection kernel; returns (partial sums, splits)."""
+def _wide(streams) -> bool:
+    """The wide decode path applies (switch on, few tokens, quads of columns, whole lanes)."""
+    *lead, hc, D = streams.shape
+    return (bool(flags.get("kernel_mhc_wide")) and math.prod(lead) <= WIDE_MAX_TOKENS
+            and 32 % hc == 0 and D % 4 == 0)
+
+
+def _column_blocks(hc: int, D: int) -> int:
+    """Partials per token on the wide path: one SIMD group per 4 * 32 / hc columns."""
+    return math.ceil(D / (128 // hc))
+
+
+def _entry_partials(streams, fn, pre_in) -> Projection:
+    *lead, hc, D = streams.shape
+    tokens, splits = math.prod(lead), _column_blocks(hc, D)
+    partial, collapsed = ENTRY_PARTIALS_KERNEL(
+        inputs=[streams, _float32(fn), _float32(pre_in)],
+        output_shapes=[(tokens * splits * (hc * (2 + hc) + 2),), (tokens, D)],
+        output_dtypes=[mx.float32, streams.dtype], grid=(32 * splits, tokens, 1), threadgroup=(32, 1, 1),
+        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits)])
+    return Projection(partial, splits, collapsed)
+
+
+def _project(streams, fn) -> Projection:
+    """Launch the split-K projection kernel."""
     *lead, hc, D = streams.shape
     tokens = math.prod(lead)
     splits = max(1, min(math.ceil(PROJECT_TARGET_THREADGROUPS / tokens), hc * D // PROJECT_MIN_CHUNK))
@@ -361,7 +539,7 @@ def _project(streams, fn):
         threadgroup=(PROJECT_THREADS, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits),
                   ("CHUNK", math.ceil(hc * D / splits))])
-    return partial, splits
+    return Projection(partial, splits)
 
 
 @falls_back(hc_mixes_reference, "kernel_mhc")
@@ -378,7 +556,7 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
                 streams, fn, scale, base)
         return hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations)
     *lead, hc, D = streams.shape
-    partial, splits = _project(streams, fn)
+    partial, splits, _ = _project(streams, fn)
     pre, post, comb = SINKHORN_KERNEL(
         inputs=[partial, _float32(scale), _float32(base), constant((float(norm_eps), float(hc_eps)))],
         output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc)], output_dtypes=[mx.float32] * 3,
@@ -429,11 +607,14 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     scale, base, norm_eps, hc_eps, iterations). Returns (x, pre, post, comb), shapes and dtypes
     as those two give them (x laid out as `x_shape` if given); with `fp8_copy`, (x,
     qdq_fp8(x), pre, post, comb): the input of the official fp8 matmuls, bit-identical.
-    `projection`: what `hc_expand` returned with this site's fn for the same streams.
+    `projection`: what `hc_expand` returned with this site's fn (and pre_in) for the same streams.
 
     On the kernel path two launches instead of three (the projection, then one kernel that
     collapses and normalises, rounds the fp8 copy, while one of its SIMD groups finishes the
-    mixes); one when the expand that made the streams also made their projection.
+    mixes); one when the expand that made the streams also made their projection. With
+    DSV4_KERNEL_MHC_WIDE, for up to WIDE_MAX_TOKENS tokens: the same launches, each spread
+    over many threadgroups per token (the partials of the projection and of the collapse,
+    then the normalisation and, in one more threadgroup, the Sinkhorn).
     """
     float_weight = norm_weight.dtype in (mx.bfloat16, mx.float16, mx.float32)
     if not _use_kernel(streams.dtype, streams.shape[-2]) or not float_weight:
@@ -441,27 +622,40 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         copy = (qdq_fp8(x),) if fp8_copy else ()
         return (x, *copy, *hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations))
     *lead, hc, D = streams.shape
-    partial, splits = projection if projection is not None else _project(streams, fn)
     # The fp8 copy in the kernel when the rounding kernel would run (32-value blocks whole in
     # a SIMD group's row); else the rounding after it.
     fused_copy = fp8_copy and D % 32 == 0 and qdq_kernel_applies(streams, 32)
-    kernel = SINKHORN_COLLAPSE_NORM_FP8_KERNEL if fused_copy else SINKHORN_COLLAPSE_NORM_KERNEL
     x_shape = x_shape or (*lead, D)
+    outputs = dict(output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape] + [x_shape] * fused_copy,
+                   output_dtypes=[mx.float32] * 3 + [streams.dtype] * (1 + fused_copy))
+    params = constant((float(norm_eps), float(hc_eps), float(rms_eps)))
+    if projection is None and _wide(streams):
+        projection = _entry_partials(streams, fn, pre_in)
+    if projection is not None and projection.collapsed is not None:
+        kernel = ENTRY_FINISH_FP8_KERNEL if fused_copy else ENTRY_FINISH_KERNEL
+        groups = math.ceil(D / ROW_THREADS) + 1
+        pre, post, comb, x, *copy = kernel(
+            inputs=[projection.partial, _float32(scale), _float32(base), params, projection.collapsed, norm_weight],
+            grid=(ROW_THREADS * groups, math.prod(lead), 1), threadgroup=(ROW_THREADS, 1, 1),
+            template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations),
+                      ("SPLITS", projection.splits)], **outputs)
+        if fp8_copy and not fused_copy:
+            copy = [qdq_fp8(x)]
+        return (x, *copy, pre, post, comb)
+    partial, splits, _ = projection if projection is not None else _project(streams, fn)
+    kernel = SINKHORN_COLLAPSE_NORM_FP8_KERNEL if fused_copy else SINKHORN_COLLAPSE_NORM_KERNEL
     pre, post, comb, x, *copy = kernel(
-        inputs=[partial, _float32(scale), _float32(base),
-                constant((float(norm_eps), float(hc_eps), float(rms_eps))), streams,
-                _float32(pre_in), norm_weight],
-        output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape] + [x_shape] * fused_copy,
-        output_dtypes=[mx.float32] * 3 + [streams.dtype] * (1 + fused_copy),
+        inputs=[partial, _float32(scale), _float32(base), params, streams, _float32(pre_in), norm_weight],
         grid=(ROW_THREADS + 32, math.prod(lead), 1), threadgroup=(ROW_THREADS + 32, 1, 1),
-        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
+        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)],
+        **outputs)
     if fp8_copy and not fused_copy:
         copy = [qdq_fp8(x)]
     return (x, *copy, pre, post, comb)
 
 
 @falls_back(hc_expand_reference, "kernel_mhc")
-def hc_expand(y, residual, post, comb, fn=None):
+def hc_expand(y, residual, post, comb, fn=None, pre=None):
     """New streams X'_j = post_j y + sum_i comb[i, j] R_i, computed in fp32.
 
     y [B, S, D] (sublayer output); residual [B, S, hc, D] (streams that entered the site);
@@ -471,12 +665,23 @@ def hc_expand(y, residual, post, comb, fn=None):
 
     With fn (the next site's [hc*(2+hc), hc*D] projection) returns (streams, projection):
     on the kernel path the same launch also makes the next site's projection partials, for
-    `hc_mixes_collapse_norm(..., projection=...)`; elsewhere projection is None.
+    `hc_mixes_collapse_norm(..., projection=...)`; elsewhere projection is None. `pre`: that
+    site's pre_in ([B, S, hc] fp32, the pre of the site these streams entered), with which the
+    wide path (DSV4_KERNEL_MHC_WIDE) also collapses the new streams in the same launch.
     """
     if not _use_kernel(residual.dtype) or y.dtype != residual.dtype:
         return hc_expand_reference(y, residual, post, comb, fn)
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
+    if fn is not None and pre is not None and _wide(residual):
+        splits = _column_blocks(hc, D)
+        out, partial, collapsed = EXPAND_PARTIALS_KERNEL(
+            inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre)],
+            output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 2),), (tokens, D)],
+            output_dtypes=[residual.dtype, mx.float32, residual.dtype],
+            grid=(32 * splits, tokens, 1), threadgroup=(32, 1, 1),
+            template=[("T", residual.dtype), ("HC", hc), ("D", D), ("SPLITS", splits)])
+        return out, Projection(partial, splits, collapsed)
     splits = math.ceil(D / ROW_THREADS)
     grid = (splits * ROW_THREADS, tokens, 1)
     template = [("T", residual.dtype), ("HC", hc), ("D", D)]
@@ -491,4 +696,4 @@ def hc_expand(y, residual, post, comb, fn=None):
         output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 1),)],
         output_dtypes=[residual.dtype, mx.float32],
         grid=grid, threadgroup=(ROW_THREADS, 1, 1), template=template + [("SPLITS", splits)])
-    return out, (partial, splits)
+    return out, Projection(partial, splits)
