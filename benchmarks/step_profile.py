@@ -120,16 +120,21 @@ def kernel_family(name: str) -> str:
     return m.group(1) if m else name[:80]
 
 
-def summarize_ncu(text: str) -> list[tuple[str, int, float, float]]:
-    """ncu --csv output -> [(family, launches, µs, DRAM bytes read)], by time."""
+def ncu_kernels(text: str) -> list[dict]:
+    """ncu --csv output -> each profiled launch in launch order: {"name": kernel name, metric: value}."""
     lines = text[text.index('"ID"'):] if '"ID"' in text else ""
-    per_kernel = collections.defaultdict(dict)
+    per_kernel = collections.defaultdict(dict)   # keeps the IDs' (launch) order
     for row in csv.DictReader(io.StringIO(lines)):
         if row.get("Metric Name"):
             per_kernel[row["ID"]]["name"] = row["Kernel Name"]
             per_kernel[row["ID"]][row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+    return list(per_kernel.values())
+
+
+def summarize_ncu(text: str) -> list[tuple[str, int, float, float]]:
+    """ncu --csv output -> [(family, launches, µs, DRAM bytes read)], by time."""
     families = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for k in per_kernel.values():
+    for k in ncu_kernels(text):
         f = families[kernel_family(k["name"])]
         f[0] += 1
         f[1] += k.get("gpu__time_duration.sum", 0.0) / 1e3      # ns -> µs
