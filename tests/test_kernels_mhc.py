@@ -198,3 +198,44 @@ def test_site_entry_fp8_copy_and_projection_from_expand(monkeypatch):
     assert [c[0] for c in calls[1:]] == ["dsv4_hc_sinkhorn_collapse_norm_fp8"]
     assert ("SPLITS", 1) in calls[1][1]["template"]
     assert (x.shape, x_fp8.shape, x_fp8.dtype, comb.shape) == ((1, 3, 64), (1, 3, 64), mx.bfloat16, (1, 3, 4, 4))
+
+
+def test_wide_path_launches(monkeypatch):
+    """DSV4_KERNEL_MHC_WIDE: a site entry is the partials over D/32 column blocks per token and
+    the finish over D/256 + 1 threadgroups; the expand given the next site's fn and pre makes
+    that site's partials, whose entry then launches once; without pre, or past
+    WIDE_MAX_TOKENS tokens, the per-token kernels run."""
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, 1, 3, 96)
+    pre_in = mx.array(rng.uniform(0, 1, (1, 3, 4)).astype(np.float32))
+    weight = mx.ones((96,), mx.bfloat16)
+    args = (pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    calls = []
+
+    def fake(kernel, **kw):
+        calls.append((kernel.name, kw))
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+    monkeypatch.setattr(mhc, "backend", lambda: "cuda")
+    monkeypatch.setattr(qdq_kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(mhc.Kernel, "__call__", fake)
+    with flags.override(kernel_mhc_wide=True):
+        x, x_fp8, pre, post, comb = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=True)
+        assert [c[0] for c in calls] == ["dsv4_hc_entry_partials", "dsv4_hc_entry_finish_fp8"]
+        assert calls[0][1]["grid"] == (32 * 3, 3, 1) and calls[0][1]["output_shapes"] == [(3 * 3 * 26,), (3, 96)]
+        assert calls[1][1]["grid"] == (256 * 2, 3, 1) and ("SPLITS", 3) in calls[1][1]["template"]
+        assert (x.shape, x_fp8.shape, comb.shape) == ((1, 3, 96), (1, 3, 96), (1, 3, 4, 4))
+        y = X[:, :, 0]
+        streams, projection = mhc.hc_expand(y, X, post, comb, fn, pre_in)
+        assert calls[2][0] == "dsv4_hc_expand_partials" and calls[2][1]["grid"] == (32 * 3, 3, 1)
+        assert streams.shape == X.shape and projection.splits == 3 and projection.collapsed.shape == (3, 96)
+        mhc.hc_mixes_collapse_norm(streams, *args, projection=projection)
+        assert [c[0] for c in calls[3:]] == ["dsv4_hc_entry_finish"]
+        assert calls[3][1]["inputs"][4] is projection.collapsed
+        mhc.hc_expand(y, X, post, comb, fn)
+        assert calls[4][0] == "dsv4_hc_expand_project"
+        many = mx.zeros((mhc.WIDE_MAX_TOKENS + 1, 4, 96), mx.bfloat16)
+        mhc.hc_mixes_collapse_norm(many, mx.zeros((many.shape[0], 4)), *args[1:])
+        assert [c[0] for c in calls[5:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
+    with flags.override(kernel_mhc_wide=False):
+        mhc.hc_mixes_collapse_norm(X, *args)
+        assert [c[0] for c in calls[7:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
