@@ -78,7 +78,8 @@ def hc_collapse_norm_reference(streams, pre, weight, eps, shape=None):
 
 
 def hc_expand_reference(y, residual, post, comb, fn=None, pre=None):
-    """Plain-MLX definition; see `hc_expand` (with fn: (streams, None), no projection made)."""
+    """Plain-MLX definition; see `hc_expand` (with fn: (streams, None), no projection made;
+    `pre` is not used)."""
     y = y.reshape(*residual.shape[:-2], y.shape[-1])   # the same tokens, maybe laid out otherwise
     mixed = comb.swapaxes(-1, -2) @ residual.astype(mx.float32)
     out = (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
