@@ -3,7 +3,10 @@
 Inside a compiled graph an `mx.arange`, or a cast or reshape of a weight, is a primitive run at
 every call (a launch on a GPU, and for a cast a full copy of the weight). Ramps are made once
 and kept. `kept` keeps a value derived from a weight on its module until the weight is replaced
-(the CPU's dense copies of quantized weights); `derived` does so only inside `keeping()`, which
+(the CPU's dense copies of quantized weights), but for a module marked `single_use` (the expert
+cache's modules, whose slots are refilled from disk, and whose arrays inside a compiled segment
+are the graph's inputs, which cannot be evaluated while tracing): there it is computed inline.
+`derived` keeps only inside `keeping()`, which
 the fixed-shape decode step enters while it traces: elsewhere (training, where weights change
 and carry gradients) it computes inline.
 """
@@ -43,7 +46,9 @@ def keeping() -> Iterator[None]:
 
 def kept(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> mx.array:
     """make() (a function of `source`, a weight of `owner`), evaluated once and kept on the
-    owner; made again if the weight array was replaced."""
+    owner; made again if the weight array was replaced; made inline for a single-use owner."""
+    if owner.__dict__.get("single_use"):
+        return make()
     store = owner.__dict__.setdefault("_derived", {})
     hit = store.get(key)
     if hit is None or hit[0] is not source:

@@ -239,11 +239,14 @@ class _LayerExperts:
 # --- the slab pool -----------------------------------------------------------------------------
 
 def _with_weights(module: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
-    """A copy of an expert module whose parameters are `arrays` ({'w1': {'weight': ...}, ...})."""
+    """A copy of an expert module whose parameters are `arrays` ({'w1': {'weight': ...}, ...}),
+    marked single-use: nothing derived from them is kept (constants.kept), since a slot's
+    weights are replaced in place by reads."""
     out = copy.copy(module)
     for child, params in arrays.items():
         linear = copy.copy(module[child])
         linear.update(params)
+        linear.single_use = True
         out[child] = linear
     return out
 
@@ -259,7 +262,6 @@ class SlabPool:
         self.expert_bytes = first.expert_bytes
         self.arrays: dict[str, mx.array] = {}
         self.views: dict[str, np.ndarray] = {}
-        nested: dict[str, dict[str, mx.array]] = {}
         largest = mx.device_info().get("max_buffer_length") if mx.metal.is_available() else None
         for name, p in first.params.items():
             if largest is not None and slots * p.nbytes > largest:
@@ -272,10 +274,7 @@ class SlabPool:
             mx.eval(array)
             self.arrays[name] = array
             self.views[name] = np.frombuffer(memoryview(array), np.uint8).reshape(slots, p.nbytes)
-            child, leaf = name.rsplit(".", 1)
-            nested.setdefault(child, {})[leaf] = array
-        # The modules that compute from the pool: the layers' own modules over the pool's arrays.
-        self.experts = _with_weights(first.template, nested)
+        self.template = first.template
         self.owner_layer = np.full(slots, -1, np.int64)
         self.owner_expert = np.full(slots, -1, np.int64)
         self.slot_of = {l.layer: np.full(l.experts, -1, np.int64) for l in layers}
@@ -288,17 +287,17 @@ class SlabPool:
     def nbytes(self) -> int:
         return self.slots * self.expert_bytes
 
-    def gathered(self, slots: np.ndarray) -> nn.Module:
-        """The expert modules over copies of just `slots` (their experts 0..n-1, in order):
-        for the CPU's dense path (DSV4_DEQUANT_MATMUL), which keeps a dense copy of a module's
-        whole stack on the module, the pool's modules would keep one of every slot, stale as
-        soon as a slot is refilled."""
-        index = mx.array(np.asarray(slots, np.int32))
+    def modules(self, arrays: Optional[dict[str, mx.array]] = None,
+                gather: Optional[mx.array] = None) -> nn.Module:
+        """The layers' own expert modules over the pool's arrays, or over `arrays` standing in for
+        them (a compiled segment's inputs, dsv4/step_segments.py). With `gather` (slot ids [n],
+        int32), over copies of just those slots (experts 0..n-1, in order): for the CPU's dense
+        path (DSV4_DEQUANT_MATMUL), which multiplies by a dense copy of a module's whole stack."""
         nested: dict[str, dict[str, mx.array]] = {}
-        for name, array in self.arrays.items():
+        for name, array in (self.arrays if arrays is None else arrays).items():
             child, leaf = name.rsplit(".", 1)
-            nested.setdefault(child, {})[leaf] = array[index]
-        return _with_weights(self.experts, nested)
+            nested.setdefault(child, {})[leaf] = array if gather is None else array[gather]
+        return _with_weights(self.template, nested)
 
     def busy(self, keep: np.ndarray, fenced: bool) -> np.ndarray:
         """The mask of slots that may not be overwritten now: `keep`, those a prefetch is

@@ -47,6 +47,13 @@ class Block(nn.Module):
                  lead: tuple[int, int]) -> tuple[mx.array, mx.array]:
         """streams [B*S, hc, D] (tokens flat: the kernels' and the MoE's layout), pre the
         previous site's [B*S, hc], lead = (B, S) -> the new streams and this block's pre."""
+        x, expand, pre = self.ffn_input(streams, pre, state, lead)
+        return profiler.mark("moe", self.ffn(x, expand=expand)), pre
+
+    def ffn_input(self, streams: mx.array, pre: mx.array, state: ForwardState,
+                  lead: tuple[int, int]) -> tuple[mx.array, tuple, mx.array]:
+        """The block up to its MoE: -> (the MoE's input x [B*S, D], expand = (streams, post,
+        comb) of the FFN site, this block's pre)."""
         a = self.args
         mixes = (a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
         # Each site's input (collapse with the previous site's pre, RMSNorm) and its own mixes;
@@ -63,8 +70,7 @@ class Block(nn.Module):
         x, f_pre, f_post, f_comb = hc_mixes_collapse_norm(
             streams, a_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
             self.ffn_norm.weight, self.ffn_norm.eps, *mixes, projection=projection)
-        streams = profiler.mark("moe", self.ffn(x, expand=(streams, f_post, f_comb)))
-        return streams, f_pre
+        return x, (streams, f_post, f_comb), f_pre
 
 
 class Model(nn.Module):
@@ -216,17 +222,32 @@ class Model(nn.Module):
                    engram_rows: Callable[[int], mx.array], hidden: Optional[list] = None):
         """`blocks` (consecutive layers) over streams and pre (as `embed_streams` gives them)
         -> the streams and pre after the last of them; see `forward` for the rest."""
+        for block in blocks:
+            streams, pre = block(self.layer_input(block, streams, lead, engram_rows, hidden), pre, state, lead)
+        return streams, pre
+
+    def run_to_moe(self, blocks, streams: mx.array, pre: mx.array, state, lead: tuple[int, int],
+                   engram_rows: Callable[[int], mx.array], hidden: Optional[list] = None):
+        """`run_layers` over `blocks` but the last, which stops at its MoE's input: -> (x,
+        expand, pre) as Block.ffn_input gives them. A streamed MoE needs its routing on the
+        host: a compiled decode step ends a graph there (dsv4/step_segments.py)."""
+        streams, pre = self.run_layers(blocks[:-1], streams, pre, state, lead, engram_rows, hidden)
+        block = blocks[-1]
+        return block.ffn_input(self.layer_input(block, streams, lead, engram_rows, hidden), pre, state, lead)
+
+    def layer_input(self, block, streams: mx.array, lead: tuple[int, int],
+                    engram_rows: Callable[[int], mx.array], hidden: Optional[list]) -> mx.array:
+        """The streams entering `block`: through its Engram where it has one; the draft stages'
+        input recorded where it is a target layer."""
         b, s = lead
         hc, d = self.args.hc_mult, self.args.hidden_size
-        for block in blocks:
-            if "engram" in block:
-                rows = engram_rows(block.layer)
-                streams = profiler.mark("engram", block.engram(streams.reshape(b, s, hc, d), rows))
-                streams = streams.reshape(b * s, hc, d)
-            if hidden is not None and block.layer in self.args.dspark_target_layer_ids:
-                hidden.append(mx.mean(streams.astype(mx.float32), axis=1).astype(streams.dtype))
-            streams, pre = block(streams, pre, state, (b, s))
-        return streams, pre
+        if "engram" in block:
+            rows = engram_rows(block.layer)
+            streams = profiler.mark("engram", block.engram(streams.reshape(b, s, hc, d), rows))
+            streams = streams.reshape(b * s, hc, d)
+        if hidden is not None and block.layer in self.args.dspark_target_layer_ids:
+            hidden.append(mx.mean(streams.astype(mx.float32), axis=1).astype(streams.dtype))
+        return streams
 
     def finish(self, streams: mx.array, pre: mx.array, lead: tuple[int, int], last: bool = False) -> mx.array:
         """The last layer's streams and pre -> fp32 logits [B, S, V] ([B, 1, V] of the last

@@ -141,13 +141,13 @@ class MoE(nn.Module):
         """x [..., D] -> [..., D]; with expand = (streams, post, comb) of the FFN site, the
         expanded streams [..., hc, D] (fused into the experts kernel where it runs). Tokens
         given flat ([N, D], streams [N, hc, D]) need no reshapes."""
+        if self.streamed is not None:   # (never sharded: the loader refuses --parallel then)
+            return self._streamed(x, expand)
         shape = x.shape
-        flat = x.reshape(math.prod(shape[:-1]), shape[-1])   # an explicit shape: no-op when 2D
+        flat = _tokens(x)
         logits = self.gate.logits(flat)
         if self.sharded:
             y = self._sharded(flat, *self.gate.select(logits), expand)
-        elif self.streamed is not None:
-            y = self._streamed(flat, logits, expand)
         else:
             y = self._fused(self.experts, flat, expand, logits=logits)
             if y is None:
@@ -213,47 +213,109 @@ class MoE(nn.Module):
         return routed_experts(flat, logits, self.gate.bias, *self.gate.routing(), q[0], q[1], q[2],
                               tuple(q[3:]), self.limit, bool(flags.get("act_quant")), expand)
 
-    def _streamed(self, flat, logits, expand) -> mx.array:
+    # --- streamed experts ------------------------------------------------------------------
+    # The MoE in parts: routing (device), the choice on the host and the lookup (host), the
+    # experts from the cache's slots (device). `_streamed` runs them in a row, op by op; a
+    # compiled decode step ends one graph at the routing and starts the next at the experts
+    # (dsv4/step_segments.py), with the host's part in between.
+
+    def _streamed(self, x: mx.array, expand) -> mx.array:
         """The routed experts from the expert cache (dsv4/expert_store.py): route, bring the
         host the choice (one sync), read the missing experts, compute from the cache's slots as
         the resident model computes from its stack. When the chunk's experts do not all fit in
         the cache at once, its tokens go in parts that do, each computed the way the whole
         chunk would be (so the result is the same, token by token)."""
-        store, layer = self.streamed.store, self.streamed.layer
-        n, k = flat.shape[0], self.gate.args.num_experts_per_tok
-        ids, weights = self.gate.select(logits)
-        next_gate = store.next_gate.get(layer) if n <= PREFETCH_TOKENS and flags.get("expert_prefetch") else None
-        guess = next_gate.select(next_gate.logits(flat))[0] if next_gate is not None else None
-        store.sync([ids, weights] + ([guess] if guess is not None else []))
-        chosen = np.array(profiler.mark("expert routing", ids))   # the mixes, router and sync
-        if expand is not None:
-            streams, post, comb = expand
-            hc, d = streams.shape[-2:]
-            expand = (streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc))
-        pool = store.pool(layer)
-        q = self._kernel_operands(pool.experts, flat)   # decided for the whole chunk, as resident
-        dense = dequant_matmul()
+        routing = self.streamed_routing(x)
+        chosen = self.streamed_chosen(routing)
+        flat, flat_expand = _tokens(x), _flat_expand(expand, x)
+        pool = self.streamed.store.pool(self.streamed.layer)
         parts = []
-        for lo, hi in token_parts(chosen, store.capacity(layer)):
-            used = np.unique(chosen[lo:hi])
-            slots = store.lookup(layer, used, hi - lo)
-            profiler.mark("expert reads", ids)   # the lookup, its misses read (ids: already there)
-            at = np.searchsorted(used, chosen[lo:hi])
-            # The CPU's dense path multiplies by copies of the used slots, indexed 0..n-1.
-            experts = pool.gathered(slots) if dense else pool.experts
-            slot_ids = mx.array((at if dense else slots[at]).astype(np.int32))   # as route() gives ids
-            part = (flat[lo:hi], None if expand is None else tuple(a[lo:hi] for a in expand))
-            if q is not None:
-                y = self._fused(experts, part[0], part[1], ids=slot_ids, weights=weights[lo:hi], q=q)
-            else:
-                y = self._reference(experts, part[0], slot_ids, weights[lo:hi], part[1],
-                                    sort_rows=n * k >= 64)
-            store.fence(layer, slots, y)
-            mx.async_eval(y)   # the device starts on it while the host builds the next layer
+        for lo, hi in token_parts(chosen, self.streamed.store.capacity(self.streamed.layer)):
+            slots, slot_ids, gather = self.streamed_slots(chosen[lo:hi])
+            profiler.mark("expert reads", routing["ids"])   # the lookup, its misses read
+            part = None if expand is None else tuple(a[lo:hi] for a in flat_expand)
+            y = self._from_slots(pool.modules(gather=gather), flat[lo:hi], part, slot_ids,
+                                 routing["weights"][lo:hi], flat)
+            self.streamed_queued(slots, y)
             parts.append(y)
-        if guess is not None:
-            store.prefetch(store.next_layer[layer], np.array(guess).reshape(-1))
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        self.streamed_prefetch(routing)
+        y = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        return y.reshape(expand[0].shape if expand is not None else x.shape)
+
+    def streamed_routing(self, x: mx.array) -> dict:
+        """Device: x [..., D] (the MoE's input) -> {ids [N, k], weights [N, k] fp32, guess: the
+        next streamed layer's experts [N, k] by its router on x (None unless prefetching)}."""
+        store, layer = self.streamed.store, self.streamed.layer
+        flat = _tokens(x)
+        ids, weights = self.gate.select(self.gate.logits(flat))
+        next_gate = store.next_gate.get(layer) if flat.shape[0] <= PREFETCH_TOKENS and flags.get("expert_prefetch") else None
+        guess = next_gate.select(next_gate.logits(flat))[0] if next_gate is not None else None
+        return {"ids": ids, "weights": weights, "guess": guess}
+
+    def streamed_chosen(self, routing: dict) -> np.ndarray:
+        """Host: the layer's one sync (its routing, with the work fenced since the last) -> the
+        chosen expert ids [N, k]."""
+        self.streamed.store.sync([a for a in routing.values() if a is not None])
+        return np.array(profiler.mark("expert routing", routing["ids"]))   # the mixes, router and sync
+
+    def streamed_slots(self, chosen: np.ndarray, width: Optional[int] = None):
+        """Host: look up the experts `chosen` [n, k] selects (the misses read) -> (their slots
+        [u], slot_ids [n, k] int32 as route() gives ids, gather). With the CPU's dense path the
+        experts are copies of the slots `gather` [u] (padded to `width` for a fixed shape), which
+        slot_ids index; else gather is None and slot_ids index the pool."""
+        used = np.unique(chosen)
+        slots = self.streamed.store.lookup(self.streamed.layer, used, len(chosen))
+        at = np.searchsorted(used, chosen)
+        if not dequant_matmul():
+            return slots, mx.array(slots[at].astype(np.int32)), None
+        gather = slots if width is None else np.pad(slots, (0, width - len(slots)), mode="edge")
+        return slots, mx.array(at.astype(np.int32)), mx.array(gather.astype(np.int32))
+
+    def streamed_output(self, x: mx.array, expand, slot_ids: mx.array, weights: mx.array,
+                        arrays: dict, gather: Optional[mx.array]) -> mx.array:
+        """Device: the MoE's output (as __call__ gives it, for x and expand as given to it)
+        from the cache's slots: the pool's `arrays` (or a compiled segment's inputs standing in
+        for them) at slot_ids and weights [N, k], as streamed_slots gives them, in one part."""
+        flat = _tokens(x)
+        experts = self.streamed.store.pool(self.streamed.layer).modules(arrays, gather)
+        y = self._from_slots(experts, flat, _flat_expand(expand, x), slot_ids, weights, flat)
+        return y.reshape(expand[0].shape if expand is not None else x.shape)
+
+    def streamed_queued(self, slots: np.ndarray, result: mx.array) -> None:
+        """Host: `result`, queued, reads `slots`: they wait for it before reuse; the device
+        starts on it while the host builds what follows."""
+        self.streamed.store.fence(self.streamed.layer, slots, result)
+        mx.async_eval(result)
+
+    def streamed_prefetch(self, routing: dict) -> None:
+        """Host: start reading the next layer's guessed experts (synced with the routing)."""
+        if routing["guess"] is not None:
+            store = self.streamed.store
+            store.prefetch(store.next_layer[self.streamed.layer], np.array(routing["guess"]).reshape(-1))
+
+    def _from_slots(self, experts, flat, expand, slot_ids, weights, chunk) -> mx.array:
+        """Routed (from the cache's modules `experts` at slot_ids) + shared experts of the
+        tokens `flat` [n, D] (expand flat too), computed as the resident model computes the
+        chunk `chunk` [N, D] they are part of: the kernel and the row sorting decided for it."""
+        q = self._kernel_operands(experts, chunk)
+        if q is not None:
+            return self._fused(experts, flat, expand, ids=slot_ids, weights=weights, q=q)
+        k = self.gate.args.num_experts_per_tok
+        return self._reference(experts, flat, slot_ids, weights, expand, sort_rows=chunk.shape[0] * k >= 64)
+
+
+def _tokens(x: mx.array) -> mx.array:
+    """x [..., D] -> [N, D] (an explicit shape: no-op when 2D)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _flat_expand(expand, x: mx.array):
+    """The FFN site's (streams, post, comb) with the tokens of x flat, or None."""
+    if expand is None:
+        return None
+    streams, post, comb = expand
+    n, (hc, d) = math.prod(x.shape[:-1]), streams.shape[-2:]
+    return streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc)
 
 
 # A guess of the next layer's experts is made for decode-sized calls only: a prefill chunk's
