@@ -31,6 +31,7 @@ from .config import ModelArgs
 from .constants import derived, ramp
 from .linear import Linear, fp8_linear
 from .model import Block
+from .sampling import LogitAdjustment, Sampling, sampled_logits
 
 
 def draft_args(args: ModelArgs) -> ModelArgs:
@@ -145,30 +146,41 @@ class Draft(nn.Module):
     def _state(self, cache: DraftCache, start: int) -> DraftState:
         return DraftState(start, cache, {stage.layer: i for i, stage in enumerate(self.mtp)})
 
+    def targets(self, hidden: list[mx.array], batch: int) -> mx.array:
+        """What `Model(..., hidden=[])` filled ([B*S, D] per target layer) -> [B, S, layers*D]."""
+        return mx.concatenate(hidden, axis=-1).reshape(batch, -1, len(hidden) * self.args.hidden_size)
+
+    def main_kv(self, h: mx.array, state) -> list[mx.array]:
+        """Each stage's window rows [B, S, Dh] of the positions `state` places (from its start
+        on), given their target layers' hidden means h [B, S, layers*D]."""
+        first = self.mtp[0]
+        main_x = first.main_norm(fp8_linear(first.main_proj, h))
+        return [stage.attn.window_rows(fp8_linear(stage.attn.wkv, main_x), state) for stage in self.mtp]
+
     def seed(self, cache: DraftCache, hidden: list[mx.array], batch: int) -> None:
         """Add the main KV of the positions the backbone just ran, from what `Model(...,
         hidden=[])` filled ([B*S, D] per target layer); positions follow cache.end."""
-        d = self.args.hidden_size
-        h = mx.concatenate(hidden, axis=-1).reshape(batch, -1, len(hidden) * d)
+        h = self.targets(hidden, batch)
         s = h.shape[1]
         keep = min(s, cache.window)   # older rows would leave the window at once
-        first = self.mtp[0]
-        main_x = first.main_norm(fp8_linear(first.main_proj, h[:, s - keep:]))
-        state = self._state(cache, cache.end + s - keep)
-        for i, stage in enumerate(self.mtp):
-            attn = stage.attn
-            cache.append(i, attn.window_rows(fp8_linear(attn.wkv, main_x), state))
+        rows = self.main_kv(h[:, s - keep:], self._state(cache, cache.end + s - keep))
+        for i, stage_rows in enumerate(rows):
+            cache.append(i, stage_rows)
         cache.end += s
 
     def hidden(self, model, cache: DraftCache, token: mx.array) -> mx.array:
         """The last stage's collapse x [B, block, D] of the block after cache.end - 1 whose
         first row holds token [B] (the others the noise token)."""
+        return self.block(model, self._state(cache, cache.end), token)
+
+    def block(self, model, state, token: mx.array) -> mx.array:
+        """`hidden` over any state that answers a stage's Attention for the block's rows (this
+        module's DraftState, or dsv4/draft_step.py's at fixed shapes)."""
         b, k, hc, d = token.shape[0], self.block_size, self.args.hc_mult, self.args.hidden_size
         noise = mx.full((b, k - 1), self.args.dspark_noise_token_id, token.dtype)
         h = model.embed(mx.concatenate([token.reshape(b, 1), noise], axis=1))
         streams = mx.broadcast_to(h.reshape(b * k, 1, d), (b * k, hc, d))
         pre = mx.array(np.eye(1, hc, dtype=np.float32).repeat(b * k, axis=0))
-        state = self._state(cache, cache.end)
         for stage in self.mtp:
             streams, pre = stage(streams, pre, state, (b, k))
         collapsed = mx.sum(pre[..., None] * streams.astype(mx.float32), axis=1).astype(streams.dtype)
@@ -186,3 +198,36 @@ class Draft(nn.Module):
         """fp32 [B, n] scores of the block's first n rows given their Markov embeddings [B, n, r]."""
         n = markov_embed.shape[1]
         return self.mtp[-1].confidence_head(x[:, :n], markov_embed)
+
+
+@dataclass
+class Proposal:
+    drafts: mx.array                  # [k] int32
+    q_logits: Optional[mx.array]      # [k, V]: softmax is each draft's distribution (sampling)
+    confidence: mx.array              # [k] fp32: the confidence head's score of each row
+
+
+def pick_drafts(model, x: mx.array, token: mx.array, k: int, adjust: LogitAdjustment,
+                counts: mx.array, sampling: Sampling) -> Proposal:
+    """k drafts from the block's collapse x [1, block, D] after token [1] (int32): each row's
+    logits plus the Markov bias of the token before it, through the target's logit bias,
+    penalties (`counts` [V] in place of the generation's, each draft counted for the next),
+    temperature and top-p (q); greedy picks the argmax, sampling draws from q."""
+    draft = model.draft
+    base = draft.logits(model, x)[0]                               # [block, V]
+    prev, vocab = token, base.shape[-1]
+    drafts, embeds, q_logits = [], [], []
+    for row in range(k):
+        bias, embed = draft.markov(prev)                           # [1, V], [1, r]
+        logits = adjust(base[row] + bias[0], counts)
+        if sampling.temp == 0:
+            prev = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
+        else:
+            q_logits.append(sampled_logits(logits, sampling.temp, sampling.top_p))
+            prev = mx.random.categorical(q_logits[-1])[None].astype(mx.int32)
+        if sampling.penalized:
+            counts = counts + (ramp(vocab) == prev).astype(mx.float32)
+        drafts.append(prev)
+        embeds.append(embed)
+    confidence = draft.confidence(x, mx.stack(embeds, axis=1))[0]
+    return Proposal(mx.concatenate(drafts), mx.stack(q_logits) if q_logits else None, confidence)

@@ -19,7 +19,11 @@ the main KV of 0..n-1):
 
 The verify runs where plain decode does (`Target`): on GPUs at fixed shapes (dsv4/step.py
 FixedDecoder.feed: one compiled graph per count of positions, rejected positions rewound),
-else the reference forward over the Cache (DSV4_FIXED_VERIFY).
+else the reference forward over the Cache (DSV4_FIXED_VERIFY); the propose likewise, on GPUs
+one compiled graph per k over a draft window in rings (dsv4/draft_step.py FixedDraft), seeded
+with all k + 1 verified rows before the acceptance is known, else op by op over the DraftCache
+(DSV4_FIXED_PROPOSE). Either way a cycle reaches the host once: at the acceptance (j, the next
+token, the drafts to hand out); a backbone with Engram layers hashes the drafts on the host too.
 
 `Policy` picks k each cycle, 0 meaning a plain step (still seeding the draft window).
 """
@@ -35,7 +39,8 @@ import numpy as np
 
 from . import flags
 from .cache import Cache
-from .draft import DraftCache
+from .draft import DraftCache, Proposal, pick_drafts
+from .draft_step import FixedDraft, use_fixed_propose
 from .sampling import LogitAdjustment, Sampling, picker, sampled_logits
 
 
@@ -56,13 +61,14 @@ class Target:
     def offset(self) -> int:
         return self.cache.offset if self.decoder is None else self.decoder.pos
 
-    def feed(self, ids: np.ndarray) -> tuple[mx.array, list]:
-        """ids [n] -> (fp32 logits [n, V], the draft stages' inputs [n, D] per target layer)."""
+    def feed(self, ids: mx.array) -> tuple[mx.array, list]:
+        """ids [n] int32 (may be unevaluated: the fixed-shape decoder takes them on the device)
+        -> (fp32 logits [n, V], the draft stages' inputs [n, D] per target layer)."""
         if self.decoder is not None:
-            logits, hidden = self.decoder.feed(mx.array(ids[None]), hidden=True)
+            logits, hidden = self.decoder.feed(ids[None], hidden=True)
             return logits[0], hidden
         hidden = []
-        return self.model(ids[None], self.cache, hidden=hidden)[0], hidden
+        return self.model(np.array(ids, np.int64)[None], self.cache, hidden=hidden)[0], hidden
 
     def rewind(self, n: int) -> None:
         if self.decoder is not None:
@@ -77,36 +83,35 @@ class Target:
             decoder.close(decoder.pos)
 
 
-@dataclass
-class Proposal:
-    drafts: mx.array                  # [k] int32
-    q_logits: Optional[mx.array]      # [k, V]: softmax is each draft's distribution (sampling)
-    confidence: mx.array              # [k] fp32: the confidence head's score of each row
-
-
 def propose(model, draft_cache: DraftCache, token: int, k: int, adjust: LogitAdjustment,
             sampling: Sampling) -> Proposal:
-    """k <= block drafts after `token`, the pending token at position draft_cache.end."""
-    draft = model.draft
+    """k <= block drafts after `token`, the pending token at position draft_cache.end: the
+    reference, op by op over the DraftCache (draft.pick_drafts says how they are picked)."""
     prev = mx.array([token], mx.int32)
-    x = draft.hidden(model, draft_cache, prev)                     # [1, block, D]
-    base = draft.logits(model, x)[0]                               # [block, V]
-    counts = adjust.counts
-    drafts, embeds, q_logits = [], [], []
-    for row in range(k):
-        bias, embed = draft.markov(prev)                           # [1, V], [1, r]
-        logits = adjust(base[row] + bias[0], counts)
-        if sampling.temp == 0:
-            prev = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
-        else:
-            q_logits.append(sampled_logits(logits, sampling.temp, sampling.top_p))
-            prev = mx.random.categorical(q_logits[-1])[None].astype(mx.int32)
-        if sampling.penalized:
-            counts = counts + (mx.arange(counts.shape[0]) == prev).astype(mx.float32)
-        drafts.append(prev)
-        embeds.append(embed)
-    confidence = draft.confidence(x, mx.stack(embeds, axis=1))[0]
-    return Proposal(mx.concatenate(drafts), mx.stack(q_logits) if q_logits else None, confidence)
+    x = model.draft.hidden(model, draft_cache, prev)                # [1, block, D]
+    return pick_drafts(model, x, prev, k, adjust, adjust.counts, sampling)
+
+
+class ReferenceDraft:
+    """The draft window as the DraftCache itself, drafts from `propose`: the interface of
+    draft_step.FixedDraft (seed the verified rows, keep the accepted ones) where
+    DSV4_FIXED_PROPOSE is off. The rows are seeded once the acceptance says how many."""
+
+    def __init__(self, model, cache: DraftCache):
+        self.model, self.cache, self.hidden = model, cache, None
+
+    def propose(self, token: int, k: int, adjust: LogitAdjustment, sampling: Sampling) -> Proposal:
+        return propose(self.model, self.cache, token, k, adjust, sampling)
+
+    def seed(self, hidden: list[mx.array]) -> None:
+        self.hidden = hidden
+
+    def keep(self, n: int) -> None:
+        self.model.draft.seed(self.cache, [h[:n] for h in self.hidden], 1)
+        self.hidden = None
+
+    def close(self) -> None:
+        pass
 
 
 def accept(target_logits: mx.array, proposal: Proposal, sampling: Sampling) -> tuple[mx.array, mx.array]:
@@ -138,6 +143,9 @@ class Stats:
     plain_steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    # A cycle syncs once, at the acceptance: propose_s is the time until its verify is queued
+    # (on an asynchronous device the draft stages' own compute falls in verify_s), verify_s
+    # the rest of the cycle.
     propose_s: float = 0.0
     verify_s: float = 0.0
     plain_s: float = 0.0
@@ -177,7 +185,9 @@ class Policy:
     def k(self, remaining: int) -> int:
         return max(0, min(self.most, remaining - 1))
 
-    def truncate(self, k: int, confidence: np.ndarray) -> int:
+    def truncate(self, k: int, confidence: mx.array) -> int:
+        """k or fewer, given the confidence head's scores [k] (an unevaluated array: taking it
+        to the host waits for the propose)."""
         return k
 
     def record_verify(self, k: int, accepted: int, confidence: np.ndarray, propose_s: float,
@@ -282,7 +292,7 @@ class Adaptive(Policy):
     def truncate(self, k: int, confidence: np.ndarray) -> int:
         if self.propose_s is None or len(self.rows) < 16:
             return k
-        return self._best(self._acceptance(confidence[:k]))[0]
+        return self._best(self._acceptance(np.array(confidence[:k], np.float64)))[0]
 
     def record_verify(self, k, accepted, confidence, propose_s, verify_s) -> None:
         self.propose_s = propose_s if self.propose_s is None else 0.8 * self.propose_s + 0.2 * propose_s
@@ -319,12 +329,12 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
     if cache.tokens.shape[0] != 1:
         raise ValueError("speculative decoding runs one sequence at a time")
     stats = stats if stats is not None else Stats()
-    draft = model.draft
     adjust = adjust if adjust is not None else LogitAdjustment(sampling, model.args.vocab_size)
     pick = picker(sampling.temp, sampling.top_p)
     y = first
     adjust.count(mx.array([y]))
     target = Target(model, cache)
+    drafter = FixedDraft(model, draft_cache) if use_fixed_propose(model) else ReferenceDraft(model, draft_cache)
     start, handed = target.offset, 0
     try:
         while True:
@@ -335,9 +345,10 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             k = policy.k(limit - handed)
             if k == 0:
                 t0 = time.perf_counter()
-                logits, hidden = target.feed(np.array([y], np.int64))
-                draft.seed(draft_cache, hidden, 1)
+                logits, hidden = target.feed(mx.array([y], mx.int32))
+                drafter.seed(hidden)
                 y = int(pick(adjust(logits)).item())
+                drafter.keep(1)
                 adjust.count(mx.array([y]))
                 seconds = time.perf_counter() - t0
                 stats.plain_steps += 1
@@ -345,20 +356,21 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
                 policy.record_plain(seconds)
                 continue
             t0 = time.perf_counter()
-            proposal = propose(model, draft_cache, y, k, adjust, sampling)
-            confidence = np.array(proposal.confidence)
-            k = policy.truncate(k, confidence)
-            drafts = np.array(proposal.drafts[:k], np.int64)
-            t1 = time.perf_counter()
+            proposal = drafter.propose(y, k, adjust, sampling)
+            k = policy.truncate(k, proposal.confidence)
             if k < proposal.drafts.shape[0]:
                 proposal = Proposal(proposal.drafts[:k], None if proposal.q_logits is None
                                     else proposal.q_logits[:k], proposal.confidence[:k])
-            logits, hidden = target.feed(np.concatenate([[y], drafts]))
+            t1 = time.perf_counter()
+            logits, hidden = target.feed(mx.concatenate([mx.array([y], mx.int32), proposal.drafts]))
+            drafter.seed(hidden)
             j, nxt = accept(adjust.rows(logits, proposal.drafts), proposal, sampling)
-            j, nxt = int(j.item()), int(nxt.item())
+            mx.eval(j, nxt, proposal.drafts, proposal.confidence)     # the cycle's one sync
+            j, nxt, drafts = j.item(), nxt.item(), proposal.drafts.tolist()
+            confidence = np.array(proposal.confidence)
             target.rewind(k - j)
-            draft.seed(draft_cache, [h[:j + 1] for h in hidden], 1)
-            adjust.count(mx.array([*drafts[:j].tolist(), nxt]))
+            drafter.keep(j + 1)
+            adjust.count(mx.array([*drafts[:j], nxt]))
             t2 = time.perf_counter()
             stats.verifies += 1
             stats.drafted += k
@@ -371,7 +383,7 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             policy.record_verify(k, j, confidence[:k], t1 - t0, t2 - t1)
             for token in drafts[:j]:
                 handed += 1
-                yield int(token)
+                yield token
                 if handed == limit:
                     return
             y = nxt
@@ -380,3 +392,4 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
         if excess > 0:
             target.rewind(excess)
         target.close()
+        drafter.close()

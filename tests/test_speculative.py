@@ -18,6 +18,11 @@ from dsv4.speculative import Policy, Proposal, Stats, accept, speculative_tokens
 from dsv4.testing import write_tiny_checkpoint
 
 TOKENS = 256
+# The propose and verify paths: the reference (op by op over the DraftCache and the Cache), the
+# fixed-shape propose alone (dsv4/draft_step.py), and both at fixed shapes (the GPUs' default).
+PATHS = {"reference": dict(fixed_propose=False, fixed_verify=False),
+         "fixed-propose": dict(fixed_propose=True, fixed_verify=False),
+         "fixed": dict(fixed_propose=True, fixed_verify=True)}
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +87,15 @@ def plain_run(tiny, prompt):
     return plain(tiny, prompt, TOKENS)
 
 
-@pytest.mark.parametrize("k", [1, 5])
-def test_greedy_gives_plain_decodes_tokens_and_cache(tiny, prompt, plain_run, k):
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_gives_plain_decodes_tokens_and_cache(tiny, prompt, plain_run, k, path):
     """256 tokens past a window of 8 and ratio-2 groups, with the checkpoint's (random) draft
     stages: nearly every draft rejected at the first row."""
     want, want_cache = plain_run
     stats = Stats()
-    got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
+    with flags.override(**PATHS[path]):
+        got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
     assert got == want
     assert stats.verifies > 0 and stats.drafted >= stats.verifies
     np.testing.assert_array_equal(cache.tokens, want_cache.tokens)
@@ -96,8 +103,9 @@ def test_greedy_gives_plain_decodes_tokens_and_cache(tiny, prompt, plain_run, k)
 
 
 class Scripted:
-    """Stands in for `speculative.propose`: drafts the known continuation, wrong at block row
-    `wrong` (cycling 0..k: k = no error), so every rejection position is met."""
+    """Stands in for `speculative.propose` (the reference propose's: DSV4_FIXED_PROPOSE off):
+    drafts the known continuation, wrong at block row `wrong` (cycling 0..k: k = no error), so
+    every rejection position is met."""
 
     def __init__(self, continuation: list[int], start: int, k: int):
         self.continuation, self.start, self.k, self.cycle, self.wrong_at = continuation, start, k, 0, []
@@ -125,7 +133,7 @@ def test_greedy_after_a_rejection_at_every_block_position(tiny, prompt, plain_ru
     script = Scripted(want, prompt.shape[1], k)
     monkeypatch.setattr(speculative, "propose", script)
     stats = Stats()
-    with flags.override(fixed_verify=verify == "fixed"):
+    with flags.override(fixed_verify=verify == "fixed", fixed_propose=False):
         got, cache = speculate(tiny, prompt, TOKENS, Policy(k), stats=stats)
     assert got == want
     n = stats.verifies
@@ -142,7 +150,8 @@ def test_greedy_with_penalties_and_bias(tiny, prompt, monkeypatch):
     want, _ = plain(tiny, prompt, 96, sampling)
     script = Scripted(want, prompt.shape[1], 4)
     monkeypatch.setattr(speculative, "propose", script)
-    got, _ = speculate(tiny, prompt, 96, Policy(4), sampling)
+    with flags.override(fixed_propose=False):
+        got, _ = speculate(tiny, prompt, 96, Policy(4), sampling)
     assert got == want
 
 
@@ -155,7 +164,7 @@ def test_stopping_inside_a_block_leaves_the_cache_of_the_tokens_handed_out(tiny,
     hidden = []
     logits = tiny(prompt, cache, hidden=hidden)[:, -1]
     tiny.draft.seed(window, hidden, 1)
-    with flags.override(fixed_verify=verify == "fixed"):
+    with flags.override(fixed_verify=verify == "fixed", fixed_propose=False):
         tokens = speculative_tokens(tiny, cache, window, logits, Sampling(), 40, Policy(5))
         got = [next(tokens) for _ in range(23)]
         tokens.close()
@@ -248,7 +257,8 @@ def test_accepting_keeps_the_target_distribution(temp, top_p, k, wrong):
     assert seen[exact == 0].sum() == 0
 
 
-def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt):
+@pytest.mark.parametrize("path", ["reference", "fixed-propose"])
+def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt, path):
     """On the tiny model (its random draft stages mostly wrong): the token after the first,
     over 300 seeds, against p(first) p(second | first) computed from the model."""
     sampling = Sampling(temp=0.8, top_p=0.9)
@@ -265,7 +275,8 @@ def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt):
         mx.random.seed(seed)
         c, w = cache.copy(), tiny.draft.make_cache()
         w.rows, w.end = list(window.rows), window.end
-        a, b = speculative_tokens(tiny, c, w, logits, sampling, 2, Policy(3))
+        with flags.override(**PATHS[path]):
+            a, b = speculative_tokens(tiny, c, w, logits, sampling, 2, Policy(3))
         seen[(a, b)] = seen.get((a, b), 0) + 1
     cells = [(a, b) for a in second for b in np.flatnonzero(second[a])]
     expected = np.array([n * first[a] * second[a][b] for a, b in cells])
@@ -409,13 +420,15 @@ def demo_plain(demo):
     return prompt, *plain(model, prompt, TOKENS)
 
 
+@pytest.mark.parametrize("path", ["reference", "fixed"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-def test_demo_greedy_speculation_gives_plain_decodes_tokens(demo, demo_plain, k):
+def test_demo_greedy_speculation_gives_plain_decodes_tokens(demo, demo_plain, k, path):
     """256 tokens (window 16, ratio-2 groups) with drafts that are often right."""
     model, _ = demo
     prompt, want, want_cache = demo_plain
     stats = Stats()
-    got, cache = speculate(model, prompt, TOKENS, Policy(k), stats=stats)
+    with flags.override(**PATHS[path]):
+        got, cache = speculate(model, prompt, TOKENS, Policy(k), stats=stats)
     assert got == want
     assert stats.tokens_per_verify > 1.2, stats.line()
     np.testing.assert_array_equal(cache.tokens, want_cache.tokens)

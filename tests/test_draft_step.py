@@ -1,0 +1,118 @@
+"""dsv4/draft_step.py: the fixed-shape propose and seed give the reference's drafts, q-logits
+and confidence (dsv4/speculative.py `propose` over a DraftCache), cycle after cycle, in fp32
+with the roundings off; the loop with them is checked in test_speculative.py."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dsv4
+from dsv4 import flags
+from dsv4.draft import DraftCache
+from dsv4.draft_step import FixedDraft
+from dsv4.sampling import LogitAdjustment, Sampling
+from dsv4.speculative import propose
+from dsv4.testing import write_tiny_checkpoint
+
+FP32 = dict(kv_qdq=False, act_quant=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("draft_step") / "ckpt", seed=4, draft=True)
+    with flags.override(draft="on"):
+        return dsv4.load(path, dtype=mx.float32)[0]
+
+
+def copied(cache: DraftCache) -> DraftCache:
+    twin = DraftCache(len(cache.rows), cache.window)
+    twin.rows, twin.end = list(cache.rows), cache.end
+    return twin
+
+
+SAMPLINGS = {"greedy": Sampling(),
+             "greedy-penalized": Sampling(presence_penalty=0.8, frequency_penalty=0.5, logit_bias={7: 3.0}),
+             "sampled": Sampling(temp=0.8, top_p=0.9),
+             "sampled-penalized": Sampling(temp=1.2, frequency_penalty=0.7)}
+
+
+CASES = [(name, True, 0) for name in SAMPLINGS] + [("greedy", False, 0), ("sampled", False, 0),
+                                                   ("greedy", True, 10), ("sampled", True, 10)]
+
+
+@pytest.mark.parametrize("name,compiled,unseeded", CASES,
+                         ids=[f"{n}-{'compiled' if c else 'op-by-op'}{'-continued' if u else ''}" for n, c, u in CASES])
+def test_fixed_propose_gives_the_reference_proposals(tiny, name, compiled, unseeded):
+    """90 cycles after a 13-token prompt (window 8, ring 14: wrapped ~20 times): k cycling
+    through 0 (a plain step, one row seeded) .. 5 and, independently, the drafts accepted
+    through 0 .. k, so the window's end moves by every amount at every ring slot. Each cycle
+    the verify's k + 1 hidden rows come from the backbone fed [y, drafts]; the reference seeds
+    the accepted ones, the fixed window all of them and keeps the accepted. Same random state
+    before each propose: the sampled drafts are the same draws. `unseeded`: the window starts
+    after that many prompt positions (a chat turn continuing a cache), holding fewer rows than
+    the window's positions for the first cycles."""
+    sampling = SAMPLINGS[name]
+    model, draft = tiny, tiny.draft
+    rng = np.random.default_rng(2)
+    with flags.override(compile=compiled, **FP32):
+        prompt = rng.integers(7, 500, (1, 13))
+        cache, reference = model.make_cache(), draft.make_cache(unseeded)
+        if unseeded:
+            model(prompt[:, :unseeded], cache)
+        hidden = []
+        logits = model(prompt[:, unseeded:], cache, hidden=hidden)
+        draft.seed(reference, hidden, 1)
+        fixed = FixedDraft(model, copied(reference))
+        adjust = LogitAdjustment(sampling, model.args.vocab_size)
+        y = int(mx.argmax(logits[0, -1]).item())
+        for cycle in range(90):
+            k = cycle % 6
+            if k:
+                mx.random.seed(cycle)
+                want = propose(model, reference, y, k, adjust, sampling)
+                mx.random.seed(cycle)
+                got = fixed.propose(y, k, adjust, sampling)
+                np.testing.assert_array_equal(np.array(got.drafts), np.array(want.drafts))
+                pairs = [(got.confidence, want.confidence)]
+                if sampling.temp:
+                    pairs.append((got.q_logits, want.q_logits))
+                else:
+                    assert got.q_logits is None and want.q_logits is None
+                for a, b in pairs:
+                    a, b = np.array(a), np.array(b)
+                    finite = np.isfinite(b)
+                    np.testing.assert_array_equal(np.isfinite(a), finite)   # top-p's cut rows alike
+                    np.testing.assert_allclose(a[finite], b[finite], rtol=1e-5, atol=1e-5)
+                drafts = np.array(want.drafts).tolist()
+            else:
+                drafts = []
+            logits = model(np.array([[y, *drafts]]), cache, hidden=(hidden := []))
+            kept = 1 + (cycle // 6) % (k + 1)          # accepted drafts 0..k, plus y
+            cache.trim(k + 1 - kept)
+            draft.seed(reference, [h[:kept] for h in hidden], 1)
+            fixed.seed(hidden)
+            fixed.keep(kept)
+            assert fixed.end == reference.end
+            adjust.count(mx.array([*drafts[:kept - 1], y]))
+            y = int(mx.argmax(logits[0, kept - 1]).item())    # the target's token after them
+        assert reference.end - 13 > 6 * fixed.ring
+        twin = fixed.cache
+        fixed.close()
+        assert twin.end == reference.end
+        for got, want in zip(twin.rows, reference.rows):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+
+
+def test_a_seed_longer_than_the_spare_ring_rows_is_refused(tiny):
+    model = tiny
+    cache, window = model.make_cache(), model.draft.make_cache()
+    hidden = []
+    model(np.arange(7, 20)[None], cache, hidden=hidden)
+    model.draft.seed(window, hidden, 1)
+    fixed = FixedDraft(model, window)
+    spare = fixed.ring - model.args.sliding_window
+    with pytest.raises(ValueError, match="would overwrite window rows"):
+        fixed.seed([mx.zeros((spare + 1, model.args.hidden_size))] * len(hidden))
+    fixed.seed([h[:2] for h in hidden])
+    with pytest.raises(ValueError, match="can keep 0..2"):
+        fixed.keep(3)
