@@ -21,7 +21,9 @@ of teacher-forced steps differ by a median 0.4% (1.2% with the official rounding
 tokens agree until a near tie (top-2 margin 0.03 at step 32).
 
 `decoder(model, cache)` gives the decoder the switches ask for; `stream_generate` drives it
-with one step in flight (DSV4_ASYNC_DECODE).
+with one step in flight (DSV4_ASYNC_DECODE). A model whose experts stream from disk needs each
+layer's routing on the host mid-step: its step runs as compiled segments with the expert lookups
+between them (dsv4/step_segments.py, DSV4_EXPERT_STEP_SEGMENTS), or op by op.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import flags
+from . import flags, step_segments
 from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
@@ -308,25 +310,33 @@ class FixedDecoder:
         steps = self.model.__dict__.setdefault("_fixed_steps", {})
         every = length > 1 or hidden
         key = (ring, regimes, completing, switches) + ((length, hidden) if every else ())
+        # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
+        # mid-step: such a model's step runs as compiled segments (dsv4/step_segments.py), or
+        # op by op.
+        streamed = getattr(self.model, "expert_store", None) is not None
+        use = flags.get("compile") and not flags.get("stage_profile")
+        segmented = streamed and use and flags.get("expert_step_segments") and step_segments.fits(
+            self.model, self.batch * length)
+        key += (segmented,) if streamed else ()
         if key not in steps:
             model, args = self.model, self.args
+            state = lambda pos, buffers: StepState(args, pos, ring, dict(buffers), dict(regimes), completing, length)
 
             def step(token, pos, engram, buffers):
-                state = StepState(args, pos, ring, dict(buffers), dict(regimes), completing, length)
+                s = state(pos, buffers)
                 rows = lambda layer: engram[str(layer)]
                 inputs = []
                 with keeping():   # (a pipeline's stage takes no draft inputs: no `hidden` there)
-                    logits = (model.forward(token, state, rows, inputs) if hidden
-                              else model.forward(token, state, rows))
+                    logits = (model.forward(token, s, rows, inputs) if hidden
+                              else model.forward(token, s, rows))
                 if every:
-                    return (logits, inputs), state.buffers
-                return logits[:, -1], state.buffers
+                    return (logits, inputs), s.buffers
+                return logits[:, -1], s.buffers
 
-            # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
-            # mid-step, which a traced graph cannot: such a model runs the step op by op.
-            streamed = getattr(model, "expert_store", None) is not None
-            use = flags.get("compile") and not flags.get("stage_profile") and not streamed
-            steps[key] = mx.compile(step) if use else step
+            if segmented:
+                steps[key] = step_segments.SegmentedStep(model, state, every, hidden)
+            else:
+                steps[key] = mx.compile(step) if use and not streamed else step
         return steps[key]
 
     def __call__(self, token: mx.array) -> mx.array:

@@ -131,20 +131,79 @@ def test_direct_reads_are_exact(official, resident):
     assert identical(got, resident[0]) and store.totals().misses > 0
 
 
-def test_fixed_shape_step_is_exact(official):
-    """The GPU's decode loop (dsv4/step.py), here on the CPU: resident vs streamed, with the
-    step asked to compile (a streamed model runs it op by op)."""
-    runs = []
-    tokens = [int(t) for t in np.random.default_rng(2).integers(7, 500, 24)]
-    for gb in (None, least_gb(official)):
-        model, _ = dsv4.load(official, expert_cache_gb=gb)
-        with flags.override(compile=True):
+def fixed_run(model, tokens) -> list[np.ndarray]:
+    """Logits of the prefill chunks (reference forward), then of the fixed-shape decode step
+    (dsv4/step.py, the GPU's decode loop, here forced on the CPU) fed `tokens` one by one."""
+    ids, cache, out, lo = prompt(), model.make_cache(), [], 0
+    for n in CHUNKS:
+        out.append(np.array(model(ids[:, lo:lo + n], cache)))
+        lo += n
+    dec = step.FixedDecoder(model, cache)
+    out += [np.array(dec(mx.array([t]))) for t in tokens]
+    dec.close(dec.pos)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident_fixed(official, resident):
+    """The resident model's logits through its one compiled fixed-shape step."""
+    with flags.override(compile=True):
+        return fixed_run(dsv4.load(official)[0], resident[1])
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("size", ["least", "half", "all"])
+def test_compiled_segments_equal_resident_at_every_cache_size(official, resident, resident_fixed, size, prefetch):
+    """The fixed-shape step over streamed experts as compiled segments (dsv4/step_segments.py):
+    64 teacher-forced steps bit-identical to the resident model's single compiled step."""
+    slots = {"least": TOP_K * LAYERS, "half": EXPERTS * LAYERS // 2, "all": EXPERTS * LAYERS}[size]
+    with flags.override(expert_prefetch=prefetch, compile=True, expert_step_segments=True):
+        model, _ = dsv4.load(official, expert_cache_gb=f"{slots * expert_bytes(official) / 1e9:.9f}")
+        got = fixed_run(model, resident[1])
+    assert {type(f).__name__ for f in model._fixed_steps.values()} == {"SegmentedStep"}
+    assert identical(got, resident_fixed)
+    total = model.expert_store.totals()
+    assert total.misses > 0
+    if not prefetch or size != "all":
+        assert (total.prefetched > 0) == prefetch
+    model.expert_store.close()
+
+
+def test_op_by_op_fixed_step_is_exact(official, resident, resident_fixed):
+    """The same step with the segments off (the rollback): run op by op, also exact."""
+    with flags.override(compile=True, expert_step_segments=False):
+        model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+        got = fixed_run(model, resident[1][:16])
+    assert {type(f).__name__ for f in model._fixed_steps.values()} == {"function"}
+    assert identical(got, resident_fixed[:len(got)])
+
+
+def test_segments_are_traced_once_per_variant(official, monkeypatch):
+    """A step replays its segments' traced graphs: once a step's variant and buffer shapes have
+    been seen, it traces nothing (the Python of a streamed router runs only while tracing);
+    op by op it runs at every step, so the count can tell."""
+    from dsv4.moe import MoE
+
+    calls = []
+    real = MoE.streamed_routing
+    monkeypatch.setattr(MoE, "streamed_routing", lambda self, x: calls.append(1) or real(self, x))
+    for segments in (True, False):
+        with flags.override(compile=True, expert_step_segments=segments):
+            model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
             cache = model.make_cache()
             model(prompt(), cache)
             dec = step.FixedDecoder(model, cache)
-            runs.append([np.array(dec(mx.array([t]))) for t in tokens])
-            dec.close(cache.offset + len(tokens))
-    assert identical(runs[1], runs[0])
+            seen, repeats = set(), 0
+            for t in range(40):
+                key = (dec.variant(), tuple(sorted((n, b.shape) for n, b in dec.buffers.items())))
+                calls.clear()
+                dec(mx.array([7 + t]))
+                # Every segment but the last ends at a streamed router: a new key traces them all.
+                assert len(calls) == (0 if segments and key in seen else LAYERS), (segments, t, key)
+                repeats += key in seen
+                seen.add(key)
+        assert repeats > 20
+        model.expert_store.close()
 
 
 # --- formats --------------------------------------------------------------------------------
@@ -298,12 +357,14 @@ def test_truncated_before_loading_names_the_experts_tensor(official, tmp_path):
         dsv4.load(copy, expert_cache_gb="1")
 
 
-@pytest.mark.parametrize("layout", ["official", "stacked"])
-def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path, layout):
+@pytest.mark.parametrize("layout, decode", [("official", "reference"), ("stacked", "reference"),
+                                            ("official", "segments")])
+def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path, layout, decode):
     """A shard cut short after loading: the lookup that needs a lost expert raises an
     ExpertReadError naming the tensor and the expert; every read has joined (no prefetch left
     in flight), no slot holds a lost expert it did not hold before the cut, and closing the store
-    returns."""
+    returns. Decoding through the reference forward, or the fixed-shape step's compiled
+    segments (the lookup between two of them raises)."""
     copy = tmp_path / "cut"
     shutil.copytree(official if layout == "official" else converted / "mxfp4", copy)
     model, _ = dsv4.load(copy, expert_cache_gb=least_gb(copy))
@@ -316,9 +377,16 @@ def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path
     model(prompt()[:, :8], cache)
     os.truncate(lost.file, cut)
     read_before_the_cut = filled_slots(store)
-    with pytest.raises(expert_store.ExpertReadError) as info:
+    with flags.override(compile=True, expert_step_segments=True), \
+            pytest.raises(expert_store.ExpertReadError) as info:
+        dec = step.FixedDecoder(model, cache) if decode == "segments" else None
         for t in range(400):                       # until a lost expert is needed
-            model(np.array([[7 + t % 400]]), cache)
+            if dec is None:
+                model(np.array([[7 + t]]), cache)
+            else:
+                dec(mx.array([7 + t]))
+    if dec is not None:
+        assert {type(f).__name__ for f in model._fixed_steps.values()} == {"SegmentedStep"}
     found = re.match(r"(layers\.(\d+)\.ffn\.experts\.\S+?)(?:, | \()expert (\d+)\)?: short read at "
                      r"byte \d+ of (\S+): got \d+ of \d+ bytes \(file truncated\?\)", str(info.value))
     assert found, str(info.value)
@@ -445,17 +513,24 @@ def test_metal_pool_buffers_and_wired_limit(official, monkeypatch):
     assert sum(p.slots for p in model.expert_store.pools) == 16 and wired == [10 ** 9]
 
 
-@pytest.mark.parametrize("verify", ["reference", "fixed"])
-def test_speculation_streams_and_gives_plain_decodes_tokens(tmp_path_factory, verify):
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """A tiny checkpoint with DSpark draft stages."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("stream_draft") / "ckpt", seed=4, draft=True,
+                                 config_overrides={"n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K})
+
+
+@pytest.mark.parametrize("verify", ["reference", "fixed", "segments"])
+def test_speculation_streams_and_gives_plain_decodes_tokens(drafted, verify):
     """DSpark over streamed experts at the least cache gives plain decode's greedy tokens on the
-    resident model, the verify over the Cache or at fixed shapes (its k + 1 positions are one
-    chunk, routed together: test_prefill_reads_each_selected_expert_once)."""
+    resident model, the verify over the Cache or at fixed shapes, op by op or as compiled
+    segments (its k + 1 positions are one chunk, routed together:
+    test_prefill_reads_each_selected_expert_once)."""
     from dsv4.generation import decode_tokens, prefill
     from dsv4.sampling import Sampling
     from dsv4.speculative import Policy, Stats, speculative_tokens
 
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("stream_draft") / "ckpt", seed=4, draft=True,
-                                 config_overrides={"n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K})
+    path = drafted
     ids = prompt()
     with flags.override(draft="on"):
         resident, _ = dsv4.load(path)
@@ -466,8 +541,34 @@ def test_speculation_streams_and_gives_plain_decodes_tokens(tmp_path_factory, ve
     cache, window = streamed.make_cache(), streamed.draft.make_cache()
     logits = prefill(streamed, ids, cache, draft_cache=window)
     stats = Stats()
-    with flags.override(fixed_verify=verify == "fixed"):
+    with flags.override(fixed_verify=verify != "reference", expert_step_segments=verify == "segments"):
         got = list(speculative_tokens(streamed, cache, window, logits, Sampling(), 48, Policy(3), stats))
     assert got == want
     assert stats.verifies > 0 and streamed.expert_store.totals().misses > 0
     streamed.expert_store.close()
+
+
+def test_fixed_verify_through_segments_equals_resident(drafted):
+    """FixedDecoder.feed (a speculative verify: 1-6 positions in one step, with the draft
+    stages' inputs) and rewind over streamed experts at the least cache, as compiled segments:
+    every position's logits and inputs bit-identical to the resident model's compiled verify."""
+    rng = np.random.default_rng(3)
+    schedule = [(int(n), int(rng.integers(0, n)), rng.integers(7, 500, (1, n))) for n in rng.integers(1, 7, 16)]
+    runs = []
+    for gb in (None, least_gb(drafted)):
+        with flags.override(draft="on", compile=True, expert_step_segments=True):
+            model, _ = dsv4.load(drafted, expert_cache_gb=gb)
+            cache = model.make_cache()
+            model(prompt()[:, :8], cache)
+            dec = step.FixedDecoder(model, cache)
+            out = []
+            for n, back, chunk in schedule:
+                logits, hidden = dec.feed(mx.array(chunk), hidden=True)
+                assert len(hidden) == len(model.args.dspark_target_layer_ids)
+                out += [np.array(logits)] + [np.array(h.astype(mx.float32)) for h in hidden]   # exact: bf16 in fp32
+                dec.rewind(back)
+        runs.append(out)
+    assert {type(f).__name__ for f in model._fixed_steps.values()} == {"SegmentedStep"}
+    assert model.expert_store.totals().misses > 0
+    assert identical(runs[1], runs[0])
+    model.expert_store.close()

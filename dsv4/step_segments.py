@@ -1,0 +1,113 @@
+"""The fixed-shape decode step of a model whose routed experts stream from disk, compiled in segments.
+
+A streamed MoE (dsv4/expert_store.py) needs its routing on the host in the middle of the step:
+the experts its tokens select are looked up, and the misses read into the cache's slots, before
+they are computed. A traced graph cannot stop for the host, so with DSV4_EXPERT_STEP_SEGMENTS
+the step (dsv4/step.py) runs as one traced graph per stretch between two streamed routings:
+
+    segment 0   embed, the layers before the first streamed MoE, its router    -> routing
+    segment j   layer L(j-1)'s experts from the slots, ..., layer L(j)'s router -> routing
+    segment m   the last streamed layer's experts, the layers after it, head   -> logits
+
+where a routing is the ids and weights, and with expert_prefetch the next layer's guess. Each
+segment is the model's own code (Model.run_layers / run_to_moe / finish, MoE.streamed_routing and
+streamed_output), run from a layer's experts to the next router; what crosses a boundary is an
+input of the next graph: the MoE's input and the FFN site's expand and pre, the index sources'
+top-k and candidate blocks, the buffers, and the slot ids with the cache's pool arrays (the
+store writes the slots in place: the graph reads them as it reads any input). Between two
+segments the host does what MoE._streamed does op by op (streamed_chosen: the one sync of the
+layer; streamed_slots: the lookup and its reads; after queueing the next segment,
+streamed_queued: the slots fenced; streamed_prefetch), in the same order, so the store sees the
+same calls and the logits are bit-identical to the resident model's (tests/test_expert_streaming.py).
+
+Each segment's traced graphs are cached as the whole step's are (by variant and switches, on
+the model), and every shape is fixed: the CPU's dense path multiplies by copies of the used
+slots, padded to the step's tokens x top-k. A step whose tokens could select more experts than
+a layer's pool holds (its tokens would go in parts) runs op by op.
+
+What the host's turn costs per streamed layer (benchmarks/expert_stream.py --parts steps, on this
+project's 2-core CPU: benchmarks/results/2026-12-03-1232-expert-stream.md): the demo checkpoint
+(8 streamed layers, every expert cached, so no reads) decodes at 25.1 ms per token as segments,
+37.5 ms op by op and 20.8 ms resident (one compiled graph): each streamed layer adds ~0.55 ms
+as segments (the sync that drains the device, the lookup, a graph's call) against ~2.1 ms op by
+op (which also builds the layer's graph in Python every step). The H200's numbers: pending.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .constants import keeping
+
+
+def fits(model, tokens: int) -> bool:
+    """Whether every streamed layer's pool holds what `tokens` tokens can select at once (else a
+    step's tokens would go in parts, each fenced before the next part's reads)."""
+    store, k = model.expert_store, model.args.num_experts_per_tok
+    return all(tokens * k <= store.capacity(block.layer) for block in model.layers
+               if block.ffn.streamed is not None)
+
+
+class SegmentedStep:
+    """A traced step's interface, (tokens [B, n], pos [1] int32, Engram rows, buffers) ->
+    (out, buffers), over compiled segments with the host's expert lookups between them.
+    `state(pos, buffers)` makes the step's StepState; out is the last position's logits [B, V],
+    or with `every` (logits [B, n, V], the draft stages' inputs if `hidden`)."""
+
+    def __init__(self, model, state: Callable, every: bool, hidden: bool):
+        self.model, self.state, self.every, self.hidden = model, state, every, hidden
+        blocks = model.layers
+        self.stops = [i for i, block in enumerate(blocks) if block.ffn.streamed is not None]
+        self.moes = [blocks[i].ffn for i in self.stops]
+        self.segments = [mx.compile(self._segment(j)) for j in range(len(self.stops) + 1)]
+
+    def _segment(self, j: int) -> Callable:
+        model, blocks = self.model, self.model.layers
+        first = self.stops[j - 1] + 1 if j else 0
+        stop = self.stops[j] if j < len(self.stops) else None
+
+        def segment(tokens, pos, engram, buffers, carried, fetched):
+            state = self.state(pos, buffers)
+            state.topk, state.candidates = carried.get("topk"), carried.get("candidates")
+            rows = lambda layer: engram[str(layer)]
+            lead, hidden = tokens.shape, [] if self.hidden else None
+            with keeping():
+                if j == 0:
+                    streams, pre = model.embed_streams(tokens)
+                else:
+                    streams = blocks[first - 1].ffn.streamed_output(carried["x"], carried["expand"], **fetched)
+                    pre = carried["pre"]
+                if stop is None:
+                    streams, pre = model.run_layers(blocks[first:], streams, pre, state, lead, rows, hidden)
+                    out = {"logits": model.finish(streams, pre, lead)}
+                else:
+                    x, expand, pre = model.run_to_moe(blocks[first:stop + 1], streams, pre, state, lead,
+                                                      rows, hidden)
+                    out = {"x": x, "expand": expand, "pre": pre, "routing": blocks[stop].ffn.streamed_routing(x)}
+            return {**out, "topk": state.topk, "candidates": state.candidates, "buffers": state.buffers,
+                    "hidden": hidden}
+
+        return segment
+
+    def __call__(self, tokens: mx.array, pos: mx.array, engram: dict, buffers: dict):
+        width = tokens.size * self.model.args.num_experts_per_tok   # the dense path's gathered slots
+        carried, fetched, hidden = {}, None, []
+        for j, segment in enumerate(self.segments):
+            out = segment(tokens, pos, engram, buffers, carried, fetched)
+            buffers = out["buffers"]
+            hidden += out["hidden"] or []
+            if j:   # the previous layer's experts are queued: as MoE._streamed after its part
+                done = self.moes[j - 1]
+                done.streamed_queued(slots, out["logits"] if j == len(self.moes) else out["routing"]["ids"])
+                done.streamed_prefetch(routing)
+            if j == len(self.moes):
+                break
+            moe, routing = self.moes[j], out["routing"]
+            slots, slot_ids, gather = moe.streamed_slots(moe.streamed_chosen(routing), width)
+            pool = moe.streamed.store.pool(moe.streamed.layer)
+            fetched = {"slot_ids": slot_ids, "weights": routing["weights"], "arrays": pool.arrays, "gather": gather}
+            carried = {name: out[name] for name in ("x", "expand", "pre", "topk", "candidates")}
+        logits = out["logits"]
+        return ((logits, hidden) if self.every else logits[:, -1]), buffers
