@@ -16,7 +16,16 @@ in mxfp8) reading the slice's last three layers. At `--context` positions:
     acceptance, then the positions taken back (exact) so every repeat is alike; verify(1) is
     that path's own single step (the cycle's plain step);
   * propose(k): the draft block (three stages over the window and the block's 5 rows), the
-    head, and k draft picks (the Markov head between them).
+    head, and k draft picks (the Markov head between them), both ways, interleaved: `reference`
+    op by op over the DraftCache, `fixed` one compiled graph over the window's rings
+    (dsv4/draft_step.py, DSV4_FIXED_PROPOSE);
+  * seed(n): the draft window taking a verify's n rows (main_proj, each stage's window KV),
+    both ways (the fixed seed writes all n rows; the reference, as the loop does, the kept ones:
+    here all n);
+  * cycle(k): dsv4/speculative.py's loop itself (drafted_tokens, k drafts a cycle, greedy) over
+    --cycle-tokens tokens, ms per cycle, with each propose path (the verify the switches pick);
+    with the slice's random draft stages nearly every draft is rejected, so a cycle makes one
+    token and its time is the propose, the verify and the loop's own host work.
 A cycle verifying k drafts at acceptance a yields (1 - a^(k+1)) / (1 - a) tokens in
 propose(k) + verify(k+1); its speedup over plain decode is that over the tokens plain decode
 makes in the same time. `--small` runs the same at toy widths (for the CPU); `--model` on a
@@ -59,6 +68,20 @@ def with_draft(model, config: dict) -> None:
     model.draft = draft
 
 
+def interleaved(variants: dict, repeats: int) -> dict[str, list[float]]:
+    """ms of each call of each variant (which evaluates what it computes), A B B A ..., after
+    one untimed call of each."""
+    for fn in variants.values():
+        fn()
+    out = {name: [] for name in variants}
+    for r in range(repeats):
+        for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            t = time.perf_counter()
+            variants[name]()
+            out[name].append((time.perf_counter() - t) * 1e3)
+    return out
+
+
 def timed(fn, repeats: int) -> list[float]:
     """ms of each call of fn (which evaluates what it computes), after one untimed call."""
     fn()
@@ -70,7 +93,12 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
-def measure(model, context: int, repeats: int) -> dict[str, list[float]]:
+PROPOSE_PATHS = ("reference", "fixed")
+
+
+def measure(model, context: int, repeats: int, cycle_tokens: int) -> dict[str, list[float]]:
+    from dsv4 import flags
+    from dsv4.draft_step import FixedDraft
     from dsv4.generation import prefill
     from dsv4.sampling import LogitAdjustment, Sampling
     from dsv4.speculative import Target, accept, propose
@@ -89,11 +117,13 @@ def measure(model, context: int, repeats: int) -> dict[str, list[float]]:
     times["plain"] = [decode_dsv4(model, context, repeats)[0] for _ in range(3)]
 
     target = Target(model, cache)
+    verified = {}
     for n in range(1, 7):
         drafts = mx.array(np.random.default_rng(n).integers(7, args.vocab_size, n - 1), mx.int32)
 
         def verify():
-            rows, hidden = target.feed(np.concatenate([[token], np.array(drafts, np.int64)]))
+            rows, hidden = target.feed(mx.concatenate([mx.array([token], mx.int32), drafts]))
+            verified[n] = hidden
             if n > 1:
                 j, nxt = accept(adjust.rows(rows, drafts), _proposal(drafts), greedy)
             else:
@@ -103,9 +133,69 @@ def measure(model, context: int, repeats: int) -> dict[str, list[float]]:
 
         times[f"verify({n})"] = timed(verify, repeats)
     target.close()
+
+    fixed = FixedDraft(model, copied(window))
     for k in range(1, args.dspark_block_size + 1):
-        times[f"propose({k})"] = timed(lambda: mx.eval(propose(model, window, token, k, adjust, greedy).drafts), repeats)
+        times.update(interleaved({
+            f"propose({k}) reference": lambda: mx.eval(_outputs(propose(model, window, token, k, adjust, greedy))),
+            f"propose({k}) fixed": lambda: mx.eval(_outputs(fixed.propose(token, k, adjust, greedy)))}, repeats))
+    for n in range(1, args.dspark_block_size + 2):
+        hidden = verified[n]
+
+        def seed_reference():
+            twin = copied(window)
+            draft.seed(twin, hidden, 1)
+            mx.eval(twin.rows)
+
+        def seed_fixed():
+            fixed.seed(hidden)
+            mx.eval(fixed.buffers)
+
+        times.update(interleaved({f"seed({n}) reference": seed_reference, f"seed({n}) fixed": seed_fixed}, repeats))
+
+    # The loop itself, continuing the cache and the window (each run ends with its last token
+    # pending, the window's end at the cache's offset).
+    runs = {}
+    for k in sorted({1, 3, args.dspark_block_size}):
+        for path in PROPOSE_PATHS:
+            def run(k=k, path=path):
+                nonlocal token
+                with flags.override(fixed_propose=path == "fixed"):
+                    ms, token = cycle_times(model, cache, window, token, k, cycle_tokens)
+                return [ms]
+            runs[f"cycle({k}) {path}"] = run
+    names = list(runs)
+    for name in names:
+        runs[name]()   # compiles
+    for r in range(max(3, repeats // 2)):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times.setdefault(name, []).extend(runs[name]())
     return times
+
+
+def copied(window):
+    from dsv4.draft import DraftCache
+
+    twin = DraftCache(len(window.rows), window.window)
+    twin.rows, twin.end = list(window.rows), window.end
+    return twin
+
+
+def _outputs(proposal) -> list:
+    return [a for a in (proposal.drafts, proposal.q_logits, proposal.confidence) if a is not None]
+
+
+def cycle_times(model, cache, window, token: int, k: int, tokens: int) -> tuple[float, int]:
+    """(mean ms per cycle of the speculative loop, greedy with k drafts a cycle, from `token`
+    on over `tokens` tokens; the last token, pending)."""
+    from dsv4.sampling import Sampling
+    from dsv4.speculative import Policy, Stats, drafted_tokens
+
+    stats = Stats()
+    start = None
+    for last in drafted_tokens(model, cache, window, token, Sampling(), tokens, Policy(k), stats):
+        start = start or time.perf_counter()   # from the first token handed out
+    return (time.perf_counter() - start) * 1e3 / stats.verifies, last
 
 
 def _proposal(drafts):
@@ -114,21 +204,21 @@ def _proposal(drafts):
     return Proposal(drafts, None, mx.zeros(drafts.shape))
 
 
-def speedup(a: float, k: int, med: dict[str, float]) -> float:
+def speedup(a: float, k: int, med: dict[str, float], path: str = "fixed") -> float:
     tokens = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
-    return tokens * med["plain"] / (med[f"propose({k})"] + med[f"verify({k + 1})"])
+    return tokens * med["plain"] / (med[f"propose({k}) {path}"] + med[f"verify({k + 1})"])
 
 
-def break_even(k: int, med: dict[str, float]) -> float:
+def break_even(k: int, med: dict[str, float], path: str = "fixed") -> float:
     """The acceptance at which verifying k drafts a cycle matches plain decode (1 if never)."""
     lo, hi = 0.0, 0.999999
-    if speedup(hi, k, med) < 1:
+    if speedup(hi, k, med, path) < 1:
         return 1.0
-    if speedup(lo, k, med) >= 1:
+    if speedup(lo, k, med, path) >= 1:
         return 0.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if speedup(mid, k, med) < 1 else (lo, mid)
+        lo, hi = (mid, hi) if speedup(mid, k, med, path) < 1 else (lo, mid)
     return hi
 
 
@@ -136,6 +226,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--cycle-tokens", type=int, default=16, help="tokens of each timed run of the loop")
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
     p.add_argument("--model", help="a checkpoint with draft stages instead of the slice ('demo': the bundled one)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -156,7 +247,7 @@ def main(argv=None) -> int:
         with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
         what = f"a {'toy-width' if a.small else 'shape-true'} V4.1 slice with DSpark draft stages"
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-    times = measure(model, a.context, a.repeats)
+    times = measure(model, a.context, a.repeats, a.cycle_tokens)
     from dsv4 import flags
     from dsv4.step import use_fixed_decode
     path = ("fixed-shape steps (DSV4_FIXED_VERIFY)" if flags.switch("fixed_verify", use_fixed_decode(model))
@@ -169,15 +260,26 @@ def main(argv=None) -> int:
     gain = [f"| {k} | {break_even(k, med):.2f} | " + " | ".join(f"{speedup(x, k, med):.2f}" for x in ACCEPTANCE) + " |"
             for k in range(1, k_max + 1)]
     ratio4 = med["verify(4)"] / med["plain"]
+    cycle = lambda k, path: f"{med[f'cycle({k}) {path}']:.2f}" if f"cycle({k}) {path}" in med else "-"
+    paths = [f"| {k} | {med[f'propose({k}) reference']:.2f} | {med[f'propose({k}) fixed']:.2f} | "
+             f"{med[f'propose({k}) reference'] / med[f'propose({k}) fixed']:.2f} | "
+             f"{med[f'propose({k}) fixed'] / med['plain']:.2f} | {cycle(k, 'reference')} | {cycle(k, 'fixed')} |"
+             for k in range(1, k_max + 1)]
     lines = [f"# Speculative decoding step costs on {what}", "",
              f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers + "
              f"{model.args.num_nextn_predict_layers} draft stages, context "
-             f"{a.context}, median [min-max] of {a.repeats} repeats after one untimed call; the "
-             f"verify through {path}.", "",
+             f"{a.context}, median [min-max] of {a.repeats} repeats after one untimed call "
+             f"(cycle(k): of {max(3, a.repeats // 2)} runs of {a.cycle_tokens} tokens, each run's "
+             f"mean per cycle); the verify through {path}.", "",
              "| step | ms | / plain step |", "|---|---|---|", *rows, "",
              f"A 4-position verify costs {ratio4:.2f}x a plain decode step (target: <= 1.4x).", "",
+             "The propose both ways (ms, medians of interleaved calls) and the loop's cycle with each "
+             "(ms per cycle: propose, verify, seed and the host's bookkeeping):", "",
+             "| k | propose reference | propose fixed | reference / fixed | fixed / plain step | "
+             "cycle reference | cycle fixed |", "|---|---|---|---|---|---|---|", *paths, "",
              "Speedup over plain decode by drafts per cycle k and acceptance a (per draft, given the "
-             "ones before it accepted); break-even: the acceptance where drafting k pays nothing.", "",
+             "ones before it accepted), with the fixed propose; break-even: the acceptance where "
+             "drafting k pays nothing.", "",
              "| k | break-even a | " + " | ".join(f"a = {x}" for x in ACCEPTANCE) + " |",
              "|---|---|" + "---|" * len(ACCEPTANCE), *gain, "",
              *([] if a.model else [
