@@ -3,6 +3,7 @@
     python -m benchmarks.expert_stream                       # ~29 GB model in /tmp, dated report
     python -m benchmarks.expert_stream --prefill 512 --decode 64 --runs 3   # the H200's sizes
     python -m benchmarks.expert_stream --keep --dir D        # keep (or reuse) the model in D
+    python -m benchmarks.expert_stream --parts steps,model --segments both   # compiled segments vs op by op
 
 The model: 4 layers at the real widths of V4.1 Flash (hidden 5120, 64 heads x 512, q-LoRA 1280,
 window 128, window-only attention), each with 384 routed experts of 2304 x 5120 in mxfp4 (18.9 MB
@@ -28,6 +29,13 @@ DONTNEED; the store itself reads around the cache, expert_io_hints), so reads hi
    tokens/s, hit rate and MB read per decoded token, prefill experts read against those
    selected, prefetch accuracy, the miss path's GB/s; every size must produce the same tokens
    (streaming claims exactness; tests/test_expert_streaming.py checks it against resident).
+   `--segments both` runs each size with the fixed-shape step as compiled segments
+   (DSV4_EXPERT_STEP_SEGMENTS=1, dsv4/step_segments.py) and op by op, and reports the decode's
+   seconds per token outside the reads (decode time less the lookups' waits) for each.
+5. The step's host syncs (--parts steps): the demo checkpoint decoded greedily on the
+   fixed-shape step (forced on, also on a CPU), resident (one compiled graph) against streamed
+   with every expert cached (no reads once warm) as compiled segments and op by op; the median
+   ms per token after a warm-up, and what each streamed layer adds to the resident step.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -446,6 +455,7 @@ def child(args) -> None:
     d = store.totals()
     result = {"cache_gb": store.nbytes / 1e9, "slots": sum(pool.slots for pool in store.pools),
               "prompt_tps": args.prefill / prompt_s, "generation_tps": args.decode / decode_s,
+              "step_s_per_token": (decode_s - d.read_seconds) / args.decode,
               "prefill_selected": p.hits + p.misses, "prefill_read": p.misses,
               "prefill_gbps": p.bytes_read / max(p.read_seconds, 1e-9) / 1e9,
               "hit_rate": d.hits / max(1, d.hits + d.misses),
@@ -459,19 +469,75 @@ def child(args) -> None:
     print("DSV4_RESULT " + json.dumps(result), flush=True)
 
 
+SEGMENTS = {"off": {"": "0"}, "on": {"": "1"}, "both": {" op by op": "0", " segments": "1"}}
+
+
 def model_runs(args, fractions: list[float]) -> dict:
     _, least, everything = sizes(args.dir)
     variants = []
     for fraction in fractions:
         budget = max(least, fraction * everything)
-        variants.append(ab.Variant(f"{budget / 1e9:.2f}GB", {"DSV4_EXPERT_CACHE_GB": f"{budget / 1e9:.9f}"},
-                                   exact=True))
+        for label, segments in SEGMENTS[args.segments].items():
+            variants.append(ab.Variant(f"{budget / 1e9:.2f}GB{label}".replace(" ", "_"),
+                                       {"DSV4_EXPERT_CACHE_GB": f"{budget / 1e9:.9f}",
+                                        "DSV4_EXPERT_STEP_SEGMENTS": segments}, exact=True))
     base = [sys.executable, "-m", "benchmarks.expert_stream", "--child", "--dir", str(args.dir),
             "--prefill", str(args.prefill), "--decode", str(args.decode)]
     runs = ab.run_variants(base, variants, args.runs, 0, timeout_s=args.timeout, log=log)
     names = [v.name for v in variants]
     return {"summary": ab.summarize(runs, names), "names": names,
             "exactness": ab.check_exactness(runs, variants), "everything": everything}
+
+
+# --- 5. the step's host syncs: the demo checkpoint -----------------------------------------------
+
+STEP_VARIANTS = [ab.Variant("resident", {"DSV4_EXPERT_CACHE_GB": ""}, exact=True),
+                 ab.Variant("streamed_segments", {"DSV4_EXPERT_CACHE_GB": "1", "DSV4_EXPERT_STEP_SEGMENTS": "1"},
+                            exact=True),
+                 ab.Variant("streamed_op_by_op", {"DSV4_EXPERT_CACHE_GB": "1", "DSV4_EXPERT_STEP_SEGMENTS": "0"},
+                            exact=True)]
+
+
+def child_steps(args) -> None:
+    """One greedy decode of the demo checkpoint on the fixed-shape step: a DSV4_RESULT line with
+    the median ms per token after the first quarter (warm-up: traces, the cache filling)."""
+    import mlx.core as mx
+
+    import dsv4
+    from dsv4.generation import decode_tokens, prefill
+
+    model, tokenizer = dsv4.load(None)
+    store = getattr(model, "expert_store", None)
+    ids = np.array([tokenizer.encode("The for statement is used to iterate over the elements of")])
+    cache = model.make_cache()
+    logits = prefill(model, ids, cache)
+    warm = args.steps_decode // 4
+    tokens, times, last = [], [], time.perf_counter()
+    for token in decode_tokens(model, cache, mx.argmax(logits, axis=-1), lambda l: mx.argmax(l, axis=-1),
+                               args.steps_decode):
+        now = time.perf_counter()
+        times.append(now - last)
+        tokens.append(token)
+        if len(tokens) == warm and store is not None:
+            store.reset_stats()
+        last = time.perf_counter()
+    ms = 1e3 * statistics.median(times[warm:])
+    result = {"ms_per_token": ms, "generation_tps": 1e3 / ms, "layers": model.args.num_hidden_layers,
+              "timed_misses": store.totals().misses if store is not None else 0, "tokens": tokens}
+    if store is not None:
+        store.close()
+    print("DSV4_RESULT " + json.dumps(result), flush=True)
+
+
+def step_runs(args) -> dict:
+    base = [sys.executable, "-m", "benchmarks.expert_stream", "--child-steps",
+            "--steps-decode", str(args.steps_decode)]
+    for v in STEP_VARIANTS:
+        v.env["DSV4_FIXED_DECODE"] = "on"
+    runs = ab.run_variants(base, STEP_VARIANTS, args.steps_runs, 0, timeout_s=args.timeout, log=log)
+    names = [v.name for v in STEP_VARIANTS]
+    return {"summary": ab.summarize(runs, names), "names": names,
+            "exactness": ab.check_exactness(runs, STEP_VARIANTS)}
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -482,20 +548,21 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def report(args, machine, parts: dict, started) -> str:
-    per_expert, least, everything = sizes(args.dir)
-    lines = ["# Streamed experts on a synthetic model with V4.1 Flash's expert widths", "",
+    lines = ["# Streamed experts (--expert-cache-gb)", "",
              f"Date: {started:%Y-%m-%d %H:%M} UTC. Commit {ab.code_revision()}.", "", "## Machine", "",
              hardware.to_markdown(machine), "",
-             f"Disk: the model lives in {args.dir} ({_filesystem(args.dir)}). Load average (1 min) at "
-             f"start / end: {args.load_start} / {ab._load_average()}.", "",
-             "## Setup", "",
-             f"{LAYERS} layers with 384 experts of 2304 x 5120 in mxfp4 each ({per_expert / 1e6:.2f} MB an "
-             f"expert, {everything / 1e9:.1f} GB of experts; the least cache, top-6 in every layer, "
-             f"{least / 1e9:.3f} GB), real attention widths, window-only layers, random weights. Page "
-             "cache dropped (posix_fadvise DONTNEED) before every measurement; the store reads around "
-             "it (expert_io_hints: each piece dropped once read).", "",
-             f"Reproduce: `python -m benchmarks.expert_stream --prefill {args.prefill} --decode {args.decode} "
-             f"--runs {args.runs} --fractions {args.fractions}`", ""]
+             f"Load average (1 min) at start / end: {args.load_start} / {ab._load_average()}.", "",
+             f"Reproduce: `python -m benchmarks.expert_stream {shlex.join(args.argv)}`", ""]
+    if not (args.dir / "config.json").is_file():   # the steps part alone
+        return "\n".join(lines + step_report(args, parts))
+    per_expert, least, everything = sizes(args.dir)
+    lines += [f"Disk: the model lives in {args.dir} ({_filesystem(args.dir)}).", "",
+              "## Setup", "",
+              f"A synthetic model with V4.1 Flash's expert widths: {LAYERS} layers with 384 experts of 2304 x 5120 in mxfp4 each ({per_expert / 1e6:.2f} MB an "
+              f"expert, {everything / 1e9:.1f} GB of experts; the least cache, top-6 in every layer, "
+              f"{least / 1e9:.3f} GB), real attention widths, window-only layers, random weights. Page "
+              "cache dropped (posix_fadvise DONTNEED) before every measurement; the store reads around "
+              "it (expert_io_hints: each piece dropped once read).", ""]
     if "io" in parts:
         roof_rows, store_rows = parts["io"]
         roof = max(r["gbps"] for r in roof_rows if not r["batch"])
@@ -551,7 +618,8 @@ def report(args, machine, parts: dict, started) -> str:
     if "model" in parts:
         m = parts["model"]
         s = m["summary"]
-        keys = [("prompt_tps", "prefill tok/s"), ("generation_tps", "decode tok/s"), ("hit_rate", "hit rate"),
+        keys = [("prompt_tps", "prefill tok/s"), ("generation_tps", "decode tok/s"),
+                ("step_s_per_token", "decode s / token outside reads"), ("hit_rate", "hit rate"),
                 ("mb_per_token", "MB read / token"), ("miss_gbps", "miss GB/s"),
                 ("read_s_per_token", "read s / token"), ("prefetch_accuracy", "prefetch accuracy"),
                 ("prefill_selected", "prefill experts selected"), ("prefill_read", "prefill experts read")]
@@ -559,13 +627,37 @@ def report(args, machine, parts: dict, started) -> str:
                   f"Prefill {args.prefill} tokens, then {args.decode} greedy decode tokens; {args.runs} "
                   "run(s) per size, interleaved; medians. Hit rate, MB/token, miss GB/s and prefetch "
                   "accuracy are the decode's; 'prefill experts selected' counts the (layer, expert) "
-                  "lookups of the prompt's chunks, 'read' the ones that missed.", ""]
+                  "lookups of the prompt's chunks, 'read' the ones that missed. 'Outside reads': the "
+                  "decode's time less the lookups' waits for misses. 'segments': the fixed-shape step as "
+                  "compiled segments (DSV4_EXPERT_STEP_SEGMENTS=1); 'op by op': the step uncompiled.", ""]
         lines += table(["cache"] + [label for _, label in keys],
                        [[name] + [f"{s[name][k].median:.4g}" if k in s[name] else "-" for k, _ in keys]
                         for name in m["names"]])
         lines += ["", "Outputs: " + ("**EXACTNESS CHECK FAILED**: " + "; ".join(m["exactness"])
                                       if m["exactness"] else "every cache size produced the same tokens."), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + step_report(args, parts))
+
+
+def step_report(args, parts: dict) -> list[str]:
+    lines = []
+    if "steps" in parts:
+        m = parts["steps"]
+        s = {name: m["summary"][name] for name in m["names"]}
+        layers = s["resident"]["layers"].median
+        resident = s["resident"]["ms_per_token"].median
+        lines += ["## 5. The step's host syncs: the demo checkpoint", "",
+                  f"Greedy decode of {args.steps_decode} tokens on the fixed-shape step (forced on), the "
+                  "median ms per token after the first quarter; streamed with every expert cached, so "
+                  f"few reads once warm ('misses timed' counts them); {args.steps_runs} run(s) per variant, "
+                  f"interleaved, medians. {layers:.0f} streamed layers: 'per layer' is what each adds "
+                  "to the resident model's single compiled step (its sync and host work).", ""]
+        lines += table(["variant", "ms / token", "tok/s", "per layer (ms)", "misses timed"],
+                       [[name, f"{v['ms_per_token'].median:.3f}", f"{v['generation_tps'].median:.1f}",
+                         "-" if name == "resident" else f"{(v['ms_per_token'].median - resident) / layers:.3f}",
+                         f"{v['timed_misses'].median:.0f}"] for name, v in s.items()])
+        lines += ["", "Outputs: " + ("**EXACTNESS CHECK FAILED**: " + "; ".join(m["exactness"])
+                                      if m["exactness"] else "every variant produced the same tokens."), ""]
+    return lines
 
 
 def _filesystem(path: Path) -> str:
@@ -592,20 +684,27 @@ def main(argv=None) -> int:
     parser.add_argument("--io-repeats", type=int, default=4)
     parser.add_argument("--policy-tokens", type=int, default=400)
     parser.add_argument("--demo-tokens", type=int, default=128)
-    parser.add_argument("--parts", default="io,policy,demo,model")
+    parser.add_argument("--segments", default="off", choices=sorted(SEGMENTS),
+                        help="model runs with the fixed-shape step as compiled segments, op by op, or both")
+    parser.add_argument("--steps-decode", type=int, default=96, help="decoded tokens of each steps run")
+    parser.add_argument("--steps-runs", type=int, default=2, help="runs per variant of the steps part")
+    parser.add_argument("--parts", default="io,policy,demo,model", help="of io,policy,demo,model,steps")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out-dir", type=Path, default=ab.DEFAULT_OUT_DIR)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-steps", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        child(args)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.child or args.child_steps:
+        (child if args.child else child_steps)(args)
         return 0
     wanted = set(args.parts.split(","))
     started = datetime.now(timezone.utc)
     args.load_start = ab._load_average()
     machine = hardware.describe()
     made = [d for d in (args.dir, args.dir.with_name(args.dir.name + "-counts")) if not (d / "config.json").is_file()]
-    write_model(args.dir)
+    if wanted & {"io", "policy", "model"}:
+        write_model(args.dir)
     parts: dict = {}
     try:
         if "io" in wanted:
@@ -618,6 +717,8 @@ def main(argv=None) -> int:
             parts["demo"] = demo_routing(args.demo_tokens)
         if "model" in wanted:
             parts["model"] = model_runs(args, [float(f) for f in args.fractions.split(",")])
+        if "steps" in wanted:
+            parts["steps"] = step_runs(args)
         text = report(args, machine, parts, started)
     finally:
         for directory in made if not args.keep else []:
@@ -625,13 +726,14 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"{started:%Y-%m-%d-%H%M}-expert-stream.md"
     out.write_text(text)
-    raw = {k: v for k, v in parts.items() if k != "model"}
-    if "model" in parts:
-        raw["model"] = {name: {key: dataclasses.asdict(stats) for key, stats in metrics.items()}
-                        for name, metrics in parts["model"]["summary"].items()}
+    raw = {k: v for k, v in parts.items() if k not in ("model", "steps")}
+    for part in ("model", "steps"):
+        if part in parts:
+            raw[part] = {name: {key: dataclasses.asdict(stats) for key, stats in metrics.items()}
+                         for name, metrics in parts[part]["summary"].items()}
     out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     log(f"wrote {out} and its raw numbers")
-    return 1 if parts.get("model", {}).get("exactness") else 0
+    return 1 if any(parts.get(p, {}).get("exactness") for p in ("model", "steps")) else 0
 
 
 if __name__ == "__main__":

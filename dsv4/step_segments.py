@@ -19,6 +19,8 @@ segments the host does what MoE._streamed does op by op (streamed_chosen: the on
 layer; streamed_slots: the lookup and its reads; after queueing the next segment,
 streamed_queued: the slots fenced; streamed_prefetch), in the same order, so the store sees the
 same calls and the logits are bit-identical to the resident model's (tests/test_expert_streaming.py).
+Which prefetches have landed by a lookup depends on timing, and the slots still loading are not
+evicted: with prefetch on, hit rates can differ from op by op's (and run to run); tokens do not.
 
 Each segment's traced graphs are cached as the whole step's are (by variant and switches, on
 the model), and every shape is fixed: the CPU's dense path multiplies by copies of the used

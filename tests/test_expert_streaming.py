@@ -169,6 +169,23 @@ def test_compiled_segments_equal_resident_at_every_cache_size(official, resident
     model.expert_store.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_segments_equal_resident(official, resident, resident_fixed, prefetch):
+    """On a GPU (pytest -m gpu): the segments over the pool's slots (kernels on, the pool in
+    managed memory on CUDA), 64 steps bit-identical to the resident model's compiled step, at
+    the least cache."""
+    from dsv4.kernels.dialect import backend
+
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    with flags.override(expert_prefetch=prefetch, compile=True, expert_step_segments=True):
+        model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+        got = fixed_run(model, resident[1])
+    assert {type(f).__name__ for f in model._fixed_steps.values()} == {"SegmentedStep"}
+    assert identical(got, resident_fixed) and model.expert_store.totals().misses > 0
+    model.expert_store.close()
+
+
 def test_op_by_op_fixed_step_is_exact(official, resident, resident_fixed):
     """The same step with the segments off (the rollback): run op by op, also exact."""
     with flags.override(compile=True, expert_step_segments=False):
