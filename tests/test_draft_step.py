@@ -2,6 +2,8 @@
 and confidence (dsv4/speculative.py `propose` over a DraftCache), cycle after cycle, in fp32
 with the roundings off; the loop with them is checked in test_speculative.py."""
 
+from typing import Optional
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -51,56 +53,76 @@ def test_fixed_propose_gives_the_reference_proposals(tiny, name, compiled, unsee
     before each propose: the sampled drafts are the same draws. `unseeded`: the window starts
     after that many prompt positions (a chat turn continuing a cache), holding fewer rows than
     the window's positions for the first cycles."""
-    sampling = SAMPLINGS[name]
-    model, draft = tiny, tiny.draft
-    rng = np.random.default_rng(2)
     with flags.override(compile=compiled, **FP32):
-        prompt = rng.integers(7, 500, (1, 13))
-        cache, reference = model.make_cache(), draft.make_cache(unseeded)
-        if unseeded:
-            model(prompt[:, :unseeded], cache)
-        hidden = []
-        logits = model(prompt[:, unseeded:], cache, hidden=hidden)
-        draft.seed(reference, hidden, 1)
-        fixed = FixedDraft(model, copied(reference))
-        adjust = LogitAdjustment(sampling, model.args.vocab_size)
-        y = int(mx.argmax(logits[0, -1]).item())
-        for cycle in range(90):
-            k = cycle % 6
-            if k:
-                mx.random.seed(cycle)
+        check_cycles(tiny, SAMPLINGS[name], unseeded)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["greedy", "sampled-penalized"])
+def test_gpu_fixed_propose_with_kernels_gives_the_reference_proposals(tiny, name):
+    """The same on a GPU: the fixed propose compiled with the kernels (attention, experts, mHC,
+    head, row tails) against the reference propose without them, in fp32 (summation order
+    apart: 1e-4)."""
+    kernels_off = {flag: False for flag in flags.FLAGS if flag.startswith("kernel_")}
+    with flags.override(compile=True, **FP32):
+        check_cycles(tiny, SAMPLINGS[name], 0, kernels_off, tol=1e-4)
+
+
+def check_cycles(model, sampling: Sampling, unseeded: int, reference_switches: Optional[dict] = None,
+                 tol: float = 1e-5) -> None:
+    """The cycles of test_fixed_propose_gives_the_reference_proposals, the reference propose
+    and seed under `reference_switches`."""
+    reference_switches = reference_switches or {}
+    draft = model.draft
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(7, 500, (1, 13))
+    cache, reference = model.make_cache(), draft.make_cache(unseeded)
+    if unseeded:
+        model(prompt[:, :unseeded], cache)
+    hidden = []
+    logits = model(prompt[:, unseeded:], cache, hidden=hidden)
+    draft.seed(reference, hidden, 1)
+    fixed = FixedDraft(model, copied(reference))
+    adjust = LogitAdjustment(sampling, model.args.vocab_size)
+    y = int(mx.argmax(logits[0, -1]).item())
+    for cycle in range(90):
+        k = cycle % 6
+        if k:
+            mx.random.seed(cycle)
+            with flags.override(**reference_switches):
                 want = propose(model, reference, y, k, adjust, sampling)
-                mx.random.seed(cycle)
-                got = fixed.propose(y, k, adjust, sampling)
-                np.testing.assert_array_equal(np.array(got.drafts), np.array(want.drafts))
-                pairs = [(got.confidence, want.confidence)]
-                if sampling.temp:
-                    pairs.append((got.q_logits, want.q_logits))
-                else:
-                    assert got.q_logits is None and want.q_logits is None
-                for a, b in pairs:
-                    a, b = np.array(a), np.array(b)
-                    finite = np.isfinite(b)
-                    np.testing.assert_array_equal(np.isfinite(a), finite)   # top-p's cut rows alike
-                    np.testing.assert_allclose(a[finite], b[finite], rtol=1e-5, atol=1e-5)
-                drafts = np.array(want.drafts).tolist()
+            mx.random.seed(cycle)
+            got = fixed.propose(y, k, adjust, sampling)
+            np.testing.assert_array_equal(np.array(got.drafts), np.array(want.drafts))
+            pairs = [(got.confidence, want.confidence)]
+            if sampling.temp:
+                pairs.append((got.q_logits, want.q_logits))
             else:
-                drafts = []
-            logits = model(np.array([[y, *drafts]]), cache, hidden=(hidden := []))
-            kept = 1 + (cycle // 6) % (k + 1)          # accepted drafts 0..k, plus y
-            cache.trim(k + 1 - kept)
+                assert got.q_logits is None and want.q_logits is None
+            for a, b in pairs:
+                a, b = np.array(a), np.array(b)
+                finite = np.isfinite(b)
+                np.testing.assert_array_equal(np.isfinite(a), finite)   # top-p's cut rows alike
+                np.testing.assert_allclose(a[finite], b[finite], rtol=tol, atol=tol)
+            drafts = np.array(want.drafts).tolist()
+        else:
+            drafts = []
+        logits = model(np.array([[y, *drafts]]), cache, hidden=(hidden := []))
+        kept = 1 + (cycle // 6) % (k + 1)          # accepted drafts 0..k, plus y
+        cache.trim(k + 1 - kept)
+        with flags.override(**reference_switches):
             draft.seed(reference, [h[:kept] for h in hidden], 1)
-            fixed.seed(hidden)
-            fixed.keep(kept)
-            assert fixed.end == reference.end
-            adjust.count(mx.array([*drafts[:kept - 1], y]))
-            y = int(mx.argmax(logits[0, kept - 1]).item())    # the target's token after them
-        assert reference.end - 13 > 6 * fixed.ring
-        twin = fixed.cache
-        fixed.close()
-        assert twin.end == reference.end
-        for got, want in zip(twin.rows, reference.rows):
-            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+        fixed.seed(hidden)
+        fixed.keep(kept)
+        assert fixed.end == reference.end
+        adjust.count(mx.array([*drafts[:kept - 1], y]))
+        y = int(mx.argmax(logits[0, kept - 1]).item())    # the target's token after them
+    assert reference.end - 13 > 6 * fixed.ring
+    twin = fixed.cache
+    fixed.close()
+    assert twin.end == reference.end
+    for got, want in zip(twin.rows, reference.rows):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
 
 
 def test_a_seed_longer_than_the_spare_ring_rows_is_refused(tiny):
