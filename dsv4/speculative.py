@@ -172,7 +172,7 @@ class Stats:
         share = lambda s: f"{100 * s / total:.0f}%" if total else "-"
         return (f"Speculative: {self.verifies} verifies, {self.plain_steps} plain steps; acceptance "
                 f"{self.acceptance:.3f} ({self.accepted}/{self.drafted}), {self.tokens_per_verify:.2f} "
-                f"tokens per verify; time: propose {share(self.propose_s)}, verify "
+                f"tokens per verify; time: propose (queued) {share(self.propose_s)}, verify "
                 f"{share(self.verify_s)}, plain {share(self.plain_s)}")
 
 
