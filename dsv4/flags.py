@@ -304,6 +304,12 @@ define("kernel_gguf_q8_pairs", False,
        "read two blocks at a time: 68 bytes from a 4-byte boundary in 17 u32 loads, where one block "
        "takes 17 u16 loads (dsv4/kernels/gguf_dot.py); the same values and sums. Off (default) "
        "until the H200 measures it (benchmarks/gguf_native.py)")
+define("kernel_gguf_wide", False,
+       "GPU kernels over GGUF rows read Q8_0, IQ2_XXS and Q2_K blocks with 16-byte loads of the "
+       "aligned words that hold them, realigned in registers (3 loads a Q8_0 block where it took 17; "
+       "IQ2_XXS 3 + 4 grid loads per 32 weights where it took 5 + 8, its signs computed), "
+       "dsv4/kernels/gguf_dot.py; the same values. Off (default) until the H200 measures it "
+       "(benchmarks/gguf_native.py); takes precedence over DSV4_KERNEL_GGUF_Q8_PAIRS")
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "

@@ -45,7 +45,14 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-def test_gguf_experts_against_their_stages(experts, tokens, act_quant):
+@pytest.mark.parametrize("wide", [False, True])
+def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
+    """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE)."""
+    with flags.override(kernel_gguf_wide=wide):
+        experts_against_their_stages(experts, tokens, act_quant)
+
+
+def experts_against_their_stages(experts, tokens, act_quant):
     gate, up, down, shared = experts
     E, D = gate.weight.shape[0], gate.in_features
     x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
@@ -84,14 +91,18 @@ def test_gguf_routed_experts_with_expand(experts, tokens):
 @pytest.mark.parametrize("qtype,n,k", [("Q8_0", 1280, 5120), ("Q8_0", 32768, 1280), ("Q8_0", 512, 5120),
                                        ("Q8_0", 5120, 8192), ("Q4_K", 1280, 5120), ("Q2_K", 512, 5120),
                                        ("IQ2_XXS", 2304, 5120), ("Q8_0 pairs", 1280, 5120),
-                                       ("Q8_0 pairs", 32768, 1280), ("Q8_0 pairs", 5120, 8192)])
+                                       ("Q8_0 pairs", 32768, 1280), ("Q8_0 pairs", 5120, 8192),
+                                       ("Q8_0 wide", 1280, 5120), ("Q8_0 wide", 32768, 1280),
+                                       ("Q8_0 wide", 5120, 8192), ("Q2_K wide", 512, 5120),
+                                       ("Q2_K wide", 5120, 2304), ("IQ2_XXS wide", 2304, 5120)])
 @pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_gguf_matvec(qtype, n, k, tokens):
-    """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS)."""
+    """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); 'wide': 16-byte
+    loads (DSV4_KERNEL_GGUF_WIDE)."""
     q = gguf_matrix(RNG, (n, k), qtype.split()[0])
     x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
     assert mv.kernel_supports(x, q)
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs")):
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith("wide")):
         got = f32(mv.quantized_matvec(x, q, True))
     want = f32(mv.matvec_reference(x, q, True))
     # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation

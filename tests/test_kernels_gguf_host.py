@@ -40,20 +40,41 @@ def matrix_bytes(m: GGUFMatrix | None, like: GGUFMatrix, rows: int) -> bytes:
         + bias.tobytes()
 
 
-# The Metal/CUDA vector types the GGUF header uses beyond the host prelude's.
+# The Metal/CUDA vector types the GGUF header uses beyond the host prelude's, and LOAD_U4 checked
+# against the weight buffers (Matrix registers them): a 16-byte load at or after a buffer's start
+# must start before its end (it holds one of its bytes, so on a GPU it stays in the buffer's
+# pages); the bytes it reads past the end come back as zeros.
 HOST_TYPES = r"""
 struct uint2 { uint32_t x, y; };
+std::vector<std::pair<const uint8_t*, const uint8_t*>> weight_buffers;
+inline uint4 checked_u4(const void* p, size_t i) {
+  const uint8_t* a = (const uint8_t*)p + 16 * i;
+  size_t n = 16;
+  bool inside = false, just_past = false;
+  for (const auto& [begin, end] : weight_buffers) {
+    if (a >= begin && a < end) { inside = true; n = std::min<size_t>(16, end - a); }
+    just_past |= a >= end && a < end + 4096;
+  }
+  if (just_past && !inside) { std::fprintf(stderr, "a 16-byte load past a weight buffer\n"); std::abort(); }
+  uint4 q{0, 0, 0, 0};
+  std::memcpy(&q, a, n);
+  return q;
+}
+#undef LOAD_U4
+#define LOAD_U4(p, i) checked_u4(p, i)
 """
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = r"""
-inline size_t row_bytes(int qtype, int n_in) {
-  return qtype == 10 || qtype == 14 ? n_in / 32 * 34 : qtype == 11 ? n_in / 256 * 144 : qtype == 12 ? n_in / 256 * 84 : n_in / 256 * 66;
+inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 the wide units)
+  return qtype == 10 || qtype == 14 || qtype == 20 ? n_in / 32 * 34 : qtype == 11 ? n_in / 256 * 144
+       : qtype == 12 || qtype == 22 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
-  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 ? 544 : 8), bias(8) {
+  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 ? 544 : 8), bias(8) {
     read(w); read(tables); read(bias);
+    weight_buffers.emplace_back(w.data(), w.data() + w.size());
   }
 };
 """
@@ -151,10 +172,13 @@ def mode(m: GGUFMatrix) -> int:
     (("Q4_K", "Q4_K", "Q4_K"), "Q8_0", 256, 768),
     (("Q8_0", "Q8_0", "Q8_0"), None, 96, 160),
 ])
-@pytest.mark.parametrize("tokens,act_quant,pairs", [(1, True, False), (2, False, False), (2, True, True)])
-def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs):
-    """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS)."""
-    with flags.override(kernel_gguf_q8_pairs=pairs):
+@pytest.mark.parametrize("tokens,act_quant,pairs,wide", [(1, True, False, False), (2, False, False, False),
+                                                          (2, True, True, False), (1, True, False, True),
+                                                          (2, False, True, True)])
+def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
+    """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
+    16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence)."""
+    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=wide):
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
@@ -201,10 +225,17 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     ("IQ2_XXS", 64, 768),
     ("Q8_0 pairs", 40, 512),      # split in 4 slices of 2 pairs
     ("Q8_0 pairs", 2100, 128),    # 2 rows per SIMD group, 2 pairs a row: most lanes without one
+    ("Q8_0 wide", 40, 512),
+    ("Q8_0 wide", 2100, 64),      # rows of 68 bytes: every 16-byte phase, the buffer's last block
+    ("Q8_0 wide", 30, 96),        # rows of 102 bytes: odd rows start 2 bytes past a 4-byte boundary
+    ("Q2_K wide", 300, 512),
+    ("Q2_K wide", 45, 2304),      # rows of 756 bytes (V4.1's down): rows start at each 4-byte phase
+    ("IQ2_XXS wide", 64, 768),
+    ("IQ2_XXS wide", 33, 256),    # rows of one block: 66 bytes, every 2-byte phase
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs")):
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith("wide")):
         matvec_body(tmp_path, rng, gguf_matrix(rng, (n, k), qtype.split()[0]), n, k)
 
 
@@ -223,3 +254,36 @@ def matvec_body(tmp_path, rng, q, n, k):
     assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
     ref = np.array(mv.matvec_reference(mx.array(x), q, True)).astype(np.float64)
     assert np.all(np.abs(ref - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30)
+
+
+def iq2_xxs_every_entry(rng, rows: int) -> GGUFMatrix:
+    """IQ2_XXS rows of 8 blocks whose 64 sub-blocks take every grid entry (4s..4s+3) and every
+    sign pattern (shifted by the row), with random d and sub-block scales."""
+    blocks = np.zeros((rows, 8, 66), np.uint8)
+    blocks[..., :2] = (rng.uniform(0.5, 2.0, (rows, 8)) * 2.0 ** -rng.integers(4, 12, (rows, 8))
+                       ).astype(np.float16)[..., None].view(np.uint8)
+    s = np.arange(64).reshape(8, 8)
+    grid = (4 * s[..., None] + np.arange(4)).astype(np.uint8)                              # [8, 8, 4]
+    for r in range(rows):
+        signs = ((4 * s[..., None] + np.arange(4) + r) % 128).astype(np.uint32)
+        aux = (signs << (7 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32) \
+            | (rng.integers(0, 16, (8, 8)).astype(np.uint32) << 28)
+        words = np.concatenate([grid.view(np.uint32), aux[..., None]], -1)            # [8, 8, 2]
+        blocks[r, :, 2:] = words.reshape(8, 16).view(np.uint8)
+    return GGUFMatrix(mx.array(blocks.reshape(rows, 8 * 66)), "IQ2_XXS")
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_iq2_xxs_every_grid_entry_and_sign_pattern(tmp_path, wide):
+    """Both IQ2_XXS units (the wide one computes its signs) over every grid entry and sign
+    pattern, against the float64 product of gguf_blocks' decoding; that decoding against
+    gguf-py's on the same blocks."""
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.constants import GGMLQuantizationType
+    rng = np.random.default_rng()
+    q = iq2_xxs_every_entry(rng, 4)
+    want = gguf_dequantize(np.array(q.weight), GGMLQuantizationType.IQ2_XXS)
+    np.testing.assert_array_equal(np.array(q.dequantized()), want)
+    with flags.override(kernel_gguf_wide=wide):
+        assert mode(q) == (23 if wide else 13)
+        matvec_body(tmp_path, rng, q, 4, 2048)

@@ -576,11 +576,14 @@ _GGUF_HEADER = X_HEADER + gguf_dot.HEADER
 
 
 def _gguf_checks(stage):
-    """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's widths."""
+    """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's
+    widths; then the q2 recipe's (and the mix's) in the wide units (DSV4_KERNEL_GGUF_WIDE)."""
     out = []
-    for routed, shared in (("IQ2_XXS", "Q8_0"), ("Q4_K", "Q8_0"), ("Q2_K", "Q4_K")):
-        tmpl = [("T", mx.bfloat16), ("MODE", gguf_dot.GGUF_MODE_IDS[routed]), ("BITS", 0), ("GS", 0),
-                ("SMODE", gguf_dot.GGUF_MODE_IDS[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
+    narrow, wide = gguf_dot.GGUF_MODE_IDS, dict(gguf_dot.GGUF_MODE_IDS, **gguf_dot.WIDE_MODE_IDS)
+    for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
+                                ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide)):
+        tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),
+                ("SMODE", ids[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         mats = (mx.uint8, mx.uint32, mx.uint32) * 4
         rows, lanes = GGUF_GATE_UP_SHAPES[routed]
         gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", True),

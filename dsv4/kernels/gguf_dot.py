@@ -38,6 +38,8 @@ from dsv4 import flags, gguf_blocks
 
 GGUF_MODE_IDS = {"Q8_0": 10, "Q4_K": 11, "Q2_K": 12, "IQ2_XXS": 13}
 Q8_0_PAIRS = 14   # the mode id of Q8_0 read two blocks at a time
+# The mode ids of the wide units (DSV4_KERNEL_GGUF_WIDE); Q4_K's unit is wide already.
+WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -64,6 +66,29 @@ KFN float int8_dot8(uint32_t w0, uint32_t w1, LOCAL const float* x) {
   return s;
 }
 
+// Wide loads (DSV4_KERNEL_GGUF_WIDE): out[k] = the u32 at byte off + 4k of the buffer at `base`
+// (16-byte aligned), for the NB bytes from off (a multiple of ALIGN, 2 or 4), read as the aligned
+// 16-byte words that hold them and realigned in registers (selects by the word phase, a 16-bit
+// funnel for a 2-byte phase). A load never starts past the last 16-byte word holding a byte asked
+// for (it is clamped there), so it never leaves the pages the span lies in. out's bytes past NB
+// are not defined.
+template <int NB, int ALIGN, typename P> KFN void span_words(P base, size_t off, LOCAL uint32_t* out) {
+  constexpr int L = (NB + 16 - ALIGN + 15) / 16;      // 16-byte words covering NB bytes at any phase
+  constexpr int NW = (NB + 3) / 4;
+  const size_t first = off / 16, last = (off + NB - 1) / 16;
+  uint32_t w[4 * L + 3];
+  for (int i = 0; i < L; ++i) {
+    const uint4 q = LOAD_U4(base, first + i < last ? first + i : last);
+    w[4 * i] = q.x; w[4 * i + 1] = q.y; w[4 * i + 2] = q.z; w[4 * i + 3] = q.w;
+  }
+  for (int k = 4 * L; k < 4 * L + 3; ++k) w[k] = 0u;
+  const uint32_t m = (uint32_t)(off % 16) / 4;         // the span's first word within the first load
+  for (int k = 0; k < 4 * L + 1; ++k) w[k] = (m & 2u) ? w[k + 2] : w[k];
+  for (int k = 0; k < 4 * L; ++k) w[k] = (m & 1u) ? w[k + 1] : w[k];
+  const bool half = ALIGN < 4 && (off & 2) != 0;
+  for (int k = 0; k < NW; ++k) out[k] = half ? (w[k] >> 16) | (w[k + 1] << 16) : w[k];
+}
+
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
 template <int MODE> struct GgufUnit;
@@ -72,8 +97,8 @@ template <> struct GgufUnit<10> {   // Q8_0
   static constexpr int VALUES = 32, BLOCK_VALUES = 32, BLOCK_BYTES = 34;
   uint32_t q[8];
   float d;
-  template <typename P> KFN void load(P row, int u) {
-    P b = row + 34 * u;
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    P b = base + row_off + 34 * u;
     d = f16_bits(u16_at(b, 0));
     for (int k = 0; k < 8; ++k) q[k] = u16_at(b, 1 + 2 * k) | (u16_at(b, 2 + 2 * k) << 16);
   }
@@ -86,8 +111,8 @@ template <> struct GgufUnit<14> {   // Q8_0, two blocks per unit: 68 bytes, 4-by
   static constexpr int VALUES = 64, BLOCK_VALUES = 64, BLOCK_BYTES = 68;
   uint32_t q[16];
   float d[2];
-  template <typename P> KFN void load(P row, int u) {
-    P b = row + 68 * u;
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    P b = base + row_off + 68 * u;
     uint32_t w[17];
     for (int k = 0; k < 17; ++k) w[k] = u32_at(b, k);
     d[0] = f16_bits(w[0] & 0xffffu);                   // bytes 0-1; its int8s at bytes 2-33
@@ -104,8 +129,8 @@ template <> struct GgufUnit<13> {   // IQ2_XXS: tables = grid (512 words), then 
   static constexpr int VALUES = 32, BLOCK_VALUES = 256, BLOCK_BYTES = 66;
   uint32_t grid_index, aux;
   float db;
-  template <typename P> KFN void load(P row, int u) {
-    P b = row + 66 * (u / 8);
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    P b = base + row_off + 66 * (u / 8);
     const int j = u % 8;
     grid_index = u16_at(b, 1 + 4 * j) | (u16_at(b, 2 + 4 * j) << 16);
     aux = u16_at(b, 3 + 4 * j) | (u16_at(b, 4 + 4 * j) << 16);
@@ -129,8 +154,8 @@ template <> struct GgufUnit<11> {   // Q4_K
   static constexpr int VALUES = 64, BLOCK_VALUES = 256, BLOCK_BYTES = 144;
   uint32_t q[8];
   float scale[2], low[2];
-  template <typename P> KFN void load(P row, int u) {
-    P b = row + 144 * (u / 4);
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    P b = base + row_off + 144 * (u / 4);
     const int i = u % 4;
     const uint4 head = LOAD_U4(b, 0), lo = LOAD_U4(b + 16, 2 * i), hi = LOAD_U4(b + 16, 2 * i + 1);
     const uint32_t sc[3] = {head.y, head.z, head.w};
@@ -167,8 +192,8 @@ template <> struct GgufUnit<12> {   // Q2_K
   static constexpr int VALUES = 128, BLOCK_VALUES = 256, BLOCK_BYTES = 84;
   uint32_t q[8], sc[2];
   float d, dmin;
-  template <typename P> KFN void load(P row, int u) {
-    P b = row + 84 * (u / 2);
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    P b = base + row_off + 84 * (u / 2);
     const int h = u % 2;
     for (int k = 0; k < 8; ++k) q[k] = u32_at(b, 4 + 8 * h + k);
     sc[0] = u32_at(b, 2 * h);
@@ -191,6 +216,62 @@ template <> struct GgufUnit<12> {   // Q2_K
   }
 };
 
+// The wide units (DSV4_KERNEL_GGUF_WIDE): the same values, fewer and wider loads.
+template <> struct GgufUnit<20> : GgufUnit<10> {   // Q8_0: 3 16-byte loads a block, not 17 u16
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    uint32_t w[9];
+    span_words<34, 2>(base, row_off + 34 * (size_t)u, w);
+    d = f16_bits(w[0] & 0xffffu);
+    for (int k = 0; k < 8; ++k) q[k] = (w[k] >> 16) | (w[k + 1] << 16);
+  }
+};
+
+// IQ2_XXS: a sub-block's 8 bytes in 2 16-byte loads and d in one (5 u16 loads before); the signs
+// computed (7 bits and their parity, 0x6996 being the parities of 0-15) instead of read from the
+// table; grid bytes widened two at a time (ints2) where each took an int-to-float conversion, and
+// a minus sign put on x's sign bit.
+template <> struct GgufUnit<23> {
+  static constexpr int VALUES = 32, BLOCK_VALUES = 256, BLOCK_BYTES = 66;
+  uint32_t grid_index, aux;
+  float db;
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    const size_t b = row_off + 66 * (size_t)(u / 8);
+    uint32_t w[2];
+    span_words<8, 2>(base, b + 2 + 8 * (u % 8), w);
+    grid_index = w[0];
+    aux = w[1];
+    db = f16_bits(u16_at(base + b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
+    const uint2 entry = ((GLOBAL uint2*)tables)[g];
+    const uint32_t signs = si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
+    const uint32_t e[2] = {entry.x, entry.y};
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j) {
+      const float2 a = ints2(e[j] & 0x00ff00ffu, 0.0f), b = ints2((e[j] >> 8) & 0x00ff00ffu, 0.0f);
+      float xs[4];
+      for (int k = 0; k < 4; ++k)
+        xs[k] = AS_FLOAT(AS_UINT(x[4 * j + k]) ^ ((signs << (31 - (4 * j + k))) & 0x80000000u));
+      s += a.x * xs[0] + b.x * xs[1] + a.y * xs[2] + b.y * xs[3];
+    }
+    return db * s;
+  }
+};
+
+template <> struct GgufUnit<22> : GgufUnit<12> {   // Q2_K: a half's 32 code bytes in 3 16-byte loads, not 8 u32
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    const size_t b = row_off + 84 * (size_t)(u / 2);
+    const int h = u % 2;
+    span_words<32, 4>(base, b + 16 + 32 * h, q);
+    sc[0] = u32_at(base + b, 2 * h);
+    sc[1] = u32_at(base + b, 2 * h + 1);
+    const uint32_t dd = u32_at(base + b, 20);
+    d = f16_bits(dd & 0xffffu);
+    dmin = f16_bits(dd >> 16);
+  }
+};
+
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
           typename PW, typename PS, typename PB>
 KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
@@ -205,8 +286,8 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
     U a[ROWS], b[TWO ? ROWS : 1];
     for (int r = 0; r < ROWS; ++r) {
       const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
-      a[r].load(w0 + row * ROW_BYTES, u);
-      if (TWO) b[r].load(w1 + row * ROW_BYTES, u);
+      a[r].load(w0, row * ROW_BYTES, u);
+      if (TWO) b[r].load(w1, row * ROW_BYTES, u);
     }
     for (int c = 0; c < U::VALUES / 8; ++c) {
       float xv[8];
@@ -253,12 +334,20 @@ class GGUFMatrix:
         return self.qtype == "Q8_0" and self.in_features % 64 == 0 and bool(flags.get("kernel_gguf_q8_pairs"))
 
     @property
+    def wide(self) -> bool:
+        """Read with 16-byte loads (DSV4_KERNEL_GGUF_WIDE; a unit of its own for the type)."""
+        return self.qtype in WIDE_MODE_IDS and bool(flags.get("kernel_gguf_wide"))
+
+    @property
     def block_values(self) -> int:
         """Values of the unit a kernel's work split must keep whole: a block, or a pair."""
-        return 64 if self.paired else gguf_blocks.BLOCK_WEIGHTS[self.qtype]
+        return 64 if self.paired and not self.wide else gguf_blocks.BLOCK_WEIGHTS[self.qtype]
 
     def template(self, prefix: str = "") -> list:
-        mode = Q8_0_PAIRS if self.paired else GGUF_MODE_IDS[self.qtype]
+        if self.wide:
+            mode = WIDE_MODE_IDS[self.qtype]
+        else:
+            mode = Q8_0_PAIRS if self.paired else GGUF_MODE_IDS[self.qtype]
         return [(prefix + "MODE", mode), (prefix + "BITS", 0), (prefix + "GS", 0)]
 
     def operands(self) -> list:
