@@ -7,9 +7,10 @@ ds4's q2 (IQ2_XXS gate/up, Q2_K down, Q8_0 shared) and q4 (Q4_K, Q8_0 shared) re
 fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fused mx kernels.
 
 1. Decode: the fused experts (gate/up + down launches) for 1, 2, 4 and 8 tokens of distinct
-   experts: time per call (interleaved variants, medians, host share included) and the rate
-   at which it reads the weights it uses; the same for the GGUF dense matvec at the dense
-   projections' shapes.
+   experts: time per call (medians, host share included) and the rate at which it reads the
+   weights it uses, for each GGUF unit variant (VARIANTS: the blocks as before, Q8_0 pairs, the
+   wide 16-byte loads) interleaved in one run, with whether its output equals the first's; the
+   same for the GGUF Q8_0 dense matvec at the dense projections' shapes (1 and 8 tokens).
 2. Prefill: one MoE layer's experts over a 512-token chunk, 8 chunks (4096 tokens), through
    the path prefill takes: GGUF (only the selected experts decoded, a batch at a time) against
    the affine mapping the converter used to write (IQ2_XXS -> 3-bit, Q2_K -> 4-bit, Q4_K ->
@@ -31,7 +32,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
-from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, random_mx  # noqa: E402
+from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, max_diff, random_mx  # noqa: E402
 from benchmarks.slice_decode import GGUF_EXPERTS, gguf_blocks_on_device  # noqa: E402
 from dsv4 import flags  # noqa: E402
 from dsv4.kernels import experts as ex  # noqa: E402
@@ -87,8 +88,24 @@ def expert_bytes(m) -> float:
     return per / (E if m.weight.ndim == 3 else 1)
 
 
+# The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
+VARIANTS = {"blocks": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False),
+            "Q8_0 pairs": dict(kernel_gguf_q8_pairs=True, kernel_gguf_wide=False),
+            "wide": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=True)}
+
+
+def under(switches: dict, fn):
+    def run():
+        with flags.override(**switches):
+            return fn()
+    return run
+
+
 def decode_rows(name, weights, tokens_list):
+    """(recipe, variant, tokens, seconds, bytes, gate/up cell, down cell) per variant and token
+    count; the variants (VARIANTS, or the mx kernels alone for mxfp4) interleaved in one run."""
     gate, up, down, shared = weights
+    variants = {"mx": {}} if name == "mxfp4" else VARIANTS
     rows = []
     for tokens in tokens_list:
         x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)
@@ -97,30 +114,36 @@ def decode_rows(name, weights, tokens_list):
         mx.eval(x, perm, w)
         h, _ = ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)
         mx.eval(h)
-        t = compare({"both": lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True),
-                     "gate/up": lambda: ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)[0],
-                     "down": lambda: ex.down_kernel(h, perm, down, shared[2])})
+        runs, outputs = {}, {}
+        for label, switches in variants.items():
+            runs[f"{label} both"] = under(switches, lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True))
+            runs[f"{label} gate/up"] = under(switches, lambda: ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)[0])
+            runs[f"{label} down"] = under(switches, lambda: ex.down_kernel(h, perm, down, shared[2]))
+            outputs[label] = runs[f"{label} both"]()
+        t = compare(runs)
+        first = next(iter(outputs.values()))
         gate_up_bytes = tokens * K * (expert_bytes(gate) + expert_bytes(up)) + expert_bytes(shared[0]) + expert_bytes(shared[1])
         down_bytes = tokens * K * expert_bytes(down) + expert_bytes(shared[2])
-        rows.append((name, tokens, t["both"], gate_up_bytes + down_bytes,
-                     f"{t['gate/up'] * 1e6:.1f} ({gate_up_bytes / t['gate/up'] / 1e12:.2f})",
-                     f"{t['down'] * 1e6:.1f} ({down_bytes / t['down'] / 1e12:.2f})"))
+        for label in variants:
+            gu, dn = t[f"{label} gate/up"], t[f"{label} down"]
+            same = "yes" if mx.array_equal(outputs[label], first).item() else f"max diff {max_diff(outputs[label], first):.3g}"
+            rows.append((name, label, tokens, t[f"{label} both"], gate_up_bytes + down_bytes,
+                         f"{gu * 1e6:.1f} ({gate_up_bytes / gu / 1e12:.2f})",
+                         f"{dn * 1e6:.1f} ({down_bytes / dn / 1e12:.2f})", same))
     return rows
 
 
-def matvec_rows():
-    """(N, K, seconds a block at a time, seconds two blocks at a time, bytes) per dense shape."""
+def matvec_rows(tokens_list):
+    """(N, K, tokens, {variant: seconds}, bytes) per dense Q8_0 shape, the variants interleaved."""
     rows = []
     for n, k in ((1280, 5120), (32768, 1280), (5120, 8192), (2304, 5120)):
         q = gguf((n, k), "Q8_0")
-        x = (mx.random.normal((1, k))).astype(mx.bfloat16)
-        mx.eval(x)
-
-        def run(pairs: bool):
-            with flags.override(kernel_gguf_q8_pairs=pairs):   # read when the launch is made
-                return mv.quantized_matvec(x, q, True)
-        t = compare({"blocks": lambda: run(False), "pairs": lambda: run(True)})
-        rows.append((n, k, t["blocks"], t["pairs"], q.weight.nbytes))
+        for tokens in tokens_list:
+            x = (mx.random.normal((tokens, k))).astype(mx.bfloat16)
+            mx.eval(x)
+            t = compare({label: under(switches, lambda: mv.quantized_matvec(x, q, True))
+                         for label, switches in VARIANTS.items()})
+            rows.append((n, k, tokens, t, q.weight.nbytes))
     return rows
 
 
@@ -195,29 +218,30 @@ def main(argv=None) -> int:
              (f"Copy roofline: torch {torch_bw / 1e12:.2f} TB/s" if torch_bw else "Copy roofline: no torch")
              + f"; MLX elementwise {mlx_bw / 1e12:.2f} TB/s (read + write).", "",
              "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
-             "| experts | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) | down alone µs (TB/s) |",
-             "|---|---|---|---|---|---|---|"]
+             "GGUF variants interleaved in one run: blocks (the units as they were), Q8_0 pairs "
+             "(DSV4_KERNEL_GGUF_Q8_PAIRS), wide (DSV4_KERNEL_GGUF_WIDE: 16-byte loads for Q8_0, IQ2_XXS, "
+             "Q2_K). 'same' = the output equals the first variant's bit for bit.", "",
+             "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
+             "| down alone µs (TB/s) | same |",
+             "|---|---|---|---|---|---|---|---|---|"]
     prefill = []
     for name in ("mxfp4", "q2", "q4"):
         weights = recipe_weights(name)
-        runs = [(name, False)] + ([] if name == "mxfp4" else [(f"{name}, Q8_0 pairs", True)])
-        for label, pairs in runs:   # pairs: the shared expert's Q8_0 read two blocks at a time
-            with flags.override(kernel_gguf_q8_pairs=pairs):
-                for n, t, sec, nbytes, gate_up, down in decode_rows(label, weights, tokens):
-                    lines.append(f"| {n} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
-                                 f"{gate_up} | {down} |")
-                    print(lines[-1], flush=True)
+        for n, label, t, sec, nbytes, gate_up, down, same in decode_rows(name, weights, tokens):
+            lines.append(f"| {n} | {label} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
+                         f"{gate_up} | {down} | {same} |")
+            print(lines[-1], flush=True)
         if name != "mxfp4" and not a.no_prefill:
             prefill += prefill_rows(name, weights)
             print(prefill[-2:], flush=True)
         del weights
-    lines += ["", "## GGUF Q8_0 dense matvec, one token (act_quant fused)", "",
-              "A block at a time (17 u16 loads), and two at a time (DSV4_KERNEL_GGUF_Q8_PAIRS: 17 u32 loads "
-              "per 68 bytes), interleaved.", "",
-              "| N x K | MB | blocks µs/call | TB/s | pairs µs/call | TB/s |", "|---|---|---|---|---|---|"]
-    for n, k, blocks, pairs, nbytes in matvec_rows():
-        lines.append(f"| {n} x {k} | {nbytes / 1e6:.1f} | {blocks * 1e6:.1f} | {nbytes / blocks / 1e12:.2f} | "
-                     f"{pairs * 1e6:.1f} | {nbytes / pairs / 1e12:.2f} |")
+    labels = list(VARIANTS)
+    lines += ["", "## GGUF Q8_0 dense matvec (act_quant fused), the variants interleaved", "",
+              "| N x K | tokens | MB | " + " | ".join(f"{v} µs (TB/s)" for v in labels) + " |",
+              "|---|---|---|" + "---|" * len(labels)]
+    for n, k, t_count, t, nbytes in matvec_rows([v for v in tokens if v in (1, 8)] or tokens[:1]):
+        cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
+        lines.append(f"| {n} x {k} | {t_count} | {nbytes / 1e6:.1f} | {cells} |")
         print(lines[-1], flush=True)
     lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
               "| recipe | path | tokens/s |", "|---|---|---|"]

@@ -34,6 +34,56 @@ GGUF = [("experts gate/up", "GGUF_GATE_UP_KERNEL"), ("experts gate/up with the r
         ("experts down", "GGUF_DOWN_KERNEL"), ("projection matvec", "GGUF_MATVEC_KERNEL")]
 
 
+# One GGUF unit alone (gguf_dot.py's GgufUnit<MODE>: its load and every chunk's dot8), for counting
+# the PTX instructions it issues per 32 weights: its x comes from threadgroup memory, as in the kernels.
+UNIT_PROBE_BODY = r"""
+  typedef GgufUnit<MODE> U;
+  SHARED float xs[256];
+  xs[tid & 255u] = (float)tid;   // defined values: reads of an unwritten array fold away
+  BARRIER();
+  U a;
+  a.load(w, (size_t)group_x * 4096, (int)tid);
+  float acc = 0.0f;
+#pragma unroll
+  for (int c = 0; c < U::VALUES / 8; ++c) {
+    float xv[8];
+    for (int i = 0; i < 8; ++i) xv[i] = xs[8 * c + i];
+    acc += a.dot8(c, xv, xv[0], tables);
+  }
+  out[tid] = acc;
+"""
+UNITS = [("Q8_0", 10), ("Q8_0 pairs", 14), ("Q8_0 wide", 20), ("IQ2_XXS", 13), ("IQ2_XXS wide", 23),
+         ("Q2_K", 12), ("Q2_K wide", 22), ("Q4_K", 11)]
+
+
+def unit_counts(paths, mode: int) -> dict:
+    """PTX instruction counts of one GgufUnit<mode> (load + dots), per 32 weights: global loads by
+    width, int-to-float conversions, all instructions."""
+    import mlx.core as mx
+    from dsv4.kernels import cuda_cache, gguf_dot
+    from dsv4.kernels.dialect import Kernel
+    from dsv4.kernels.experts import X_HEADER
+    from tools.metal_syntax_check import cuda_source
+
+    kernel = Kernel(name="gguf_unit_probe", input_names=("w", "tables"), output_names=("out",),
+                    body=UNIT_PROBE_BODY, header=X_HEADER + gguf_dot.HEADER,
+                    checks=(((mx.uint8, mx.uint32), (mx.float32,), (("MODE", mode),)),))
+    name, text = cuda_source(kernel, kernel.checks[0])
+    ptx: list = []
+    cuda_cache.nvrtc_build(text, name, "compute_90a", str(paths[0]), paths[1], ptx=ptx)
+    body = [ln.strip() for ln in ptx[0].splitlines()]
+    body = [ln for ln in body if ln and not ln.startswith(("//", ".", "{", "}", "$", "ret"))]
+    per = 32 / {10: 32, 14: 64, 20: 32, 13: 32, 23: 32, 12: 128, 22: 128, 11: 64}[mode]
+    loads = {}
+    for ln in body:
+        m = re.match(r"ld\.global(?:\.nc)?((?:\.v[24])?)\.[usbf](\d+)", ln)
+        if m:
+            width = int(m.group(2)) // 8 * (int(m.group(1)[2:]) if m.group(1) else 1)
+            loads[width] = loads.get(width, 0) + per
+    cvt = sum(per for ln in body if re.match(r"cvt\.rn\.f32\.[us]\d+", ln))
+    return dict(loads=loads, cvt=cvt, total=len(body) * per)
+
+
 def resources(kernel, paths, check: int = 0) -> dict:
     from dsv4.kernels import cuda_cache
     from tools.metal_syntax_check import cuda_source
@@ -77,6 +127,17 @@ def main(argv=None) -> int:
                 lines.append(f"| {what} | `{kernel.name}` | {r['template']} | {r['registers']} | {r['spill']} | "
                              f"{r['smem']} | {r['seconds']:.1f} |")
                 print(lines[-1], flush=True)
+    if a.gguf:
+        lines += ["", "## One unit's PTX per 32 weights (before ptxas)", "",
+                  "The unit's load and dot8s alone (gguf_dot.py's GgufUnit<MODE>, x from threadgroup memory); "
+                  "'wide' = DSV4_KERNEL_GGUF_WIDE, 'pairs' = DSV4_KERNEL_GGUF_Q8_PAIRS.", "",
+                  "| unit | MODE | global loads | loads by bytes | int->float cvt | PTX instructions |",
+                  "|---|---|---|---|---|---|"]
+        for label, mode in UNITS:
+            c = unit_counts(paths, mode)
+            widths = ", ".join(f"{n:g} x {w} B" for w, n in sorted(c["loads"].items()))
+            lines.append(f"| {label} | {mode} | {sum(c['loads'].values()):g} | {widths} | {c['cvt']:g} | {c['total']:g} |")
+            print(lines[-1], flush=True)
     for what, portable, mma in [] if a.gguf else PAIRS:
         for attr in (portable, mma):
             kernel = getattr(experts, attr, None) or getattr(matvec, attr)

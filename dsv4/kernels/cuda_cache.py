@@ -237,11 +237,12 @@ class BuildError(RuntimeError):
 
 
 def nvrtc_build(source: str, name: str, arch: str, library: str | None = None,
-                includes: list[Path] | None = None, options: tuple = (), log: list | None = None
-                ) -> tuple[bytes, str]:
+                includes: list[Path] | None = None, options: tuple = (), log: list | None = None,
+                ptx: list | None = None) -> tuple[bytes, str]:
     """Compile `source` as MLX does (NVRTC, --device-as-default-execution-space, the target
     `arch` such as sm_90a, utils.cuh stood in for): (cubin, lowered name of `name`). `options`
-    are added to MLX's (benchmarks: --ptxas-options=-v); `log` gets NVRTC's log appended."""
+    are added to MLX's (benchmarks: --ptxas-options=-v); `log` gets NVRTC's log appended; `ptx`
+    the PTX (a virtual `arch` such as compute_90a has no cubin: b"")."""
     lib = ctypes.CDLL(library or nvrtc_library() or "libnvrtc.so")
     prog = ctypes.c_void_p()
     headers = (ctypes.c_char_p * 1)(UTILS_STANDIN.encode())
@@ -263,12 +264,20 @@ def nvrtc_build(source: str, name: str, arch: str, library: str | None = None,
             raise BuildError(text.value.decode(errors="replace"))
         if log is not None:
             log.append(text.value.decode(errors="replace"))
+        if ptx is not None:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            text = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, text)
+            ptx.append(text.value.decode())
         lowered = ctypes.c_char_p()
         lib.nvrtcGetLoweredName(prog, full, ctypes.byref(lowered))
         size = ctypes.c_size_t()
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)):
+            size.value = 0
         cubin = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetCUBIN(prog, cubin)
+        if size.value:
+            lib.nvrtcGetCUBIN(prog, cubin)
         return cubin.raw, lowered.value.decode()
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
