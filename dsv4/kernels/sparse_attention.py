@@ -118,6 +118,18 @@ KFN void load_lane(P p, LOCAL float* v) {
   }
 }
 
+// Row r of query qi's list (its NW window indices, then its NK top-k ones) in the kernels'
+// numbering: window row j as j, compressed row j as W + j; -1 where the index picks nothing.
+template <typename PI>
+KFN int query_row(PI window_idx, PI topk_idx, int qi, int r, int NW, int NK, int W, int N) {
+  if (r < NW) {
+    const int j = window_idx[(size_t)qi * NW + r];
+    return (j >= 0 && j < W) ? j : -1;
+  }
+  const int j = topk_idx[(size_t)qi * NK + (r - NW)];
+  return (j >= 0 && j < N) ? W + j : -1;
+}
+
 // RoPE of the pair v[0], v[1] (dims d, d + 1, d even) if it lies in the last 2R dims of a row
 // of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
 // a sin + b cos) or, INVERSE, back (a cos + b sin, b cos - a sin).
@@ -186,16 +198,7 @@ _PARTIAL_BODY = r"""
   for (int base = r_begin; base < r_end; base += 32) {
     // Each lane fetches one row's index; rows are then taken 4 at a time from the lanes.
     const int r = base + (int)lane;
-    int my_row = -1;
-    if (r < r_end) {
-      if (r < NW) {
-        const int j = window_idx[(size_t)qi * NW + r];
-        my_row = (j >= 0 && j < W) ? j : -1;
-      } else {
-        const int j = topk_idx[(size_t)qi * NK + (r - NW)];
-        my_row = (j >= 0 && j < N) ? (W + j) : -1;   // W + j marks a compressed row
-      }
-    }
+    const int my_row = r < r_end ? query_row(window_idx, topk_idx, qi, r, NW, NK, W, N) : -1;
     const int count = min(32, r_end - base);
     for (int c = 0; c < count; c += 4) {
       int rows[4];
@@ -342,16 +345,7 @@ _ROWS8_PARTIAL_BODY = r"""
   for (int base = r_begin; base < r_end; base += 32) {
     // Each lane fetches one row's index; rows are then taken 8 at a time from the lanes.
     const int r = base + (int)lane;
-    int my_row = -1;
-    if (r < r_end) {
-      if (r < NW) {
-        const int j = window_idx[(size_t)qi * NW + r];
-        my_row = (j >= 0 && j < W) ? j : -1;
-      } else {
-        const int j = topk_idx[(size_t)qi * NK + (r - NW)];
-        my_row = (j >= 0 && j < N) ? (W + j) : -1;   // W + j marks a compressed row
-      }
-    }
+    const int my_row = r < r_end ? query_row(window_idx, topk_idx, qi, r, NW, NK, W, N) : -1;
     const int count = min(32, r_end - base);
     for (int c = 0; c < count; c += 8) {
       int rows[8];
