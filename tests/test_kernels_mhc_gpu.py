@@ -12,19 +12,10 @@ import dsv4
 from dsv4 import flags
 from dsv4.kernels import mhc
 from dsv4.quant import qdq_fp8
+from tests.test_kernels_gpu import RNG, arr, f32
 from tests.test_model_gpu import KERNELS_OFF, fixed_greedy, greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
-
-RNG = np.random.default_rng()
-
-
-def f32(a):
-    return np.array(a.astype(mx.float32))
-
-
-def arr(x, dtype=mx.float32):
-    return mx.array(np.asarray(x, np.float32)).astype(dtype)
 
 
 @pytest.fixture
