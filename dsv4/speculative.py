@@ -143,9 +143,10 @@ class Stats:
     plain_steps: int = 0
     drafted: int = 0
     accepted: int = 0
-    # A cycle syncs once, at the acceptance: propose_s is the time until its verify is queued
-    # (on an asynchronous device the draft stages' own compute falls in verify_s), verify_s
-    # the rest of the cycle.
+    # A cycle syncs once, at the acceptance: propose_s is the host's time to queue the propose
+    # (started before the previous cycle's tokens are handed out) and to cut the block (which
+    # waits for the confidence where Adaptive's fit reads it); the draft stages' own compute on
+    # an asynchronous device falls in verify_s, the rest of the cycle.
     propose_s: float = 0.0
     verify_s: float = 0.0
     plain_s: float = 0.0
@@ -331,23 +332,38 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
     stats = stats if stats is not None else Stats()
     adjust = adjust if adjust is not None else LogitAdjustment(sampling, model.args.vocab_size)
     pick = picker(sampling.temp, sampling.top_p)
-    y = first
-    adjust.count(mx.array([y]))
+    adjust.count(mx.array([first]))
     target = Target(model, cache)
     drafter = FixedDraft(model, draft_cache) if use_fixed_propose(model) else ReferenceDraft(model, draft_cache)
+
+    def queue(remaining: int, token: int) -> tuple[int, Optional[Proposal], float]:
+        """(k, the propose of the cycle after `token` started on the device, the seconds that
+        took): k from the policy for `remaining` tokens, 0 meaning a plain step."""
+        t0 = time.perf_counter()
+        k = policy.k(remaining)
+        proposal = drafter.propose(token, k, adjust, sampling) if k else None
+        if proposal is not None:
+            mx.async_eval(*[a for a in (proposal.drafts, proposal.q_logits, proposal.confidence) if a is not None])
+        return k, proposal, time.perf_counter() - t0
+
     start, handed = target.offset, 0
+    out, y = [], first        # tokens to hand out, then the pending one
     try:
         while True:
-            handed += 1          # counted before the yield: a close there has handed it out
-            yield y
-            if handed == limit:
-                return
-            k = policy.k(limit - handed)
+            # The next cycle's propose runs on the device while these tokens are handed out.
+            after = handed + len(out) + 1
+            queued = queue(limit - after, y) if after < limit else None
+            for token in out + [y]:
+                handed += 1      # counted before the yield: a close there has handed it out
+                yield token
+                if handed == limit:
+                    return
+            k, proposal, queued_s = queued
+            t0 = time.perf_counter()
             if k == 0:
-                t0 = time.perf_counter()
                 logits, hidden = target.feed(mx.array([y], mx.int32))
                 drafter.seed(hidden)
-                y = int(pick(adjust(logits)).item())
+                out, y = [], int(pick(adjust(logits)).item())
                 drafter.keep(1)
                 adjust.count(mx.array([y]))
                 seconds = time.perf_counter() - t0
@@ -355,8 +371,6 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
                 stats.plain_s += seconds
                 policy.record_plain(seconds)
                 continue
-            t0 = time.perf_counter()
-            proposal = drafter.propose(y, k, adjust, sampling)
             k = policy.truncate(k, proposal.confidence)
             if k < proposal.drafts.shape[0]:
                 proposal = Proposal(proposal.drafts[:k], None if proposal.q_logits is None
@@ -372,21 +386,17 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             drafter.keep(j + 1)
             adjust.count(mx.array([*drafts[:j], nxt]))
             t2 = time.perf_counter()
+            propose_s = queued_s + t1 - t0
             stats.verifies += 1
             stats.drafted += k
             stats.accepted += j
             stats.accepted_at += [0] * (k - len(stats.accepted_at))
             for row in range(j):
                 stats.accepted_at[row] += 1
-            stats.propose_s += t1 - t0
+            stats.propose_s += propose_s
             stats.verify_s += t2 - t1
-            policy.record_verify(k, j, confidence[:k], t1 - t0, t2 - t1)
-            for token in drafts[:j]:
-                handed += 1
-                yield token
-                if handed == limit:
-                    return
-            y = nxt
+            policy.record_verify(k, j, confidence[:k], propose_s, t2 - t1)
+            out, y = drafts[:j], nxt
     finally:
         excess = target.offset - (start + handed - 1)
         if excess > 0:
