@@ -29,7 +29,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from . import flags
+from . import flags, step_segments
 from .batch_decode import RaggedState
 from .constants import keeping
 from .step import FixedDecoder, StepState, use_fixed_decode
@@ -47,6 +47,25 @@ def batch_regimes(per_session: Sequence[tuple]) -> tuple:
     """The sessions' (layer, regime) pairs -> one pair per layer: the most general regime."""
     layers = [layer for layer, _ in per_session[0]]
     return tuple((layer, max((dict(s)[layer] for s in per_session), key=REGIMES.index)) for layer in layers)
+
+
+class SessionsState(RaggedState):
+    """The batch's state inside a step: RaggedState over the sessions' StepStates, with what a
+    compiled segment hands to the next (dsv4/step_segments.py) named as on the lone step's
+    StepState: `buffers` and `candidates` (the candidate source's blocks), one per session."""
+
+    @property
+    def buffers(self) -> list[dict]:
+        return [s.buffers for s in self.states]
+
+    @property
+    def candidates(self) -> list:
+        return [s.candidates for s in self.states]
+
+    @candidates.setter
+    def candidates(self, blocks) -> None:
+        for s, c in zip(self.states, blocks or [None] * len(self.states)):
+            s.candidates = c
 
 
 class SessionsDecoder:
@@ -73,19 +92,29 @@ class SessionsDecoder:
         regimes = batch_regimes([d.variant()[1] for d in self.sessions])
         steps = self.model.__dict__.setdefault("_fixed_batch_steps", {})
         key = (rings, regimes, self.pooling, switches)
+        # Streamed experts bring each layer's routing to the host mid-step: compiled segments
+        # (the batch's tokens routed together), or op by op.
+        streamed = getattr(self.model, "expert_store", None) is not None
+        use = flags.get("compile") and not flags.get("stage_profile")
+        segmented = streamed and use and flags.get("expert_step_segments") and step_segments.fits(
+            self.model, len(self.sessions))
+        key += (segmented,) if streamed else ()
         if key not in steps:
             model, args, pooling = self.model, self.args, self.pooling
+            state = lambda positions, buffers: SessionsState(
+                [StepState(args, pos, ring, dict(held), dict(regimes), pooling)
+                 for pos, ring, held in zip(positions, rings, buffers)])
 
             def step(tokens, positions, engram, buffers):
-                states = [StepState(args, pos, ring, dict(held), dict(regimes), pooling)
-                          for pos, ring, held in zip(positions, rings, buffers)]
+                s = state(positions, buffers)
                 with keeping():
-                    logits = model.forward(tokens, RaggedState(states), lambda layer: engram[str(layer)])
-                return logits[:, -1], [s.buffers for s in states]
+                    logits = model.forward(tokens, s, lambda layer: engram[str(layer)])
+                return logits[:, -1], s.buffers
 
-            streamed = getattr(model, "expert_store", None) is not None   # routing on the host mid-step
-            use = flags.get("compile") and not flags.get("stage_profile") and not streamed
-            steps[key] = mx.compile(step) if use else step
+            if segmented:
+                steps[key] = step_segments.SegmentedStep(model, state, every=False, hidden=False)
+            else:
+                steps[key] = mx.compile(step) if use and not streamed else step
         return steps[key]
 
     def __call__(self, tokens: mx.array) -> mx.array:

@@ -238,9 +238,10 @@ define("expert_io_hints", True,
        "read experts around the OS cache: F_NOCACHE on macOS, each piece dropped from the cache "
        "once read on Linux (150 GB of experts would otherwise push the resident weights out)")
 define("expert_step_segments", False,
-       "with streamed experts, run the fixed-shape decode step as compiled segments that end at "
-       "each streamed layer's routing, the host's lookup between them (dsv4/step_segments.py), "
-       "instead of op by op; off until measured on the H200 (benchmarks/expert_stream.py)")
+       "with streamed experts, run the fixed-shape decode step (alone or the server's batch) as "
+       "compiled segments that end at each streamed layer's routing, the host's lookup between "
+       "them (dsv4/step_segments.py), instead of op by op; off until measured on the H200 "
+       "(benchmarks/expert_stream.py)")
 define("expert_io_direct", False,
        "Linux: read experts with O_DIRECT into each worker's aligned buffer, then copy them into "
        "their slots, instead of through the page cache")

@@ -3,7 +3,9 @@
 A streamed MoE (dsv4/expert_store.py) needs its routing on the host in the middle of the step:
 the experts its tokens select are looked up, and the misses read into the cache's slots, before
 they are computed. A traced graph cannot stop for the host, so with DSV4_EXPERT_STEP_SEGMENTS
-the step (dsv4/step.py) runs as one traced graph per stretch between two streamed routings:
+the step (dsv4/step.py, and the server's batch, dsv4/batch_step.py, whose B tokens each streamed
+layer routes and looks up together) runs as one traced graph per stretch between two streamed
+routings:
 
     segment 0   embed, the layers before the first streamed MoE, its router    -> routing
     segment j   layer L(j-1)'s experts from the slots, ..., layer L(j)'s router -> routing
@@ -53,10 +55,11 @@ def fits(model, tokens: int) -> bool:
 
 
 class SegmentedStep:
-    """A traced step's interface, (tokens [B, n], pos [1] int32, Engram rows, buffers) ->
-    (out, buffers), over compiled segments with the host's expert lookups between them.
-    `state(pos, buffers)` makes the step's StepState; out is the last position's logits [B, V],
-    or with `every` (logits [B, n, V], the draft stages' inputs if `hidden`)."""
+    """A traced step's interface, (tokens [B, n], pos, Engram rows, buffers) -> (out, buffers),
+    over compiled segments with the host's expert lookups between them. `state(pos, buffers)`
+    makes the step's state: a StepState (pos [1] int32, buffers a dict), or the batch's
+    SessionsState (dsv4/batch_step.py: one of each per session). out is the last position's
+    logits [B, V], or with `every` (logits [B, n, V], the draft stages' inputs if `hidden`)."""
 
     def __init__(self, model, state: Callable, every: bool, hidden: bool):
         self.model, self.state, self.every, self.hidden = model, state, every, hidden

@@ -223,6 +223,129 @@ def test_segments_are_traced_once_per_variant(official, monkeypatch):
         model.expert_store.close()
 
 
+# --- the server's batch ---------------------------------------------------------------------
+# Sessions at different positions decoded together at fixed shapes (dsv4/batch_step.py, the
+# server's batch on GPUs, here forced on the CPU).
+
+BATCH = (6, 23, 54)   # the sessions' prompt lengths: before, at and past their first compressed rows
+
+
+def sessions(model) -> list:
+    """Caches of BATCH sessions, each prefilled with its own prompt."""
+    rng, caches = np.random.default_rng(5), []
+    for n in BATCH:
+        caches.append(model.make_cache())
+        model(rng.integers(7, 500, (1, n)), caches[-1])
+    return caches
+
+
+def batch_run(model, caches, fed=None, steps=32) -> tuple[list[np.ndarray], list]:
+    """The batched fixed-shape step over `caches` for `steps` steps, fed `fed` [steps][B]
+    (default: the sessions' greedy tokens), its buffers starting small so that they grow (a new
+    trace); the caches handed back. -> (each step's logits, the tokens fed)."""
+    from dsv4.batch_step import SessionsDecoder
+
+    out, tokens = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step, "MIN_CAPACITY", 4)
+        dec = SessionsDecoder(model, caches)
+        for i in range(steps):
+            t = fed[i] if fed is not None else (np.argmax(out[-1], -1).tolist() if out else [7, 8, 9])
+            tokens.append(t)
+            out.append(np.array(dec(mx.array(t))))
+        assert dec.sessions[-1].buffers["2.compressed"].shape[1] > 4   # the buffers grew
+        dec.close(dec.positions)
+    return out, tokens
+
+
+def same_caches(a: list, b: list) -> bool:
+    """Whether each cache holds the same tokens and arrays, bit for bit."""
+    for x, y in zip(a, b):
+        mine, theirs = x.state(), y.state()
+        if x.meta() != y.meta() or mine.keys() != theirs.keys() or not all(
+                mine[n].dtype == theirs[n].dtype and mx.array_equal(mine[n], theirs[n]).item() for n in mine):
+            return False
+    return len(a) == len(b)
+
+
+@pytest.fixture(scope="module")
+def resident_batch(official):
+    """The resident model's batched steps (its one compiled graph per variant): their logits
+    and greedy tokens, and the caches handed back."""
+    with flags.override(compile=True):
+        model = dsv4.load(official)[0]
+        caches = sessions(model)
+        logits, fed = batch_run(model, caches)
+    return logits, fed, caches
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("size", ["least", "all"])
+def test_batch_segments_equal_the_resident_batch(official, resident_batch, monkeypatch, size, prefetch):
+    """The batched step over streamed experts as compiled segments: every step's logits, and
+    each session's cache handed back, bit-identical to the resident model's compiled batched
+    step. Each streamed layer looks the batch's experts up once a step: the distinct experts any
+    session's token selects (each miss read once for the batch, as a prefill chunk reads)."""
+    from dsv4.moe import MoE
+
+    slots = {"least": TOP_K * LAYERS, "all": EXPERTS * LAYERS}[size]
+    with flags.override(expert_prefetch=prefetch, compile=True, expert_step_segments=True):
+        model, _ = dsv4.load(official, expert_cache_gb=f"{slots * expert_bytes(official) / 1e9:.9f}")
+        store = model.expert_store
+        caches = sessions(model)
+        chosen, lookups = [], []
+        real_chosen, real_lookup = MoE.streamed_chosen, store.lookup
+        monkeypatch.setattr(MoE, "streamed_chosen", lambda self, routing: chosen.append(
+            real_chosen(self, routing)) or chosen[-1])
+        monkeypatch.setattr(store, "lookup", lambda layer, experts, tokens: lookups.append(
+            (experts, tokens)) or real_lookup(layer, experts, tokens))
+        steps = len(resident_batch[0])
+        got, _ = batch_run(model, caches, resident_batch[1])
+    assert sum(p.slots for p in store.pools) == slots
+    assert {type(f).__name__ for f in model._fixed_batch_steps.values()} == {"SegmentedStep"}
+    assert identical(got, resident_batch[0])
+    assert same_caches(caches, resident_batch[2])
+    assert len(lookups) == len(chosen) == steps * LAYERS
+    for (experts, tokens), ids in zip(lookups, chosen):
+        assert ids.shape == (len(BATCH), TOP_K) and tokens == len(BATCH)
+        assert np.array_equal(experts, np.unique(ids))
+    assert store.totals().misses > 0
+    store.close()
+
+
+def test_batch_segments_are_traced_once_per_variant(official, monkeypatch):
+    """The batch's segments replay their traced graphs from the second step of a variant on,
+    also for a new decoder over the same sessions (the server makes one whenever its batch
+    changes: the graphs live on the model)."""
+    from dsv4.batch_step import SessionsDecoder, batch_regimes
+    from dsv4.moe import MoE
+
+    calls = []
+    real = MoE.streamed_routing
+    monkeypatch.setattr(MoE, "streamed_routing", lambda self, x: calls.append(1) or real(self, x))
+    with flags.override(compile=True, expert_step_segments=True):
+        model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+        caches = sessions(model)
+        seen, repeats, dec = set(), 0, None
+        for t in range(30):
+            if t % 10 == 0:   # a new decoder every 10 steps
+                if dec is not None:
+                    dec.close(dec.positions)
+                dec = SessionsDecoder(model, caches)
+            shapes = tuple(tuple(sorted((n, b.shape) for n, b in d.buffers.items())) for d in dec.sessions)
+            key = (batch_regimes([d.variant()[1] for d in dec.sessions]), shapes)
+            calls.clear()
+            dec(mx.array([7 + t, 8 + t, 9 + t]))
+            # Every segment but the last ends at a streamed router: a new key traces them all.
+            assert len(calls) == (0 if key in seen else LAYERS), (t, key)
+            repeats += key in seen
+            seen.add(key)
+        dec.close(dec.positions)
+    assert {type(f).__name__ for f in model._fixed_batch_steps.values()} == {"SegmentedStep"}
+    assert repeats > 20
+    model.expert_store.close()
+
+
 # --- formats --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -375,13 +498,16 @@ def test_truncated_before_loading_names_the_experts_tensor(official, tmp_path):
 
 
 @pytest.mark.parametrize("layout, decode", [("official", "reference"), ("stacked", "reference"),
-                                            ("official", "segments")])
+                                            ("official", "segments"), ("official", "batch")])
 def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path, layout, decode):
     """A shard cut short after loading: the lookup that needs a lost expert raises an
     ExpertReadError naming the tensor and the expert; every read has joined (no prefetch left
     in flight), no slot holds a lost expert it did not hold before the cut, and closing the store
     returns. Decoding through the reference forward, or the fixed-shape step's compiled
-    segments (the lookup between two of them raises)."""
+    segments (the lookup between two of them raises), alone or for a batch of sessions (the
+    one lookup of the batch's experts raises, once for the batch)."""
+    from dsv4.batch_step import SessionsDecoder
+
     copy = tmp_path / "cut"
     shutil.copytree(official if layout == "official" else converted / "mxfp4", copy)
     model, _ = dsv4.load(copy, expert_cache_gb=least_gb(copy))
@@ -390,20 +516,24 @@ def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path
     first = "layers.7.ffn.experts.0.w1.weight" if layout == "official" else "layers.7.ffn.experts.w1.weight"
     lost = ckpt[first]
     cut = lost.offset + lost.nbytes // 2
-    cache = model.make_cache()
-    model(prompt()[:, :8], cache)
+    caches = [model.make_cache() for _ in range(3 if decode == "batch" else 1)]
+    for i, cache in enumerate(caches):             # the batch's sessions at different positions
+        model(prompt()[:, :8 + 5 * i], cache)
     os.truncate(lost.file, cut)
     read_before_the_cut = filled_slots(store)
     with flags.override(compile=True, expert_step_segments=True), \
             pytest.raises(expert_store.ExpertReadError) as info:
-        dec = step.FixedDecoder(model, cache) if decode == "segments" else None
+        dec = {"reference": None, "segments": step.FixedDecoder,
+               "batch": lambda model, cache: SessionsDecoder(model, caches)}[decode]
+        dec = dec and dec(model, caches[0])
         for t in range(400):                       # until a lost expert is needed
             if dec is None:
-                model(np.array([[7 + t]]), cache)
+                model(np.array([[7 + t]]), caches[0])
             else:
-                dec(mx.array([7 + t]))
+                dec(mx.array([7 + t, 200 + t, 400 + t][:len(caches)]))
     if dec is not None:
-        assert {type(f).__name__ for f in model._fixed_steps.values()} == {"SegmentedStep"}
+        steps = model._fixed_batch_steps if decode == "batch" else model._fixed_steps
+        assert {type(f).__name__ for f in steps.values()} == {"SegmentedStep"}
     found = re.match(r"(layers\.(\d+)\.ffn\.experts\.\S+?)(?:, | \()expert (\d+)\)?: short read at "
                      r"byte \d+ of (\S+): got \d+ of \d+ bytes \(file truncated\?\)", str(info.value))
     assert found, str(info.value)
