@@ -24,6 +24,7 @@ one compiled graph per k over a draft window in rings (dsv4/draft_step.py FixedD
 with all k + 1 verified rows before the acceptance is known, else op by op over the DraftCache
 (DSV4_FIXED_PROPOSE). Either way a cycle reaches the host once: at the acceptance (j, the next
 token, the drafts to hand out); a backbone with Engram layers hashes the drafts on the host too.
+The next cycle's propose is started on the device before the cycle's tokens are handed out.
 
 `Policy` picks k each cycle, 0 meaning a plain step (still seeding the draft window).
 """
