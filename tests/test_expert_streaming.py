@@ -313,6 +313,37 @@ def test_batch_segments_equal_the_resident_batch(official, resident_batch, monke
     store.close()
 
 
+def test_the_engine_batches_streamed_sessions_as_the_resident_model(official):
+    """The server's engine (dsv4/serve/engine.py) over streamed experts at the least cache, its
+    batches as segments: 2-4 sessions join and leave (the engine settles a batch and makes a new
+    decoder whenever it changes), and every step's logits, and the caches settled at the end,
+    are bit-identical to the same engine's over the resident model."""
+    from dsv4.serve.engine import ModelEngine
+
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(7, 500, n).tolist() for n in (6, 23, 54, 11)]
+    schedule = [[0, 1]] * 3 + [[0, 1, 2]] * 3 + [[0, 1, 2, 3]] * 4 + [[1, 2, 3]] * 3 + [[1, 3]] * 3
+    runs = []
+    for gb in (None, least_gb(official)):
+        with flags.override(batch_fixed_decode=True, compile=True, expert_step_segments=True):
+            model, _ = dsv4.load(official, expert_cache_gb=gb)
+            engine = ModelEngine(model, None)
+            caches = [engine.new_cache() for _ in prompts]
+            fed = [[int(mx.argmax(engine.prefill(c, p)))] for c, p in zip(caches, prompts)]
+            logits = []
+            for members in schedule:
+                logits.append(np.array(engine.decode([caches[i] for i in members], [fed[i][-1] for i in members])))
+                for i, pick in zip(members, np.argmax(logits[-1], -1).tolist()):
+                    fed[i].append(pick)
+            engine.settle()
+        runs.append((logits, caches))
+    assert {type(f).__name__ for f in model._fixed_batch_steps.values()} == {"SegmentedStep"}
+    assert identical(runs[1][0], runs[0][0])
+    assert same_caches(runs[1][1], runs[0][1])
+    assert model.expert_store.totals().misses > 0
+    model.expert_store.close()
+
+
 def test_batch_segments_are_traced_once_per_variant(official, monkeypatch):
     """The batch's segments replay their traced graphs from the second step of a variant on,
     also for a new decoder over the same sessions (the server makes one whenever its batch

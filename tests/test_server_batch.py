@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 
 from dsv4.encoding import encode_messages, parse_completion  # noqa: E402
 from dsv4.generation import stream_generate  # noqa: E402
-from tests.server_helpers import (get_json, model_server, read_until, scripted_server, send_raw,  # noqa: E402
-                                  wait_for)
+from tests.server_helpers import (get_json, inprocess_server, model_server, read_until, scripted_server,  # noqa: E402
+                                  send_raw, wait_for)
 
 QUESTIONS = [f"Session {i}: " + "flat is better than nested. " * (1 + 3 * i) for i in range(8)]
 MAX_TOKENS = 12
@@ -168,3 +168,52 @@ def test_a_request_joins_the_running_batch_and_a_leaving_client_leaves_it():
         assert stats["cancelled"] == 1 and stats["requests"] == 2 and stats["active"] == 0
     finally:
         served.stop()
+
+
+def test_streamed_experts_batched_as_segments_answer_as_each_alone(tiny_dir, oracle):
+    """The server over a model whose routed experts stream from disk into the least cache
+    (--expert-cache-gb), its batches at fixed shapes as compiled segments (forced on the CPU; in
+    fp32, where the fixed-shape steps give the reference path's greedy tokens): 4 concurrent
+    sessions, decoded 2-4 at a time, answer as each alone on the resident model."""
+    import dsv4
+    from dsv4 import flags
+    from dsv4.serve.disk_cache import model_fingerprint
+    from dsv4.serve.engine import ModelEngine
+
+    _, tokenizer = oracle
+    fp32 = dict(kv_qdq=False, act_quant=False)
+    least = dsv4.load(str(tiny_dir), expert_cache_gb="1000")[0].expert_store.least_bytes
+    streamed = {}
+
+    def load():
+        model, tok = dsv4.load(str(tiny_dir), dtype=mx.float32, expert_cache_gb=f"{least / 1e9:.9f}")
+        streamed["model"] = model
+        return ModelEngine(model, tok, model_fingerprint(tiny_dir))
+
+    questions = QUESTIONS[:4]
+    with flags.override(fixed_decode=True, batch_fixed_decode=True, compile=True, expert_step_segments=True, **fp32):
+        served = inprocess_server(load, max_sessions=4, max_context=4096)
+        client = openai.OpenAI(base_url=served.base + "/v1", api_key="x", max_retries=0, timeout=120)
+        start = threading.Barrier(len(questions))
+
+        def ask(question):
+            start.wait()
+            return chat(client, question)
+
+        try:
+            with ThreadPoolExecutor(len(questions)) as pool:
+                replies = list(pool.map(ask, questions))
+            stats = get_json(served.host, served.port, "/v1/stats")[1]
+        finally:
+            served.stop()
+    model = streamed["model"]
+    assert stats["largest_batch"] >= 2   # decoded together
+    assert {type(f).__name__ for f in model._fixed_batch_steps.values()} == {"SegmentedStep"}
+    assert model.expert_store.totals().misses > 0
+    model.expert_store.close()
+    resident = dsv4.load(str(tiny_dir), dtype=mx.float32)[0]
+    with flags.override(**fp32):
+        for question, reply in zip(questions, replies):
+            prompt = tokenizer.encode(encode_messages([{"role": "user", "content": question}]))
+            text = "".join(r.text for r in stream_generate(resident, tokenizer, prompt, max_tokens=MAX_TOKENS))
+            assert reply.choices[0].message.content == parse_completion(text).content
