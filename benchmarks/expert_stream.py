@@ -4,6 +4,7 @@
     python -m benchmarks.expert_stream --prefill 512 --decode 64 --runs 3   # the H200's sizes
     python -m benchmarks.expert_stream --keep --dir D        # keep (or reuse) the model in D
     python -m benchmarks.expert_stream --parts steps,model --segments both   # compiled segments vs op by op
+    python -m benchmarks.expert_stream --parts steps --steps-batch 4      # the same for the server's batch
 
 The model: 4 layers at the real widths of V4.1 Flash (hidden 5120, 64 heads x 512, q-LoRA 1280,
 window 128, window-only attention), each with 384 routed experts of 2304 x 5120 in mxfp4 (18.9 MB
@@ -35,7 +36,9 @@ DONTNEED; the store itself reads around the cache, expert_io_hints), so reads hi
 5. The step's host syncs (--parts steps): the demo checkpoint decoded greedily on the
    fixed-shape step (forced on, also on a CPU), resident (one compiled graph) against streamed
    with every expert cached (no reads once warm) as compiled segments and op by op; the median
-   ms per token after a warm-up, and what each streamed layer adds to the resident step.
+   ms per token after a warm-up, and what each streamed layer adds to the resident step. With
+   --steps-batch B: B sessions at different positions on the server's batched fixed-shape step
+   (dsv4/batch_step.py), ms per step of the batch, tokens/s of all sessions.
 """
 
 from __future__ import annotations
@@ -499,8 +502,9 @@ STEP_VARIANTS = [ab.Variant("resident", {"DSV4_EXPERT_CACHE_GB": ""}, exact=True
 
 
 def child_steps(args) -> None:
-    """One greedy decode of the demo checkpoint on the fixed-shape step: a DSV4_RESULT line with
-    the median ms per token after the first quarter (warm-up: traces, the cache filling)."""
+    """One greedy decode of the demo checkpoint on the fixed-shape step (of --steps-batch
+    sessions): a DSV4_RESULT line with the median ms per step after the first quarter (warm-up:
+    traces, the cache filling)."""
     import mlx.core as mx
 
     import dsv4
@@ -509,29 +513,53 @@ def child_steps(args) -> None:
     model, tokenizer = dsv4.load(None)
     store = getattr(model, "expert_store", None)
     ids = np.array([tokenizer.encode("The for statement is used to iterate over the elements of")])
-    cache = model.make_cache()
-    logits = prefill(model, ids, cache)
+    if args.steps_batch > 1:
+        steps = batch_tokens(model, ids, args.steps_batch, args.steps_decode)
+    else:
+        cache = model.make_cache()
+        logits = prefill(model, ids, cache)
+        steps = decode_tokens(model, cache, mx.argmax(logits, axis=-1), lambda l: mx.argmax(l, axis=-1),
+                              args.steps_decode)
     warm = args.steps_decode // 4
     tokens, times, last = [], [], time.perf_counter()
-    for token in decode_tokens(model, cache, mx.argmax(logits, axis=-1), lambda l: mx.argmax(l, axis=-1),
-                               args.steps_decode):
+    for token in steps:
         now = time.perf_counter()
         times.append(now - last)
-        tokens.append(token)
-        if len(tokens) == warm and store is not None:
+        tokens.extend(np.ravel(token).tolist())   # a batch's step: each session's token
+        if len(times) == warm and store is not None:
             store.reset_stats()
         last = time.perf_counter()
     ms = 1e3 * statistics.median(times[warm:])
-    result = {"ms_per_token": ms, "generation_tps": 1e3 / ms, "layers": model.args.num_hidden_layers,
+    result = {"ms_per_token": ms, "generation_tps": 1e3 * args.steps_batch / ms,
+              "layers": model.args.num_hidden_layers,
               "timed_misses": store.totals().misses if store is not None else 0, "tokens": tokens}
     if store is not None:
         store.close()
     print("DSV4_RESULT " + json.dumps(result), flush=True)
 
 
+def batch_tokens(model, ids: np.ndarray, sessions: int, steps: int):
+    """Each step's greedy tokens of `sessions` sessions decoded together on the batched
+    fixed-shape step, session i prefilled with ids less its last 2i tokens (at different
+    positions); on the host every step, as the server's scheduler samples."""
+    import mlx.core as mx
+
+    from dsv4.batch_step import SessionsDecoder
+    from dsv4.generation import prefill
+
+    caches = [model.make_cache() for _ in range(sessions)]
+    first = [mx.argmax(prefill(model, ids[:, :ids.shape[1] - 2 * i], c), axis=-1) for i, c in enumerate(caches)]
+    dec = SessionsDecoder(model, caches)
+    token = mx.concatenate(first)
+    for _ in range(steps):
+        token = mx.argmax(dec(token), axis=-1)
+        yield np.array(token).tolist()
+    dec.close(dec.positions)
+
+
 def step_runs(args) -> dict:
     base = [sys.executable, "-m", "benchmarks.expert_stream", "--child-steps",
-            "--steps-decode", str(args.steps_decode)]
+            "--steps-decode", str(args.steps_decode), "--steps-batch", str(args.steps_batch)]
     for v in STEP_VARIANTS:
         v.env["DSV4_FIXED_DECODE"] = "on"
     runs = ab.run_variants(base, STEP_VARIANTS, args.steps_runs, 0, timeout_s=args.timeout, log=log)
@@ -645,9 +673,13 @@ def step_report(args, parts: dict) -> list[str]:
         s = {name: m["summary"][name] for name in m["names"]}
         layers = s["resident"]["layers"].median
         resident = s["resident"]["ms_per_token"].median
+        batch = (f" of {args.steps_batch} sessions at different positions decoded together (the server's "
+                 "batched step, dsv4/batch_step.py; ms per step of the batch, tok/s of all sessions)"
+                 if args.steps_batch > 1 else "")
         lines += ["## 5. The step's host syncs: the demo checkpoint", "",
-                  f"Greedy decode of {args.steps_decode} tokens on the fixed-shape step (forced on), the "
-                  "median ms per token after the first quarter; streamed with every expert cached, so "
+                  f"Greedy decode of {args.steps_decode} tokens on the fixed-shape step{batch} (forced on), "
+                  "the median ms per step (a token alone) after the first quarter; streamed with every "
+                  "expert cached, so "
                   f"few reads once warm ('misses timed' counts them); {args.steps_runs} run(s) per variant, "
                   f"interleaved, medians. {layers:.0f} streamed layers: 'per layer' is what each adds "
                   "to the resident model's single compiled step (its sync and host work).", ""]
@@ -688,6 +720,8 @@ def main(argv=None) -> int:
                         help="model runs with the fixed-shape step as compiled segments, op by op, or both")
     parser.add_argument("--steps-decode", type=int, default=96, help="decoded tokens of each steps run")
     parser.add_argument("--steps-runs", type=int, default=2, help="runs per variant of the steps part")
+    parser.add_argument("--steps-batch", type=int, default=1,
+                        help="sessions decoded together in the steps part (> 1: the server's batched step)")
     parser.add_argument("--parts", default="io,policy,demo,model", help="of io,policy,demo,model,steps")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out-dir", type=Path, default=ab.DEFAULT_OUT_DIR)

@@ -34,7 +34,10 @@ project's 2-core CPU: benchmarks/results/2026-12-03-1232-expert-stream.md): the 
 (8 streamed layers, every expert cached, so no reads) decodes at 25.1 ms per token as segments,
 37.5 ms op by op and 20.8 ms resident (one compiled graph): each streamed layer adds ~0.55 ms
 as segments (the sync that drains the device, the lookup, a graph's call) against ~2.1 ms op by
-op (which also builds the layer's graph in Python every step). The H200's numbers: pending.
+op (which also builds the layer's graph in Python every step). The server's batch of 4 sessions
+(--steps-batch 4, 2026-12-03-1311): 40.1 ms a step as segments, 51.2 op by op, 24.0 resident,
+most of the difference the CPU dense path's copies of the 8 slots a layer uses each step
+(without that path: 49.4 / 61.8 / 48.4). The H200's numbers: pending.
 """
 
 from __future__ import annotations

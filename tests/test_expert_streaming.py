@@ -313,6 +313,25 @@ def test_batch_segments_equal_the_resident_batch(official, resident_batch, monke
     store.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_batch_segments_equal_the_resident_batch(official, resident_batch, prefetch):
+    """On a GPU (pytest -m gpu): the batch's segments over the pool's slots (kernels on, the
+    pool in managed memory on CUDA) at the least cache: every step's logits and the caches
+    handed back bit-identical to the resident model's compiled batched step."""
+    from dsv4.kernels.dialect import backend
+
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    with flags.override(expert_prefetch=prefetch, compile=True, expert_step_segments=True):
+        model, _ = dsv4.load(official, expert_cache_gb=least_gb(official))
+        caches = sessions(model)
+        got, _ = batch_run(model, caches, resident_batch[1])
+    assert {type(f).__name__ for f in model._fixed_batch_steps.values()} == {"SegmentedStep"}
+    assert identical(got, resident_batch[0]) and same_caches(caches, resident_batch[2])
+    assert model.expert_store.totals().misses > 0
+    model.expert_store.close()
+
+
 def test_the_engine_batches_streamed_sessions_as_the_resident_model(official):
     """The server's engine (dsv4/serve/engine.py) over streamed experts at the least cache, its
     batches as segments: 2-4 sessions join and leave (the engine settles a batch and makes a new
