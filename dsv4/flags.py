@@ -237,11 +237,12 @@ define("expert_read_chunk_kb", 2048,
 define("expert_io_hints", True,
        "read experts around the OS cache: F_NOCACHE on macOS, each piece dropped from the cache "
        "once read on Linux (150 GB of experts would otherwise push the resident weights out)")
-define("expert_step_segments", False,
+define("expert_step_segments", True,
        "with streamed experts, run the fixed-shape decode step (alone or the server's batch) as "
        "compiled segments that end at each streamed layer's routing, the host's lookup between "
-       "them (dsv4/step_segments.py), instead of op by op; off until measured on the H200 "
-       "(benchmarks/expert_stream.py)")
+       "them (dsv4/step_segments.py); off runs the step op by op (H200, demo checkpoint with 8 "
+       "streamed layers, every expert cached: 8.6 vs 19.0 ms/token, resident 4.6, the same tokens: "
+       "benchmarks/results/2026-12-03-1318-expert-stream.md)")
 define("expert_io_direct", False,
        "Linux: read experts with O_DIRECT into each worker's aligned buffer, then copy them into "
        "their slots, instead of through the page cache")
@@ -305,12 +306,14 @@ define("kernel_gguf_q8_pairs", False,
        "read two blocks at a time: 68 bytes from a 4-byte boundary in 17 u32 loads, where one block "
        "takes 17 u16 loads (dsv4/kernels/gguf_dot.py); the same values and sums. Off (default) "
        "until the H200 measures it (benchmarks/gguf_native.py)")
-define("kernel_gguf_wide", False,
+define("kernel_gguf_wide", "auto",
        "GPU kernels over GGUF rows read Q8_0, IQ2_XXS and Q2_K blocks with 16-byte loads of the "
        "aligned words that hold them, realigned in registers (3 loads a Q8_0 block where it took 17; "
        "IQ2_XXS 3 + 4 grid loads per 32 weights where it took 5 + 8, its signs computed), "
-       "dsv4/kernels/gguf_dot.py; the same values. Off (default) until the H200 measures it "
-       "(benchmarks/gguf_native.py); takes precedence over DSV4_KERNEL_GGUF_Q8_PAIRS")
+       "dsv4/kernels/gguf_dot.py; the same values. auto (default): on CUDA, where the H200 measured "
+       "the fused experts at one token 199 vs 219 us (q2) and 201 vs 222 us (q4), bit-identical "
+       "(benchmarks/results/2026-12-03-1318-gguf-native.md); off on Metal until a Mac measures it; "
+       "on, off. Takes precedence over DSV4_KERNEL_GGUF_Q8_PAIRS", choices=AUTO_ON_OFF)
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "
@@ -352,13 +355,15 @@ define("fixed_verify", "auto",
        "positions rewound (dsv4/step.py FixedDecoder.feed); auto (wherever DSV4_FIXED_DECODE is "
        "on), on, off (the reference forward over the Cache, 4.2x a plain step on the H200 "
        "slice: benchmarks/results/2026-12-02-0406-speculative-steps.md)", choices=AUTO_ON_OFF)
-define("fixed_propose", "auto",
+define("fixed_propose", "off",
        "speculative decoding's propose at fixed shapes: the draft stages, the head, the Markov "
        "picks and the confidence as one compiled graph per k over the draft window in rings, "
        "seeded with every verified row before the acceptance is known, so a cycle reaches the "
-       "host once (dsv4/draft_step.py); auto (wherever DSV4_FIXED_DECODE is on), on, off (op by "
-       "op over the DraftCache: 2.3-2.9x a plain step on the H200 slice, "
-       "benchmarks/results/2026-12-02-1337-speculative-steps.md)", choices=AUTO_ON_OFF)
+       "host once (dsv4/draft_step.py); exact against the op-by-op propose on the CPU, 1.6-1.7x "
+       "cheaper there (benchmarks/results/2026-12-03-1244-speculative-steps-demo.md); off (default "
+       "until its GPU tests and timing have run on a GPU: op by op over the DraftCache, 2.3-2.9x a "
+       "plain step on the H200 slice, benchmarks/results/2026-12-02-1337-speculative-steps.md), "
+       "on, auto (wherever DSV4_FIXED_DECODE is on)", choices=AUTO_ON_OFF)
 define("batch_fixed_decode", "auto",
        "sessions decoded together (the server's batch) at fixed shapes, one compiled graph for "
        "the batch (dsv4/batch_step.py): auto (wherever DSV4_FIXED_DECODE is on), on, off (one "

@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from dsv4 import flags, gguf_blocks
+from dsv4.kernels.dialect import backend
 
 GGUF_MODE_IDS = {"Q8_0": 10, "Q4_K": 11, "Q2_K": 12, "IQ2_XXS": 13}
 Q8_0_PAIRS = 14   # the mode id of Q8_0 read two blocks at a time
@@ -336,7 +337,7 @@ class GGUFMatrix:
     @property
     def wide(self) -> bool:
         """Read with 16-byte loads (DSV4_KERNEL_GGUF_WIDE; a unit of its own for the type)."""
-        return self.qtype in WIDE_MODE_IDS and bool(flags.get("kernel_gguf_wide"))
+        return self.qtype in WIDE_MODE_IDS and flags.switch("kernel_gguf_wide", backend() == "cuda")
 
     @property
     def block_values(self) -> int:
