@@ -25,12 +25,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.hardware import describe, to_markdown
-from benchmarks.kernels_bench import compare, max_diff
-from benchmarks.step_profile import NCU_METRICS, kernel_family, ncu_kernels, ncu_path
-from dsv4 import flags
-from dsv4.kernels import sparse_attention as sa
-from dsv4.kernels.dialect import backend
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
+
+from benchmarks.hardware import describe, to_markdown  # noqa: E402
+from benchmarks.kernels_bench import compare, max_diff  # noqa: E402
+from benchmarks.step_profile import NCU_METRICS, kernel_family, ncu_kernels, ncu_path  # noqa: E402
+from dsv4 import flags  # noqa: E402
+from dsv4.kernels import sparse_attention as sa  # noqa: E402
+from dsv4.kernels.dialect import backend  # noqa: E402
 
 H, D, W, TOPK, R = 64, 512, 128, 512, 32
 CASES = [(t, ctx) for ctx in (512, 8192) for t in (1, 4)]
