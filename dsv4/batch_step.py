@@ -94,11 +94,8 @@ class SessionsDecoder:
         key = (rings, regimes, self.pooling, switches)
         # Streamed experts bring each layer's routing to the host mid-step: compiled segments
         # (the batch's tokens routed together), or op by op.
-        streamed = getattr(self.model, "expert_store", None) is not None
-        use = flags.get("compile") and not flags.get("stage_profile")
-        segmented = streamed and use and flags.get("expert_step_segments") and step_segments.fits(
-            self.model, len(self.sessions))
-        key += (segmented,) if streamed else ()
+        how = step_segments.mode(self.model, len(self.sessions))
+        key += (how,)
         if key not in steps:
             model, args, pooling = self.model, self.args, self.pooling
             state = lambda positions, buffers: SessionsState(
@@ -111,10 +108,7 @@ class SessionsDecoder:
                     logits = model.forward(tokens, s, lambda layer: engram[str(layer)])
                 return logits[:, -1], s.buffers
 
-            if segmented:
-                steps[key] = step_segments.SegmentedStep(model, state, every=False, hidden=False)
-            else:
-                steps[key] = mx.compile(step) if use and not streamed else step
+            steps[key] = step_segments.runner(how, model, step, state, every=False, hidden=False)
         return steps[key]
 
     def __call__(self, tokens: mx.array) -> mx.array:

@@ -311,13 +311,9 @@ class FixedDecoder:
         every = length > 1 or hidden
         key = (ring, regimes, completing, switches) + ((length, hidden) if every else ())
         # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
-        # mid-step: such a model's step runs as compiled segments (dsv4/step_segments.py), or
-        # op by op.
-        streamed = getattr(self.model, "expert_store", None) is not None
-        use = flags.get("compile") and not flags.get("stage_profile")
-        segmented = streamed and use and flags.get("expert_step_segments") and step_segments.fits(
-            self.model, self.batch * length)
-        key += (segmented,) if streamed else ()
+        # mid-step: such a model's step runs as compiled segments, or op by op.
+        how = step_segments.mode(self.model, self.batch * length)
+        key += (how,)
         if key not in steps:
             model, args = self.model, self.args
             state = lambda pos, buffers: StepState(args, pos, ring, dict(buffers), dict(regimes), completing, length)
@@ -333,10 +329,7 @@ class FixedDecoder:
                     return (logits, inputs), s.buffers
                 return logits[:, -1], s.buffers
 
-            if segmented:
-                steps[key] = step_segments.SegmentedStep(model, state, every, hidden)
-            else:
-                steps[key] = mx.compile(step) if use and not streamed else step
+            steps[key] = step_segments.runner(how, model, step, state, every, hidden)
         return steps[key]
 
     def __call__(self, token: mx.array) -> mx.array:

@@ -47,7 +47,28 @@ from typing import Callable
 
 import mlx.core as mx
 
+from . import flags
 from .constants import keeping
+
+
+def mode(model, tokens: int) -> str:
+    """How a fixed-shape step over `tokens` tokens runs: "compiled" (one traced graph),
+    "segments" (compiled segments around the streamed experts' lookups) or "ops" (op by op:
+    DSV4_COMPILE=0, the stage profile, or streamed experts without segments or whose pools
+    could not hold the step's picks)."""
+    if not flags.get("compile") or flags.get("stage_profile"):
+        return "ops"
+    if getattr(model, "expert_store", None) is None:
+        return "compiled"
+    return "segments" if flags.get("expert_step_segments") and fits(model, tokens) else "ops"
+
+
+def runner(how: str, model, step: Callable, state: Callable, every: bool, hidden: bool) -> Callable:
+    """The step as `mode` says it runs: `step` (tokens, pos, Engram rows, buffers) -> (out,
+    buffers), traced whole, as SegmentedStep over `state`, or as it is."""
+    if how == "segments":
+        return SegmentedStep(model, state, every, hidden)
+    return mx.compile(step) if how == "compiled" else step
 
 
 def fits(model, tokens: int) -> bool:
