@@ -162,7 +162,24 @@ def test_references_take_flat_token_layouts():
         np.testing.assert_array_equal(bits(g), bits(n))
 
 
-def test_site_entry_fp8_copy_and_projection_from_expand(monkeypatch):
+@pytest.fixture
+def cuda_launches(monkeypatch):
+    """From its call on, dispatch as under CUDA: each launch recorded in the list it returns as
+    (kernel name, its arguments) and answered with zeros of its output shapes."""
+    def start() -> list:
+        calls = []
+
+        def fake(kernel, **kw):
+            calls.append((kernel.name, kw))
+            return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        monkeypatch.setattr(mhc, "backend", lambda: "cuda")
+        monkeypatch.setattr(qdq_kernels, "backend", lambda: "cuda")
+        monkeypatch.setattr(mhc.Kernel, "__call__", fake)
+        return calls
+    return start
+
+
+def test_site_entry_fp8_copy_and_projection_from_expand(cuda_launches):
     """fp8_copy adds qdq_fp8(x) (bit for bit) after x; hc_expand with the next site's fn gives
     its projection, which that site then takes instead of launching its own. On the kernel
     path: expand + projection in one launch, the site entry (fp8 copy included) in one."""
@@ -183,13 +200,7 @@ def test_site_entry_fp8_copy_and_projection_from_expand(monkeypatch):
     np.testing.assert_array_equal(f64(streams), f64(mhc.hc_expand(X[:, :, 0], X, post, comb)))
     assert projection is None
 
-    calls = []
-    def fake(kernel, **kw):
-        calls.append((kernel.name, kw))
-        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-    monkeypatch.setattr(mhc, "backend", lambda: "cuda")
-    monkeypatch.setattr(qdq_kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(mhc.Kernel, "__call__", fake)
+    calls = cuda_launches()
     streams, projection = mhc.hc_expand(X[:, :, 0], X, post, comb, fn)
     assert [c[0] for c in calls] == ["dsv4_hc_expand_project"] and projection[1] == 1
     assert calls[0][1]["grid"] == (256, 3, 1) and calls[0][1]["output_shapes"][1] == (3 * 25,)
@@ -200,7 +211,7 @@ def test_site_entry_fp8_copy_and_projection_from_expand(monkeypatch):
     assert (x.shape, x_fp8.shape, x_fp8.dtype, comb.shape) == ((1, 3, 64), (1, 3, 64), mx.bfloat16, (1, 3, 4, 4))
 
 
-def test_wide_path_launches(monkeypatch):
+def test_wide_path_launches(cuda_launches):
     """DSV4_KERNEL_MHC_WIDE: a site entry is the partials over D/32 column blocks per token and
     the finish over D/256 + 1 threadgroups; the expand given the next site's fn and pre makes
     that site's partials, whose entry then launches once; without pre, or past
@@ -210,14 +221,7 @@ def test_wide_path_launches(monkeypatch):
     pre_in = mx.array(rng.uniform(0, 1, (1, 3, 4)).astype(np.float32))
     weight = mx.ones((96,), mx.bfloat16)
     args = (pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
-    calls = []
-
-    def fake(kernel, **kw):
-        calls.append((kernel.name, kw))
-        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-    monkeypatch.setattr(mhc, "backend", lambda: "cuda")
-    monkeypatch.setattr(qdq_kernels, "backend", lambda: "cuda")
-    monkeypatch.setattr(mhc.Kernel, "__call__", fake)
+    calls = cuda_launches()
     with flags.override(kernel_mhc_wide=True):
         x, x_fp8, pre, post, comb = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=True)
         assert [c[0] for c in calls] == ["dsv4_hc_entry_partials", "dsv4_hc_entry_finish_fp8"]
