@@ -716,8 +716,8 @@ def main(argv=None) -> int:
     parser.add_argument("--io-repeats", type=int, default=4)
     parser.add_argument("--policy-tokens", type=int, default=400)
     parser.add_argument("--demo-tokens", type=int, default=128)
-    parser.add_argument("--segments", default="off", choices=sorted(SEGMENTS),
-                        help="model runs with the fixed-shape step as compiled segments, op by op, or both")
+    parser.add_argument("--segments", default="on", choices=sorted(SEGMENTS),
+                        help="model runs with the fixed-shape step as compiled segments (the default, as DSV4_EXPERT_STEP_SEGMENTS), op by op, or both")
     parser.add_argument("--steps-decode", type=int, default=96, help="decoded tokens of each steps run")
     parser.add_argument("--steps-runs", type=int, default=2, help="runs per variant of the steps part")
     parser.add_argument("--steps-batch", type=int, default=1,
