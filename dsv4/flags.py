@@ -355,15 +355,14 @@ define("fixed_verify", "auto",
        "positions rewound (dsv4/step.py FixedDecoder.feed); auto (wherever DSV4_FIXED_DECODE is "
        "on), on, off (the reference forward over the Cache, 4.2x a plain step on the H200 "
        "slice: benchmarks/results/2026-12-02-0406-speculative-steps.md)", choices=AUTO_ON_OFF)
-define("fixed_propose", "off",
+define("fixed_propose", "auto",
        "speculative decoding's propose at fixed shapes: the draft stages, the head, the Markov "
        "picks and the confidence as one compiled graph per k over the draft window in rings, "
        "seeded with every verified row before the acceptance is known, so a cycle reaches the "
-       "host once (dsv4/draft_step.py); exact against the op-by-op propose on the CPU, 1.6-1.7x "
-       "cheaper there (benchmarks/results/2026-12-03-1244-speculative-steps-demo.md); off (default "
-       "until its GPU tests and timing have run on a GPU: op by op over the DraftCache, 2.3-2.9x a "
-       "plain step on the H200 slice, benchmarks/results/2026-12-02-1337-speculative-steps.md), "
-       "on, auto (wherever DSV4_FIXED_DECODE is on)", choices=AUTO_ON_OFF)
+       "host once (dsv4/draft_step.py); exact against the op-by-op propose, on the H200 slice "
+       "3.2-3.45 ms against 6.2-6.5 (benchmarks/results/2026-12-03-1500-speculative-steps.md), "
+       "1.6-1.7x cheaper on the CPU (2026-12-03-1244-speculative-steps-demo.md): auto (default: "
+       "wherever DSV4_FIXED_DECODE is on), on, off (op by op over the DraftCache)", choices=AUTO_ON_OFF)
 define("batch_fixed_decode", "auto",
        "sessions decoded together (the server's batch) at fixed shapes, one compiled graph for "
        "the batch (dsv4/batch_step.py): auto (wherever DSV4_FIXED_DECODE is on), on, off (one "
