@@ -92,8 +92,8 @@ class StepState:
         # Each query's positions t-w+1 .. t, oldest first, as ring slots [1, n, w]; -1 before 0.
         u = self.positions.reshape(1, n, 1) - w + 1 + ramp(w, mx.int32, (1, 1, w))
         self.window_idx = mx.where(u >= 0, mx.maximum(u, 0) % self.ring, -1)
-        # The projection tails' kernels take one position's angles: several run as plain ops.
-        self.fused = n == 1
+        # The projection tails run as kernels (where a GPU has them) with each position's angles.
+        self.fused = n == 1 or bool(flags.get("kernel_rows_positions"))
 
     def write(self, name: str, rows: mx.array, at: mx.array) -> mx.array:
         """Rows [B, n, D] into buffer `name` from row `at` ([1] int32) on, or at the rows `at`
@@ -108,24 +108,27 @@ class StepState:
         return self.buffers[name]
 
     def rotation(self, freqs: mx.array, offset=None, scale: float = 1.0) -> Rotation:
-        """RoPE placement at this step's position (or at `offset`, an int32 array), with the
-        cos/sin [R] of its angles (one position's: only where the step feeds one); made once
-        per step for each (freqs, placement). While `fused`, projection tails may run as one
-        kernel with those angles."""
+        """RoPE placement at this step's positions (or from `offset`, an int32 array: the first
+        compressed row the step pools, scale its ratio), with the cos/sin of their angles ([R]
+        for one position, [S, R] for several); made once per step for each (freqs, placement),
+        in one launch. While `fused`, projection tails run as one kernel with those angles."""
         offset = self.pos if offset is None else offset
         if not self.fused:
             return Rotation(offset, freqs, scale)
         key = (id(freqs), id(offset), scale)
         if key not in self.angles:
-            self.angles[key] = rope_angles(offset, freqs, scale)
+            # Rows from the step's position: one a position; compressed rows: one a pooled group
+            # (pooled_groups of ratio 1 is the step's length too).
+            rows = pooled_groups(self.length, round(scale))
+            self.angles[key] = rope_angles(offset, freqs, scale, rows)
         return Rotation(offset, freqs, scale, self.angles[key])
 
     # What `Attention.__call__` asks of its state (see attention.ForwardState), here over the
     # fixed-shape buffers.
 
     def output_angles(self, attn) -> Optional[tuple[mx.array, mx.array]]:
-        """cos/sin [R] of this position's angles (every query's): the attention de-rotates its
-        output; None for several positions (the output is de-rotated on its own)."""
+        """cos/sin of the queries' angles ([R] for one position, [S, R] for several): the
+        attention rotates its queries and de-rotates its output with them."""
         return self.rotation(attn._freqs).angles
 
     def window(self, attn, rows: mx.array) -> tuple[mx.array, mx.array]:

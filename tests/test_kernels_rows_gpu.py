@@ -90,3 +90,29 @@ def test_rope_angles_kernel_equals_the_plain_ops(scale):
         want = rows.rope_angles_reference(offset, freqs, scale)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.array(g), np.array(w), rtol=2.0 ** -23, atol=2.0 ** -24)
+
+
+@pytest.mark.parametrize("shape,norm,qdq", [
+    ((1, 4, 512), True, rows.FP8),           # a verify's window KV rows
+    ((1, 5, 64, 512), False, rows.NO_QDQ),   # a draft block's queries, 64 heads
+    ((2, 3, 128), True, rows.FP4),           # indexer keys of 3 positions, batch 2
+])
+def test_row_tail_of_several_positions_equals_each_position_alone(shape, norm, qdq):
+    """Angles [S, R] (a verify, a draft block): the rows of position s come out bit for bit as
+    the one-position call gives them with that position's angles."""
+    assert backend() is not None, "needs MLX's CUDA or Metal backend"
+    rng = np.random.default_rng()
+    D, S = shape[-1], shape[1]
+    x = mx.array(rng.standard_normal(shape).astype(np.float32) * 3).astype(mx.bfloat16)
+    weight = mx.array(rng.uniform(0.5, 1.5, D).astype(np.float32)).astype(mx.bfloat16)
+    freqs = mx.array((10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32))
+    offset = mx.array([int(rng.integers(0, 70000))], mx.int32)
+    with poisoned_outputs():
+        cs = rows.rope_angles(offset, freqs, 1.0, positions=S)
+        got = rows.row_tail(x, (weight, 1e-6) if norm else None, cs, qdq)
+        mx.eval(got)
+        for s in range(S):
+            one = rows.row_tail(x[:, s:s + 1], (weight, 1e-6) if norm else None, (cs[0][s], cs[1][s]), qdq)
+            assert np.array_equal(np.array(got[:, s:s + 1].astype(mx.float32)), np.array(one.astype(mx.float32))), s
+        alone = rows.rope_angles(offset + (S - 1), freqs, 1.0)
+    assert np.array_equal(np.array(cs[0][S - 1]), np.array(alone[0]))

@@ -12,8 +12,10 @@ each stage ends rounded to the row's dtype, exactly where the reference rounds:
     qdq:   dsv4.kernels.qdq's rounding per 32 values (e4m3 or e2m1, power-of-two scale), or
            per 16 to e2m1 with an e4m3 scale (the compressed KV)
 
-cos/sin are the [R] fp32 values of the row's angles (one position per call: decode). The
-result equals the reference up to fp32 summation order in the norm and the cos/sin values.
+cos/sin are the [R] fp32 values of the rows' angles (one position: a decode step), or [S, R]
+for rows at S positions (a speculative verify, a draft block): row s of them for the rows of
+position s. The result equals the reference up to fp32 summation order in the norm and the
+cos/sin values.
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ _BODY = f"""
     }
   }
   if (R > 0) {
+    // The row's position among the call's S (params[2]) positions, params[1] rows each
+    // (x laid out [B, S, rows per position, D]): its angles are row s of cos/sin [S, R].
+    const int S = (int)params[2];
+    const size_t s = S > 1 ? (row / (size_t)params[1]) % (size_t)S : 0;
     for (int e = 0; e < E; ++e) {
       const int d = (int)tid + 256 * e;
       const float other = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(h[e]), (int)(lane ^ 1u)));
       if (d >= D - 2 * R && d < D) {
         const int k = (d - (D - 2 * R)) >> 1;
-        const float c = cosv[k], sn = sinv[k];
+        const float c = cosv[s * R + k], sn = sinv[s * R + k];
         h[e] = float(static_cast<T>((d & 1) == 0 ? h[e] * c - other * sn : other * sn + h[e] * c));
       }
     }
@@ -95,13 +101,15 @@ ROW_TAIL_KERNEL = Kernel(
 
 
 _ANGLES_BODY = r"""
-  // grid (R rounded up to 32, 1, 1): theta_k = (offset * scale) * (1 / freqs_k), as the
-  // plain-MLX ops compute it (reciprocal correctly rounded), then its cosine and sine.
+  // grid (R rounded up to 32, S, 1): for position p = offset + s (s = group_y),
+  // theta_k = (p * scale) * (1 / freqs_k), as the plain-MLX ops compute it (reciprocal
+  // correctly rounded), then its cosine and sine at [s, k].
   const int k = (int)(group_x * group_threads + tid);
   if (k >= R) return;
-  const float theta = (float(offset[0]) * params[0]) * DIV_RN(1.0f, freqs[k]);
-  cosv[k] = COS(theta);
-  sinv[k] = SIN(theta);
+  const int s = (int)group_y;
+  const float theta = (float(offset[0] + s) * params[0]) * DIV_RN(1.0f, freqs[k]);
+  cosv[s * R + k] = COS(theta);
+  sinv[s * R + k] = SIN(theta);
 """
 
 ANGLES_KERNEL = Kernel(
@@ -110,23 +118,29 @@ ANGLES_KERNEL = Kernel(
     checks=(((mx.int32, _F, _F), (_F, _F), (("R", 32),)),))
 
 
-def rope_angles_reference(offset: mx.array, freqs: mx.array, scale: float) -> tuple[mx.array, mx.array]:
-    """cos, sin [R] of the angles (offset * scale) / freqs (offset [1] int32, freqs [R] fp32)."""
-    theta = offset.astype(mx.float32) * scale * mx.reciprocal(freqs)   # [1] * [R]: [R], no views
+def rope_angles_reference(offset: mx.array, freqs: mx.array, scale: float,
+                          positions: int = 1) -> tuple[mx.array, mx.array]:
+    """cos, sin of the angles (p * scale) / freqs (offset [1] int32, freqs [R] fp32) at the
+    position p = offset: [R] each; or, for several `positions`, at offset + s: [S, R]."""
+    at = offset if positions == 1 else (offset + mx.arange(positions, dtype=offset.dtype))[:, None]
+    theta = at.astype(mx.float32) * scale * mx.reciprocal(freqs)   # [1] * [R]: [R], no views
     return mx.cos(theta), mx.sin(theta)
 
 
 @falls_back(rope_angles_reference, "kernel_rows")
-def rope_angles(offset: mx.array, freqs: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+def rope_angles(offset: mx.array, freqs: mx.array, scale: float,
+                positions: int = 1) -> tuple[mx.array, mx.array]:
     """`rope_angles_reference` in one launch where the projection tails run as kernels (flag
     `kernel_rows` and a GPU: three launches otherwise, the angles and one per function)."""
     if not (flags.get("kernel_rows") and backend() is not None and offset.dtype == mx.int32
             and freqs.dtype == mx.float32 and freqs.ndim == 1):
-        return rope_angles_reference(offset, freqs, scale)
+        return rope_angles_reference(offset, freqs, scale, positions)
     r = freqs.shape[0]
+    shape = (r,) if positions == 1 else (positions, r)
     cos, sin = ANGLES_KERNEL(inputs=[offset, freqs, constant((float(scale),))],
-                             output_shapes=[(r,), (r,)], output_dtypes=[mx.float32, mx.float32],
-                             grid=(-(-r // 32) * 32, 1, 1), threadgroup=(32, 1, 1), template=[("R", r)])
+                             output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32],
+                             grid=(-(-r // 32) * 32, positions, 1), threadgroup=(32, 1, 1),
+                             template=[("R", r)])
     return cos, sin
 
 
@@ -151,7 +165,10 @@ def row_tail_reference(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, sha
         h = x.astype(mx.float32)
         h = h * mx.rsqrt(mx.mean(h * h, axis=-1, keepdims=True) + eps)
         x = (h * weight.astype(mx.float32)).astype(x.dtype)
-    if rope is not None:
+    if rope is not None and rope[0].ndim == 2:   # [S, R]: x [B, S, ...], row s at angles s
+        b, S = x.shape[0], rope[0].shape[0]
+        x = rope_reference(x.reshape(b, S, -1, x.shape[-1]), *(a[None] for a in rope)).reshape(x.shape)
+    elif rope is not None:
         x = rope_reference(x, *rope)
     if qdq != NO_QDQ:
         x = {FP8: qdq_fp8, FP4: qdq_fp4_pow2, FP4_E4M3: qdq_fp4_e4m3}[qdq](x)
@@ -163,8 +180,9 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple 
              dtype: mx.Dtype = None) -> mx.array:
     """x [..., D] -> the same shape and dtype, through the stages asked for.
 
-    norm: (weight [D], eps) or None; rope: (cos [R], sin [R]) fp32 or None (the last 2R
-    dims are rotated, adjacent pairs); qdq: FP8, FP4 (power-of-two scale per 32), FP4_E4M3
+    norm: (weight [D], eps) or None; rope: (cos, sin) fp32 [R], or [S, R] for x laid out
+    [B, S, ...] (row s for the rows of position s), or None (the last 2R dims are rotated,
+    adjacent pairs); qdq: FP8, FP4 (power-of-two scale per 32), FP4_E4M3
     (e4m3 scale per 16) or NO_QDQ. With `shape` (the same
     size), x's rows are of shape[-1] values and the result has that shape (a projection's
     output split into heads without a reshape). With `dtype` (fp32), the values, rounded to
@@ -175,10 +193,14 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple 
     weight, eps = norm if norm is not None else (constant((0.0,) * 8), 0.0)
     cos, sin = rope if rope is not None else (constant((0.0,) * 8), constant((0.0,) * 8))
     rows = x.size // D
+    positions = cos.shape[0] if cos.ndim == 2 else 1
+    if positions > 1 and shape[1] != positions:
+        raise ValueError(f"row_tail: angles of {positions} positions for rows laid out {shape}")
+    per_position = rows // (shape[0] * positions)
     (out,) = ROW_TAIL_KERNEL(
-        inputs=[x, weight, cos, sin, constant((float(eps),))],
+        inputs=[x, weight, cos, sin, constant((float(eps), float(per_position), float(positions)))],
         output_shapes=[shape], output_dtypes=[dtype or x.dtype], grid=(THREADS, rows, 1),
         threadgroup=(THREADS, 1, 1),
-        template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.size),
+        template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.shape[-1]),
                   ("NORM", norm is not None), ("QDQ", 1 + qdq)])
     return out
