@@ -38,13 +38,15 @@ SAMPLINGS = {"greedy": Sampling(),
              "sampled-penalized": Sampling(temp=1.2, frequency_penalty=0.7)}
 
 
-CASES = [(name, True, 0) for name in SAMPLINGS] + [("greedy", False, 0), ("sampled", False, 0),
-                                                   ("greedy", True, 10), ("sampled", True, 10)]
+CASES = [(name, True, 0, False) for name in SAMPLINGS] + [("greedy", False, 0, False), ("sampled", False, 0, False),
+                                                          ("greedy", True, 10, False), ("sampled", True, 10, False),
+                                                          ("greedy", True, 0, True), ("sampled", True, 10, True)]
 
 
-@pytest.mark.parametrize("name,compiled,unseeded", CASES,
-                         ids=[f"{n}-{'compiled' if c else 'op-by-op'}{'-continued' if u else ''}" for n, c, u in CASES])
-def test_fixed_propose_gives_the_reference_proposals(tiny, name, compiled, unseeded):
+@pytest.mark.parametrize("name,compiled,unseeded,tails", CASES,
+                         ids=[f"{n}-{'compiled' if c else 'op-by-op'}{'-continued' if u else ''}{'-tails' if t else ''}"
+                              for n, c, u, t in CASES])
+def test_fixed_propose_gives_the_reference_proposals(tiny, name, compiled, unseeded, tails):
     """90 cycles after a 13-token prompt (window 8, ring 14: wrapped ~20 times): k cycling
     through 0 (a plain step, one row seeded) .. 5 and, independently, the drafts accepted
     through 0 .. k, so the window's end moves by every amount at every ring slot. Each cycle
@@ -52,19 +54,21 @@ def test_fixed_propose_gives_the_reference_proposals(tiny, name, compiled, unsee
     the accepted ones, the fixed window all of them and keeps the accepted. Same random state
     before each propose: the sampled drafts are the same draws. `unseeded`: the window starts
     after that many prompt positions (a chat turn continuing a cache), holding fewer rows than
-    the window's positions for the first cycles."""
-    with flags.override(compile=compiled, **FP32):
+    the window's positions for the first cycles. `tails` (DSV4_KERNEL_ROWS_POSITIONS): the
+    block's and the seed's tails and attention take each position's angles."""
+    with flags.override(compile=compiled, kernel_rows_positions=tails, **FP32):
         check_cycles(tiny, SAMPLINGS[name], unseeded)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("name", ["greedy", "sampled-penalized"])
-def test_gpu_fixed_propose_with_kernels_gives_the_reference_proposals(tiny, name):
+def test_gpu_fixed_propose_with_kernels_gives_the_reference_proposals(tiny, name, tails):
     """The same on a GPU: the fixed propose compiled with the kernels (attention, experts, mHC,
-    head, row tails) against the reference propose without them, in fp32 (summation order
-    apart: 1e-4)."""
+    head, row tails; `tails`: the block's with each position's angles) against the reference
+    propose without them, in fp32 (summation order apart: 1e-4)."""
     kernels_off = {flag: False for flag in flags.FLAGS if flag.startswith("kernel_")}
-    with flags.override(compile=True, **FP32):
+    with flags.override(compile=True, kernel_rows_positions=tails, **FP32):
         check_cycles(tiny, SAMPLINGS[name], 0, kernels_off, tol=1e-4)
 
 

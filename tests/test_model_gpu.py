@@ -133,15 +133,17 @@ class Scripted:
         return Proposal(mx.array(drafts, mx.int32), None, mx.zeros((k,)))
 
 
+@pytest.mark.parametrize("tails", [False, True])
 @pytest.mark.parametrize("propose", ["scripted", "fixed"])
 @pytest.mark.parametrize("k", [3, 5])
-def test_fp32_fixed_verify_with_kernels_gives_the_reference_greedy_tokens(tmp_path_factory, monkeypatch, k, propose):
+def test_fp32_fixed_verify_with_kernels_gives_the_reference_greedy_tokens(tmp_path_factory, monkeypatch, k, propose, tails):
     """DSpark's verify at fixed shapes on the GPU (DSV4_FIXED_VERIFY: k + 1 positions through
     the attention and experts kernels in one compiled step, rejected positions rewound)
     against plain greedy decode on the reference path without kernels, 96 tokens past window
     and compression-group boundaries, a rejection at every block row in turn (`scripted`), or
     with the draft stages' own drafts from the fixed-shape propose (DSV4_FIXED_PROPOSE, the
-    GPU's whole loop)."""
+    GPU's whole loop); `tails`: DSV4_KERNEL_ROWS_POSITIONS, each position's angles in the
+    projection-tail and attention kernels."""
     from dsv4 import speculative
     from dsv4.sampling import Sampling
     from dsv4.speculative import Policy, speculative_tokens
@@ -160,6 +162,7 @@ def test_fp32_fixed_verify_with_kernels_gives_the_reference_greedy_tokens(tmp_pa
         cache, window, hidden = model.make_cache(), model.draft.make_cache(), []
         logits = model(prompt, cache, hidden=hidden)[:, -1]
         model.draft.seed(window, hidden, 1)
-        with flags.override(fixed_decode="on", fixed_verify=True, fixed_propose=propose == "fixed", compile=True):
+        with flags.override(fixed_decode="on", fixed_verify=True, fixed_propose=propose == "fixed", compile=True,
+                            kernel_rows_positions=tails):
             got = list(speculative_tokens(model, cache, window, logits, Sampling(), steps, Policy(k)))
     assert got == want

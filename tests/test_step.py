@@ -214,19 +214,21 @@ def draft_model(tmp_path_factory):
         return dsv4.load(path, dtype=mx.float32)[0]
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_steps_of_several_positions_and_rewinds_equal_the_reference(draft_model, monkeypatch, compiled):
+@pytest.mark.parametrize("compiled,tails", [(False, False), (True, False), (True, True)])
+def test_steps_of_several_positions_and_rewinds_equal_the_reference(draft_model, monkeypatch, compiled, tails):
     """FixedDecoder.feed (a speculative verify: n = 1..6 positions in one step) and rewind,
     against the reference forward over the same chunks and Cache.trim: every position's
     logits and the draft stages' inputs, over a schedule that wraps the rings, doubles the
     buffers, completes groups of every ratio inside a step, and rewinds after most steps.
-    Then close() hands back a cache that continues as the reference's."""
+    Then close() hands back a cache that continues as the reference's. `tails`
+    (DSV4_KERNEL_ROWS_POSITIONS): the tails and the attention take each position's angles
+    ([S, R]; on the CPU through the kernels' plain definitions)."""
     model = draft_model
     monkeypatch.setattr(step, "MIN_CAPACITY", 4)
     rng = np.random.default_rng(3)
     ids = prompt(5)
     schedule = [(int(n), int(rng.integers(0, n))) for n in rng.integers(1, 7, 24)]   # (fed, taken back)
-    with flags.override(compile=compiled, **FP32):
+    with flags.override(compile=compiled, kernel_rows_positions=tails, **FP32):
         ref = model.make_cache(reserve=8)
         model(ids, ref)
         cache = model.make_cache(reserve=8)
