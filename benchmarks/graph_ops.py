@@ -69,6 +69,13 @@ def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.C
     else:
         outputs = [model(ids[:, -1:], cache)] + [a for lc in cache.layers for a in
                                                 (lc.window, lc.compressed, lc.index_keys) if a is not None]
+    return primitive_counts(outputs)
+
+
+def primitive_counts(outputs) -> collections.Counter:
+    """Primitive name -> count in the (unevaluated) graph of `outputs`."""
+    import mlx.core as mx
+
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
         mx.export_to_dot(f.name, *outputs)
         text = Path(f.name).read_text()
