@@ -74,7 +74,7 @@ def count(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tup
 
     out = {}
     ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens))
-    with flags.override(fixed_decode="on"), faked_cuda_dispatch() as calls:
+    with flags.override(fixed_decode="on", dequant_matmul="off"), faked_cuda_dispatch() as calls:
         cache = model.make_cache(reserve=8)
         mx.eval(model(ids, cache))
         dec = FixedDecoder(model, cache)
