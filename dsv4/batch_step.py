@@ -32,6 +32,7 @@ import mlx.core as mx
 from . import flags, step_segments
 from .batch_decode import RaggedState
 from .constants import keeping
+from .kernels import cuda_cache
 from .step import FixedDecoder, StepState, use_fixed_decode
 
 REGIMES = ("none", "all", "score", "score+candidates")   # each selects what the ones before it do
@@ -111,6 +112,7 @@ class SessionsDecoder:
             steps[key] = step_segments.runner(how, model, step, state, every=False, hidden=False)
         return steps[key]
 
+    @cuda_cache.builds_in_parallel("decode")
     def __call__(self, tokens: mx.array) -> mx.array:
         """Feed tokens [B] (any integer dtype) at each session's next position; -> logits [B, V] fp32."""
         tokens = tokens.reshape(len(self.sessions), 1)

@@ -31,6 +31,7 @@ import numpy as np
 from . import flags
 from .constants import keeping, ramp
 from .draft import DraftCache, Proposal, pick_drafts
+from .kernels import cuda_cache
 from .sampling import LogitAdjustment, Sampling
 from .step import StepState, ring_size, use_fixed_decode
 
@@ -104,6 +105,7 @@ class FixedDraft:
 
     # --- the window -----------------------------------------------------------------------------
 
+    @cuda_cache.builds_in_parallel("draft")
     def seed(self, hidden: list[mx.array]) -> None:
         """Write the main KV of the n positions from the window's end on, from what the
         backbone's step handed out ([n, D] per target layer, possibly unevaluated); the end
@@ -137,6 +139,7 @@ class FixedDraft:
 
     # --- drafts ---------------------------------------------------------------------------------
 
+    @cuda_cache.builds_in_parallel("draft")
     def propose(self, token: int, k: int, adjust: LogitAdjustment, sampling: Sampling) -> Proposal:
         """k <= block drafts after `token`, the pending token at position `end` (see
         dsv4/speculative.py `propose`), from one graph; nothing is evaluated."""

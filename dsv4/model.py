@@ -19,7 +19,7 @@ from .cache import Cache
 from .config import ModelArgs
 from .engram import DEAD, Engram, NgramHasher
 from .linear import Linear
-from .kernels import head as head_kernel
+from .kernels import cuda_cache, head as head_kernel
 from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
@@ -128,6 +128,7 @@ class Model(nn.Module):
         rows = h.hash(h.compress(ids), history, offset)
         return {layer: table.start(rows[layer]) for layer, table in self._engram_tables.items()}
 
+    @cuda_cache.builds_in_parallel("forward")
     def __call__(self, input_ids, cache: Optional[Cache] = None,
                  hidden: Optional[list] = None, last: bool = False) -> mx.array:
         """fp32 logits [B, S, V] of input_ids [B, S] after what `cache` holds ([B, 1, V] of the

@@ -39,6 +39,7 @@ from . import flags, step_segments
 from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
+from .kernels import cuda_cache
 from .kernels.dialect import backend
 from .kernels.rows import rope_angles
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
@@ -335,6 +336,7 @@ class FixedDecoder:
             steps[key] = step_segments.runner(how, model, step, state, every, hidden)
         return steps[key]
 
+    @cuda_cache.builds_in_parallel("decode")
     def __call__(self, token: mx.array) -> mx.array:
         """Feed token [B] (any integer dtype, e.g. argmax's uint32; may be unevaluated) at the
         next position; -> logits [B, V] fp32."""
@@ -346,6 +348,7 @@ class FixedDecoder:
         self._advance(token)
         return logits
 
+    @cuda_cache.builds_in_parallel("decode")
     def feed(self, tokens: mx.array, hidden: bool = False) -> tuple[mx.array, list]:
         """Feed tokens [B, n] at the next n positions in one step (a speculative verify);
         -> (logits [B, n, V] fp32, the draft stages' inputs [B*n, D] per target layer if

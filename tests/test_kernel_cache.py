@@ -141,6 +141,51 @@ def test_ensure_builds_once_what_mlx_will_look_for(tmp_path, monkeypatch):
     assert (cuda_cache.builds.built, cuda_cache.builds.found) == (0, 1)
 
 
+def test_a_step_builds_its_kernels_in_parallel_and_joins_them_before_returning(tmp_path, monkeypatch):
+    """builds_in_parallel (the decoders' steps, the model's forward): the kernels a call asks
+    for are all started before the first is joined, and all are built when it returns (so
+    MLX's evaluation finds them); inside an outer progress block they are the outer's to join."""
+    started, joined = [], []
+    monkeypatch.setattr(cuda_cache, "directory", lambda: tmp_path)
+    monkeypatch.setattr(cuda_cache, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(cuda_cache, "_seen", set())
+    monkeypatch.setattr(cuda_cache, "builds", cuda_cache.Builds())
+
+    def build(path, name, source, arch):
+        started.append(name)
+        return 0.0
+
+    class Done:
+        def __init__(self, name):
+            self.name = name
+
+        def result(self):
+            joined.append((self.name, len(started)))
+            return 0.0
+
+    monkeypatch.setattr(cuda_cache, "_pool", lambda: type("Pool", (), {
+        "submit": staticmethod(lambda fn, path, name, *a: (fn(path, name, *a), Done(name))[1])})())
+    monkeypatch.setattr(cuda_cache, "_build", build)
+
+    @cuda_cache.builds_in_parallel("decode")
+    def step(flags_values):
+        for flag in flags_values:
+            cuda_cache.ensure(PROBE, [Inputs(mx.float32, 1)] * 2, [mx.float32], TEMPLATE[:2] + [("FLAG", flag)])
+        assert joined == []                      # nothing joined while the step asks
+        return "logits"
+
+    with flags.override(kernel_cache="auto"):
+        assert step([False, True]) == "logits"
+        assert [n for n, _ in joined] == started and all(count == 2 for _, count in joined)
+        assert cuda_cache.builds.pending == [] and cuda_cache.builds.built == 2
+        monkeypatch.setattr(cuda_cache, "_seen", set())
+        joined.clear()
+        with cuda_cache.progress("warm-up"):
+            step([False])
+            assert joined == [] and len(cuda_cache.builds.pending) == 1   # the outer block's to join
+        assert len(joined) == 1
+
+
 def test_a_build_that_fails_warns_once_and_leaves_it_to_mlx(tmp_path, monkeypatch):
     broken = Kernel(name="dsv4_cache_broken", input_names=("a",), output_names=("out",), body="out[0] = nope;\n")
     monkeypatch.setattr(cuda_cache, "device_arch", lambda: "sm_90a")

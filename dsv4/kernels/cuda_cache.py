@@ -28,9 +28,9 @@ import re
 import sys
 import time
 import warnings
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -383,8 +383,12 @@ def wait() -> None:
 @contextlib.contextmanager
 def progress(scope: str) -> Iterator[None]:
     """Kernels first called inside the block build in parallel (call `wait` before evaluating)
-    and redraw one progress line on stderr, ended with the block."""
-    saved, before = builds.scope, builds.built
+    and redraw one progress line on stderr, ended with the block. Inside another such block
+    it adds nothing: the outer one joins and reports."""
+    if builds.scope is not None:
+        yield
+        return
+    before = builds.built
     builds.scope = scope
     try:
         yield
@@ -392,4 +396,18 @@ def progress(scope: str) -> Iterator[None]:
         wait()
         if builds.built > before:
             builds.line("done", final=True)
-        builds.scope = saved
+        builds.scope = None
+
+
+def builds_in_parallel(scope: str) -> Callable:
+    """Decorator: the function's kernels build in parallel, joined before it returns its
+    (unevaluated) results, whose evaluation then finds them all built. A step's graph asks
+    for its kernels while it is traced, before anything is evaluated: outside such a block
+    each would build alone, one after another (~2 s each on the H200's host)."""
+    def wrap(fn: Callable) -> Callable:
+        @wraps(fn)
+        def run(*args, **kwargs):
+            with progress(scope):
+                return fn(*args, **kwargs)
+        return run
+    return wrap
