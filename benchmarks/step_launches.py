@@ -4,9 +4,9 @@
 
 A verify of n positions (DSpark) or a plain step is encoded launch by launch by the host (MLX's
 per-launch cost, ~10 µs on CUDA), so the launch count bounds how fast a host-bound step can be.
-This builds the step as a GPU would, without one: every dsv4 module's `backend()` answers
-"cuda", and each custom-kernel call is recorded and answered with zeros that depend on its
-inputs (so the graph upstream of it stays whole); the step (compiled, DSV4_COMPILE) is then
+This builds the step as a GPU would, without one: dsv4 dispatches as under CUDA
+(dialect.pretend_gpu), and each custom-kernel launch is recorded and answered with zeros that
+depend on its inputs (so the graph upstream of it stays whole); the step (compiled, DSV4_COMPILE) is then
 walked as benchmarks/graph_ops.py walks one (view-only primitives left out, and fills: the
 zeros standing in for the kernels' outputs are fills too). MLX's own
 primitives are counted as the CPU builds them, except mx.fast.rope, which a GPU runs as one
@@ -33,8 +33,8 @@ from benchmarks.graph_ops import launches, primitive_counts, write_report  # noq
 
 @contextlib.contextmanager
 def faked_cuda_dispatch():
-    """Inside: dsv4 dispatches as under CUDA; yields the Counter of kernel launches (by name,
-    mx.fast.rope's included)."""
+    """Inside: dsv4 dispatches as under CUDA (dialect.pretend_gpu); yields the Counter of
+    kernel launches by name, mx.fast.rope's included."""
     from dsv4.kernels import dialect
 
     calls = collections.Counter()
@@ -45,22 +45,16 @@ def faked_cuda_dispatch():
         inputs = [a for a in kw.get("inputs", []) if isinstance(a, mx.array)]
         return mx.depends(outs, inputs) if inputs else outs
 
-    patched = [m for name, m in list(sys.modules.items())
-               if name.startswith("dsv4") and getattr(m, "backend", None) is dialect.backend]
     def rope(x, *args, **kw):   # one kernel on a GPU, a dozen primitives as the CPU builds it
         calls["mx.fast.rope"] += 1
         return mx.depends([mx.zeros(x.shape, x.dtype)], [x])[0]
 
-    saved_call, saved_rope = dialect.Kernel.__call__, mx.fast.rope
-    for m in patched:
-        m.backend = lambda: "cuda"
-    dialect.Kernel.__call__, mx.fast.rope = launch, rope
+    saved_rope, mx.fast.rope = mx.fast.rope, rope
     try:
-        yield calls
+        with dialect.pretend_gpu("cuda", launch):
+            yield calls
     finally:
-        dialect.Kernel.__call__, mx.fast.rope = saved_call, saved_rope
-        for m in patched:
-            m.backend = dialect.backend
+        mx.fast.rope = saved_rope
 
 
 def count(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tuple[int, int]]:
@@ -69,7 +63,6 @@ def count(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tup
     import numpy as np
 
     from dsv4 import flags
-    from dsv4.kernels import experts, head, matvec, mhc, qdq, rows, sparse_attention  # noqa: F401 (patched)
     from dsv4.step import FixedDecoder
 
     out = {}
