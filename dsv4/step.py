@@ -156,12 +156,14 @@ class StepState:
             # position writes it again, so no trace depends on where the step starts.
             first = self.pos // r
             b, _, d = kv.shape
-            latents = []
-            for j in range(pooled_groups(self.length, r)):
-                group = ((first + j) * r) % self.ring
-                take = lambda a: mx.slice(a, group, axes=(1,), slice_size=(b, r, d))
-                latents.append(comp.pool(take(kv), take(gate), x.dtype, keepdims=True))
-            latents = latents[0] if len(latents) == 1 else mx.concatenate(latents, axis=1)
+            groups = pooled_groups(self.length, r)
+            if groups == 1:
+                take = lambda a: mx.slice(a, (first * r) % self.ring, axes=(1,), slice_size=(b, r, d))
+                latents = comp.pool(take(kv), take(gate), x.dtype, keepdims=True)
+            else:   # the groups' rows in one gather (they may wrap the ring), pooled at once
+                at = (first * r + ramp(groups * r, mx.int32)) % self.ring
+                take = lambda a: mx.take(a, at, axis=1).reshape(b, groups, r, d)
+                latents = comp.pool(take(kv), take(gate), x.dtype)
         row, keys = attn.compressed_rows(latents, first, self)
         self.write(f"{layer}.compressed", row, first)
         if keys is not None:
