@@ -57,9 +57,9 @@ def faked_cuda_dispatch():
         mx.fast.rope = saved_rope
 
 
-def count(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tuple[int, int]]:
-    """n -> (MLX primitives that launch, dsv4 kernel launches) of one fixed-shape step of n
-    positions (n = 1: the decode step; n > 1: FixedDecoder.feed with the draft inputs)."""
+def count(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tuple[int, collections.Counter]]:
+    """n -> (MLX primitives that launch, the kernel launches by name) of one fixed-shape step of
+    n positions (n = 1: the decode step; n > 1: FixedDecoder.feed with the draft inputs)."""
     import numpy as np
 
     from dsv4 import flags
@@ -81,7 +81,7 @@ def count(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tup
                 outputs = [logits, *inputs]
             counts = primitive_counts(outputs + list(dec.buffers.values()))
             del counts["Full"]   # the zeros standing in for kernel outputs are Full primitives too
-            out[n] = (sum(launches(counts).values()), sum(calls.values()))
+            out[n] = (sum(launches(counts).values()), collections.Counter(calls))
             mx.eval(outputs, dec.buffers)                # the next step's graph starts here
             dec.rewind(n)
         dec.close(cache.offset)
@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     for tails in (False, True):
         with flags.override(kernel_rows_positions=tails):
             counted = count(model, positions)
-        one = sum(counted[1]) if 1 in counted else None
-        for n, (prims, kernels) in counted.items():
+        one = counted[1][0] + sum(counted[1][1].values()) if 1 in counted else None
+        for n, (prims, calls) in counted.items():
+            kernels = sum(calls.values())
             ratio = f"{(prims + kernels) / one:.2f}" if one else "-"
             lines.append(f"| {'on' if tails else 'off'} | {n} | {prims} | {kernels} | {prims + kernels} | {ratio} |")
     print("\n".join(lines))
