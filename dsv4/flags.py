@@ -339,8 +339,9 @@ define("kernel_cache", "auto",
        "auto (default) points it at ~/.cache/dsv4/cuda-kernels/mlx-<version>-<gpu> unless set, or "
        "give a directory), so later processes load it instead of compiling it again (MLX never "
        "writes custom kernels there): a second start's warm-up 1.9 s instead of 36 s on the H200 "
-       "slice (benchmarks/results/2026-12-02-0406-cold-start.md); off: MLX builds them in every "
-       "process (dsv4/kernels/cuda_cache.py)")
+       "slice (benchmarks/results/2026-12-02-0406-cold-start.md), and the kernels a step first "
+       "asks for build in parallel; off: MLX builds them in every process, one at a time "
+       "(dsv4/kernels/cuda_cache.py)")
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
