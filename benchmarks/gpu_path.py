@@ -1,15 +1,24 @@
-"""Primitives of the fixed decode step as a GPU backend builds it, counted on any machine.
+"""Launches of the fixed-shape step as a GPU backend builds it, counted on any machine.
 
     python -m benchmarks.gpu_path [--real] [--context 64] [--report]
+    python -m benchmarks.gpu_path --positions 1,2,4,6 [--model DIR] [--report]
 
 Without Metal or CUDA every kernel dispatcher takes its plain-MLX reference, so counting the
 step here (benchmarks/graph_ops.py) shows a graph no GPU runs. This tells every dispatcher
-that a GPU backend is present and stands in for each custom kernel call with one node (zeros
-of the kernel's output shapes, made once before the step is traced, tied to its inputs by
-`mx.depends`), then counts the compiled fixed-shape step of the shape-true slice
-(benchmarks/slice_decode.py; toy widths by default, `--real` for V4.1's). Each stand-in is one
-launch; the other primitives are what MLX launches itself (graph_ops.VIEWS launch nothing).
-The count depends on the step's regimes: at `--context` c the step decodes position c.
+that a GPU backend is present (dialect.pretend_gpu) and stands in for each custom kernel call
+with one node (zeros of the kernel's output shapes, made once before the step is traced, tied
+to its inputs by `mx.depends`), then counts the compiled fixed-shape step of the shape-true
+slice (benchmarks/slice_decode.py; toy widths by default, `--real` for V4.1's). Each stand-in
+is one launch; the other primitives are what MLX launches itself (graph_ops.VIEWS launch
+nothing). The count depends on the step's regimes: at `--context` c the step decodes position c.
+
+`--positions`: steps of n positions (n = 1 the decode step; n > 1 DSpark's verify,
+FixedDecoder.feed with the draft stages' inputs), each from the same position after a 64-token
+prefill, with DSV4_KERNEL_ROWS_POSITIONS off and on, on the toy-width slice with draft stages
+(or `--model`, a checkpoint with draft stages). A verify is encoded launch by launch by the
+host (~14 µs a launch on the H200), so the count bounds how fast a host-bound one can be. There
+mx.fast.rope, one kernel on a GPU and a dozen primitives as the CPU builds it, is stood in for
+too.
 """
 
 from __future__ import annotations
@@ -17,8 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import importlib
-import pkgutil
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -31,15 +38,15 @@ STAND_IN = "Depends"   # the node each custom kernel call becomes (the model its
 
 
 @contextlib.contextmanager
-def as_gpu_backend():
-    """Dispatchers see a GPU backend; custom kernels become stand-ins. Yields the list of
-    (kernel, shapes) whose stand-in outputs had to be made while a graph was being built
-    (a warm-up pass makes them all first, so that none appears in a counted graph)."""
-    import dsv4
-    import dsv4.kernels as kernels_pkg
+def as_gpu_backend(rope: bool = False):
+    """Dispatchers see a GPU backend; custom kernels (and, with `rope`, mx.fast.rope) become
+    stand-ins. Yields (the list of (kernel, shapes) whose stand-in outputs had to be made while
+    a graph was being built (a warm-up pass makes them all first, so that none appears in a
+    counted graph), a one-item list: whether a counted graph is being built, the Counter of
+    stand-in calls by kernel name)."""
     from dsv4.kernels import dialect
 
-    made, late, building = {}, [], [False]
+    made, late, building, calls = {}, [], [False], collections.Counter()
 
     def zeros(shape, dtype, name):
         key = (tuple(shape), dtype)
@@ -52,23 +59,22 @@ def as_gpu_backend():
         return made[key]
 
     def stand_in(kernel, *, inputs, output_shapes, output_dtypes, **_):
+        calls[kernel.name] += 1
         outs = [zeros(s, d, kernel.name) for s, d in zip(output_shapes, output_dtypes)]
         return mx.depends(outs, list(inputs))
 
-    modules = [importlib.import_module(f"dsv4.kernels.{m.name}") for m in pkgutil.iter_modules(kernels_pkg.__path__)]
-    modules += [importlib.import_module(f"dsv4.{m}") for m in ("attention", "linear", "model", "moe", "step")]
-    saved = [(m, m.backend) for m in modules if hasattr(m, "backend")]
-    call = dialect.Kernel.__call__
+    def rope_stand_in(x, *args, **kwargs):
+        calls["mx.fast.rope"] += 1
+        return mx.depends([zeros(x.shape, x.dtype, "mx.fast.rope")], [x])[0]
+
+    saved_rope = mx.fast.rope
     try:
-        for m, _ in saved:
-            m.backend = lambda: "cuda"
-        dialect.Kernel.__call__ = stand_in
-        yield late, building
+        if rope:
+            mx.fast.rope = rope_stand_in
+        with dialect.pretend_gpu("cuda", stand_in):
+            yield late, building, calls
     finally:
-        dialect.Kernel.__call__ = call
-        for m, fn in saved:
-            m.backend = fn
-    del dsv4
+        mx.fast.rope = saved_rope
 
 
 def count(model, context: int) -> collections.Counter:
@@ -76,7 +82,7 @@ def count(model, context: int) -> collections.Counter:
     from benchmarks.graph_ops import count_graph
     from dsv4 import flags
 
-    with as_gpu_backend() as (late, building):
+    with as_gpu_backend() as (late, building, _):
         with flags.override(dequant_matmul="off", compile=False):
             count_graph(model, context, fixed=True)          # warm-up: every stand-in's zeros
         building[0] = True
@@ -85,6 +91,63 @@ def count(model, context: int) -> collections.Counter:
     if late:
         raise RuntimeError(f"stand-in outputs made while counting (they would be counted): {late}")
     return counts
+
+
+def count_positions(model, positions: list[int], prompt_tokens: int = 64) -> dict[int, tuple[int, collections.Counter]]:
+    """n -> (launches, the stand-in calls by kernel name) of one compiled fixed-shape step of n
+    positions (n = 1: the decode step; n > 1: FixedDecoder.feed with the draft inputs), GPU path."""
+    import numpy as np
+
+    from benchmarks.graph_ops import launches, primitive_counts
+    from dsv4 import flags
+    from dsv4.step import FixedDecoder
+
+    ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens))
+
+    def steps(dec, counted: dict) -> None:
+        for n in positions:
+            calls.clear()
+            if n == 1:
+                outputs = [dec(mx.array([5]))]
+            else:
+                logits, inputs = dec.feed(mx.full((1, n), 5, mx.int32), hidden=True)
+                outputs = [logits, *inputs]
+            counts = primitive_counts(outputs + list(dec.buffers.values()))
+            counted[n] = (counts[STAND_IN] + sum(launches(counts).values()), collections.Counter(calls))
+            mx.eval(outputs, dec.buffers)                # the next step's graph starts here
+            dec.rewind(n)
+
+    out = {}
+    with as_gpu_backend(rope=True) as (late, building, calls), flags.override(fixed_decode="on", dequant_matmul="off"):
+        cache = model.make_cache(reserve=8)
+        mx.eval(model(ids, cache))
+        dec = FixedDecoder(model, cache)
+        mx.eval(dec.buffers)
+        with flags.override(compile=False):
+            steps(dec, {})                               # warm-up: every stand-in's zeros
+        building[0] = True
+        with flags.override(compile=True):
+            steps(dec, out)
+        dec.close(cache.offset)
+    if late:
+        raise RuntimeError(f"stand-in outputs made while counting (they would be counted): {late}")
+    return out
+
+
+def positions_table(model, positions: list[int]) -> list[str]:
+    """Report lines: count_positions with DSV4_KERNEL_ROWS_POSITIONS off and on."""
+    from dsv4 import flags
+
+    lines = ["| DSV4_KERNEL_ROWS_POSITIONS | positions | launches | of them kernels (dsv4's, RoPE) | / one-position step |",
+             "|---|---|---|---|---|"]
+    for tails in (False, True):
+        with flags.override(kernel_rows_positions=tails):
+            counted = count_positions(model, positions)
+        one = counted[1][0] if 1 in counted else None
+        for n, (total, calls) in counted.items():
+            ratio = f"{total / one:.2f}" if one else "-"
+            lines.append(f"| {'on' if tails else 'off'} | {n} | {total} | {sum(calls.values())} | {ratio} |")
+    return lines
 
 
 def summary(counts: collections.Counter, layers: int) -> list[str]:
@@ -104,23 +167,48 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--real", action="store_true", help="V4.1's widths (more than 24 GB of memory: the run was OOM-killed on a 24 GB machine)")
     p.add_argument("--context", type=int, default=64)
+    p.add_argument("--positions", help="count steps of these numbers of positions (e.g. 1,2,4,6) instead")
+    p.add_argument("--model", help="with --positions: a checkpoint with draft stages (default: the toy-width slice)")
     p.add_argument("--report", action="store_true", help="write a dated report to benchmarks/results/")
     a = p.parse_args(argv)
+    from benchmarks.graph_ops import write_report
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build
 
-    model, _, _ = build({**(REAL if a.real else SMALL), **ROLES})
-    lines = summary(count(model, a.context), model.args.num_hidden_layers)
+    when = datetime.now()
+    if a.positions:
+        lines = positions_table(positions_model(a.model), [int(n) for n in a.positions.split(",")])
+        name = f"{when:%Y-%m-%d-%H%M}-step-launches.md"
+        heading = (f"# Launches of a fixed-shape step of n positions (GPU path, counted on the CPU)\n\n"
+                   f"{when:%Y-%m-%d %H:%M}; model `{a.model or 'toy-width slice with draft stages'}`, "
+                   f"64-token prefill, compiled step.")
+    else:
+        model, _, _ = build({**(REAL if a.real else SMALL), **ROLES})
+        lines = summary(count(model, a.context), model.args.num_hidden_layers)
+        name = f"{when:%Y-%m-%d-%H%M}-gpu-path-primitives.md"
+        heading = (f"# Primitives of the fixed decode step on the GPU path (counted on the CPU)\n\n"
+                   f"{when:%Y-%m-%d %H:%M}; {'shape-true' if a.real else 'toy-width'} slice "
+                   f"(benchmarks/slice_decode.py), the step at position {a.context}.")
     print("\n".join(lines))
     if a.report:
-        from benchmarks.graph_ops import write_report
-
-        when = datetime.now()
-        out = write_report(f"{when:%Y-%m-%d-%H%M}-gpu-path-primitives.md",
-                           f"# Primitives of the fixed decode step on the GPU path (counted on the CPU)\n\n"
-                           f"{when:%Y-%m-%d %H:%M}; {'shape-true' if a.real else 'toy-width'} slice "
-                           f"(benchmarks/slice_decode.py), the step at position {a.context}.", lines)
-        print(f"report: {out}")
+        print(f"report: {write_report(name, heading, lines)}")
     return 0
+
+
+def positions_model(path: str | None):
+    """A checkpoint with its draft stages, or the toy-width slice with random ones."""
+    if path:
+        import dsv4
+        from dsv4 import flags
+
+        with flags.override(draft="on"):
+            return dsv4.load(path)[0]
+    from benchmarks.slice_decode import ROLES, SMALL, build
+    from benchmarks.speculative_steps import DRAFT_SMALL, with_draft
+
+    config = {**SMALL, **ROLES}
+    model, _, _ = build(config)
+    with_draft(model, {**config, **DRAFT_SMALL})
+    return model
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ define("kernel_rows_positions", False,
        "projection tails (norm, RoPE, rounding) as dsv4/kernels/rows.py kernels with each "
        "position's angles ([S, R] from one launch), and its attention rotates queries and output "
        "inside the kernel, as a one-position step does: a 4-position verify of the slice launches "
-       "212 kernels instead of 368, a plain step 155 (benchmarks/step_launches.py). "
+       "187 kernels instead of 345, a plain step 155 (benchmarks/gpu_path.py --positions). "
        "Off (default) until its GPU tests (tests/test_kernels_rows_gpu.py, test_model_gpu.py -k "
        "fixed_verify, test_draft_step.py -m gpu) and speculative_steps have run on a GPU: plain ops "
        "for those tails, as before")

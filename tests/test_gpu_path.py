@@ -1,4 +1,5 @@
-"""benchmarks/gpu_path.py: the fixed decode step counted as a GPU backend builds it, on the CPU."""
+"""benchmarks/gpu_path.py: the fixed-shape step (one position, or a verify of several) counted as a
+GPU backend builds it, on the CPU."""
 
 import pytest
 
@@ -25,3 +26,23 @@ def test_kernels_stand_in_and_replace_mlx_launches(model):
     assert on < off                                        # each kernel replaces several MLX launches
     lines = gpu_path.summary(with_kernels, model.args.num_hidden_layers)
     assert lines[0].startswith(f"launches per step: {on} ")
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return gpu_path.positions_model(None)
+
+
+def test_a_verify_runs_its_tails_as_kernels_with_each_positions_angles(draft_model):
+    """A verify is encoded launch by launch, so its tails must run as a one-position step's do.
+    DSV4_KERNEL_ROWS_POSITIONS on: a 4-position verify launches no plain RoPE (the tails and
+    the attention take each position's angles) and at most 1.25x a plain step's launches; off,
+    its tails run as plain ops (RoPE launches of their own) and it launches ~2x."""
+    with flags.override(kernel_rows_positions=True):
+        on = gpu_path.count_positions(draft_model, [1, 4])
+    with flags.override(kernel_rows_positions=False):
+        off = gpu_path.count_positions(draft_model, [1, 4])
+    assert on[1] == off[1]                                   # the one-position step is unchanged
+    assert on[4][1]["mx.fast.rope"] == 0 and on[4][1]["dsv4_rope_angles"] >= 1
+    assert on[4][0] <= 1.25 * on[1][0], (on[4][0], on[1][0])
+    assert off[4][1]["mx.fast.rope"] > 0 and off[4][0] > 1.8 * off[1][0]
