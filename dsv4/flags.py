@@ -291,15 +291,14 @@ define("kernel_topk", True,
        "the indexer's top-k rows (ties to the lower row) and their visibility for 1-8 queries in "
        "one GPU launch by radix selection (~4 launches otherwise, the partition a full sort); "
        "off runs the plain-MLX ops")
-define("kernel_rows_positions", False,
+define("kernel_rows_positions", True,
        "a fixed-shape step of several positions (DSpark's verify, a draft block) runs its "
        "projection tails (norm, RoPE, rounding) as dsv4/kernels/rows.py kernels with each "
        "position's angles ([S, R] from one launch), and its attention rotates queries and output "
        "inside the kernel, as a one-position step does: a 4-position verify of the slice launches "
-       "187 kernels instead of 345, a plain step 155 (benchmarks/gpu_path.py --positions). "
-       "Off (default) until its GPU tests (tests/test_kernels_rows_gpu.py, test_model_gpu.py -k "
-       "fixed_verify, test_draft_step.py -m gpu) and speculative_steps have run on a GPU: plain ops "
-       "for those tails, as before")
+       "187 kernels instead of 345 (a plain step 155; benchmarks/gpu_path.py --positions) and took "
+       "6.14 ms instead of 6.43 on the H200 (2026-12-03-1746-speculative-steps.md). Off: plain "
+       "ops for those tails, as before")
 define("kernel_matvec", "auto",
        "quantized projections of 1-8 tokens (mxfp8/mxfp4/affine) with the fp8 input rounding "
        "fused, through the custom GPU matvec kernel: auto (default) where it measured faster than "
