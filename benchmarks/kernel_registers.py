@@ -60,7 +60,7 @@ def unit_counts(paths, mode: int) -> dict:
     """PTX instruction counts of one GgufUnit<mode> (load + dots), per 32 weights: global loads by
     width, int-to-float conversions, all instructions."""
     import mlx.core as mx
-    from dsv4.kernels import cuda_cache, gguf_dot
+    from dsv4.kernels import gguf_dot, nvrtc
     from dsv4.kernels.dialect import Kernel
     from dsv4.kernels.experts import X_HEADER
     from tools.metal_syntax_check import cuda_source
@@ -70,7 +70,7 @@ def unit_counts(paths, mode: int) -> dict:
                     checks=(((mx.uint8, mx.uint32), (mx.float32,), (("MODE", mode),)),))
     name, text = cuda_source(kernel, kernel.checks[0])
     ptx: list = []
-    cuda_cache.nvrtc_build(text, name, "compute_90a", str(paths[0]), paths[1], ptx=ptx)
+    nvrtc.build(text, name, "compute_90a", str(paths[0]), paths[1], ptx=ptx)
     body = [ln.strip() for ln in ptx[0].splitlines()]
     body = [ln for ln in body if ln and not ln.startswith(("//", ".", "{", "}", "$", "ret"))]
     per = 32 / {10: 32, 14: 64, 20: 32, 13: 32, 23: 32, 12: 128, 22: 128, 11: 64}[mode]
@@ -85,13 +85,13 @@ def unit_counts(paths, mode: int) -> dict:
 
 
 def resources(kernel, paths, check: int = 0) -> dict:
-    from dsv4.kernels import cuda_cache
+    from dsv4.kernels import nvrtc
     from tools.metal_syntax_check import cuda_source
 
     name, text = cuda_source(kernel, kernel.checks[check])
     log: list = []
     start = time.perf_counter()
-    cuda_cache.nvrtc_build(text, name, "sm_90a", str(paths[0]), paths[1], options=("--ptxas-options=-v",), log=log)
+    nvrtc.build(text, name, "sm_90a", str(paths[0]), paths[1], options=("--ptxas-options=-v",), log=log)
     seconds = time.perf_counter() - start
     info = "".join(log)
     regs = int(re.search(r"Used (\d+) registers", info).group(1))

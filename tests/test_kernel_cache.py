@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dsv4 import flags
-from dsv4.kernels import cuda_cache
+from dsv4.kernels import cuda_cache, nvrtc
 from dsv4.kernels.dialect import Kernel
 
 PROBE = Kernel(name="dsv4_cache_probe", input_names=("a", "s"), output_names=("out",),
@@ -141,6 +141,21 @@ def test_ensure_builds_once_what_mlx_will_look_for(tmp_path, monkeypatch):
     assert (cuda_cache.builds.built, cuda_cache.builds.found) == (0, 1)
 
 
+def test_a_child_process_builds_what_this_process_would(monkeypatch):
+    """The kernel cache's builds run in children (NVRTC's threads in one process serialize):
+    the child's cubin and lowered name are the in-process build's, and a source NVRTC refuses
+    comes back as BuildError with NVRTC's log."""
+    from tools.metal_syntax_check import nvrtc_paths
+
+    library, includes = nvrtc_paths()
+    name, text = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 1)], [mx.float32], TEMPLATE)
+    here = nvrtc.build(text, name, "sm_90a", str(library), includes)
+    assert nvrtc.build_in_child(text, name, "sm_90a", str(library), includes) == here
+    assert here[0][:4] == b"\x7fELF"
+    with pytest.raises(nvrtc.BuildError, match='identifier "nope" is undefined'):
+        nvrtc.build_in_child(text.replace("out[", "nope["), name, "sm_90a", str(library), includes)
+
+
 def test_a_step_builds_its_kernels_in_parallel_and_joins_them_before_returning(tmp_path, monkeypatch):
     """builds_in_parallel (the decoders' steps, the model's forward): the kernels a call asks
     for are all started before the first is joined, and all are built when it returns (so
@@ -191,7 +206,7 @@ def test_a_build_that_fails_warns_once_and_leaves_it_to_mlx(tmp_path, monkeypatc
     monkeypatch.setattr(cuda_cache, "device_arch", lambda: "sm_90a")
     monkeypatch.setattr(cuda_cache, "_seen", set())
     monkeypatch.setattr(cuda_cache, "builds", cuda_cache.Builds())
-    monkeypatch.setattr(cuda_cache, "nvrtc_build", lambda *a, **k: (_ for _ in ()).throw(cuda_cache.BuildError("nope")))
+    monkeypatch.setattr(cuda_cache, "build_in_child", lambda *a, **k: (_ for _ in ()).throw(nvrtc.BuildError("nope")))
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     with flags.override(kernel_cache="auto"), pytest.warns(RuntimeWarning, match="MLX builds the CUDA kernels"):
         cuda_cache.ensure(broken, [Inputs(mx.float32, 1)], [mx.float32], [])
@@ -201,7 +216,7 @@ def test_a_build_that_fails_warns_once_and_leaves_it_to_mlx(tmp_path, monkeypatc
 
 GPU_SCRIPT = textwrap.dedent("""
     import mlx.core as mx
-    from dsv4.kernels import cuda_cache
+    from dsv4.kernels import cuda_cache, nvrtc
     from dsv4.kernels.dialect import Kernel
     probe = Kernel(name="dsv4_cache_gpu_probe", input_names=("a",), output_names=("out",),
                    body="out[tid] = a[tid] + (float)ADD;\\n")
@@ -212,7 +227,8 @@ GPU_SCRIPT = textwrap.dedent("""
     path = cuda_cache.module_path(cuda_cache.directory(), name, text)
     if {impostor}:   # the impostor's build under the probe's name: MLX runs what it finds
         _, other = cuda_cache.mlx_source(impostor, [(mx.float32, 1)], [mx.float32], template)
-        cubin, lowered = cuda_cache.nvrtc_build(other, name, cuda_cache.device_arch())
+        cubin, lowered = nvrtc.build(other, name, cuda_cache.device_arch(), cuda_cache.nvrtc_library(),
+                                     cuda_cache.include_dirs())
         cuda_cache.write_build(path, name, lowered, cubin)
     a = mx.arange(32, dtype=mx.float32)
     (out,) = probe(inputs=[a], output_shapes=[(32,)], output_dtypes=[mx.float32], grid=(32, 1, 1),

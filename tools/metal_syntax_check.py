@@ -35,7 +35,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsv4.kernels import cuda_cache  # noqa: E402
+from dsv4.kernels import cuda_cache, nvrtc  # noqa: E402
 from dsv4.kernels.dialect import Kernel  # noqa: E402
 from tools.cxx import cxx_command  # noqa: E402
 from tools.launch_limits import v41_problems  # noqa: E402
@@ -155,12 +155,12 @@ def nvrtc_paths() -> tuple[Path, list[Path]] | None:
 
 def nvrtc_compile(source: tuple[str, str], paths: tuple[Path, list[Path]]) -> str | None:
     """Compile one instantiation for sm_90a as MLX's CUDA backend does on the H200 (the kernel
-    cache's own build, cuda_cache.nvrtc_build): None if it compiles, else the log."""
+    cache's own build, nvrtc.build): None if it compiles, else the log."""
     library, includes = paths
     name, text = source
     try:
-        cuda_cache.nvrtc_build(text, name, "sm_90a", str(library), includes)
-    except cuda_cache.BuildError as e:
+        nvrtc.build(text, name, "sm_90a", str(library), includes)
+    except nvrtc.BuildError as e:
         return str(e)
     return None
 
@@ -179,7 +179,7 @@ def check_cuda(kernel: Kernel, nvcc: str) -> list[str]:
     cmd = [nvcc, "-std=c++17", "-arch=sm_90", "-c", "-o", "/dev/null"]
     errors = []
     for check in kernel.checks:
-        text = cuda_source(kernel, check)[1].replace(f'#include "{cuda_cache.UTILS_NAME}"', cuda_cache.UTILS_STANDIN)
+        text = cuda_source(kernel, check)[1].replace(f'#include "{nvrtc.UTILS_NAME}"', nvrtc.UTILS_STANDIN)
         err = _run(cmd, text, ".cu")
         if err:
             errors.append(f"{kernel.name} {check[2]}:\n{err}")

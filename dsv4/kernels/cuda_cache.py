@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.atomic_file import atomic_file
+from dsv4.kernels.nvrtc import build_in_child
 
 # mlx/backend/cuda/utils.cpp dtype_to_cuda_type (the source's types) and
 # mlx/backend/common/compiled.cpp get_type_string (the kernel name's template values).
@@ -49,18 +50,6 @@ TYPE_STRINGS = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bflo
                 mx.uint32: "uint32_t", mx.uint64: "uint64_t"}
 
 DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-UTILS_NAME = "mlx/backend/cuda/device/utils.cuh"
-# What dsv4's bodies need of MLX's utils.cuh: the CUDA types it includes, Shape and Strides.
-UTILS_STANDIN = """#pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/cstdint>
-#include <cuda/std/array>
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, 10>;
-using Strides = cuda::std::array<int64_t, 10>;
-}
-"""
 MAX_FILE_NAME = 245   # jit_module.cpp get_ptx_path: longer module names become directories
 
 
@@ -232,57 +221,6 @@ def include_dirs() -> list[Path]:
     return [c for c in candidates if (c / "cuda_bf16.h").exists() or (c / "cuda" / "std" / "array").exists()]
 
 
-class BuildError(RuntimeError):
-    """NVRTC refused a source (the message is its log)."""
-
-
-def nvrtc_build(source: str, name: str, arch: str, library: str | None = None,
-                includes: list[Path] | None = None, options: tuple = (), log: list | None = None,
-                ptx: list | None = None) -> tuple[bytes, str]:
-    """Compile `source` as MLX does (NVRTC, --device-as-default-execution-space, the target
-    `arch` such as sm_90a, utils.cuh stood in for): (cubin, lowered name of `name`). `options`
-    are added to MLX's (benchmarks: --ptxas-options=-v); `log` gets NVRTC's log appended; `ptx`
-    the PTX (a virtual `arch` such as compute_90a has no cubin: b"")."""
-    lib = ctypes.CDLL(library or nvrtc_library() or "libnvrtc.so")
-    prog = ctypes.c_void_p()
-    headers = (ctypes.c_char_p * 1)(UTILS_STANDIN.encode())
-    names = (ctypes.c_char_p * 1)(UTILS_NAME.encode())
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 1, headers, names):
-        raise BuildError("nvrtcCreateProgram failed")
-    try:
-        full = f"mlx::core::cu::{name}".encode()
-        lib.nvrtcAddNameExpression(prog, full)
-        opts = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode()]
-        opts += [f"--include-path={p}".encode() for p in (includes if includes is not None else include_dirs())]
-        opts += [o.encode() for o in options]
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        text = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, text)
-        if rc != 0:
-            raise BuildError(text.value.decode(errors="replace"))
-        if log is not None:
-            log.append(text.value.decode(errors="replace"))
-        if ptx is not None:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-            text = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetPTX(prog, text)
-            ptx.append(text.value.decode())
-        lowered = ctypes.c_char_p()
-        lib.nvrtcGetLoweredName(prog, full, ctypes.byref(lowered))
-        size = ctypes.c_size_t()
-        if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)):
-            size.value = 0
-        cubin = ctypes.create_string_buffer(size.value)
-        if size.value:
-            lib.nvrtcGetCUBIN(prog, cubin)
-        return cubin.raw, lowered.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
 @lru_cache(maxsize=1)
 def device_arch() -> str:
     """sm_<major><minor>[a] of CUDA device 0, as MLX targets it (the 'a' from compute 9 on)."""
@@ -333,13 +271,13 @@ _seen: set = set()
 def _pool():
     from concurrent.futures import ThreadPoolExecutor
 
-    # NVRTC compiles programs in parallel threads (ctypes lets go of the GIL during the call).
+    # Each thread waits on a child process that runs NVRTC (dsv4/kernels/nvrtc.py says why).
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 4, thread_name_prefix="nvrtc")
 
 
 def _build(path: Path, name: str, source: str, arch: str) -> float:
     start = time.perf_counter()
-    cubin, lowered = nvrtc_build(source, name, arch)
+    cubin, lowered = build_in_child(source, name, arch, nvrtc_library(), include_dirs())
     write_build(path, name, lowered, cubin)
     return time.perf_counter() - start
 
