@@ -1,7 +1,7 @@
 """Cold start: from a fresh process's start to its first decoded tokens on the shape-true V4.1
 slice, with and without the CUDA kernel cache (DSV4_KERNEL_CACHE, dsv4/kernels/cuda_cache.py).
 
-    python -m benchmarks.cold_start [--small] [--runs 2]     # fresh processes (the H200)
+    python -m benchmarks.cold_start [--small] [--runs 2] [--caches off,auto]   # fresh processes (the H200)
     python -m benchmarks.cold_start --count                  # kernel instantiations (any machine)
 
 Every run is a fresh process that times its phases from its own start:
@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="toy widths")
     p.add_argument("--runs", type=int, default=2, help="processes per variant, one after the other")
+    p.add_argument("--caches", default="off,auto", help="the kernel cache settings to run, in turn")
     p.add_argument("--count", action="store_true", help="only count the kernel instantiations (no GPU needed)")
     p.add_argument("--child", type=float, metavar="STARTED", help=argparse.SUPPRESS)   # a run, started then
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
         lines += ["| variant | run | import s | warm-up s | first tokens s | to first tokens s (less weights) | "
                   "dsv4 built / found | build s | .ptx files | tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
         tokens, summary = None, {}
-        for cache in ("off", "auto"):
+        for cache in a.caches.split(","):
             with tempfile.TemporaryDirectory(prefix="dsv4-cold-start-") as tmp:
                 for r in range(1, a.runs + 1):
                     out = run_child(a.small, cache, Path(tmp))
