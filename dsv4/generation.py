@@ -17,7 +17,7 @@ import numpy as np
 from . import flags, memory, profiler
 from .cache import Cache
 from .errors import InputError, reported
-from .progress import Progress
+from .progress import Progress, Waiting
 from .sampling import Sampling, check_max_tokens, check_seed, make_sampler, option_name
 from .step import decoder
 
@@ -105,26 +105,39 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
         mx.random.seed(seed)
     sampler = model.shared_sampler(make_sampler(sampling))
     detok = tokenizer.detokenizer
-    start = time.perf_counter()
-    logits = prefill(model, np.array([ids], np.int64), cache, progress=prefill_progress, draft_cache=window)
-    if on_prefilled is not None:
-        on_prefilled(cache)
-    prompt_time = time.perf_counter() - start
-    prompt_tps = len(ids) / prompt_time
-    stats = None
-    if window is not None:
-        from .speculative import Adaptive, Policy, Stats, speculative_tokens
+    # A fresh process's first prefill and step build their kernels (MLX compiles them as it
+    # first evaluates them: minutes for a first start on a CUDA machine). A long prompt's
+    # prefill has its own line, so the wait is shown from its end; the decode loop queues the
+    # first step before it hands out the first token.
+    waiting = Waiting("first token", "a process's first steps build their kernels; later ones reuse them")
+    try:
+        if prefill_progress is None:
+            waiting.start()
+        start = time.perf_counter()
+        logits = prefill(model, np.array([ids], np.int64), cache, progress=prefill_progress, draft_cache=window)
+        waiting.start()
+        if on_prefilled is not None:
+            on_prefilled(cache)
+        prompt_time = time.perf_counter() - start
+        prompt_tps = len(ids) / prompt_time
+        stats = None
+        if window is not None:
+            from .speculative import Adaptive, Policy, Stats, speculative_tokens
 
-        most = min(flags.get("draft_k"), model.args.dspark_block_size)
-        stats = Stats()
-        policy = Adaptive(most) if mode == "auto" else Policy(most)
-        tokens = speculative_tokens(model, cache, window, logits, sampling, limit, policy, stats)
-    else:
-        tokens = decode_tokens(model, cache, sampler(logits), sampler, limit)
+            most = min(flags.get("draft_k"), model.args.dspark_block_size)
+            stats = Stats()
+            policy = Adaptive(most) if mode == "auto" else Policy(most)
+            tokens = speculative_tokens(model, cache, window, logits, sampling, limit, policy, stats)
+        else:
+            tokens = decode_tokens(model, cache, sampler(logits), sampler, limit)
+    except BaseException:
+        waiting.stop()
+        raise
     try:
         for n, token in enumerate(tokens, 1):
             if n == 1:
                 gen_start = time.perf_counter()
+                waiting.stop()   # before the token is printed; the first step is queued by now
             stop = token in tokenizer.eos_token_ids and not ignore_eos
             if not stop:
                 detok.add_token(token)
@@ -138,6 +151,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
             if finish:
                 return
     finally:
+        waiting.stop()
         tokens.close()
 
 

@@ -10,11 +10,15 @@ tables) and token streams (prefilling a long prompt).
 The line reads `copying layers.1.engram: 1.20 GB of 4.80 GB ( 25%), 310 MB/s, 00:00:11 left`: it
 is redrawn in place (`\\r`) at most twice a second, and `finish()` draws the last one and ends it.
 With `unit="tokens"` it counts tokens: `prefill: 1024 of 3000 tokens ( 34%), 120 tok/s, ...`.
+
+A wait with nothing to count (a fresh process's first steps, while MLX builds its kernels) gets
+`Waiting`: silent if it ends soon, else `first tokens: 14 s (why)` redrawn each second.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 REDRAW_S = 0.5
@@ -55,6 +59,42 @@ class Progress:
 
     def finish(self) -> None:
         self.show(final=True)
+
+
+class Waiting:
+    """A line for a wait with no count of its own: nothing if `stop()` comes within `after_s`
+    of `start()`; after that `what: 12 s (why)` redrawn each second by a thread (MLX lets go of
+    the GIL while it evaluates), and `what: done in 41 s` at the stop. Both may be called more
+    than once; only the first of each counts."""
+
+    def __init__(self, what: str, why: str, after_s: float = 10.0, enabled: bool = True):
+        self.what, self.why, self.after_s, self.enabled = what, why, after_s, enabled
+        self.started, self.shown = False, 0   # shown: the length of the last line drawn
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if not self.enabled or self.started:
+            return
+        self.started, self.start_time = True, time.monotonic()
+        self.thread = threading.Thread(target=self._beat, name="waiting", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        wait = self.after_s
+        while not self.stopping.wait(wait):
+            line = f"{self.what}: {time.monotonic() - self.start_time:.0f} s ({self.why})"
+            print("\r" + line, end="", file=sys.stderr, flush=True)
+            self.shown, wait = len(line), 1.0
+
+    def stop(self) -> None:
+        if self.thread is None or self.stopping.is_set():
+            return
+        self.stopping.set()
+        self.thread.join()
+        if self.shown:
+            line = f"{self.what}: done in {time.monotonic() - self.start_time:.0f} s"
+            print("\r" + line.ljust(self.shown), file=sys.stderr, flush=True)
 
 
 def format_bytes(nbytes: float) -> str:
