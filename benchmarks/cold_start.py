@@ -14,7 +14,9 @@ Variants, run in turn, each with a fresh directory for MLX's disk cache (MLX_PTX
 used by --runs processes one after the other: kernel cache off (MLX keeps only its own JIT
 kernels there, dsv4's are compiled by NVRTC in every process) and on (dsv4 writes its builds
 there too). The report gives each run's phases, the kernels dsv4 built and found, the files
-in the directory, and whether every run decoded the same tokens (the weights are seeded).
+in the directory, and whether every run decoded the same tokens (the weights are seeded); and
+for each variant's first run, the builds it wrote in the order written, with the gaps between
+them (MLX compiles its own one at a time: which of them a first start waits for).
 
 --count needs no GPU: the distinct instantiations (kernel, template values) that the
 dispatchers make at V4.1's widths (tools/launch_limits.v41_calls: 1-8 tokens, official and
@@ -69,14 +71,30 @@ def child(small: bool, start: float) -> None:
 
 def run_child(small: bool, cache: str, mlx_dir: Path) -> dict:
     env = dict(os.environ, DSV4_KERNEL_CACHE=cache, MLX_PTX_CACHE_DIR=str(mlx_dir))
-    cmd = [sys.executable, "-m", "benchmarks.cold_start", "--child", repr(time.time())] + (["--small"] if small else [])
+    started = time.time()
+    cmd = [sys.executable, "-m", "benchmarks.cold_start", "--child", repr(started)] + (["--small"] if small else [])
     result = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith(MARK)]
     if result.returncode != 0 or not lines:
         raise RuntimeError(f"run failed ({result.returncode}): {result.stderr[-3000:]}")
     out = json.loads(lines[-1][len(MARK):])
-    out["files"] = sum(1 for _ in mlx_dir.rglob("*.ptx"))
+    builds = sorted((p.stat().st_mtime, p.relative_to(mlx_dir).as_posix()) for p in mlx_dir.rglob("*.ptx"))
+    out["files"] = len(builds)
+    out["written"] = [(t - started, name) for t, name in builds if t >= started]
     return out
+
+
+def written_table(written: list) -> list[str]:
+    """The builds a run wrote, in the order written: MLX writes each as it finishes compiling
+    it, one at a time, so the gap before a file is about its build (or the work between)."""
+    if not written:
+        return ["none"]
+    lines = ["| s after start | gap s | file |", "|---|---|---|"]
+    last = 0.0
+    for t, name in written:
+        lines.append(f"| {t:.1f} | {t - last:.1f} | `{name[:90]}` |")
+        last = t
+    return lines
 
 
 def count_instantiations() -> list[str]:
@@ -113,7 +131,7 @@ def main(argv=None) -> int:
     else:
         lines += ["| variant | run | import s | warm-up s | first tokens s | to first tokens s (less weights) | "
                   "dsv4 built / found | build s | .ptx files | tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
-        tokens, summary = None, {}
+        tokens, summary, first_runs = None, {}, {}
         for cache in a.caches.split(","):
             with tempfile.TemporaryDirectory(prefix="dsv4-cold-start-") as tmp:
                 for r in range(1, a.runs + 1):
@@ -122,12 +140,16 @@ def main(argv=None) -> int:
                     same = "same" if tokens in (None, out["tokens"]) else "DIFFERENT"
                     tokens = tokens or out["tokens"]
                     summary.setdefault(cache, []).append(ph["to first tokens"])
+                    first_runs.setdefault(cache, out["written"])
                     lines.append(f"| kernel cache {cache} | {r} | {ph['import']:.1f} | {ph['warm-up']:.1f} | "
                                  f"{ph['first tokens']:.1f} | {ph['to first tokens']:.1f} | {out['built']} / "
                                  f"{out['found']} | {out['build_s']:.1f} | {out['files']} | {same} |")
                     print(lines[-1], flush=True)
         lines += ["", "Later runs, median seconds to the first tokens (less the weights): " + ", ".join(
             f"cache {c}: {statistics.median(s[1:]):.1f}" for c, s in summary.items() if len(s) > 1)]
+        for cache, written in first_runs.items():
+            lines += ["", f"Builds the first run with the kernel cache {cache} wrote (`custom_kernel_*`: dsv4's "
+                      "when the cache is on; the others MLX's own):", ""] + written_table(written)
     lines += ["", to_markdown(describe())]
     a.out.mkdir(parents=True, exist_ok=True)
     out = a.out / f"{when:%Y-%m-%d-%H%M}-cold-start{'-count' if a.count else ''}{'-small' if a.small else ''}.md"
