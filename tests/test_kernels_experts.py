@@ -51,22 +51,54 @@ def quantized(rng, shape, mode, bits, gs, scale_dtype=mx.bfloat16):
     return ex.QuantizedMatrix(parts[0], parts[1], parts[2] if mode == "affine" else None, gs, bits, mode)
 
 
-def check_hidden(got_h, want_h, act_quant):
-    """The gate/up stage's h (a kernel's) against hidden_reference's on the same input.
+def bf16_neighbours(v):
+    """The bf16 values next to each of v's (bf16 values as float64), below and above in magnitude."""
+    bits = np.asarray(v, np.float32).view(np.uint32)
+    sign, magnitude = bits & 0x80000000, bits & 0x7FFFFFFF
+    step = lambda m: (sign | m).astype(np.uint32).view(np.float32).astype(np.float64)
+    return step(np.maximum(magnitude, 0x10000) - 0x10000), step(magnitude + 0x10000)
+
+
+def hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant):
+    """(hidden_reference's h, its spread): how far the clamped SwiGLU times the route weight
+    moves (float64, before h's own rounding) when g or u, or both, land one bf16 step from the
+    reference's. Summed in another order, a kernel's fp32 g or u next to a rounding boundary
+    rounds to the neighbouring bf16 value, and SiLU's slope carries that step into h scaled by
+    |1 + g(1 - sigmoid(g))| (~3 at g = -4), past one bf16 step of h."""
+    want = ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant)
+    g, u = (bf16(f64(a)) for a in ex.gate_up_reference(x, idx, gate, up, shared, act_quant))
+    route = f64(rw)
+    if shared is not None:
+        route = np.concatenate([route, np.ones((route.shape[0], 1))], axis=1)
+    route = route[..., None]
+
+    def swiglu(gv, uv):
+        gv = np.minimum(gv, limit)
+        return gv / (1 + np.exp(-gv)) * np.clip(uv, -limit, limit) * route
+
+    base = swiglu(g, u)
+    spread = np.maximum.reduce([np.abs(swiglu(gv, uv) - base)
+                                for gv in (g, *bf16_neighbours(g)) for uv in (u, *bf16_neighbours(u))])
+    return want, spread
+
+
+def check_hidden(got_h, expected, act_quant):
+    """The gate/up stage's h (a kernel's) against `hidden_expected`'s (h, spread) for the same input.
 
     The same roundings (g and u to bf16, h to bf16 and with act_quant to fp8 per 32) of fp32
-    sums in another order (and, affine, as scale * sum(q x) + bias * sum(x) per group): a value
-    next to a rounding boundary can land on the neighbouring grid point, one step of its grid:
-    2^-3 relative with fp8 (a g or u one bf16 ulp off moves h by ~2^-8, which can cross an fp8
-    boundary), 2^-7 for bf16. A dot product that cancels to near zero carries the sums'
-    absolute error instead (affine most: two large terms): 2^-10 of the largest value of the
-    token's slot covers it. Nearly every value must be exact.
+    sums in another order (and, affine, as scale * sum(q x) + bias * sum(x) per group): g or u
+    may land on the neighbouring bf16 value (the spread), and h next to a rounding boundary on
+    the neighbouring grid point, one step of its grid: 2^-3 relative with fp8, 2^-7 for bf16.
+    A dot product that cancels to near zero carries the sums' absolute error instead (affine
+    most: two large terms): 2^-10 of the largest value of the token's slot covers it. Nearly
+    every value must be exact.
     """
+    want_h, spread = expected
     got_h, want_h = f64(got_h), f64(want_h)
     assert np.isfinite(got_h).all(), "h has unwritten (NaN) or non-finite values"
     step = 2.0 ** -3 if act_quant else 2.0 ** -7
     floor = 2.0 ** -10 * np.abs(want_h).max(-1, keepdims=True)
-    assert (np.abs(got_h - want_h) <= step * np.maximum(np.abs(want_h), np.abs(got_h)) + floor).all()
+    assert (np.abs(got_h - want_h) <= spread + step * np.maximum(np.abs(want_h), np.abs(got_h)) + floor).all()
     assert np.mean(got_h == want_h) > 0.99
 
 
@@ -201,3 +233,39 @@ def test_expand_option_equals_expand_of_the_output():
     got = ex.experts(x, idx, rw, gate, up, down, expand=(residual, post, comb))
     want = np.array(post)[..., None] * f64(y)[:, None, :] + np.einsum("tij,tid->tjd", np.array(comb), f64(residual))
     np.testing.assert_allclose(f64(got), want, rtol=2.0 ** -8, atol=1e-5)   # one bf16 rounding
+
+
+def test_the_hidden_bound_takes_g_one_bf16_step_off_and_refuses_more():
+    """check_hidden's spread: an h made from the reference's g with one element moved to the
+    neighbouring bf16 value (as a kernel's sum in another order can round it) passes, where a
+    bound of one bf16 step of h (plus the floor) alone refuses it: with the clamp at 0.3 the
+    largest h come from negative g, where SiLU's slope multiplies g's step (~3x at g = -4); the
+    same element a quarter off fails."""
+    rng = np.random.default_rng(7)
+    T, E, K, I, D, limit = 2, 4, 2, 64, 256, 0.3
+    gate, up = (quantized(rng, (E, I, D), "mxfp4", 4, 32) for _ in range(2))
+    x = mx.array((rng.standard_normal((T, D)) * 3).astype(np.float32)).astype(mx.bfloat16)
+    idx = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.5, 1.0, (T, K)).astype(np.float32))
+    expected = hidden_expected(x, idx, rw, gate, up, None, limit, False)
+    want, spread = expected
+    w = f64(want)
+    g, u = (bf16(f64(a)) for a in ex.gate_up_reference(x, idx, gate, up))
+    # the element where one step of g moves h furthest past one step of h and the floor
+    allowed = 2.0 ** -7 * np.abs(w) + 2.0 ** -10 * np.abs(w).max(-1, keepdims=True)
+    i = np.unravel_index(np.argmax(spread / allowed), g.shape)
+    assert g[i] < -1
+
+    def h_with(g_i):
+        moved = g.copy()
+        moved[i] = g_i
+        gm = mx.array(moved.astype(np.float32)).astype(mx.bfloat16)
+        um = mx.array(u.astype(np.float32)).astype(mx.bfloat16)
+        return (ex._swiglu(gm, um, limit) * rw.astype(mx.float32)[..., None]).astype(mx.bfloat16)
+
+    off_by_a_step = max((h_with(v) for v in bf16_neighbours(g[i])), key=lambda h: abs(f64(h)[i] - w[i]))
+    check_hidden(off_by_a_step, expected, False)
+    with pytest.raises(AssertionError):
+        check_hidden(off_by_a_step, (want, 0 * spread), False)
+    with pytest.raises(AssertionError):
+        check_hidden(h_with(g[i] * 1.25), expected, False)

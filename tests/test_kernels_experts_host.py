@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from dsv4.kernels import experts as ex
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_experts import check_down, check_hidden, quantized
+from tests.test_kernels_experts import check_down, check_hidden, hidden_expected, quantized
 from tests.test_kernels_matvec import EMULATOR
 
 BF16 = r"""
@@ -173,7 +173,7 @@ def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode
             + matrix_bytes(s_gate, gate, I, D) + matrix_bytes(s_up, gate, I, D))
     out = subprocess.run([str(gate_up)], input=data, capture_output=True, check=True).stdout
     h = from_bf16_bits(out, (tokens, K + hs, I))
-    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
 
     down_exe = build(tmp_path, "down", ex.DOWN_KERNEL, DOWN_MAIN,
                      dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0), down,

@@ -25,7 +25,7 @@ from dsv4.kernels import dialect
 from dsv4.kernels import experts as ex
 from dsv4.kernels import experts_mma
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_experts import check_down, check_hidden, quantized
+from tests.test_kernels_experts import check_down, check_hidden, hidden_expected, quantized
 from tests.test_kernels_experts_host import (BF16, DOWN_MAIN, GATE_UP_MAIN, bf16_bits, from_bf16_bits, layout,
                                              matrix_bytes)
 from tests.test_kernels_matvec import EMULATOR
@@ -119,7 +119,7 @@ def test_mma_gate_up_body_on_the_host(tmp_path, tokens, D, act_quant):
         assert experts_mma.supports(x, gate, shared[0], "cuda")
         assert not experts_mma.supports(x, gate, shared[0], "metal")
     h = run_body(tmp_path, "mma", x, idx, rw, gate, up, shared, 0.3 if act_quant else 8.0, act_quant)
-    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 0.3 if act_quant else 8.0, act_quant),
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3 if act_quant else 8.0, act_quant),
                  act_quant)
 
 
@@ -159,7 +159,7 @@ def test_a_wrong_fragment_layout_fails(tmp_path, mutation):
     x, idx, rw, gate, up, shared = problem(rng, 1, 64, 256)
     h = run_body(tmp_path, "mutant", x, idx, rw, gate, up, shared, 8.0, False, MUTATIONS[mutation])
     with pytest.raises(AssertionError):
-        check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 8.0, False), False)
+        check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 8.0, False), False)
 
 
 def test_the_switch_picks_the_mma_launch_on_cuda_only():

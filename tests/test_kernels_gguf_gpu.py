@@ -15,7 +15,7 @@ from dsv4 import flags
 from dsv4.kernels import experts as ex
 from dsv4.kernels import matvec as mv
 from dsv4.kernels import mhc
-from tests.test_kernels_experts import check_down, check_hidden
+from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
 from tests.test_kernels_gguf_host import gguf_matrix
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
@@ -61,7 +61,7 @@ def experts_against_their_stages(experts, tokens, act_quant):
     limit = 10.0
     assert ex.kernel_supports(x, gate, up, down, shared)
     h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant)
-    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
     y = ex.down_kernel(h, idx, down, shared[2])
     check_down(y, h, idx, down, shared[2])
 

@@ -21,7 +21,7 @@ from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
 from dsv4.testing import gguf_block_weight
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_experts import check_down, check_hidden
+from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_matvec import EMULATOR
 
@@ -206,7 +206,7 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
             + matrix_bytes(s_gate, gate, I) + matrix_bytes(s_up, gate, I))
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
     h = from_bf16_bits(out, (tokens, K + hs, I))
-    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared_m, limit, act_quant), act_quant)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared_m, limit, act_quant), act_quant)
 
     rows, lanes = ex.GGUF_DOWN_SHAPES[down.qtype]
     consts.update(MODE=mode(down), SMODE=mode(s_down or down))

@@ -17,7 +17,7 @@ from dsv4.kernels import experts as ex
 from dsv4.kernels import mhc
 from dsv4.kernels import sparse_attention as sa
 from dsv4.quant import qdq_fp8
-from tests.test_kernels_experts import check_down, check_hidden
+from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
@@ -334,7 +334,7 @@ def test_experts(mode, bits, gs, shared_mode, tokens, act_quant):
     s_down = shared[2] if shared is not None else None
     # Each launch against its reference stage on the same input (bounds: check_hidden, check_down).
     h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant)
-    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
     got = ex.down_kernel(h, idx, down, s_down)
     check_down(got, h, idx, down, s_down)
     # The whole (one call, two launches) is the composition of the two.
@@ -364,7 +364,7 @@ def test_tensor_core_gate_up(mode, shared_mode, I, D, tokens, act_quant):
         h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
         routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, act_quant,
                                           routing=(logits, bias, K, 1.0, 1.5, True))
-    check_hidden(h, ex.hidden_reference(x, idx, rw, gate, up, shared, 0.3, act_quant), act_quant)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, act_quant), act_quant)
     np.testing.assert_array_equal(np.array(ids), np.array(idx))
     np.testing.assert_array_equal(f32(routed_h), f32(h))
 

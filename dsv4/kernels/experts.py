@@ -133,25 +133,30 @@ def _matmul(a, m, idx=None):
     return mx.gather_qmm(a, m.weight, m.scales, m.biases, rhs_indices=idx, transpose=True, **m.kwargs())
 
 
+def gate_up_reference(x, indices, gate, up, shared=None, act_quant=False):
+    """The gate/up stage's matmuls: g and u [T, k (+1 for the shared expert, last), I] in fp32,
+    before any rounding of their own (x fp8-rounded per 32 values first with act_quant)."""
+    xin = qdq_fp8(x) if act_quant else x
+    xe = xin[:, None, None, :]
+    g, u = (_matmul(xe, m, indices)[:, :, 0] for m in (gate, up))   # [T, k, I]
+    if shared is None:
+        return g, u
+    s_g, s_u = (_matmul(xin, m)[:, None] for m in shared[:2])
+    return mx.concatenate([g, s_g], axis=1), mx.concatenate([u, s_u], axis=1)
+
+
 def hidden_reference(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0, act_quant=False):
     """The gate/up stage: h [T, k (+1 for the shared expert, last), I] in x's dtype, the
     clamped SwiGLU of the gate and up matmuls (each output rounded to x's dtype, as a bf16
-    linear layer's would be) times the router weight, fp8-rounded per 32 values with
-    act_quant (as is x before the matmuls)."""
+    linear layer's would be) times the router weight (1 for the shared expert), fp8-rounded
+    per 32 values with act_quant (as is x before the matmuls)."""
     dtype = x.dtype
-    xin = qdq_fp8(x) if act_quant else x
-
-    def hidden(g, u, route=1.0):
-        h = (_swiglu(g.astype(dtype), u.astype(dtype), swiglu_limit) * route).astype(dtype)
-        return qdq_fp8(h) if act_quant else h
-
-    xe = xin[:, None, None, :]
-    route = weights.astype(mx.float32)[..., None, None]
-    h = hidden(_matmul(xe, gate, indices), _matmul(xe, up, indices), route)[:, :, 0]   # [T, k, I]
-    if shared is None:
-        return h
-    s_gate, s_up = shared[:2]
-    return mx.concatenate([h, hidden(_matmul(xin, s_gate), _matmul(xin, s_up))[:, None]], axis=1)
+    g, u = gate_up_reference(x, indices, gate, up, shared, act_quant)
+    route = weights.astype(mx.float32)
+    if shared is not None:
+        route = mx.concatenate([route, mx.ones((route.shape[0], 1), mx.float32)], axis=1)
+    h = (_swiglu(g.astype(dtype), u.astype(dtype), swiglu_limit) * route[..., None]).astype(dtype)
+    return qdq_fp8(h) if act_quant else h
 
 
 def down_reference(h, indices, down, s_down=None):
