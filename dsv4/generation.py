@@ -22,6 +22,9 @@ from .sampling import Sampling, check_max_tokens, check_seed, make_sampler, opti
 from .step import decoder
 
 PREFILL_CHUNK = 512
+# Why a fresh process's warm-up or first token can take minutes (MLX compiles kernels at their
+# first evaluation; on CUDA dsv4's own come from the kernel cache after the first start).
+KERNELS_WHY = "a process's first steps build their kernels; later ones reuse them"
 
 
 @dataclass
@@ -109,7 +112,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], *, max_
     # first evaluates them: minutes for a first start on a CUDA machine). A long prompt's
     # prefill has its own line, so the wait is shown from its end; the decode loop queues the
     # first step before it hands out the first token.
-    waiting = Waiting("first token", "a process's first steps build their kernels; later ones reuse them")
+    waiting = Waiting("first token", KERNELS_WHY)
     try:
         if prefill_progress is None:
             waiting.start()
@@ -230,7 +233,8 @@ def warm_up(model) -> None:
     with cuda_cache.progress("warm-up"):
         logits = model(np.zeros((1, 1), np.int64), model.make_cache())
         cuda_cache.wait()
-        mx.eval(logits)
+        with Waiting("warm-up", KERNELS_WHY):   # MLX's own builds (dsv4's have their line)
+            mx.eval(logits)
     # and its token shared as generation shares it: the exchanges of a decode step, all of them
     # (a pipeline's ranks pass the token on; dsv4.distributed.ranks counts them here)
     mx.eval(model.shared_sampler(lambda x: mx.argmax(x, axis=-1))(logits[:, -1]))

@@ -65,13 +65,20 @@ class Waiting:
     """A line for a wait with no count of its own: nothing if `stop()` comes within `after_s`
     of `start()`; after that `what: 12 s (why)` redrawn each second by a thread (MLX lets go of
     the GIL while it evaluates), and `what: done in 41 s` at the stop. Both may be called more
-    than once; only the first of each counts."""
+    than once; only the first of each counts. As a context manager it spans the block."""
 
     def __init__(self, what: str, why: str, after_s: float = 10.0, enabled: bool = True):
         self.what, self.why, self.after_s, self.enabled = what, why, after_s, enabled
         self.started, self.shown = False, 0   # shown: the length of the last line drawn
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> "Waiting":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def start(self) -> None:
         if not self.enabled or self.started:

@@ -79,3 +79,15 @@ def test_a_failing_prefill_stops_the_line(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="prefill failed"):
         next(stream_generate(model, tok, [5, 6, 7], max_tokens=3))
     assert waiting_threads() == 0
+
+
+def test_a_slow_warm_up_shows_the_line(tiny, monkeypatch, capsys):
+    model, _ = tiny
+    monkeypatch.setattr(generation, "Waiting", partial(Waiting, after_s=0.05))
+    evaluate = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (time.sleep(0.3), evaluate(*a))[1])
+    generation.warm_up(model)
+    err = capsys.readouterr().err
+    assert f"\rwarm-up: 0 s ({generation.KERNELS_WHY})" in err
+    assert re.search(r"\rwarm-up: done in \d+ s +\n", err)
+    assert waiting_threads() == 0
