@@ -122,6 +122,7 @@ def main(argv=None) -> int:
         child(a.small, a.child)
         return 0
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
 
     when = datetime.now()
     lines = [f"# Cold start{' (toy widths)' if a.small else ''}: fresh processes to their first tokens", "",
@@ -151,11 +152,7 @@ def main(argv=None) -> int:
             lines += ["", f"Builds the first run with the kernel cache {cache} wrote (`custom_kernel_*`: dsv4's "
                       "when the cache is on; the others MLX's own):", ""] + written_table(written)
     lines += ["", to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-cold-start{'-count' if a.count else ''}{'-small' if a.small else ''}.md"
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"report: {out}", flush=True)
+    write_dated(a.out, when, f"cold-start{'-count' if a.count else ''}{'-small' if a.small else ''}", lines)
     return 0
 
 

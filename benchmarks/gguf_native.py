@@ -33,6 +33,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
 from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, max_diff, random_mx  # noqa: E402
+from benchmarks.report import write_dated  # noqa: E402
 from benchmarks.slice_decode import GGUF_EXPERTS, gguf_blocks_on_device  # noqa: E402
 from dsv4 import flags  # noqa: E402
 from dsv4.kernels import experts as ex  # noqa: E402
@@ -252,11 +253,7 @@ def main(argv=None) -> int:
             lines.append(f"\n{n}: the GGUF kernels take {by[n, 'affine gather_qmm'] / by[n, 'gguf kernels']:.2f}x "
                          f"the affine path's time.")
     lines += ["", hardware()]
-    a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{datetime.datetime.now():%Y-%m-%d-%H%M}-gguf-native.md"
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"report: {out}")
+    write_dated(a.out, datetime.datetime.now(), "gguf-native", lines)
     return 0
 
 

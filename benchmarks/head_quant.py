@@ -32,6 +32,7 @@ def logits(model, ids):
 
 def main(argv=None) -> int:
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
     from dsv4 import load
     from dsv4.loader import quantize_head
 
@@ -61,10 +62,7 @@ def main(argv=None) -> int:
              f"tokens; reference: the head as loaded ({head.weight.dtype}, {head.weight.nbytes / 1e6:.2f} MB).", "",
              "| mode | max rel error | RMS rel error | argmax agreement | head MB |", "|---|---|---|---|---|",
              *rows, "", to_markdown(describe())]
-    print("\n".join(lines[:8 + len(rows)]))
-    out = Path(__file__).parent / "results" / f"{when:%Y-%m-%d-%H%M}-head-quant.md"
-    out.write_text("\n".join(lines) + "\n")
-    print(f"report: {out}")
+    write_dated(Path(__file__).parent / "results", when, "head-quant", lines, shown=8 + len(rows))
     return 0
 
 

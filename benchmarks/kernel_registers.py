@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
     from dsv4.kernels import experts, matvec
     from tools.metal_syntax_check import nvrtc_paths
 
@@ -145,10 +146,7 @@ def main(argv=None) -> int:
             lines.append(f"| {what} | `{kernel.name}` | {r['registers']} | {r['spill']} | {r['smem']} | {r['seconds']:.1f} |")
             print(lines[-1], flush=True)
     lines += ["", to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-kernel-registers{'-gguf' if a.gguf else ''}.md"
-    out.write_text("\n".join(lines) + "\n")
-    print(f"report: {out}")
+    write_dated(a.out, when, f"kernel-registers{'-gguf' if a.gguf else ''}", lines, shown=0)   # rows printed as made
     return 0
 
 

@@ -138,6 +138,7 @@ def main(argv=None) -> int:
         profiled(a.profiled)
         return 0
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
 
     when = datetime.now()
     lines = ["# mHC at decode: per-token kernels vs the wide path (DSV4_KERNEL_MHC_WIDE)", "",
@@ -170,11 +171,7 @@ def main(argv=None) -> int:
         if a.ncu:
             notes += ncu_table(tokens)
     lines += [""] + notes + [to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{when:%Y-%m-%d-%H%M}-mhc-decode.md"
-    path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"report: {path}")
+    write_dated(a.out, when, "mhc-decode", lines)
     return 0
 
 

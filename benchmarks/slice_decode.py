@@ -20,7 +20,6 @@ toy widths (for the CPU).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -238,6 +237,7 @@ def main(argv=None) -> int:
     from benchmarks.graph_ops import count_graph, launches
     from dsv4 import profiler
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
     from benchmarks.roofline import copy_roofline
     from dsv4 import flags
 
@@ -324,13 +324,9 @@ def main(argv=None) -> int:
               "`benchmarks/roofline.py`)." if roof else "No CUDA torch: no copy roofline."), "",
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
              "tokens/s).", "", to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
     tag = "" if (a.experts, a.dense) == ("mxfp4", "mxfp8") else f"-{a.experts}-{a.dense}"
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-slice-decode{tag}{'-small' if a.small else ''}.md"
-    out.write_text("\n".join(lines) + "\n")
-    (out.with_suffix(".json")).write_text(json.dumps(results, indent=1))
-    print("\n".join(lines[:12 + len(rows)]))
-    print(f"report: {out}", flush=True)
+    out = write_dated(a.out, when, f"slice-decode{tag}{'-small' if a.small else ''}", lines, data=results,
+                      shown=12 + len(rows))
     if a.stage_profile:   # after the report is written: a profile cut short costs nothing else
         context = int(a.contexts.split(",")[0])
         with flags.override(fixed_decode="on", stage_profile=True):

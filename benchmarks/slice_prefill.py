@@ -20,7 +20,6 @@ position per prompt), norms, mHC and the other elementwise work.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -110,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
     from benchmarks.roofline import matmul_roofline
 
     config = {**(SMALL if a.small else REAL), **ROLES}
@@ -149,12 +149,7 @@ def main(argv=None) -> int:
              "plus attention and indexer, which grow with the context; see the script's help).", "",
              "| context | engine | seconds [min-max] | tokens/s | TFLOP/s | of the compute roofline |",
              "|---|---|---|---|---|---|", *rows, "", roof, "", to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-slice-prefill{'-small' if a.small else ''}.md"
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines[:8 + len(rows)]))
-    print(f"report: {out}", flush=True)
+    write_dated(a.out, when, f"slice-prefill{'-small' if a.small else ''}", lines, data=results, shown=8 + len(rows))
     return 0
 
 

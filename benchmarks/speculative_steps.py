@@ -35,7 +35,6 @@ checkpoint's own draft stages (`demo`: the bundled demo, whose stages are traine
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -232,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
 
     t0 = time.perf_counter()
     if a.model:
@@ -286,13 +286,8 @@ def main(argv=None) -> int:
                  "The slice has 7 of the 40 layers: on the full model the backbone's share of every step "
                  "grows about 40/7-fold while the propose stays the same, so the speedups here are lower "
                  "bounds for the same acceptance.", ""]), to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
     tag = "-demo" if a.model == "demo" else "-model" if a.model else "-small" if a.small else ""
-    out = a.out / f"{when:%Y-%m-%d-%H%M}-speculative-steps{tag}.md"
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"context": a.context, "ms": times}, indent=1))
-    print("\n".join(lines[:-1]))
-    print(f"report: {out}", flush=True)
+    write_dated(a.out, when, f"speculative-steps{tag}", lines, data={"context": a.context, "ms": times}, shown=-1)
     return 0
 
 

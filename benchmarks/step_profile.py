@@ -203,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
+    from benchmarks.report import write_dated
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build
     from dsv4 import flags
 
@@ -236,12 +237,8 @@ def main(argv=None) -> int:
         lines.append(f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}" for k in columns) + " |")
     lines += kernel_lines
     lines += ["", to_markdown(describe())]
-    a.out.mkdir(parents=True, exist_ok=True)
     tag = (f"-verify{a.verify}" if a.verify else "") + ("-small" if a.small else "")
-    path = a.out / f"{when:%Y-%m-%d-%H%M}-step-profile{tag}.md"
-    path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"report: {path}")
+    write_dated(a.out, when, f"step-profile{tag}", lines)
     return 0
 
 
