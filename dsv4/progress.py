@@ -69,9 +69,9 @@ class Waiting:
 
     def __init__(self, what: str, why: str, after_s: float = 10.0, enabled: bool = True):
         self.what, self.why, self.after_s, self.enabled = what, why, after_s, enabled
-        self.started, self.shown = False, 0   # shown: the length of the last line drawn
+        self.shown = 0   # the length of the last line drawn
         self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None   # set by the first start
 
     def __enter__(self) -> "Waiting":
         self.start()
@@ -81,9 +81,9 @@ class Waiting:
         self.stop()
 
     def start(self) -> None:
-        if not self.enabled or self.started:
+        if not self.enabled or self.thread is not None:
             return
-        self.started, self.start_time = True, time.monotonic()
+        self.start_time = time.monotonic()
         self.thread = threading.Thread(target=self._beat, name="waiting", daemon=True)
         self.thread.start()
 
