@@ -153,6 +153,15 @@ def nvrtc_paths() -> tuple[Path, list[Path]] | None:
     return libs[0], [found["cuda_cccl"] / "include", found["cuda_runtime"] / "include"]
 
 
+def required_nvrtc_paths() -> tuple[Path, list[Path]]:
+    """nvrtc_paths for a tool that cannot run without NVRTC: else one error line, exit status 2."""
+    paths = nvrtc_paths()
+    if paths is None:
+        print("error: NVRTC is not installed (pip install -e '.[test]' installs it)", file=sys.stderr)
+        raise SystemExit(2)
+    return paths
+
+
 def nvrtc_compile(source: tuple[str, str], paths: tuple[Path, list[Path]]) -> str | None:
     """Compile one instantiation for sm_90a as MLX's CUDA backend does on the H200 (the kernel
     cache's own build, nvrtc.build): None if it compiles, else the log."""

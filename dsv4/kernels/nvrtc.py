@@ -3,8 +3,9 @@
 Standard library only, so that a child runs this file by its path without importing MLX or
 dsv4. Builds run in children because NVRTC's threads in one process serialize much of their
 work: on the H200's 16 cores, 26 kernels built on 16 threads took 191 s of build time for
-~160 s of wall time, about what one after another takes; on two cores, four builds took 3.6 s
-on two threads against 2.4 s in two processes and 4.7 s one after another.
+~160 s of wall time, about what one after another takes; on two cores, four builds took 3.3 s
+on two threads against 2.5 s in two processes and 4.5 s one after another
+(benchmarks/nvrtc_builds.py, benchmarks/results/2026-12-03-1949-nvrtc-builds.md).
 """
 
 from __future__ import annotations
