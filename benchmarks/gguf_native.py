@@ -93,6 +93,11 @@ def expert_bytes(m) -> float:
 VARIANTS = {"blocks": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False),
             "Q8_0 pairs": dict(kernel_gguf_q8_pairs=True, kernel_gguf_wide=False),
             "wide": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=True)}
+# The experts' further variants, on the wide units: codes as fp16 subnormals, and IQ2_XXS's grid
+# in threadgroup memory (the dense Q8_0 matvec has neither).
+EXPERT_VARIANTS = dict(VARIANTS, **{
+    "halves": dict(VARIANTS["wide"], kernel_gguf_halves=True, kernel_gguf_grid_shared=False),
+    "halves + grid shared": dict(VARIANTS["wide"], kernel_gguf_halves=True, kernel_gguf_grid_shared=True)})
 
 
 def under(switches: dict, fn):
@@ -106,7 +111,7 @@ def decode_rows(name, weights, tokens_list):
     """(recipe, variant, tokens, seconds, bytes, gate/up cell, down cell) per variant and token
     count; the variants (VARIANTS, or the mx kernels alone for mxfp4) interleaved in one run."""
     gate, up, down, shared = weights
-    variants = {"mx": {}} if name == "mxfp4" else VARIANTS
+    variants = {"mx": {}} if name == "mxfp4" else EXPERT_VARIANTS
     rows = []
     for tokens in tokens_list:
         x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)
@@ -221,7 +226,9 @@ def main(argv=None) -> int:
              "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
              "GGUF variants interleaved in one run: blocks (the units as they were), Q8_0 pairs "
              "(DSV4_KERNEL_GGUF_Q8_PAIRS), wide (DSV4_KERNEL_GGUF_WIDE: 16-byte loads for Q8_0, IQ2_XXS, "
-             "Q2_K). 'same' = the output equals the first variant's bit for bit.", "",
+             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units) and "
+             "+ grid shared (DSV4_KERNEL_GGUF_GRID_SHARED: IQ2_XXS's grid in threadgroup memory). 'same' = "
+             "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",
              "|---|---|---|---|---|---|---|---|---|"]

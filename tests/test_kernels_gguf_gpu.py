@@ -45,10 +45,13 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide", [False, True, "halves", "staged"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
-    """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE)."""
-    with flags.override(kernel_gguf_wide=wide):
+    """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
+    subnormals (DSV4_KERNEL_GGUF_HALVES); "staged": IQ2_XXS's grid in threadgroup memory too
+    (DSV4_KERNEL_GGUF_GRID_SHARED)."""
+    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "staged"),
+                        kernel_gguf_grid_shared=wide == "staged"):
         experts_against_their_stages(experts, tokens, act_quant)
 
 
@@ -94,15 +97,18 @@ def test_gguf_routed_experts_with_expand(experts, tokens):
                                        ("Q8_0 pairs", 32768, 1280), ("Q8_0 pairs", 5120, 8192),
                                        ("Q8_0 wide", 1280, 5120), ("Q8_0 wide", 32768, 1280),
                                        ("Q8_0 wide", 5120, 8192), ("Q2_K wide", 512, 5120),
-                                       ("Q2_K wide", 5120, 2304), ("IQ2_XXS wide", 2304, 5120)])
+                                       ("Q2_K wide", 5120, 2304), ("IQ2_XXS wide", 2304, 5120),
+                                       ("IQ2_XXS halves", 2304, 5120), ("Q2_K halves", 5120, 2304),
+                                       ("Q4_K halves", 1280, 5120)])
 @pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_gguf_matvec(qtype, n, k, tokens):
     """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); 'wide': 16-byte
-    loads (DSV4_KERNEL_GGUF_WIDE)."""
+    loads (DSV4_KERNEL_GGUF_WIDE); 'halves': codes as fp16 subnormals (DSV4_KERNEL_GGUF_HALVES)."""
     q = gguf_matrix(RNG, (n, k), qtype.split()[0])
     x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
     assert mv.kernel_supports(x, q)
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith("wide")):
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves")),
+                        kernel_gguf_halves=qtype.endswith("halves")):
         got = f32(mv.quantized_matvec(x, q, True))
     want = f32(mv.matvec_reference(x, q, True))
     # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation

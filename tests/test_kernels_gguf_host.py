@@ -66,13 +66,13 @@ inline uint4 checked_u4(const void* p, size_t i) {
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = r"""
-inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 the wide units)
-  return qtype == 10 || qtype == 14 || qtype == 20 ? n_in / 32 * 34 : qtype == 11 ? n_in / 256 * 144
-       : qtype == 12 || qtype == 22 ? n_in / 256 * 84 : n_in / 256 * 66;
+inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 24-27 halves)
+  return qtype == 10 || qtype == 14 || qtype == 20 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
+       : qtype == 12 || qtype == 22 || qtype == 26 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
-  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 ? 544 : 8), bias(8) {
+  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 || qtype == 25 ? 544 : 8), bias(8) {
     read(w); read(tables); read(bias);
     weight_buffers.emplace_back(w.data(), w.data() + w.size());
   }
@@ -174,11 +174,15 @@ def mode(m: GGUFMatrix) -> int:
 ])
 @pytest.mark.parametrize("tokens,act_quant,pairs,wide", [(1, True, False, False), (2, False, False, False),
                                                           (2, True, True, False), (1, True, False, True),
-                                                          (2, False, True, True)])
+                                                          (2, False, True, True), (1, True, False, "halves"),
+                                                          (2, True, False, "staged")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
-    16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence)."""
-    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=wide):
+    16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
+    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES), "staged": IQ2_XXS's grid read from threadgroup
+    memory in the gate/up launch too (DSV4_KERNEL_GGUF_GRID_SHARED)."""
+    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide),
+                        kernel_gguf_halves=wide in ("halves", "staged"), kernel_gguf_grid_shared=wide == "staged"):
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
@@ -232,10 +236,14 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     ("Q2_K wide", 45, 2304),      # rows of 756 bytes (V4.1's down): rows start at each 4-byte phase
     ("IQ2_XXS wide", 64, 768),
     ("IQ2_XXS wide", 33, 256),    # rows of one block: 66 bytes, every 2-byte phase
+    ("Q2_K halves", 45, 2304),
+    ("Q4_K halves", 37, 1024),
+    ("IQ2_XXS halves", 33, 256),
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith("wide")):
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves")),
+                        kernel_gguf_halves=qtype.endswith("halves")):
         matvec_body(tmp_path, rng, gguf_matrix(rng, (n, k), qtype.split()[0]), n, k)
 
 
@@ -273,17 +281,17 @@ def iq2_xxs_every_entry(rng, rows: int) -> GGUFMatrix:
     return GGUFMatrix(mx.array(blocks.reshape(rows, 8 * 66)), "IQ2_XXS")
 
 
-@pytest.mark.parametrize("wide", [False, True])
-def test_iq2_xxs_every_grid_entry_and_sign_pattern(tmp_path, wide):
-    """Both IQ2_XXS units (the wide one computes its signs) over every grid entry and sign
-    pattern, against the float64 product of gguf_blocks' decoding; that decoding against
-    gguf-py's on the same blocks."""
+@pytest.mark.parametrize("wide,halves,unit", [(False, False, 13), (True, False, 23), (True, True, 24)])
+def test_iq2_xxs_every_grid_entry_and_sign_pattern(tmp_path, wide, halves, unit):
+    """The IQ2_XXS units (the wide ones compute their signs; unit 24 makes signed fp16 pairs)
+    over every grid entry and sign pattern, against the float64 product of gguf_blocks'
+    decoding; that decoding against gguf-py's on the same blocks."""
     from gguf.quants import dequantize as gguf_dequantize
     from gguf.constants import GGMLQuantizationType
     rng = np.random.default_rng()
     q = iq2_xxs_every_entry(rng, 4)
     want = gguf_dequantize(np.array(q.weight), GGMLQuantizationType.IQ2_XXS)
     np.testing.assert_array_equal(np.array(q.dequantized()), want)
-    with flags.override(kernel_gguf_wide=wide):
-        assert mode(q) == (23 if wide else 13)
+    with flags.override(kernel_gguf_wide=wide, kernel_gguf_halves=halves):
+        assert mode(q) == unit
         matvec_body(tmp_path, rng, q, 4, 2048)

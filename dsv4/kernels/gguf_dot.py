@@ -41,6 +41,12 @@ GGUF_MODE_IDS = {"Q8_0": 10, "Q4_K": 11, "Q2_K": 12, "IQ2_XXS": 13}
 Q8_0_PAIRS = 14   # the mode id of Q8_0 read two blocks at a time
 # The mode ids of the wide units (DSV4_KERNEL_GGUF_WIDE); Q4_K's unit is wide already.
 WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
+# The units whose codes become fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K on the
+# wide units' loads, Q4_K's unit is wide already), and IQ2_XXS's whose grid the fused experts'
+# gate/up launch copies to threadgroup memory (DSV4_KERNEL_GGUF_GRID_SHARED; other launches read
+# it from the tables input).
+HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
+IQ2_HALVES_STAGED = 25
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -53,6 +59,9 @@ KFN float2 ints2(uint32_t w, float offset) {
   const float2 f = half2_bits_to_float2(w | 0x64006400u);
   return {f.x - (1024.0f + offset), f.y - (1024.0f + offset)};
 }
+// The same integers (each < 1024, no offset) times 2^-24, exactly: fp16 subnormals' bits (the
+// halves units, DSV4_KERNEL_GGUF_HALVES, whose scales carry the 2^24): no subtraction.
+KFN float2 small_ints2(uint32_t w) { return half2_bits_to_float2(w); }
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
 // sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7].
@@ -260,6 +269,67 @@ template <> struct GgufUnit<23> {
   }
 };
 
+// IQ2_XXS's grid entry g: 8 bytes from the tables input (512 words), or from a threadgroup copy
+// of the 256 entries (GridStage).
+template <typename PT> KFN uint2 grid_entry(PT staged, uint32_t g) { return staged[g]; }
+KFN uint2 grid_entry(GLOBAL uint32_t* tables, uint32_t g) { return ((GLOBAL uint2*)tables)[g]; }
+
+// IQ2_XXS with the wide unit's loads. A grid byte g (< 64) and its sign become the fp16 subnormal
+// +-g 2^-24 (sign in bit 15, no exponent bits), so one conversion makes two signed weights,
+// exactly, where the wide unit flips x's sign bit per value; db carries the 2^24. n * 0x00204081
+// puts bit k of a 4-bit n at bit 8k (the four shifted copies do not overlap).
+template <> struct GgufUnit<24> : GgufUnit<23> {
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    GgufUnit<23>::load(base, row_off, u);
+    db *= 16777216.0f;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
+    const uint32_t signs = si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
+    const uint2 entry = grid_entry(tables, g);
+    const uint32_t e[2] = {entry.x, entry.y};
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t neg = (((signs >> (4 * j)) & 15u) * 0x00204081u) & 0x01010101u;   // value k's sign at bit 8k
+      const float2 a = half2_bits_to_float2((e[j] & 0x00ff00ffu) | ((neg << 15) & 0x80008000u));          // values 0, 2
+      const float2 b = half2_bits_to_float2(((e[j] >> 8) & 0x00ff00ffu) | ((neg << 7) & 0x80008000u));    // values 1, 3
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
+    return db * s;
+  }
+};
+template <> struct GgufUnit<25> : GgufUnit<24> {};
+
+// Where the fused gate/up launch's routed rows read IQ2_XXS's grid: the tables input, or with
+// mode 25 the copy of its 256 entries the launch made in threadgroup memory beside x's.
+template <int MODE> struct GridStage {
+  static constexpr bool STAGED = false;
+  template <typename PG, typename PS> static KFN PG pick(PG tables, PS staged) { return tables; }
+};
+template <> struct GridStage<25> {
+  static constexpr bool STAGED = true;
+  template <typename PG, typename PS> static KFN PS pick(PG tables, PS staged) { return staged; }
+};
+
+// Q4_K with its nibbles as fp16 subnormals (small_ints2); its sub-block scales carry the 2^24.
+template <> struct GgufUnit<27> : GgufUnit<11> {
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    GgufUnit<11>::load(base, row_off, u);
+    scale[0] *= 16777216.0f;
+    scale[1] *= 16777216.0f;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const int h = c / 4, k8 = c % 4, shift = 4 * h;
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = q[2 * k8 + j] >> shift;
+      const float2 a = small_ints2(u & 0x000f000fu), b = small_ints2((u >> 8) & 0x000f000fu);
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
+    return scale[h] * s - low[h] * x_sum;
+  }
+};
+
 template <> struct GgufUnit<22> : GgufUnit<12> {   // Q2_K: a half's 32 code bytes in 3 16-byte loads, not 8 u32
   template <typename P> KFN void load(P base, size_t row_off, int u) {
     const size_t b = row_off + 84 * (size_t)(u / 2);
@@ -270,6 +340,26 @@ template <> struct GgufUnit<22> : GgufUnit<12> {   // Q2_K: a half's 32 code byt
     const uint32_t dd = u32_at(base + b, 20);
     d = f16_bits(dd & 0xffffu);
     dmin = f16_bits(dd >> 16);
+  }
+};
+
+// Q2_K on the wide unit's loads, its 2-bit codes as fp16 subnormals (small_ints2); d carries the 2^24.
+template <> struct GgufUnit<26> : GgufUnit<22> {
+  template <typename P> KFN void load(P base, size_t row_off, int u) {
+    GgufUnit<22>::load(base, row_off, u);
+    d *= 16777216.0f;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    const int plane = c / 4, k8 = c % 4;
+    const int sub = 2 * plane + k8 / 2;
+    const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
+    float s = 0.0f;
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = q[2 * k8 + j] >> (2 * plane);
+      const float2 a = small_ints2(u & 0x00030003u), b = small_ints2((u >> 8) & 0x00030003u);
+      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    }
+    return d * (float)(s8 & 15u) * s - dmin * (float)(s8 >> 4) * x_sum;
   }
 };
 
@@ -340,12 +430,21 @@ class GGUFMatrix:
         return self.qtype in WIDE_MODE_IDS and flags.switch("kernel_gguf_wide", backend() == "cuda")
 
     @property
+    def halves(self) -> bool:
+        """Codes made fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K with the wide units)."""
+        return (self.qtype in HALVES_MODE_IDS and bool(flags.get("kernel_gguf_halves"))
+                and (self.wide or self.qtype not in WIDE_MODE_IDS))
+
+    @property
     def block_values(self) -> int:
         """Values of the unit a kernel's work split must keep whole: a block, or a pair."""
         return 64 if self.paired and not self.wide else gguf_blocks.BLOCK_WEIGHTS[self.qtype]
 
     def template(self, prefix: str = "") -> list:
-        if self.wide:
+        if self.halves:
+            staged = self.qtype == "IQ2_XXS" and flags.get("kernel_gguf_grid_shared")
+            mode = IQ2_HALVES_STAGED if staged else HALVES_MODE_IDS[self.qtype]
+        elif self.wide:
             mode = WIDE_MODE_IDS[self.qtype]
         else:
             mode = Q8_0_PAIRS if self.paired else GGUF_MODE_IDS[self.qtype]
