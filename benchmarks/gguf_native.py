@@ -90,14 +90,11 @@ def expert_bytes(m) -> float:
 
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
-VARIANTS = {"blocks": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False),
-            "Q8_0 pairs": dict(kernel_gguf_q8_pairs=True, kernel_gguf_wide=False),
-            "wide": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=True)}
-# The experts' further variants, on the wide units: codes as fp16 subnormals, and IQ2_XXS's grid
-# in threadgroup memory (the dense Q8_0 matvec has neither).
-EXPERT_VARIANTS = dict(VARIANTS, **{
-    "halves": dict(VARIANTS["wide"], kernel_gguf_halves=True, kernel_gguf_grid_shared=False),
-    "halves + grid shared": dict(VARIANTS["wide"], kernel_gguf_halves=True, kernel_gguf_grid_shared=True)})
+VARIANTS = {"blocks": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False),
+            "Q8_0 pairs": dict(kernel_gguf_q8_pairs=True, kernel_gguf_wide=False, kernel_gguf_halves=False),
+            "wide": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=True, kernel_gguf_halves=False)}
+# The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none).
+EXPERT_VARIANTS = dict(VARIANTS, halves=dict(VARIANTS["wide"], kernel_gguf_halves=True))
 
 
 def under(switches: dict, fn):
@@ -226,8 +223,7 @@ def main(argv=None) -> int:
              "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
              "GGUF variants interleaved in one run: blocks (the units as they were), Q8_0 pairs "
              "(DSV4_KERNEL_GGUF_Q8_PAIRS), wide (DSV4_KERNEL_GGUF_WIDE: 16-byte loads for Q8_0, IQ2_XXS, "
-             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units) and "
-             "+ grid shared (DSV4_KERNEL_GGUF_GRID_SHARED: IQ2_XXS's grid in threadgroup memory). 'same' = "
+             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

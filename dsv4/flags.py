@@ -322,17 +322,16 @@ define("kernel_gguf_wide", "auto",
        "the fused experts at one token 199 vs 219 us (q2) and 201 vs 222 us (q4), bit-identical "
        "(benchmarks/results/2026-12-03-1318-gguf-native.md); off on Metal until a Mac measures it; "
        "on, off. Takes precedence over DSV4_KERNEL_GGUF_Q8_PAIRS", choices=AUTO_ON_OFF)
-define("kernel_gguf_halves", False,
+define("kernel_gguf_halves", "auto",
        "GPU kernels over GGUF rows make the codes fp16 subnormals, their scales carrying the 2^24 "
        "(dsv4/kernels/gguf_dot.py): IQ2_XXS's grid byte and its sign one half, two signed weights a "
        "conversion, where the wide unit flips x's sign per value; Q2_K's and Q4_K's codes without the "
        "1024 offset and its subtraction. The same products and sums, so the same outputs; IQ2_XXS and "
-       "Q2_K on the wide units' loads (DSV4_KERNEL_GGUF_WIDE). Off (default) until the H200 measures "
-       "it (benchmarks/gguf_native.py)")
-define("kernel_gguf_grid_shared", False,
-       "with DSV4_KERNEL_GGUF_HALVES: the fused experts' gate/up launch copies IQ2_XXS's grid (2 KB) "
-       "to threadgroup memory beside x and reads it there, not through the L1 cache from the "
-       "tables input; the same values. Off (default) until the H200 measures it")
+       "Q2_K on the wide units' loads (DSV4_KERNEL_GGUF_WIDE). auto (default): on CUDA, where the H200 "
+       "measured the fused experts 216 vs 231 us (q2) and 206 vs 214 (q4) at one token, 751 vs 821 and "
+       "835 vs 864 at eight, bit-identical, and the q2 slice 2.82 vs 2.99 ms/token "
+       "(benchmarks/results/2026-12-03-2111-gguf-native.md); off on Metal until a Mac measures it; on, off",
+       choices=AUTO_ON_OFF)
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "

@@ -45,13 +45,11 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True, "halves", "staged"])
+@pytest.mark.parametrize("wide", [False, True, "halves"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
-    subnormals (DSV4_KERNEL_GGUF_HALVES); "staged": IQ2_XXS's grid in threadgroup memory too
-    (DSV4_KERNEL_GGUF_GRID_SHARED)."""
-    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "staged"),
-                        kernel_gguf_grid_shared=wide == "staged"):
+    subnormals (DSV4_KERNEL_GGUF_HALVES)."""
+    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide == "halves"):
         experts_against_their_stages(experts, tokens, act_quant)
 
 

@@ -72,7 +72,7 @@ inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
-  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 || qtype == 25 ? 544 : 8), bias(8) {
+  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 ? 544 : 8), bias(8) {
     read(w); read(tables); read(bias);
     weight_buffers.emplace_back(w.data(), w.data() + w.size());
   }
@@ -175,14 +175,12 @@ def mode(m: GGUFMatrix) -> int:
 @pytest.mark.parametrize("tokens,act_quant,pairs,wide", [(1, True, False, False), (2, False, False, False),
                                                           (2, True, True, False), (1, True, False, True),
                                                           (2, False, True, True), (1, True, False, "halves"),
-                                                          (2, True, False, "staged")])
+                                                          (2, True, False, "halves")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
-    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES), "staged": IQ2_XXS's grid read from threadgroup
-    memory in the gate/up launch too (DSV4_KERNEL_GGUF_GRID_SHARED)."""
-    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide),
-                        kernel_gguf_halves=wide in ("halves", "staged"), kernel_gguf_grid_shared=wide == "staged"):
+    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES)."""
+    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide == "halves"):
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 

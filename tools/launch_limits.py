@@ -39,7 +39,7 @@ from dsv4.kernels.dialect import Kernel, compact  # noqa: E402
 
 TOKENS = range(1, 9)
 CONTEXT = 65536          # decode position: the compressed rows a layer attends over
-_ELEMENT_BYTES = {"float": 4, "int": 4, "uint": 4, "uint32_t": 4, "int32_t": 4, "float2": 8, "uint2": 8,
+_ELEMENT_BYTES = {"float": 4, "int": 4, "uint": 4, "uint32_t": 4, "int32_t": 4, "float2": 8,
                   "uint4": 16, "float4": 16, "half": 2, "bfloat16_t": 2, "uint16_t": 2, "uint8_t": 1, "bool": 1}
 _ARRAY = re.compile(r"\bSHARED(_ATOMIC_U32|\s+\w+)\s+(\w+)((?:\s*\[[^\]]+\])+)\s*;")
 _CONSTEXPR = re.compile(r"\bconstexpr\s+int\s+(\w+)\s*=\s*([^;]+);")

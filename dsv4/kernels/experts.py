@@ -393,12 +393,11 @@ _GATE_UP_BODY = r"""
     if (ACTQ) qdq_fp8_32(v);
     store_x_pack<XS>(xs, p, v);
   }
-  STAGE_TABLES
   BARRIER();
   SELECT_EXPERT
   float g[ROWS], u[ROWS];
   if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, LANES, D, XS, true>(xs, gate_w, GATE_TABLES, gate_b, up_w, UP_TABLES, up_b,
+    rows_dot<MODE, BITS, GS, ROWS, LANES, D, XS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
                                                        (size_t)expert * I, row0, I, g, u, lane);
   } else {
     rows_dot<SMODE, SBITS, SGS, ROWS, LANES, D, XS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
@@ -489,22 +488,9 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
 
 
-# Where the routed rows' scales (GGUF: tables) come from: the inputs; or for GGUF blocks, through
-# gguf_dot.GridStage, which gives unit 25 (DSV4_KERNEL_GGUF_GRID_SHARED) a threadgroup copy of
-# IQ2_XXS's grid made beside x's.
-_INPUT_TABLES = {"STAGE_TABLES": "", "GATE_TABLES": "gate_s", "UP_TABLES": "up_s"}
-_STAGED_TABLES = {"STAGE_TABLES": r"""
-  SHARED uint2 grid_tg[256];
-  if (GridStage<MODE>::STAGED)
-    for (int i = (int)tid; i < 256; i += (int)group_threads) grid_tg[i] = ((GLOBAL uint2*)gate_s)[i];""",
-                  "GATE_TABLES": "GridStage<MODE>::pick(gate_s, grid_tg)",
-                  "UP_TABLES": "GridStage<MODE>::pick(up_s, grid_tg)"}
-
-
 def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY) -> str:
-    """body with each placeholder line `  NAME` (or inline NAME) replaced by parts[NAME]."""
     for name, code in parts.items():
-        body = body.replace(f"  {name}\n", code.lstrip("\n") + "\n" if code else "").replace(name, code)
+        body = body.replace(f"  {name}\n", code.lstrip("\n") + "\n")
     return body
 
 
@@ -551,10 +537,10 @@ def _check_instances(stage):
 
 
 GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up", input_names=_GATE_UP_INPUTS,
-                        output_names=("h",), body=_gate_up_body(dict(_GIVEN, **_INPUT_TABLES)), header=_HEADER,
+                        output_names=("h",), body=_gate_up_body(_GIVEN), header=_HEADER,
                         checks=_check_instances("gate_up"))
 ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up", input_names=_ROUTED_GATE_UP_INPUTS,
-                               output_names=("h", "ids"), body=_gate_up_body(dict(_ROUTED, **_INPUT_TABLES)),
+                               output_names=("h", "ids"), body=_gate_up_body(_ROUTED),
                                header=_HEADER + ROUTER_HEADER, checks=_check_instances("routed_gate_up"))
 DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_names=("y",),
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
@@ -597,14 +583,13 @@ _GGUF_HEADER = X_HEADER + gguf_dot.HEADER
 def _gguf_checks(stage):
     """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's
     widths; then the q2 recipe's (and the mix's) in the wide units (DSV4_KERNEL_GGUF_WIDE), and
-    the recipes' units with fp16-subnormal codes (DSV4_KERNEL_GGUF_HALVES), IQ2_XXS's grid staged or not."""
+    the recipes' units with fp16-subnormal codes (DSV4_KERNEL_GGUF_HALVES)."""
     out = []
     narrow, wide = gguf_dot.GGUF_MODE_IDS, dict(gguf_dot.GGUF_MODE_IDS, **gguf_dot.WIDE_MODE_IDS)
     halves = dict(wide, **gguf_dot.HALVES_MODE_IDS)
-    staged = dict(halves, IQ2_XXS=gguf_dot.IQ2_HALVES_STAGED)
     for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
                                 ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide), ("IQ2_XXS", "Q8_0", halves),
-                                ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", staged)):
+                                ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves)):
         tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),
                 ("SMODE", ids[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         mats = (mx.uint8, mx.uint32, mx.uint32) * 4
@@ -627,10 +612,10 @@ def _gguf_checks(stage):
 
 
 GGUF_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf", input_names=_GATE_UP_INPUTS,
-                             output_names=("h",), body=_gate_up_body(dict(_GIVEN, **_STAGED_TABLES)), header=_GGUF_HEADER,
+                             output_names=("h",), body=_gate_up_body(_GIVEN), header=_GGUF_HEADER,
                              checks=_gguf_checks("gate_up"))
 GGUF_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf", input_names=_ROUTED_GATE_UP_INPUTS,
-                                    output_names=("h", "ids"), body=_gate_up_body(dict(_ROUTED, **_STAGED_TABLES)),
+                                    output_names=("h", "ids"), body=_gate_up_body(_ROUTED),
                                     header=_GGUF_HEADER + ROUTER_HEADER, checks=_gguf_checks("routed_gate_up"))
 GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUTS, output_names=("y",),
                           body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
@@ -665,8 +650,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     # per expert are a decode's), where MLX's packs take gather_qmm beyond a decode's tokens.
     if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
-    staged_grid = 8 * 256 if gguf(gate) else 0   # gguf_dot.GridStage's copy
-    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 + staged_grid > shared_memory_limit(backend()):   # x's copy + block_h
+    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
         return False
     if not all(matrix_supported(m) for m in mats):
         return False

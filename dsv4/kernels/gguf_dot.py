@@ -42,11 +42,8 @@ Q8_0_PAIRS = 14   # the mode id of Q8_0 read two blocks at a time
 # The mode ids of the wide units (DSV4_KERNEL_GGUF_WIDE); Q4_K's unit is wide already.
 WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 # The units whose codes become fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K on the
-# wide units' loads, Q4_K's unit is wide already), and IQ2_XXS's whose grid the fused experts'
-# gate/up launch copies to threadgroup memory (DSV4_KERNEL_GGUF_GRID_SHARED; other launches read
-# it from the tables input).
+# wide units' loads, Q4_K's unit is wide already).
 HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
-IQ2_HALVES_STAGED = 25
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -269,11 +266,6 @@ template <> struct GgufUnit<23> {
   }
 };
 
-// IQ2_XXS's grid entry g: 8 bytes from the tables input (512 words), or from a threadgroup copy
-// of the 256 entries (GridStage).
-template <typename PT> KFN uint2 grid_entry(PT staged, uint32_t g) { return staged[g]; }
-KFN uint2 grid_entry(GLOBAL uint32_t* tables, uint32_t g) { return ((GLOBAL uint2*)tables)[g]; }
-
 // IQ2_XXS with the wide unit's loads. A grid byte g (< 64) and its sign become the fp16 subnormal
 // +-g 2^-24 (sign in bit 15, no exponent bits), so one conversion makes two signed weights,
 // exactly, where the wide unit flips x's sign bit per value; db carries the 2^24. n * 0x00204081
@@ -286,7 +278,7 @@ template <> struct GgufUnit<24> : GgufUnit<23> {
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
     const uint32_t signs = si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
-    const uint2 entry = grid_entry(tables, g);
+    const uint2 entry = ((GLOBAL uint2*)tables)[g];
     const uint32_t e[2] = {entry.x, entry.y};
     float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
@@ -298,19 +290,6 @@ template <> struct GgufUnit<24> : GgufUnit<23> {
     return db * s;
   }
 };
-template <> struct GgufUnit<25> : GgufUnit<24> {};
-
-// Where the fused gate/up launch's routed rows read IQ2_XXS's grid: the tables input, or with
-// mode 25 the copy of its 256 entries the launch made in threadgroup memory beside x's.
-template <int MODE> struct GridStage {
-  static constexpr bool STAGED = false;
-  template <typename PG, typename PS> static KFN PG pick(PG tables, PS staged) { return tables; }
-};
-template <> struct GridStage<25> {
-  static constexpr bool STAGED = true;
-  template <typename PG, typename PS> static KFN PS pick(PG tables, PS staged) { return staged; }
-};
-
 // Q4_K with its nibbles as fp16 subnormals (small_ints2); its sub-block scales carry the 2^24.
 template <> struct GgufUnit<27> : GgufUnit<11> {
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -432,7 +411,7 @@ class GGUFMatrix:
     @property
     def halves(self) -> bool:
         """Codes made fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K with the wide units)."""
-        return (self.qtype in HALVES_MODE_IDS and bool(flags.get("kernel_gguf_halves"))
+        return (self.qtype in HALVES_MODE_IDS and flags.switch("kernel_gguf_halves", backend() == "cuda")
                 and (self.wide or self.qtype not in WIDE_MODE_IDS))
 
     @property
@@ -442,8 +421,7 @@ class GGUFMatrix:
 
     def template(self, prefix: str = "") -> list:
         if self.halves:
-            staged = self.qtype == "IQ2_XXS" and flags.get("kernel_gguf_grid_shared")
-            mode = IQ2_HALVES_STAGED if staged else HALVES_MODE_IDS[self.qtype]
+            mode = HALVES_MODE_IDS[self.qtype]
         elif self.wide:
             mode = WIDE_MODE_IDS[self.qtype]
         else:
