@@ -56,9 +56,10 @@ KFN float2 ints2(uint32_t w, float offset) {
   const float2 f = half2_bits_to_float2(w | 0x64006400u);
   return {f.x - (1024.0f + offset), f.y - (1024.0f + offset)};
 }
-// The same integers (each < 1024, no offset) times 2^-24, exactly: fp16 subnormals' bits (the
-// halves units, DSV4_KERNEL_GGUF_HALVES, whose scales carry the 2^24): no subtraction.
-KFN float2 small_ints2(uint32_t w) { return half2_bits_to_float2(w); }
+// The codes (each < 1024) at bits 0 and 16 of `w` as exact floats: ints2, or with SMALL the same
+// times 2^-24 as fp16 subnormals' bits, no subtraction (the halves units, DSV4_KERNEL_GGUF_HALVES,
+// whose scales carry the 2^24).
+template <bool SMALL> KFN float2 codes2(uint32_t w) { return SMALL ? half2_bits_to_float2(w) : ints2(w, 0.0f); }
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
 // sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7].
@@ -183,15 +184,18 @@ template <> struct GgufUnit<11> {   // Q4_K
     }
     q[0] = lo.x; q[1] = lo.y; q[2] = lo.z; q[3] = lo.w; q[4] = hi.x; q[5] = hi.y; q[6] = hi.z; q[7] = hi.w;
   }
-  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+  template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
     const int h = c / 4, k8 = c % 4, shift = 4 * h;   // chunk c: bytes 8 k8.. of the 32, nibble h
     float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const uint32_t u = q[2 * k8 + j] >> shift;
-      const float2 a = ints2(u & 0x000f000fu, 0.0f), b = ints2((u >> 8) & 0x000f000fu, 0.0f);
+      const float2 a = codes2<SMALL>(u & 0x000f000fu), b = codes2<SMALL>((u >> 8) & 0x000f000fu);
       s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
     }
     return scale[h] * s - low[h] * x_sum;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    return codes_dot8<false>(c, x, x_sum);
   }
 };
 
@@ -209,17 +213,20 @@ template <> struct GgufUnit<12> {   // Q2_K
     d = f16_bits(dd & 0xffffu);
     dmin = f16_bits(dd >> 16);
   }
-  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+  template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
     const int plane = c / 4, k8 = c % 4;           // bits 2 plane of bytes 8 k8.. of the 32
     const int sub = 2 * plane + k8 / 2;            // its sub-block of 16 within the half
     const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
     float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const uint32_t u = q[2 * k8 + j] >> (2 * plane);
-      const float2 a = ints2(u & 0x00030003u, 0.0f), b = ints2((u >> 8) & 0x00030003u, 0.0f);
+      const float2 a = codes2<SMALL>(u & 0x00030003u), b = codes2<SMALL>((u >> 8) & 0x00030003u);
       s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
     }
     return d * (float)(s8 & 15u) * s - dmin * (float)(s8 >> 4) * x_sum;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    return codes_dot8<false>(c, x, x_sum);
   }
 };
 
@@ -249,11 +256,17 @@ template <> struct GgufUnit<23> {
     aux = w[1];
     db = f16_bits(u16_at(base + b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
   }
+  // Chunk c's grid entry (8 bytes) and its 8 signs (bit k for value k).
+  template <typename PT> KFN uint2 entry(int c, PT tables) const {
+    return ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
+  }
+  KFN uint32_t signs8(int c) const {
+    const uint32_t si = (aux >> (7 * c)) & 127u;
+    return si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
+  }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
-    const uint2 entry = ((GLOBAL uint2*)tables)[g];
-    const uint32_t signs = si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
-    const uint32_t e[2] = {entry.x, entry.y};
+    const uint2 g = entry(c, tables);
+    const uint32_t signs = signs8(c), e[2] = {g.x, g.y};
     float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const float2 a = ints2(e[j] & 0x00ff00ffu, 0.0f), b = ints2((e[j] >> 8) & 0x00ff00ffu, 0.0f);
@@ -276,10 +289,8 @@ template <> struct GgufUnit<24> : GgufUnit<23> {
     db *= 16777216.0f;
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
-    const uint32_t signs = si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
-    const uint2 entry = ((GLOBAL uint2*)tables)[g];
-    const uint32_t e[2] = {entry.x, entry.y};
+    const uint2 g = entry(c, tables);
+    const uint32_t signs = signs8(c), e[2] = {g.x, g.y};
     float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const uint32_t neg = (((signs >> (4 * j)) & 15u) * 0x00204081u) & 0x01010101u;   // value k's sign at bit 8k
@@ -290,7 +301,7 @@ template <> struct GgufUnit<24> : GgufUnit<23> {
     return db * s;
   }
 };
-// Q4_K with its nibbles as fp16 subnormals (small_ints2); its sub-block scales carry the 2^24.
+// Q4_K with its nibbles as fp16 subnormals (codes2<true>); its sub-block scales carry the 2^24.
 template <> struct GgufUnit<27> : GgufUnit<11> {
   template <typename P> KFN void load(P base, size_t row_off, int u) {
     GgufUnit<11>::load(base, row_off, u);
@@ -298,14 +309,7 @@ template <> struct GgufUnit<27> : GgufUnit<11> {
     scale[1] *= 16777216.0f;
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    const int h = c / 4, k8 = c % 4, shift = 4 * h;
-    float s = 0.0f;
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t u = q[2 * k8 + j] >> shift;
-      const float2 a = small_ints2(u & 0x000f000fu), b = small_ints2((u >> 8) & 0x000f000fu);
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
-    }
-    return scale[h] * s - low[h] * x_sum;
+    return codes_dot8<true>(c, x, x_sum);
   }
 };
 
@@ -322,23 +326,14 @@ template <> struct GgufUnit<22> : GgufUnit<12> {   // Q2_K: a half's 32 code byt
   }
 };
 
-// Q2_K on the wide unit's loads, its 2-bit codes as fp16 subnormals (small_ints2); d carries the 2^24.
+// Q2_K on the wide unit's loads, its 2-bit codes as fp16 subnormals (codes2<true>); d carries the 2^24.
 template <> struct GgufUnit<26> : GgufUnit<22> {
   template <typename P> KFN void load(P base, size_t row_off, int u) {
     GgufUnit<22>::load(base, row_off, u);
     d *= 16777216.0f;
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    const int plane = c / 4, k8 = c % 4;
-    const int sub = 2 * plane + k8 / 2;
-    const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
-    float s = 0.0f;
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t u = q[2 * k8 + j] >> (2 * plane);
-      const float2 a = small_ints2(u & 0x00030003u), b = small_ints2((u >> 8) & 0x00030003u);
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
-    }
-    return d * (float)(s8 & 15u) * s - dmin * (float)(s8 >> 4) * x_sum;
+    return codes_dot8<true>(c, x, x_sum);
   }
 };
 
