@@ -188,6 +188,16 @@ define("dequant_matmul", "auto",
        "use plain matmuls: auto (on for the CPU device, where MLX's quantized matmul is "
        "slow; costs the memory of the dense copy), on, off", choices=AUTO_ON_OFF)
 
+define("dequant_prefill", "auto",
+       "mxfp8/mxfp4 projections of 512 rows or more (prefill chunks; bf16/fp16 activations) "
+       "dequantize their weight for each product and use a plain matmul instead of MLX's "
+       "quantized_matmul; the dense copy lives for that product only. auto (default): on under "
+       "CUDA, where it measured 1.1-2.9x faster at 512 and 2048 rows on the H200's dense V4.1 "
+       "shapes, and not at 128 (benchmarks/results/2026-12-04-0241-prefill-matmuls.md); the "
+       "routed experts keep gather_qmm (MLX's gather_mm was slower there even on bf16 weights "
+       "made beforehand); off on Metal until a Mac "
+       "measures it; on, off", choices=AUTO_ON_OFF)
+
 define("head_quant", "off",
        "keep the output head quantized: off (as loaded, bf16 officially), mxfp8 or affine8 "
        "(group 32); saves ~40% of a decode step's bytes on GPUs, adds the logit error "

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import flags, gguf_blocks
 from .constants import derived, kept
+from .kernels.dialect import backend
 from .kernels.experts import QuantizedMatrix
 from .kernels.gguf_dot import GGUFMatrix
 from .kernels.matvec import kernel_supports, quantized_matvec
@@ -38,11 +39,29 @@ def dequant_matmul() -> bool:
     return flags.switch("dequant_matmul", mx.default_device() == mx.cpu)
 
 
+PREFILL_DEQUANT_MIN_ROWS = 512   # dequant_prefill: from this many rows (see the flag)
+
+
+def dequant_prefill(module: nn.Module, x: mx.array) -> bool:
+    """Whether a product of x by the mxfp module's weight dequantizes that weight for this call
+    and multiplies plainly (flag `dequant_prefill`; auto: under CUDA): bf16/fp16 activations,
+    whose dtype holds every mxfp8/mxfp4 value, of at least PREFILL_DEQUANT_MIN_ROWS rows."""
+    return (module.mode in ("mxfp4", "mxfp8") and x.dtype in (mx.bfloat16, mx.float16)
+            and x.size >= PREFILL_DEQUANT_MIN_ROWS * x.shape[-1]
+            and flags.switch("dequant_prefill", backend() == "cuda"))
+
+
+def dequantize(module: nn.Module, dtype: mx.Dtype, arrays: Optional[tuple] = None) -> mx.array:
+    """The quantized module's weight as `dtype`; or that of `arrays`, views (weight, scales,
+    biases or None) of the module's own."""
+    weight, scales, biases = arrays or (module["weight"], module["scales"], module.get("biases"))
+    return mx.dequantize(weight, scales, biases, group_size=module.group_size, bits=module.bits,
+                         mode=module.mode, dtype=dtype)
+
+
 def _dense(module: nn.Module, dtype: mx.Dtype) -> mx.array:
     """The module's weight dequantized to `dtype`, made once and kept."""
-    return kept(module, f"dense_{dtype}", module["weight"], lambda: mx.dequantize(
-        module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
-        bits=module.bits, mode=module.mode, dtype=dtype))
+    return kept(module, f"dense_{dtype}", module["weight"], lambda: dequantize(module, dtype))
 
 
 class Linear(nn.Linear):
@@ -68,6 +87,8 @@ class QuantizedLinear(nn.QuantizedLinear):
         q = _matvec_operand(self, x)
         if q is not None:
             return quantized_matvec(x, q, act_quant=False)
+        if dequant_prefill(self, x):   # the dense weight lives for this product only
+            return x @ dequantize(self, x.dtype).T
         # With float scales MLX returns float32 for bf16 inputs: keep the activations' dtype.
         return super().__call__(x).astype(x.dtype)
 
