@@ -188,6 +188,12 @@ define("dequant_matmul", "auto",
        "use plain matmuls: auto (on for the CPU device, where MLX's quantized matmul is "
        "slow; costs the memory of the dense copy), on, off", choices=AUTO_ON_OFF)
 
+define("prefill_chunk", 0,
+       "tokens per prefill chunk of generate and chat (the server's scheduler picks its own); 0 "
+       "(default): 512. On the H200 slice 2048 was 6% faster at 4K tokens but 2.9x slower at "
+       "32K (16.6 s against 5.6 s), and 5.4 s when each piece of a layer was evaluated on its "
+       "own: a 2048-token chunk's whole graph at once is what costs there "
+       "(benchmarks/results/2026-12-04-0254-prefill-profile-32768-c2048.md)", minimum=0)
 define("dequant_prefill", "auto",
        "mxfp8/mxfp4 projections of 512 rows or more (prefill chunks; bf16/fp16 activations) "
        "dequantize their weight for each product and use a plain matmul instead of MLX's "

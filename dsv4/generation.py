@@ -21,7 +21,7 @@ from .progress import Progress, Waiting
 from .sampling import Sampling, check_max_tokens, check_seed, make_sampler, option_name
 from .step import decoder
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 512   # tokens per prefill chunk unless flag prefill_chunk says otherwise
 # Why a fresh process's warm-up or first token can take minutes (MLX compiles kernels at their
 # first evaluation; on CUDA dsv4's own come from the kernel cache after the first start).
 KERNELS_WHY = "a process's first steps build their kernels; later ones reuse them"
@@ -40,13 +40,20 @@ class GenerationResponse:
     speculative: Optional[object] = None   # dsv4.speculative.Stats while drafting (DSV4_DRAFT)
 
 
-def prefill(model, ids: np.ndarray, cache: Cache, chunk: int = PREFILL_CHUNK,
+def prefill_chunk() -> int:
+    """Tokens per prefill chunk: flag `prefill_chunk`, or PREFILL_CHUNK."""
+    return flags.get("prefill_chunk") or PREFILL_CHUNK
+
+
+def prefill(model, ids: np.ndarray, cache: Cache, chunk: Optional[int] = None,
             progress: Optional[Callable[[int, int], None]] = None, draft_cache=None) -> mx.array:
-    """Feed ids [1, S] in chunks; returns the logits of the last position [1, V].
+    """Feed ids [1, S] in chunks (of `prefill_chunk()` tokens unless given); returns the logits
+    of the last position [1, V].
     `progress(done, total)` is called after each chunk; a `draft_cache` (dsv4.draft) gets the
     main KV of the positions fed."""
     logits = None
     total = ids.shape[1]
+    chunk = chunk or prefill_chunk()
     for lo in range(0, total, chunk):
         hidden = None if draft_cache is None else []
         logits = model(ids[:, lo:lo + chunk], cache, hidden=hidden, last=True)[:, -1]
@@ -242,7 +249,7 @@ def warm_up(model) -> None:
 
 def prefill_progress(total: int, enabled: bool = True) -> Optional[Callable[[int, int], None]]:
     """A progress line on stderr for prompts longer than one prefill chunk."""
-    if not enabled or total <= PREFILL_CHUNK:
+    if not enabled or total <= prefill_chunk():
         return None
     shown = Progress("prefill", total, unit="tokens")
 

@@ -70,3 +70,27 @@ def test_help_lists_every_switch():
     assert out.returncode == 0
     missing = [f.env for f in flags.FLAGS.values() if f.env not in out.stdout]
     assert not missing, missing
+
+
+def test_prefill_takes_chunks_of_the_switch(tiny_dir):
+    """DSV4_PREFILL_CHUNK sets the prefill's chunks; the last position's logits do not depend on them."""
+    from dsv4 import flags
+    from dsv4.generation import PREFILL_CHUNK, prefill, prefill_chunk
+
+    model, tok = dsv4.load(tiny_dir)
+    ids = np.array([tok.encode("Simple is better than complex. Flat is better than nested.")])
+    seen = []
+    forward = type(model).__call__
+    model_calls = lambda self, chunk, *a, **k: seen.append(chunk.shape[1]) or forward(self, chunk, *a, **k)
+    assert prefill_chunk() == PREFILL_CHUNK
+    whole = prefill(model, ids, model.make_cache())
+    with flags.override(prefill_chunk=5):
+        type(model).__call__ = model_calls
+        try:
+            chunked = prefill(model, ids, model.make_cache())
+        finally:
+            type(model).__call__ = forward
+    n = ids.shape[1]
+    assert seen == [5] * (n // 5) + ([n % 5] if n % 5 else [])
+    np.testing.assert_allclose(np.array(chunked), np.array(whole), rtol=1e-5, atol=1e-5)
+
