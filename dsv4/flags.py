@@ -194,6 +194,13 @@ define("prefill_chunk", 0,
        "32K (16.6 s against 5.6 s), and 5.4 s when each piece of a layer was evaluated on its "
        "own: a 2048-token chunk's whole graph at once is what costs there "
        "(benchmarks/results/2026-12-04-0254-prefill-profile-32768-c2048.md)", minimum=0)
+define("prefill_eval_layers", "off",
+       "a prefill chunk evaluated layer by layer (async: mx.async_eval after each layer, the "
+       "host building the next meanwhile; sync: mx.eval) instead of as one graph; off "
+       "(default) until the H200 measures it. Why: in chunks of 2048 at 32K tokens the slice's "
+       "prefill took 16.6 s evaluated whole and 5.4 s evaluated piece by piece "
+       "(benchmarks/results/2026-12-04-0254-prefill-profile-32768-c2048.md)",
+       choices=("off", "async", "sync"))
 define("dequant_prefill", "auto",
        "mxfp8/mxfp4 projections of 512 rows or more (prefill chunks; bf16/fp16 activations) "
        "dequantize their weight for each product and use a plain matmul instead of MLX's "

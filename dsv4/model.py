@@ -24,6 +24,16 @@ from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
 
+def layer_evaluation(state, lead: tuple[int, int]) -> Optional[Callable]:
+    """How a prefill chunk's layers are evaluated one by one (flag `prefill_eval_layers`:
+    mx.async_eval or mx.eval after each layer), or None: the chunk's graph evaluated whole,
+    as a decode step's always is (its fixed-shape state is traced, not evaluated)."""
+    how = flags.get("prefill_eval_layers")
+    if how == "off" or not isinstance(state, ForwardState) or lead[0] * lead[1] == 1:
+        return None
+    return mx.async_eval if how == "async" else mx.eval
+
+
 class Block(nn.Module):
     """(Engram) -> attention site -> MoE site, with single-pass mHC (model-spec 2.1)."""
 
@@ -223,8 +233,11 @@ class Model(nn.Module):
                    engram_rows: Callable[[int], mx.array], hidden: Optional[list] = None):
         """`blocks` (consecutive layers) over streams and pre (as `embed_streams` gives them)
         -> the streams and pre after the last of them; see `forward` for the rest."""
+        evaluate = layer_evaluation(state, lead)
         for block in blocks:
             streams, pre = block(self.layer_input(block, streams, lead, engram_rows, hidden), pre, state, lead)
+            if evaluate is not None:
+                evaluate(streams, pre)
         return streams, pre
 
     def run_to_moe(self, blocks, streams: mx.array, pre: mx.array, state, lead: tuple[int, int],

@@ -94,3 +94,21 @@ def test_prefill_takes_chunks_of_the_switch(tiny_dir):
     assert seen == [5] * (n // 5) + ([n % 5] if n % 5 else [])
     np.testing.assert_allclose(np.array(chunked), np.array(whole), rtol=1e-5, atol=1e-5)
 
+
+def test_prefill_evaluated_layer_by_layer_gives_the_same_logits(tiny_dir, monkeypatch):
+    """DSV4_PREFILL_EVAL_LAYERS evaluates each layer's streams and pre on their own: the same values."""
+    from dsv4 import flags
+    from dsv4.generation import prefill
+
+    model, tok = dsv4.load(tiny_dir)
+    ids = np.array([tok.encode("Simple is better than complex. Flat is better than nested.")])
+    chunks = -(-ids.shape[1] // 7)
+    whole = np.array(prefill(model, ids, model.make_cache(), chunk=7))
+    for how, name in (("async", "async_eval"), ("sync", "eval")):
+        evaluated, real = [], getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a: evaluated.append(len(a)) or real(*a))
+        with flags.override(prefill_eval_layers=how):
+            got = np.array(prefill(model, ids, model.make_cache(), chunk=7))
+        monkeypatch.setattr(mx, name, real)
+        assert evaluated.count(2) == model.args.num_hidden_layers * chunks   # (streams, pre) per layer
+        np.testing.assert_array_equal(got, whole)
