@@ -7,8 +7,9 @@ For each chunk size T:
   bf16 and multiplied (dequantize + matmul, every call), and the bf16 matmul alone on a weight
   dequantized beforehand (the floor of that route);
 - the routed experts (mxfp4, 384 experts, top-6, the T x 6 (token, expert) pairs sorted by
-  expert, as RoutedExperts takes them): gather_qmm, and gather_mm on bf16 weights dequantized
-  beforehand;
+  expert, as RoutedExperts takes them): gather_qmm, dsv4's tensor-core kernel
+  (dsv4/kernels/experts_prefill.py, which sorts and tiles the pairs itself), and gather_mm on
+  bf16 weights dequantized beforehand;
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
 - the sparse attention's reference over the chunk's queries (64 heads of 512, 128 window and
@@ -84,6 +85,8 @@ def dense_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
 
 
 def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
+    from dsv4.kernels import experts_prefill
+
     rng = np.random.default_rng(t)
     ids = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(t)]).reshape(-1)
     order = np.argsort(ids, kind="stable")
@@ -97,6 +100,8 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         rows.append((f"experts {name} {d_in}->{d_out}", "gather_qmm (sorted)", flops, _mlx_seconds(
             lambda: mx.gather_qmm(xs, q, s, rhs_indices=e, transpose=True, group_size=32, bits=4, mode="mxfp4",
                                   sorted_indices=True), repeats)))
+        rows.append((f"experts {name} {d_in}->{d_out}", "dsv4 tensor-core kernel (experts_prefill)", flops,
+                     _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4"), repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dequantize every expert to bf16 (no product)", 0,
                      _mlx_seconds(lambda: dequantized(q, s, 4, "mxfp4"), 1)))
         w = dequantized(q, s, 4, "mxfp4").swapaxes(-1, -2)

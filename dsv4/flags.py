@@ -328,6 +328,11 @@ define("kernel_matvec", "auto",
        "rounding + MLX's quantized_matmul on the H200, i.e. an input still to be rounded and >= "
        "2048 rows (wo_b: 31.5 vs 37.6 µs, benchmarks/results/2026-11-29-1815-kernels-matvec-h200.md); "
        "on: every such projection; off: quantized_matmul", choices=AUTO_ON_OFF)
+define("kernel_prefill_experts_mma", False,
+       "CUDA: the routed experts of a prefill chunk (64 or more (token, expert) pairs, MX layouts, "
+       "bf16) on tensor cores, a threadgroup per 32 pairs of one expert and 64 rows "
+       "(dsv4/kernels/experts_prefill.py), instead of MLX's gather_qmm (26 TFLOP/s on the "
+       "H200); off (default): host-tested, not yet run on a GPU")
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "

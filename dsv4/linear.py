@@ -28,6 +28,7 @@ import numpy as np
 
 from . import flags, gguf_blocks
 from .constants import derived, kept
+from .kernels import experts_prefill
 from .kernels.dialect import backend
 from .kernels.experts import QuantizedMatrix
 from .kernels.gguf_dot import GGUFMatrix
@@ -215,6 +216,9 @@ class QuantizedExpertLinear(nn.Module):
             out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=indices,
                                sorted_indices=sorted_indices)
             return out.astype(x.dtype)
+        if experts_prefill.applies(self, x, indices):
+            return experts_prefill.prefill_experts(x, self["weight"], self["scales"], indices, self.group_size,
+                                                   self.bits, self.mode)
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size,
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)

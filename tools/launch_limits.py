@@ -29,6 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -39,6 +40,7 @@ from dsv4.kernels.dialect import Kernel, compact  # noqa: E402
 
 TOKENS = range(1, 9)
 CONTEXT = 65536          # decode position: the compressed rows a layer attends over
+PREFILL_TOKENS = 512     # a prefill chunk (dsv4.generation.PREFILL_CHUNK)
 _ELEMENT_BYTES = {"float": 4, "int": 4, "uint": 4, "uint32_t": 4, "int32_t": 4, "float2": 8,
                   "uint4": 16, "float4": 16, "half": 2, "bfloat16_t": 2, "uint16_t": 2, "uint8_t": 1, "bool": 1}
 _ARRAY = re.compile(r"\bSHARED(_ATOMIC_U32|\s+\w+)\s+(\w+)((?:\s*\[[^\]]+\])+)\s*;")
@@ -162,7 +164,7 @@ def v41_calls():
     dense projections mxfp8) and ds4 GGUFs' (GGUF_RECIPES)."""
     from benchmarks.slice_decode import REAL, ROLES
     from dsv4.config import ModelArgs
-    from dsv4.kernels import experts, head, indexer, matvec, mhc, rows, sparse_attention, topk
+    from dsv4.kernels import experts, experts_prefill, head, indexer, matvec, mhc, rows, sparse_attention, topk
     from dsv4.kernels.router import route
     from dsv4.model import Model
     from dsv4.quant import qdq_fp4_pow2, qdq_fp8
@@ -244,6 +246,15 @@ def v41_calls():
             scores = indexer.indexer_scores(q, _zeros(1, n, a.index_head_dim), _zeros(1, t, a.index_n_heads),
                                             1.0, positions, ratio, _zeros(1, t, n, dtype=mx.bool_))
             topk.topk_visible(scores, a.index_topk, positions, ratio)
+
+
+    # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs.
+    if dialect.backend() == "cuda":
+        gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
+        pairs = mx.array(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E)
+        for m, width in ((gate, D), (down, I)):
+            experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs, 32, 4,
+                                            "mxfp4")
 
 
 def v41_problems() -> list[str]:

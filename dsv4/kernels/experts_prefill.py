@@ -1,0 +1,165 @@
+"""Prefill's routed experts on CUDA tensor cores (flag `kernel_prefill_experts_mma`, off by
+default: written and host-tested, not yet run on a GPU).
+
+At prefill the (token, expert) pairs come sorted by expert (moe.RoutedExperts), each expert a
+run of rows. MLX's gather_qmm multiplies them at 26 TFLOP/s on the H200, 3% of its bf16 rate
+(benchmarks/results/2026-12-04-0241-prefill-matmuls.md); its gather_mm on bf16 weights is no
+faster. Here a threadgroup multiplies a tile of up to 32 pairs of one expert by 64 rows of that
+expert's MX matrix with mma.sync m16n8k16: the weights as fp16 A fragments straight from their
+codes (experts_mma.pair_bits, exact), the pairs' x as fp16 B fragments, 8 pairs a fragment.
+
+Numbers: a 32-value group of weights shares one e8m0 scale, and the pack of x it meets one power
+of two (store_x_halves, which keeps |x / s| <= 2^15, so every bf16 value of the pack but those
+below 2^-29 of its largest is an exact fp16); the products are exact in the tensor core and
+summed in fp32, one group at a time, then scaled by both and added. Rounded to bf16 at the end,
+as gather_qmm's output is.
+
+Layout of a launch: grid (128, ceil(N / 64), tiles): SIMD group w makes rows 16 w.. of the
+threadgroup's 64, for all the tile's pairs (4 blocks of 8). The input is walked in chunks of 128
+(4 groups): the threadgroup first writes the chunk of its pairs' x as fp16 pairs in the order
+the A fragments hold the weights, then every SIMD group reads its B fragments from there.
+Fragments (PTX ISA, m16n8k16, lane = 4 q + t): A {(q, 2t..), (q+8, 2t..), (q, 2t+8..),
+(q+8, 2t+8..)}, B {(2t.., q), (2t+8.., q)}, D {(q, 2t), (q, 2t+1), (q+8, 2t), (q+8, 2t+1)}. In
+step s (0, 1) of a group, lane t's A registers hold weight pairs 8s + 2t and 8s + 2t + 1 of its
+rows, so its B registers hold x at those pairs' places.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from dsv4 import flags
+from dsv4.kernels import experts_mma
+from dsv4.kernels.dialect import Kernel, backend, falls_back
+from dsv4.kernels.experts import _HEADER, MODE_IDS
+
+TILE_PAIRS = 32    # pairs of one expert per threadgroup
+TILE_ROWS = 64     # output rows per threadgroup (16 per SIMD group)
+THREADS = 128
+CHUNK = 128        # input values per shared-memory chunk (4 groups)
+X_STRIDE = 72      # uint32 per pair's row of the chunk: 64 fp16 pairs, padded off the bank period
+MIN_PAIRS = 64     # fewer pairs (decode, verification) keep gather_qmm
+
+BODY = r"""
+  // grid (THREADS, ceil(N / 64), tiles); tile z = (expert, first pair, pairs) in `tiles`.
+  constexpr int GROUPS = K / 32;
+  const int PAIR_GAP = MODE == 1 ? 4 : 2;
+  constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;   // the 2^14 (2^8) pair_bits takes out
+  const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
+  const int count = tiles[3 * (int)group_z + 2];
+  const int q = (int)lane >> 2, t = (int)lane & 3;
+  const int row0 = (int)group_y * 64 + 16 * (int)warp;
+  const int ra = min(row0 + q, N - 1), rb = min(row0 + q + 8, N - 1);
+  const size_t wa_row = ((size_t)expert * N + ra) * GROUPS, wb_row = ((size_t)expert * N + rb) * GROUPS;
+  SHARED uint32_t xp[32 * XSTRIDE];
+  SHARED float xsc[32 * 4];
+  float acc[4][4];
+  for (int j = 0; j < 4; ++j) for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+  for (int c = 0; c < GROUPS / 4; ++c) {
+    {   // thread tid: group tid % 4 of the chunk for pair tid / 4 of the tile (zeros past its end)
+      const int pr = (int)tid >> 2, gl = (int)tid & 3;
+      uint32_t hv[32];
+      float xs = 0.0f;
+      if (pr < count) {
+        float v[32];
+        for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);
+        store_x_halves<false>(hv, &xs, 0, v);
+      } else {
+        for (int i = 0; i < 32; ++i) hv[i] = 0u;
+      }
+      for (int p = 0; p < 16; ++p) {
+        const int k = pair_k<MODE>(p);
+        xp[pr * XSTRIDE + 16 * gl + p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
+      }
+      xsc[pr * 4 + gl] = xs * UNIT;
+    }
+    BARRIER();
+    for (int gl = 0; gl < 4; ++gl) {
+      const int g = 4 * c + gl;
+      uint32_t wa[BITS], wb[BITS];
+      load_words<BITS>(w + (wa_row + g) * BITS, wa);
+      load_words<BITS>(w + (wb_row + g) * BITS, wb);
+      const float sa = e8m0_scale((uint32_t)s[wa_row + g]), sb = e8m0_scale((uint32_t)s[wb_row + g]);
+      uint32_t a[2][4];
+      for (int st = 0; st < 2; ++st) {
+        const int p = 8 * st + 2 * t;
+        a[st][0] = pair_bits<MODE>(wa, p); a[st][1] = pair_bits<MODE>(wb, p);
+        a[st][2] = pair_bits<MODE>(wa, p + 1); a[st][3] = pair_bits<MODE>(wb, p + 1);
+      }
+      for (int j = 0; j < 4; ++j) {
+        const int row = (8 * j + q) * XSTRIDE + 16 * gl + 2 * t;
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int st = 0; st < 2; ++st) {
+          const uint32_t b[2] = {xp[row + 8 * st], xp[row + 8 * st + 1]};
+          mma_16816(d, a[st], b);
+        }
+        const float x0 = xsc[(8 * j + 2 * t) * 4 + gl], x1 = xsc[(8 * j + 2 * t + 1) * 4 + gl];
+        acc[j][0] += d[0] * (sa * x0); acc[j][1] += d[1] * (sa * x1);
+        acc[j][2] += d[2] * (sb * x0); acc[j][3] += d[3] * (sb * x1);
+      }
+    }
+    BARRIER();
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int pr = 8 * j + 2 * t + (i & 1), row = row0 + q + (i >= 2 ? 8 : 0);
+      if (pr < count && row < N) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[j][i]);
+    }
+"""
+
+KERNEL = Kernel(
+    name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    body=BODY, header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
+    checks=tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
+                  (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
+                   ("N", n), ("K", k)))
+                 for mode, bits, n, k in (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304),
+                                          ("mxfp8", 8, 2304, 5120))))
+
+
+def applies(layer, x: mx.array, indices: mx.array) -> bool:
+    """Whether QuantizedExpertLinear's product of x [P, 1, K] (P = indices.size pairs) takes the
+    tensor-core launch: the flag, CUDA, an MX layout of groups of 32, bf16 x with K in chunks of
+    128, and at least MIN_PAIRS pairs."""
+    return (bool(flags.get("kernel_prefill_experts_mma")) and backend() == "cuda"
+            and layer.mode in experts_mma.MX_MODES and layer.bits == experts_mma.MX_MODES[layer.mode]
+            and layer.group_size == 32 and x.dtype == mx.bfloat16 and x.shape[-1] % CHUNK == 0
+            and x.shape[:-2] == indices.shape and indices.size >= MIN_PAIRS)
+
+
+def tiles(experts_sorted: np.ndarray) -> np.ndarray:
+    """(expert, first pair, pairs) of each tile: every expert's run of sorted pairs cut into
+    pieces of at most TILE_PAIRS, as int32 [tiles, 3]."""
+    ids, firsts = np.unique(experts_sorted, return_index=True)
+    ends = np.append(firsts[1:], len(experts_sorted))
+    out = [(e, lo, min(TILE_PAIRS, end - lo))
+           for e, first, end in zip(ids, firsts, ends) for lo in range(first, end, TILE_PAIRS)]
+    return np.array(out, np.int32).reshape(-1, 3)
+
+
+def reference(x, weight, scales, indices, group_size, bits, mode):
+    """gather_qmm over the pairs, in fp32 on every backend, rounded to x's dtype."""
+    y = mx.gather_qmm(x.astype(mx.float32), weight, scales, None, rhs_indices=indices, transpose=True,
+                      group_size=group_size, bits=bits, mode=mode)
+    return y.astype(x.dtype)
+
+
+@falls_back(reference, "kernel_prefill_experts_mma")
+def prefill_experts(x, weight, scales, indices, group_size, bits, mode):
+    """x [P, 1, K] (bf16) through the experts indices [P] of the stacked MX matrix (weight
+    [E, N, K * bits / 32] uint32, scales [E, N, K / 32]) -> [P, 1, N], as gather_qmm; the pairs
+    sorted by expert here (one host sync), the result in the callers' order."""
+    P, K = indices.size, x.shape[-1]
+    N = scales.shape[1]
+    flat = indices.reshape(-1)
+    order = mx.argsort(flat)
+    work = mx.array(tiles(np.array(flat[order])))
+    (y,) = KERNEL(
+        inputs=[x.reshape(P, K)[order], weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
+        grid=(THREADS, math.ceil(N / TILE_ROWS), work.shape[0]), threadgroup=(THREADS, 1, 1),
+        template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE), ("N", N),
+                  ("K", K)])
+    return y[mx.argsort(order)].reshape(P, 1, N)

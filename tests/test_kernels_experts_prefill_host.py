@@ -1,0 +1,159 @@
+"""Prefill's routed experts on tensor cores (dsv4/kernels/experts_prefill.py) run on the host, CPU,
+in CI: the body compiled with clang under the threadgroup emulator (test_kernels_matvec) and
+the mma.sync emulator (test_kernels_experts_mma_host), and launched by the dispatcher itself
+(`prefill_experts` under dialect.pretend_gpu, each launch running the host build), so the pairs'
+sorting, the tiles and the order of the result are checked with the body. Each pair's row must
+match the float64 product of its x and its expert's dequantized weights, rounded to bf16,
+within fp32 summation's bound; a mutated fragment layout must fail. Unverified here: the real
+instruction and the speed (the H200)."""
+
+import subprocess
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dsv4 import flags
+from dsv4.kernels import dialect, experts_prefill
+from dsv4.linear import ExpertLinear
+from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_experts import dequantize_np
+from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
+from tests.test_kernels_experts_mma_host import MMA_EMULATOR, MUTATIONS
+from tests.test_kernels_matvec import EMULATOR
+from dsv4.kernels import experts as ex
+from dsv4.kernels import experts_mma
+
+MAIN = r"""
+void body(const T* x, const uint32_t* w, const uint8_t* s, const int* tiles, T* y,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int pairs = read_int(), rows = read_int(), n_tiles = read_int();
+  std::vector<T> x((size_t)pairs * K), y((size_t)pairs * N, T(NAN));
+  std::vector<uint32_t> w((size_t)rows * K * BITS / 32);
+  std::vector<uint8_t> s((size_t)rows * K / 32);
+  std::vector<int> tiles(3 * n_tiles);
+  read(x); read(w); read(s); read(tiles);
+  launch(THREADS, (N + 63) / 64, n_tiles, [&](int t, int g, int z, int threads) {
+    body(x.data(), w.data(), s.data(), tiles.data(), y.data(), t, g, z, threads);
+  });
+  std::fwrite(y.data(), 2, y.size(), stdout);
+  return 0;
+}
+"""
+
+
+def host_launch(folder, mutation=""):
+    """A pretend_gpu launch that builds (once per template) and runs the body on the host."""
+    built = {}
+
+    def launch(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
+        assert kernel is experts_prefill.KERNEL and threadgroup == (experts_prefill.THREADS, 1, 1)
+        values = {n: v for n, v in template if isinstance(v, int)}
+        key = tuple(sorted(values.items()))
+        if key not in built:
+            consts = "".join(f"constexpr int {n} = {int(v)};\n" for n, v in values.items())
+            source = (EMULATOR + BF16 + mutation + MMA_EMULATOR + consts
+                      + f"constexpr int THREADS = {experts_prefill.THREADS};\n"
+                      + ex._HEADER + experts_mma.HEADER + MAIN.replace("BODY", kernel.body))
+            built[key] = build_host(folder, f"prefill{len(built)}", source)
+        x, w, s, tiles = inputs
+        (pairs, n), = output_shapes
+        assert grid == (experts_prefill.THREADS, -(-n // experts_prefill.TILE_ROWS), tiles.shape[0])
+        data = (np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes() + bf16_bits(x)
+                + np.array(w).tobytes() + np.array(s).tobytes() + np.array(tiles).tobytes())
+        out = subprocess.run([str(built[key])], input=data, capture_output=True, check=True).stdout
+        return [from_bf16_bits(out, (pairs, n))]
+
+    return launch
+
+
+def problem(rng, mode, experts, n, k, pairs):
+    """Stacked MX experts [experts, n, k] and `pairs` rows of bf16 x spanning 2^-20..2^2 across
+    their packs, each through a random expert (one of them unused, one with more than a tile)."""
+    stack = ExpertLinear(k, n, experts)
+    stack.weight = mx.array(rng.standard_normal((experts, n, k)).astype(np.float32) * 0.05)
+    layer = stack.to_quantized(group_size=32, bits=experts_mma.MX_MODES[mode], mode=mode)
+    ids = np.concatenate([np.full(experts_prefill.TILE_PAIRS + 5, 1), rng.integers(2, experts, pairs - 37)])
+    ids = rng.permutation(ids).astype(np.uint32)
+    spread = 2.0 ** rng.integers(-20, 3, (pairs, k // 32, 1))
+    x = mx.array((rng.standard_normal((pairs, k // 32, 32)) * spread).reshape(pairs, 1, k).astype(np.float32))
+    return layer, x.astype(mx.bfloat16), ids
+
+
+def check(y, layer, x, ids):
+    w = dequantize_np(ex.QuantizedMatrix(layer.weight, layer.scales, None, 32, layer.bits, layer.mode))
+    xs = np.array(x.astype(mx.float32)).astype(np.float64)[:, 0]
+    want, mag = np.zeros((len(ids), w.shape[1])), np.zeros((len(ids), w.shape[1]))
+    for e in np.unique(ids):
+        rows = ids == e
+        want[rows], mag[rows] = xs[rows] @ w[e].T, np.abs(xs[rows]) @ np.abs(w[e]).T
+    got = np.array(y.astype(mx.float32)).astype(np.float64)[:, 0]
+    k = xs.shape[-1]
+    assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + 2 * k * 2.0 ** -24 * mag), \
+        np.max(np.abs(got - want) - 2.0 ** -8 * np.abs(want))
+
+
+# N = 40: one threadgroup of 64 rows, its rows 40-63 clamped; K = 256 / 384: 2 and 3 chunks of
+# 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles.
+@pytest.mark.parametrize("mode,n,k", [("mxfp4", 40, 256), ("mxfp8", 72, 384)])
+def test_prefill_experts_on_the_host(tmp_path, mode, n, k):
+    rng = np.random.default_rng()
+    layer, x, ids = problem(rng, mode, 6, n, k, 70)
+    with (flags.override(kernel_prefill_experts_mma=True), dialect.pretend_gpu("cuda", host_launch(tmp_path)),
+          warnings.catch_warnings()):
+        warnings.simplefilter("error")   # a fall-back to the reference would be a failure
+        assert experts_prefill.applies(layer, x, mx.array(ids))
+        y = layer(x, mx.array(ids))
+    assert y.shape == (70, 1, n) and y.dtype == mx.bfloat16
+    check(y, layer, x, ids)
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
+def test_a_wrong_fragment_layout_fails(tmp_path, mutation):
+    rng = np.random.default_rng()
+    layer, x, ids = problem(rng, "mxfp4", 4, 16, 128, 40)
+    with dialect.pretend_gpu("cuda", host_launch(tmp_path, MUTATIONS[mutation])):
+        y = experts_prefill.prefill_experts(x, layer.weight, layer.scales, mx.array(ids), 32, 4, "mxfp4")
+    with pytest.raises(AssertionError):
+        check(y, layer, x, ids)
+
+
+def test_tiles_cut_each_experts_run():
+    sorted_ids = np.array([0] * 3 + [2] * 70 + [5])
+    assert experts_prefill.tiles(sorted_ids).tolist() == [[0, 0, 3], [2, 3, 32], [2, 35, 32], [2, 67, 6],
+                                                          [5, 73, 1]]
+
+
+def test_the_switch_takes_prefill_chunks_on_cuda_only():
+    rng = np.random.default_rng()
+    layer, x, ids = problem(rng, "mxfp4", 4, 16, 128, 64)
+    idx = mx.array(ids)
+    with flags.override(kernel_prefill_experts_mma=True):
+        with dialect.pretend_gpu("cuda", None):
+            assert experts_prefill.applies(layer, x, idx)
+            assert not experts_prefill.applies(layer, x[:63], idx[:63])            # decode, verification
+            assert not experts_prefill.applies(layer, x.astype(mx.float32), idx)    # bf16 only
+        with dialect.pretend_gpu("metal", None):
+            assert not experts_prefill.applies(layer, x, idx)
+    with dialect.pretend_gpu("cuda", None):
+        assert not experts_prefill.applies(layer, x, idx)                          # the switch is off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,n,k", [("mxfp4", 2304, 5120), ("mxfp4", 5120, 2304), ("mxfp8", 2304, 5120)])
+def test_prefill_experts_on_the_gpu(mode, n, k):
+    """The CUDA build at V4.1's expert shapes against the same float64 products."""
+    if dialect.backend() != "cuda":
+        pytest.skip("CUDA only")
+    rng = np.random.default_rng()
+    layer, x, ids = problem(rng, mode, 8, n, k, 300)
+    with flags.override(kernel_prefill_experts_mma=True), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert experts_prefill.applies(layer, x, mx.array(ids))
+        y = layer(x, mx.array(ids))
+    check(y, layer, x, ids)
