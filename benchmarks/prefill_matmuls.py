@@ -80,7 +80,6 @@ def dense_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         }
         for way, make in ways.items():
             rows.append((f"{name} {d_in}->{d_out}", way, flops, _mlx_seconds(make, repeats)))
-        del w
     return rows
 
 
@@ -108,7 +107,6 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         mx.eval(w)
         rows.append((f"experts {name} {d_in}->{d_out}", "gather_mm bf16 (weights ready)", flops, _mlx_seconds(
             lambda: mx.gather_mm(xs, w, rhs_indices=e, sorted_indices=True), repeats)))
-        del w
     return rows
 
 

@@ -7,7 +7,9 @@ dequantizes its weight once, on first use, keeps the dense copy and multiplies w
 plain matmuls. The values are exact (every mxfp8/mxfp4 value is a bf16), every row
 count takes the same kernel, so prefill chunking and prompt reuse give bit-identical
 results, and the price is memory: the dense copy (bf16; float32 for the experts,
-whose CPU gather_mm takes float32 only). GPUs keep MLX's quantized kernels.
+whose CPU gather_mm takes float32 only). GPUs keep MLX's quantized kernels, but for prefill
+chunks under CUDA (DSV4_DEQUANT_PREFILL: the weight dequantized for one product, not kept) and
+the routed experts' tensor-core prefill kernel (DSV4_KERNEL_PREFILL_EXPERTS_MMA).
 
 `GGUFLinear` and `GGUFExpertLinear` keep a GGUF's blocks as they are (Q8_0, Q4_K, Q2_K,
 IQ2_XXS: dsv4/gguf_blocks.py), decoded exactly where no kernel multiplies by them.
