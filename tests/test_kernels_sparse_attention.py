@@ -235,3 +235,48 @@ def test_attention_threadgroups_switch_sets_the_row_splits(monkeypatch):
         with flags.override(attention_threadgroups=target):
             sa.sparse_attention_kernel(**case)
     assert [g[1] for g in grids] == [8 * 32, 8 * 8, 8 * 1]   # 8 groups of 8 heads x splits
+
+
+def gathered_then_widened(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale):
+    """The reference as it was written up to 2026-12-04: each query's rows gathered as stored,
+    the window's and the compressed ones concatenated, then widened to fp32."""
+    B, S, H, D = q.shape
+
+    def gather(kv, idx):
+        n = kv.shape[1]
+        idx = mx.broadcast_to(idx, (B, S, idx.shape[-1]))
+        valid = (idx >= 0) & (idx < n)
+        flat = mx.where(valid, idx, 0).astype(mx.int32) + (mx.arange(B, dtype=mx.int32) * n)[:, None, None]
+        return mx.take(kv.reshape(B * n, D), flat.reshape(-1), axis=0).reshape(B, S, -1, D), valid
+
+    rows, valid = gather(window_kv, window_idx)
+    if compressed_kv is not None:
+        c_rows, c_valid = gather(compressed_kv, topk_idx)
+        rows, valid = mx.concatenate([rows, c_rows], axis=2), mx.concatenate([valid, c_valid], axis=2)
+    kv32 = rows.astype(mx.float32)
+    scores = mx.where(valid[:, :, None, :], (q.astype(mx.float32) @ kv32.swapaxes(-1, -2)) * scale, -mx.inf)
+    top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), -1e30)
+    p = mx.exp(scores - top)
+    denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks.astype(mx.float32)[:, None] - top)
+    return ((p.astype(rows.dtype).astype(mx.float32) @ kv32) / denom).astype(q.dtype)
+
+
+# 10 window and 12 compressed rows, 6 + 5 selected a query: 5 or more queries select more rows
+# than there are (every row widened once), 1 fewer (each query's gathered as stored).
+@pytest.mark.parametrize("B,S,dtype,compressed", [(1, 5, mx.bfloat16, True), (2, 9, mx.float32, True),
+                                                  (2, 4, mx.bfloat16, False), (1, 1, mx.bfloat16, True),
+                                                  (2, 1, mx.bfloat16, False), (2, 1, mx.float32, True)])
+def test_rows_widened_once_give_the_same_bits(monkeypatch, B, S, dtype, compressed):
+    """Whether the reference widens every row once (prefill) or each query's gathered rows
+    (decode), it gives bit for bit what gathering them as stored and widening after gave, in
+    query blocks too, with indices past either part's end and window indices shared by the batch."""
+    rng = np.random.default_rng()
+    case = random_case(rng, B, S, 3, 64, 10, 12, 6, 5, dtype)
+    wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
+    wi[rng.random(wi.shape) < 0.1], ti[rng.random(ti.shape) < 0.1] = 10, 12   # one past each part's end
+    case.update(window_idx=mx.array(wi[:1]), topk_idx=mx.array(ti))
+    if not compressed:
+        case.update(compressed_kv=None, topk_idx=None)
+    monkeypatch.setattr(sa, "QUERY_BLOCK", 4)
+    np.testing.assert_array_equal(np.array(sa.sparse_attention_reference(**case).astype(mx.float32)),
+                                  np.array(gathered_then_widened(**case).astype(mx.float32)))

@@ -45,34 +45,26 @@ def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx
     """Plain-MLX definition of the op; see `sparse_attention` for the contract."""
     if rotate_queries:
         q = rope_reference(q, rope_cos, rope_sin)
-    if shape is not None:
-        return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
-                                          scale, rope_cos, rope_sin).reshape(shape)
-    S = q.shape[1]
-    if S > QUERY_BLOCK:
-        part = lambda a, lo: None if a is None else a[:, lo:lo + QUERY_BLOCK]
-        return mx.concatenate([
-            sparse_attention_reference(part(q, lo), window_kv, part(window_idx, lo), compressed_kv,
-                                       part(topk_idx, lo), sinks, scale, part(rope_cos, lo),
-                                       part(rope_sin, lo))
-            for lo in range(0, S, QUERY_BLOCK)], axis=1)
-    B, S, H, D = q.shape
-    rows, valid = _gather(window_kv, window_idx, B, S)
-    if compressed_kv is not None:
-        c_rows, c_valid = _gather(compressed_kv, topk_idx, B, S)
-        rows = mx.concatenate([rows, c_rows], axis=2)
-        valid = mx.concatenate([valid, c_valid], axis=2)
-    kv32 = rows.astype(mx.float32)                                        # [B, S, n, D]
+    rows, dtype, valid = _query_rows(window_kv, window_idx, compressed_kv, topk_idx, q.shape[0])
+    blocks = [_attend(q[:, lo:lo + QUERY_BLOCK], rows(lo, lo + QUERY_BLOCK), dtype, valid[:, lo:lo + QUERY_BLOCK],
+                      sinks, scale)
+              for lo in range(0, q.shape[1], QUERY_BLOCK)]
+    out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1)
+    if rope_cos is not None:
+        out = rope_reference(out, rope_cos, rope_sin, inverse=True)
+    return out if shape is None else out.reshape(shape)
+
+
+def _attend(q, kv32, dtype, valid, sinks, scale):
+    """Queries q [B, S, H, D] over their rows kv32 [B, S, n, D] (fp32, stored as `dtype`)
+    -> [B, S, H, D] in q's dtype."""
     scores = (q.astype(mx.float32) @ kv32.swapaxes(-1, -2)) * scale         # [B, S, H, n]
     scores = mx.where(valid[:, :, None, :], scores, -mx.inf)
     top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), -1e30)
     p = mx.exp(scores - top)
     denom = mx.sum(p, axis=-1, keepdims=True) + mx.exp(sinks.astype(mx.float32)[:, None] - top)
-    numer = p.astype(rows.dtype).astype(mx.float32) @ kv32
-    out = (numer / denom).astype(q.dtype)
-    if rope_cos is not None:
-        out = rope_reference(out, rope_cos, rope_sin, inverse=True)
-    return out
+    numer = p.astype(dtype).astype(mx.float32) @ kv32
+    return (numer / denom).astype(q.dtype)
 
 
 def rope_reference(x, cos, sin, inverse: bool = False):
@@ -91,15 +83,37 @@ def rope_reference(x, cos, sin, inverse: bool = False):
     return mx.concatenate([x[..., :D - 2 * R], out.astype(x.dtype)], axis=-1)
 
 
-def _gather(kv, idx, B, S):
-    """Rows kv[b, idx[b, s, j]] as [B, S, k, D] and their validity [B, S, k]."""
-    n = kv.shape[1]
-    idx = mx.broadcast_to(idx, (B, S, idx.shape[-1]))   # [1, S, k] is shared by the batch
-    valid = (idx >= 0) & (idx < n)
-    safe = mx.where(valid, idx, 0).astype(mx.int32)
-    flat = safe + (mx.arange(B, dtype=mx.int32) * n)[:, None, None]
-    rows = mx.take(kv.reshape(B * n, kv.shape[-1]), flat.reshape(-1), axis=0)
-    return rows.reshape(B, S, idx.shape[-1], kv.shape[-1]), valid
+def _query_rows(window_kv, window_idx, compressed_kv, topk_idx, B):
+    """(rows(lo, hi) -> the fp32 rows [B, hi - lo, n, D] of queries lo..hi-1: their window rows,
+    then their selected compressed rows; the rows' stored dtype; their validity [B, S, n]).
+    When the queries select more rows than there are (prefill), every row is widened to fp32
+    once and each query's are gathered from there; otherwise (decode) each query's rows are
+    gathered as stored, then widened: the same values either way."""
+    parts = [(window_kv, window_idx)] + ([] if compressed_kv is None else [(compressed_kv, topk_idx)])
+    D = window_kv.shape[-1]
+    sizes = [kv.shape[1] for kv, _ in parts]
+    batch = lambda rows: (mx.arange(B, dtype=mx.int32) * rows)[:, None, None]   # each batch's first row
+    local, valid = [], []
+    for (kv, sel), m in zip(parts, sizes):
+        sel = mx.broadcast_to(sel, (B, *sel.shape[1:]))   # [1, S, k] is shared by the batch
+        ok = (sel >= 0) & (sel < m)
+        local.append(mx.where(ok, sel, 0).astype(mx.int32))   # an invalid one: its part's first row
+        valid.append(ok)
+    valid = valid[0] if len(valid) == 1 else mx.concatenate(valid, axis=-1)
+    S, n, total = local[0].shape[1], valid.shape[-1], sum(sizes)
+    if S * n > total:
+        source = mx.concatenate([kv for kv, _ in parts], axis=1) if len(parts) > 1 else window_kv
+        wide = source.reshape(B * total, D).astype(mx.float32)
+        index = mx.concatenate([i + (o + batch(total)) for i, o in zip(local, (0, sizes[0]))], axis=-1)
+        return (lambda lo, hi: mx.take(wide, index[:, lo:hi].reshape(-1), axis=0).reshape(B, -1, n, D),
+                window_kv.dtype, valid)
+
+    def rows(lo, hi):
+        got = [mx.take(kv.reshape(B * m, D), (i[:, lo:hi] + batch(m)).reshape(-1), axis=0).reshape(B, -1, i.shape[-1], D)
+               for (kv, _), i, m in zip(parts, local, sizes)]
+        return (got[0] if len(got) == 1 else mx.concatenate(got, axis=2)).astype(mx.float32)
+
+    return rows, window_kv.dtype, valid
 
 
 # Lanes read their slice of a row (DPL consecutive values) with 16-byte loads where they can:
@@ -560,7 +574,7 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
     q             [B, S, H, D]  queries (bf16 in the model; fp16/fp32 also accepted)
     window_kv     [B, W, D]     window rows (K = V), same dtype as q
     window_idx    [B|1, S, w]   int: rows of window_kv each query sees; -1 (or >= W) = none
-    compressed_kv [B, N, D]     compressed rows, or None (layers without compression)
+    compressed_kv [B, N, D]     compressed rows (window_kv's dtype), or None (layers without compression)
     topk_idx      [B|1, S, k]   int: rows of compressed_kv each query sees; -1 = none
     sinks         [H]           fp32 sink logits (denominator only)
     scale         float         softmax scale (512**-0.5 in V4.1)
