@@ -8,7 +8,7 @@ For each chunk size T:
   dequantized beforehand (the floor of that route);
 - the routed experts (mxfp4, 384 experts, top-6, the T x 6 (token, expert) pairs sorted by
   expert, as RoutedExperts takes them): gather_qmm, dsv4's tensor-core kernel
-  (dsv4/kernels/experts_prefill.py, which sorts and tiles the pairs itself), and gather_mm on
+  (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), and gather_mm on
   bf16 weights dequantized beforehand;
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
@@ -100,7 +100,7 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
             lambda: mx.gather_qmm(xs, q, s, rhs_indices=e, transpose=True, group_size=32, bits=4, mode="mxfp4",
                                   sorted_indices=True), repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dsv4 tensor-core kernel (experts_prefill)", flops,
-                     _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4"), repeats)))
+                     _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True), repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dequantize every expert to bf16 (no product)", 0,
                      _mlx_seconds(lambda: dequantized(q, s, 4, "mxfp4"), 1)))
         w = dequantized(q, s, 4, "mxfp4").swapaxes(-1, -2)

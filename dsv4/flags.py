@@ -208,8 +208,8 @@ define("dequant_prefill", "auto",
        "CUDA, where it measured 1.1-2.9x faster at 512 and 2048 rows on the H200's dense V4.1 "
        "shapes, and not at 128 (benchmarks/results/2026-12-04-0241-prefill-matmuls.md); the "
        "routed experts keep gather_qmm (MLX's gather_mm was slower there even on bf16 weights "
-       "made beforehand); off on Metal until a Mac "
-       "measures it; on, off", choices=AUTO_ON_OFF)
+       "made beforehand; see kernel_prefill_experts_mma); off on Metal until a Mac measures "
+       "it; on, off", choices=AUTO_ON_OFF)
 
 define("head_quant", "off",
        "keep the output head quantized: off (as loaded, bf16 officially), mxfp8 or affine8 "

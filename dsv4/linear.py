@@ -220,7 +220,7 @@ class QuantizedExpertLinear(nn.Module):
             return out.astype(x.dtype)
         if experts_prefill.applies(self, x, indices):
             return experts_prefill.prefill_experts(x, self["weight"], self["scales"], indices, self.group_size,
-                                                   self.bits, self.mode)
+                                                   self.bits, self.mode, sorted_indices)
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size,
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)

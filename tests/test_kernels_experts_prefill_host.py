@@ -99,16 +99,21 @@ def check(y, layer, x, ids):
 
 
 # N = 40: one threadgroup of 64 rows, its rows 40-63 clamped; K = 256 / 384: 2 and 3 chunks of
-# 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles.
-@pytest.mark.parametrize("mode,n,k", [("mxfp4", 40, 256), ("mxfp8", 72, 384)])
-def test_prefill_experts_on_the_host(tmp_path, mode, n, k):
+# 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles. The pairs in any
+# order (sorted by the dispatcher) or sorted by expert, as RoutedExperts passes them.
+@pytest.mark.parametrize("mode,n,k,sort", [("mxfp4", 40, 256, False), ("mxfp8", 72, 384, False),
+                                           ("mxfp4", 40, 256, True)])
+def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort):
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 6, n, k, 70)
+    if sort:
+        order = np.argsort(ids, kind="stable")
+        x, ids = x[mx.array(order)], ids[order]
     with (flags.override(kernel_prefill_experts_mma=True), dialect.pretend_gpu("cuda", host_launch(tmp_path)),
           warnings.catch_warnings()):
         warnings.simplefilter("error")   # a fall-back to the reference would be a failure
         assert experts_prefill.applies(layer, x, mx.array(ids))
-        y = layer(x, mx.array(ids))
+        y = layer(x, mx.array(ids), sorted_indices=sort)
     assert y.shape == (70, 1, n) and y.dtype == mx.bfloat16
     check(y, layer, x, ids)
 

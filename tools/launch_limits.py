@@ -247,14 +247,13 @@ def v41_calls():
                                             1.0, positions, ratio, _zeros(1, t, n, dtype=mx.bool_))
             topk.topk_visible(scores, a.index_topk, positions, ratio)
 
-
     # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs.
     if dialect.backend() == "cuda":
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
-        pairs = mx.array(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E)
+        pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):
             experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs, 32, 4,
-                                            "mxfp4")
+                                            "mxfp4", sorted_indices=True)
 
 
 def v41_problems() -> list[str]:

@@ -125,8 +125,7 @@ def applies(layer, x: mx.array, indices: mx.array) -> bool:
     tensor-core launch: the flag, CUDA, an MX layout of groups of 32, bf16 x with K in chunks of
     128, and at least MIN_PAIRS pairs."""
     return (bool(flags.get("kernel_prefill_experts_mma")) and backend() == "cuda"
-            and layer.mode in experts_mma.MX_MODES and layer.bits == experts_mma.MX_MODES[layer.mode]
-            and layer.group_size == 32 and x.dtype == mx.bfloat16 and x.shape[-1] % CHUNK == 0
+            and experts_mma._mx(layer) and x.dtype == mx.bfloat16 and x.shape[-1] % CHUNK == 0
             and x.shape[:-2] == indices.shape and indices.size >= MIN_PAIRS)
 
 
@@ -140,26 +139,30 @@ def tiles(experts_sorted: np.ndarray) -> np.ndarray:
     return np.array(out, np.int32).reshape(-1, 3)
 
 
-def reference(x, weight, scales, indices, group_size, bits, mode):
+def reference(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False):
     """gather_qmm over the pairs, in fp32 on every backend, rounded to x's dtype."""
     y = mx.gather_qmm(x.astype(mx.float32), weight, scales, None, rhs_indices=indices, transpose=True,
-                      group_size=group_size, bits=bits, mode=mode)
+                      group_size=group_size, bits=bits, mode=mode, sorted_indices=sorted_indices)
     return y.astype(x.dtype)
 
 
 @falls_back(reference, "kernel_prefill_experts_mma")
-def prefill_experts(x, weight, scales, indices, group_size, bits, mode):
+def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False):
     """x [P, 1, K] (bf16) through the experts indices [P] of the stacked MX matrix (weight
-    [E, N, K * bits / 32] uint32, scales [E, N, K / 32]) -> [P, 1, N], as gather_qmm; the pairs
-    sorted by expert here (one host sync), the result in the callers' order."""
+    [E, N, K * bits / 32] uint32, scales [E, N, K / 32]) -> [P, 1, N], as gather_qmm. The tiles
+    need the pairs sorted by expert: unless `sorted_indices` says they come so (RoutedExperts
+    sorts them), they are sorted here and the result put back in the callers' order. One host
+    sync either way (the tiles)."""
     P, K = indices.size, x.shape[-1]
     N = scales.shape[1]
-    flat = indices.reshape(-1)
-    order = mx.argsort(flat)
-    work = mx.array(tiles(np.array(flat[order])))
+    flat, x = indices.reshape(-1), x.reshape(P, K)
+    order = None if sorted_indices else mx.argsort(flat)
+    if order is not None:
+        flat, x = flat[order], x[order]
+    work = mx.array(tiles(np.array(flat)))
     (y,) = KERNEL(
-        inputs=[x.reshape(P, K)[order], weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
+        inputs=[x, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
         grid=(THREADS, math.ceil(N / TILE_ROWS), work.shape[0]), threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE), ("N", N),
                   ("K", K)])
-    return y[mx.argsort(order)].reshape(P, 1, N)
+    return (y if order is None else y[mx.argsort(order)]).reshape(P, 1, N)
