@@ -162,3 +162,13 @@ def test_prefill_experts_on_the_gpu(mode, n, k):
         assert experts_prefill.applies(layer, x, mx.array(ids))
         y = layer(x, mx.array(ids))
     check(y, layer, x, ids)
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
+def test_the_reference_is_each_pairs_product(mode):
+    """The plain-MLX reference the kernel falls back to (CPU here) against the same float64 products."""
+    rng = np.random.default_rng()
+    layer, x, ids = problem(rng, mode, 5, 24, 128, 40)
+    y = experts_prefill.reference(x, layer.weight, layer.scales, mx.array(ids), 32, layer.bits, mode)
+    assert y.shape == (40, 1, 24) and y.dtype == mx.bfloat16
+    check(y, layer, x, ids)
