@@ -213,6 +213,14 @@ def decode_mlx_lm(rmodel, context: int, steps: int) -> tuple[float, list[int]]:
     return (time.perf_counter() - start) / steps * 1e3, tokens
 
 
+def ab_switches(spec: str) -> dict:
+    """`--ab` 'name=value+name=value' as flags.override's keywords, each value parsed by its switch."""
+    from dsv4 import flags
+
+    changed = dict(item.split("=", 1) for item in spec.split("+"))
+    return {k: flags.FLAGS[k].parse(v) for k, v in changed.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="512,8192")
@@ -261,9 +269,7 @@ def main(argv=None) -> int:
     }
     variants = {name: variants[name] for name in a.variants.split(",")}
     for spec in a.ab:
-        changed = dict(item.split("=", 1) for item in spec.split("+"))
-        changed = {k: flags.FLAGS[k].parse(v) for k, v in changed.items()}
-        variants[f"dsv4 {spec}"] = (lambda c, n: decode_dsv4(model, c, n), {"fixed_decode": "on", **changed})
+        variants[f"dsv4 {spec}"] = (lambda c, n: decode_dsv4(model, c, n), {"fixed_decode": "on", **ab_switches(spec)})
     # Warm-up: kernel builds and graph traces happen here, not in the measured runs.
     for name, (run, fl) in variants.items():
         t = time.perf_counter()

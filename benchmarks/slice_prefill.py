@@ -1,6 +1,7 @@
 """Prefill on the shape-true V4.1 slice: dsv4 vs mlx-lm, and against the compute roofline.
 
     python -m benchmarks.slice_prefill [--contexts 4096,32768] [--repeats 2] [--small]
+                                       [--ab SWITCH=VALUE[+SWITCH=VALUE]] ...
 
 The slice, its random weights and both models are benchmarks/slice_decode.py's. Each engine
 prefills `--contexts` random tokens its own way (dsv4: generation.prefill, chunks of
@@ -32,7 +33,7 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
-from benchmarks.slice_decode import REAL, ROLES, SMALL, build  # noqa: E402
+from benchmarks.slice_decode import REAL, ROLES, SMALL, ab_switches, build  # noqa: E402
 
 GROUP = 32   # weights per scale in the slice's mxfp4 / mxfp8 layouts
 
@@ -88,6 +89,13 @@ def prefill_dsv4(model, context: int) -> float:
     return time.perf_counter() - start
 
 
+def prefill_with(changed: dict, model, context: int) -> float:
+    from dsv4 import flags
+
+    with flags.override(**changed):
+        return prefill_dsv4(model, context)
+
+
 def prefill_mlx_lm(rmodel, context: int) -> float:
     """The same through mlx-lm's generate_step, up to its first token."""
     from mlx_lm.generate import generate_step
@@ -106,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
     p.add_argument("--variants", default="dsv4,mlx-lm", help="comma-separated, from: dsv4, mlx-lm")
+    p.add_argument("--ab", action="append", default=[], metavar="SWITCH=VALUE[+SWITCH=VALUE]",
+                   help="add a dsv4 variant with these switches (dsv4/flags.py names) changed, "
+                        "e.g. --ab prefill_chunk=2048+prefill_eval_layers=async; repeatable")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
@@ -120,18 +131,31 @@ def main(argv=None) -> int:
     if rate:
         print(f"roofline: torch bf16 matmul {rate:.0f} TFLOP/s", flush=True)
     runs = {"dsv4": lambda c: prefill_dsv4(model, c), "mlx-lm": lambda c: prefill_mlx_lm(rmodel, c)}
-    runs = {name: runs[name] for name in a.variants.split(",")}
-    for name, run in runs.items():   # kernel builds and traces
-        print(f"warm-up {name}: {run(1024):.1f} s", flush=True)
+    runs = {name: runs[name] for name in a.variants.split(",") if name}
+    for spec in a.ab:
+        runs[f"dsv4 {spec}"] = lambda c, changed=ab_switches(spec): prefill_with(changed, model, c)
+    for name, run in list(runs.items()):   # kernel builds and traces
+        try:
+            print(f"warm-up {name}: {run(1024):.1f} s", flush=True)
+        except Exception as e:   # one broken variant must not cost the others' numbers
+            print(f"warm-up {name}: FAILED {type(e).__name__}: {e}", flush=True)
+            del runs[name]
     rows, results = [], {}
     for context in [int(c) for c in a.contexts.split(",")]:
         flops = flops_per_token(model, context)
         times = {name: [] for name in runs}
         for r in range(a.repeats):
             for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-                times[name].append(runs[name](context))
+                try:
+                    times[name].append(runs[name](context))
+                except Exception as e:
+                    print(f"context {context} {name}: FAILED {type(e).__name__}: {e}", flush=True)
+                    continue
                 print(f"context {context} {name}: {context / times[name][-1]:.0f} tokens/s", flush=True)
         for name, ts in times.items():
+            if not ts:
+                rows.append(f"| {context} | {name} | failed | | | |")
+                continue
             s = statistics.median(ts)
             tps = context / s
             share = f"{100 * tps * flops / (rate * 1e12):.1f}%" if rate else "-"

@@ -17,19 +17,13 @@ from mlx.utils import tree_flatten
 
 import dsv4
 import dsv4.tokenizer
+from benchmarks.exactness import HELD_OUT_TEXT, mean_cross_entropy
 from dsv4 import engram_store
 from dsv4.config import ModelArgs
 from dsv4.loader import DEMO_DIR
 from dsv4.safetensors_file import Checkpoint, view
 from dsv4.testing import official_tensors, write_sharded
 from tests.formats import e2m1_packed_value, e4m3_value, e8m0_scale
-
-# Written for this test: not in the training corpus (CPython's pydoc topics).
-HELD_OUT_TEXT = (
-    "A list is a mutable sequence of objects. You can add an item to the end of a list "
-    "with the append method, and remove the last item again with the pop method. When a "
-    "function is called, the arguments are evaluated from left to right and bound to the "
-    "names of its parameters, and the value of the return statement is the result of the call.")
 
 # The trained model must predict the text at least this many times better (perplexity
 # ratio) than the random model does.
@@ -40,11 +34,9 @@ pytestmark = pytest.mark.skipif(not (DEMO_DIR / "config.json").is_file(),
 
 
 def held_out_loss(model, tokenizer) -> float:
-    """Mean next-token cross-entropy (nats) of HELD_OUT_TEXT, log-softmax in float64 numpy."""
+    """Mean next-token cross-entropy (nats) of HELD_OUT_TEXT."""
     ids = tokenizer.encode(HELD_OUT_TEXT, add_special_tokens=True)
-    logits = np.array(model(np.array([ids[:-1]], np.int64))[0], np.float64)
-    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    return float(np.mean(log_z - logits[np.arange(len(ids) - 1), ids[1:]]))
+    return mean_cross_entropy(model(np.array([ids[:-1]], np.int64))[0], ids[1:])
 
 
 @pytest.fixture(scope="module")
