@@ -13,7 +13,8 @@ For each chunk size T:
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
 - the sparse attention's reference over the chunk's queries (64 heads of 512, 128 window and
-  512 compressed rows each), and its row gathers alone.
+  512 compressed rows each), its row gathers alone, and dsv4's tensor-core kernel
+  (dsv4/kernels/attention_prefill.py, CUDA).
 TFLOP/s are each call's FLOPs over its median time; torch's bf16 matmul rate is measured in
 the same process (benchmarks/roofline.py).
 """
@@ -137,7 +138,9 @@ def attention_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
     """The sparse attention's reference (what prefill runs) over a chunk of t queries, each
     seeing a window of 128 rows and 512 compressed rows, and the part of it that only gathers
     each query's rows (in fp32, from the rows widened once)."""
+    from dsv4.kernels import attention_prefill
     from dsv4.kernels import sparse_attention as sa
+    from dsv4.kernels.dialect import backend
 
     rng = np.random.default_rng(t)
     heads, d, window, topk, n = 64, 512, 128, 512, 4096
@@ -155,17 +158,23 @@ def attention_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         rows, _, _ = sa._query_rows(window_kv, window_idx, compressed, topk_idx, 1)
         return [mx.sum(rows(lo, lo + sa.QUERY_BLOCK), axis=-1) for lo in range(0, t, sa.QUERY_BLOCK)]
 
-    return [
+    rows = [
         (name, "reference (prefill's path)", flops, _mlx_seconds(
             lambda: sa.sparse_attention_reference(q, window_kv, window_idx, compressed, topk_idx, sinks,
                                                   d ** -0.5), repeats)),
         (name, "its fp32 row gathers only", 0, _mlx_seconds(gathered, repeats)),
     ]
+    if backend() == "cuda":
+        rows.append((name, "dsv4 tensor-core kernel (attention_prefill)", flops, _mlx_seconds(
+            lambda: attention_prefill.prefill_attention(q, window_kv, window_idx, compressed, topk_idx, sinks,
+                                                        d ** -0.5), repeats)))
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="128,512,2048")
+    p.add_argument("--parts", default="dense,grouped,attention,experts", help="comma-separated subset")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
@@ -175,7 +184,8 @@ def main(argv=None) -> int:
     rate = matmul_roofline()
     table = []
     for t in [int(v) for v in a.tokens.split(",")]:
-        for part in (dense_rows, grouped_rows, attention_rows, expert_rows):
+        parts = {"dense": dense_rows, "grouped": grouped_rows, "attention": attention_rows, "experts": expert_rows}
+        for part in (parts[name] for name in a.parts.split(",")):
             for shape, way, flops, s in part(t, a.repeats):
                 tflops = flops / s / 1e12   # 0 for a row without a product
                 share = f"{100 * tflops / rate:.1f}%" if rate else "-"

@@ -333,6 +333,13 @@ define("kernel_prefill_experts_mma", False,
        "bf16) on tensor cores, a threadgroup per 32 pairs of one expert and 64 rows "
        "(dsv4/kernels/experts_prefill.py), instead of MLX's gather_qmm (26 TFLOP/s on the "
        "H200); off (default): host-tested, not yet run on a GPU")
+define("kernel_prefill_attention_mma", False,
+       "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
+       "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "
+       "(dsv4/kernels/attention_prefill.py), instead of the reference's per-query gathers of fp32 "
+       "rows (9.0 of its 14.7 ms at 2048 queries on the H200, "
+       "benchmarks/results/2026-12-04-0241-prefill-matmuls.md); the same roundings, another fp32 "
+       "summation order. Off until the H200 measures it")
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "

@@ -4,7 +4,7 @@ projection matvec) run on the host, CPU, in CI.
 mma.sync is warp-wide: here each lane posts its fragment registers and every lane computes its D
 elements from the whole A, B and C, which it reassembles by the PTX ISA's layout tables for
 m16n8k16 ("Matrix Fragments for mma.m16n8k16 with floating point type"), transcribed in
-MMA_EMULATOR with the products of the fp16 values summed in fp32. The body is compiled with
+MMA_EMULATOR with the products of the fp16 (bf16: mma_16816_bf16) values summed in fp32. The body is compiled with
 clang under that emulator and test_kernels_matvec's threadgroup emulator and run over the
 dispatcher's launch grid; h must match hidden_reference and y down_reference (plain MLX) within
 the portable kernels' bounds, the matvec the float64 product within fp32 summation's. Mutations of the tables (a register, a half or an output position swapped)
@@ -42,7 +42,9 @@ MMA_EMULATOR = r"""
 #endif
 uint32_t mma_a[32][32][4], mma_b[32][32][2];
 inline float frag_half(uint32_t reg, int high) { return half_bits(high ? reg >> 16 : reg & 0xffffu); }
-inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+inline float frag_bf16(uint32_t reg, int high) { return host_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
+template <float (*VALUE)(uint32_t, int)>
+inline void mma_emulated(float* d, const uint32_t* a, const uint32_t* b) {
   for (int i = 0; i < 4; ++i) mma_a[t_warp][t_lane][i] = a[i];
   for (int i = 0; i < 2; ++i) mma_b[t_warp][t_lane][i] = b[i];
   warp_bar[t_warp]->arrive_and_wait();
@@ -53,8 +55,8 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
     float s = d[i];
     for (int k = 0; k < 16; ++k) {
       // A (row, k): lane 4 (row % 8) + (k % 8) / 2; B (k, col): lane 4 col + (k % 8) / 2
-      const float av = frag_half(mma_a[t_warp][4 * (row % 8) + (k % 8) / 2][A_REG(row, k)], k & 1);
-      const float bv = frag_half(mma_b[t_warp][4 * col + (k % 8) / 2][(k) >= 8 ? 1 : 0], B_HALF(k));
+      const float av = VALUE(mma_a[t_warp][4 * (row % 8) + (k % 8) / 2][A_REG(row, k)], k & 1);
+      const float bv = VALUE(mma_b[t_warp][4 * col + (k % 8) / 2][(k) >= 8 ? 1 : 0], B_HALF(k));
       s += av * bv;
     }
     out[i] = s;
@@ -62,6 +64,8 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   warp_bar[t_warp]->arrive_and_wait();
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
+inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) { mma_emulated<frag_half>(d, a, b); }
+inline void mma_16816_bf16(float* d, const uint32_t* a, const uint32_t* b) { mma_emulated<frag_bf16>(d, a, b); }
 inline uint32_t host_f2h_bits(float f) { _Float16 h = (_Float16)f; uint16_t u; std::memcpy(&u, &h, 2); return u; }
 #define F2H_BITS(x) host_f2h_bits(x)
 """

@@ -21,7 +21,7 @@ def test_metal_source_compiles(kernel):
 
 
 def test_gate_rejects_a_type_error_and_an_unknown_function():
-    kernel = gate.all_kernels()[0]
+    kernel = next(k for k in gate.all_kernels() if "metal" in k.dialects)   # the Metal gate
     first = kernel.checks[:1]
     bad_type = dataclasses.replace(kernel, body=kernel.body + "\n  float oops = tid; uint3 v = oops;\n",
                                    checks=first)
@@ -49,14 +49,14 @@ def test_cuda_source_compiles_with_nvrtc(kernel):
 
 def test_nvrtc_gate_rejects_a_type_error():
     paths = require_nvrtc()
-    kernel = gate.all_kernels()[0]
+    kernel = next(k for k in gate.all_kernels() if "metal" in k.dialects)   # the Metal gate
     bad = dataclasses.replace(kernel, body=kernel.body + "\n  float oops = tid; uint3 v = oops;\n",
                               checks=kernel.checks[:1])
     assert gate.check_cuda_nvrtc(bad, paths)
 
 
 def test_wrapper_matches_mlx_signature_rules():
-    kernel = gate.all_kernels()[0]
+    kernel = next(k for k in gate.all_kernels() if "metal" in k.dialects)   # the Metal gate
     src = gate.metal_source(kernel, kernel.checks[0])
     assert f"[[kernel]] void custom_kernel_{kernel.name}(" in src
     assert "[[buffer(0)]]" in src and "thread_position_in_threadgroup [[thread_position_in_threadgroup]]" in src

@@ -247,8 +247,17 @@ def v41_calls():
                                             1.0, positions, ratio, _zeros(1, t, n, dtype=mx.bool_))
             topk.topk_visible(scores, a.index_topk, positions, ratio)
 
-    # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs.
+    # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs;
+    # its sparse attention there, with the selected rows and without (window-only layers).
     if dialect.backend() == "cuda":
+        with flags.override(kernel_prefill_attention_mma=True):
+            for compressed in (None, _zeros(1, CONTEXT // 2, Dh)):
+                topk_idx = None if compressed is None else _zeros(1, PREFILL_TOKENS, a.index_topk, dtype=mx.int32)
+                angles = _zeros(1, PREFILL_TOKENS, R, dtype=mx.float32)
+                sparse_attention.sparse_attention(
+                    _zeros(1, PREFILL_TOKENS, H, Dh), _zeros(1, a.sliding_window + PREFILL_TOKENS, Dh),
+                    _zeros(1, PREFILL_TOKENS, a.sliding_window, dtype=mx.int32), compressed, topk_idx,
+                    _zeros(H, dtype=mx.float32), Dh ** -0.5, angles, angles, rotate_queries=True)
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
         pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):

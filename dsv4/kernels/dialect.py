@@ -27,6 +27,7 @@ Vocabulary available to bodies:
   half2_bits_to_float2(u32)  two fp16 bit patterns (low half first) -> float2
   F2H_BITS(f)                (CUDA) the fp16 bit pattern of f rounded to nearest even, as uint32
   mma_16816(d, a, b)         (CUDA) d[4] += A B of one warp-wide mma.sync m16n8k16 (fp16 a[4], b[2])
+  mma_16816_bf16(d, a, b)    (CUDA) the same with bf16 a and b
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
 """
 
@@ -135,6 +136,11 @@ __device__ inline float2 half2_bits_to_float2(uint32_t b) {
 #define F2H_BITS(x) ((uint32_t)__half_as_ushort(__float2half_rn(x)))
 __device__ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ inline void mma_16816_bf16(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }

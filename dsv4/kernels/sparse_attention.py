@@ -26,6 +26,7 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.kernels import attention_prefill
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 from dsv4.kernels.experts import _HEADER as EXPERTS_HEADER
 
@@ -43,16 +44,29 @@ QUERY_BLOCK = 128   # the reference gathers rows per query: bound its memory in 
 def sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
                                rope_cos=None, rope_sin=None, shape=None, rotate_queries=False):
     """Plain-MLX definition of the op; see `sparse_attention` for the contract."""
+    return _with_rope(attention_core, q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale,
+                      rope_cos, rope_sin, shape, rotate_queries)
+
+
+def _with_rope(core, q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale, rope_cos, rope_sin,
+               shape, rotate_queries):
+    """core(q, ...) with the queries rotated first (rotate_queries) and the output de-rotated
+    (rope_cos given) by rope_reference, laid out as `shape`."""
     if rotate_queries:
         q = rope_reference(q, rope_cos, rope_sin)
+    out = core(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale)
+    if rope_cos is not None:
+        out = rope_reference(out, rope_cos, rope_sin, inverse=True)
+    return out if shape is None else out.reshape(shape)
+
+
+def attention_core(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale):
+    """The attention of rotated queries, its output not de-rotated, in plain MLX."""
     rows, dtype, valid = _query_rows(window_kv, window_idx, compressed_kv, topk_idx, q.shape[0])
     blocks = [_attend(q[:, lo:lo + QUERY_BLOCK], rows(lo, lo + QUERY_BLOCK), dtype, valid[:, lo:lo + QUERY_BLOCK],
                       sinks, scale)
               for lo in range(0, q.shape[1], QUERY_BLOCK)]
-    out = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1)
-    if rope_cos is not None:
-        out = rope_reference(out, rope_cos, rope_sin, inverse=True)
-    return out if shape is None else out.reshape(shape)
+    return blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=1)
 
 
 def _attend(q, kv32, dtype, valid, sinks, scale):
@@ -587,7 +601,9 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
     returns       [B, S, H, D]  in q's dtype; zeros for a query with no valid row
 
     Uses the GPU kernel when the backend has one, flag `kernel_sparse_attention` is on and
-    B*S <= MAX_KERNEL_QUERIES (decode, draft verification), else `sparse_attention_reference`.
+    B*S <= MAX_KERNEL_QUERIES (decode, draft verification); for more queries (prefill) on CUDA
+    the tensor-core kernel of attention_prefill.py where flag `kernel_prefill_attention_mma`
+    is on; else `sparse_attention_reference`.
     """
     if rotate_queries and rope_cos is None:
         raise ValueError("rotate_queries needs the angles (rope_cos, rope_sin)")
@@ -597,5 +613,9 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
             and kernel_supports(q, window_kv, compressed_kv, rope_cos)):
         return sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
                                        scale, rope_cos, rope_sin, shape, rotate_queries)
+    rows = window_idx.shape[-1] + (0 if compressed_kv is None else topk_idx.shape[-1])
+    if attention_prefill.applies(q, window_kv, compressed_kv, rows):
+        return _with_rope(attention_prefill.prefill_attention, q, window_kv, window_idx, compressed_kv,
+                          topk_idx, sinks, scale, rope_cos, rope_sin, shape, rotate_queries)
     return sparse_attention_reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
                                       scale, rope_cos, rope_sin, shape, rotate_queries)
