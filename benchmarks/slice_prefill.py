@@ -7,7 +7,9 @@ The slice, its random weights and both models are benchmarks/slice_decode.py's. 
 prefills `--contexts` random tokens its own way (dsv4: generation.prefill, chunks of
 PREFILL_CHUNK; mlx-lm: generate_step's prompt processing, prefill_step_size 2048) up to the
 first token's logits, timed from the call to the evaluated logits; the engines alternate,
-after one warm-up prefill of each.
+after one warm-up prefill of each at each length (a first prefill at a new length builds and
+traces kernels for its shapes; once only at 1024 tokens, the first engine timed at 32K took
+15.5 s where the next ones took 4-6, benchmarks/results/2026-12-04-0833-slice-prefill.md).
 
 The compute roofline is the FLOPs one prompt token costs on the slice (counted from the
 weights and the shapes, `flops_per_token`) over the bf16 matmul rate torch measures in the
@@ -134,15 +136,15 @@ def main(argv=None) -> int:
     runs = {name: runs[name] for name in a.variants.split(",") if name}
     for spec in a.ab:
         runs[f"dsv4 {spec}"] = lambda c, changed=ab_switches(spec): prefill_with(changed, model, c)
-    for name, run in list(runs.items()):   # kernel builds and traces
-        try:
-            print(f"warm-up {name}: {run(1024):.1f} s", flush=True)
-        except Exception as e:   # one broken variant must not cost the others' numbers
-            print(f"warm-up {name}: FAILED {type(e).__name__}: {e}", flush=True)
-            del runs[name]
     rows, results = [], {}
     for context in [int(c) for c in a.contexts.split(",")]:
         flops = flops_per_token(model, context)
+        for name, run in list(runs.items()):   # at this length: kernel builds and traces of new shapes
+            try:
+                print(f"warm-up {name} at {context}: {run(context):.1f} s", flush=True)
+            except Exception as e:   # one broken variant must not cost the others' numbers
+                print(f"warm-up {name}: FAILED {type(e).__name__}: {e}", flush=True)
+                del runs[name]
         times = {name: [] for name in runs}
         for r in range(a.repeats):
             for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
     lines = [f"# Prefill on a {'toy-width' if a.small else 'shape-true'} V4.1 slice: dsv4 vs mlx-lm", "",
              f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers (roles "
              f"{ROLES['compress_ratios']}), experts mxfp4, dense mxfp8; median [min-max] of "
-             f"{a.repeats} alternating repeats after one warm-up prefill of each engine.",
+             f"{a.repeats} alternating repeats after one warm-up prefill of each engine at each length.",
              f"FLOPs per prompt token (the layers' matmuls {matmul_flops(model) / 1e9:.2f} GFLOP, "
              "plus attention and indexer, which grow with the context; see the script's help).", "",
              "| context | engine | seconds [min-max] | tokens/s | TFLOP/s | of the compute roofline |",

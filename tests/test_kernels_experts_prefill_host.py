@@ -129,9 +129,27 @@ def test_a_wrong_fragment_layout_fails(tmp_path, mutation):
 
 
 def test_tiles_cut_each_experts_run():
-    sorted_ids = np.array([0] * 3 + [2] * 70 + [5])
-    assert experts_prefill.tiles(sorted_ids).tolist() == [[0, 0, 3], [2, 3, 32], [2, 35, 32], [2, 67, 6],
-                                                          [5, 73, 1]]
+    """Made on the device: the tiles in order, then empty slots up to the most there can be."""
+    sorted_ids = mx.array(np.array([0] * 3 + [2] * 70 + [5], np.uint32))
+    got = np.array(experts_prefill.tiles(sorted_ids, 6))
+    assert len(got) == experts_prefill.max_tiles(74, 6) == 3 + 6
+    assert got[:5].tolist() == [[0, 0, 3], [2, 3, 32], [2, 35, 32], [2, 67, 6], [5, 73, 1]]
+    assert np.all(got[5:, 2] == 0)
+
+
+@pytest.mark.parametrize("experts,pairs", [(384, 3072), (6, 64), (40, 33)])
+def test_tiles_cover_every_pair_once(experts, pairs):
+    """Random sorted pairs: the tiles' pairs are each expert's, every pair in exactly one tile,
+    within the bound the grid is sized for."""
+    ids = np.sort(np.random.default_rng().integers(0, experts, pairs)).astype(np.uint32)
+    got = np.array(experts_prefill.tiles(mx.array(ids), experts))
+    seen = np.zeros(pairs, int)
+    for expert, first, count in got:
+        assert 0 <= count <= experts_prefill.TILE_PAIRS
+        if count:
+            assert np.all(ids[first:first + count] == expert)
+            seen[first:first + count] += 1
+    assert np.all(seen == 1)
 
 
 def test_the_switch_takes_prefill_chunks_on_cuda_only():

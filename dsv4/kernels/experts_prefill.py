@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import numpy as np
 
 from dsv4 import flags
 from dsv4.kernels import experts_mma
@@ -50,6 +49,7 @@ BODY = r"""
   constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;   // the 2^14 (2^8) pair_bits takes out
   const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
   const int count = tiles[3 * (int)group_z + 2];
+  if (count <= 0) return;   // a slot past the last tile (the grid is sized for the most there can be)
   const int q = (int)lane >> 2, t = (int)lane & 3;
   const int row0 = (int)group_y * 64 + 16 * (int)warp;
   const int ra = min(row0 + q, N - 1), rb = min(row0 + q + 8, N - 1);
@@ -129,14 +129,28 @@ def applies(layer, x: mx.array, indices: mx.array) -> bool:
             and x.shape[:-2] == indices.shape and indices.size >= MIN_PAIRS)
 
 
-def tiles(experts_sorted: np.ndarray) -> np.ndarray:
+def max_tiles(pairs: int, experts: int) -> int:
+    """The most tiles `pairs` sorted pairs over `experts` experts can make: each expert's run
+    of c pairs makes ceil(c / TILE_PAIRS) <= c / TILE_PAIRS + 1 tiles."""
+    return math.ceil(pairs / TILE_PAIRS) + min(experts, pairs)
+
+
+def tiles(experts_sorted: mx.array, experts: int) -> mx.array:
     """(expert, first pair, pairs) of each tile: every expert's run of sorted pairs cut into
-    pieces of at most TILE_PAIRS, as int32 [tiles, 3]."""
-    ids, firsts = np.unique(experts_sorted, return_index=True)
-    ends = np.append(firsts[1:], len(experts_sorted))
-    out = [(e, lo, min(TILE_PAIRS, end - lo))
-           for e, first, end in zip(ids, firsts, ends) for lo in range(first, end, TILE_PAIRS)]
-    return np.array(out, np.int32).reshape(-1, 3)
+    pieces of at most TILE_PAIRS, in order, as int32 [max_tiles, 3]; the slots past the last
+    tile hold 0 pairs. Computed on the device, so launching needs no host sync."""
+    P = experts_sorted.size
+    ids = experts_sorted.reshape(-1).astype(mx.int32)
+    counts = mx.zeros((experts,), mx.int32).at[ids].add(1)
+    firsts = mx.cumsum(counts) - counts                                 # each expert's first pair
+    per_expert = (counts + TILE_PAIRS - 1) // TILE_PAIRS
+    ends = mx.cumsum(per_expert)                                        # past each expert's last tile
+    slot = mx.arange(max_tiles(P, experts), dtype=mx.int32)
+    expert = mx.minimum(mx.sum(ends[None, :] <= slot[:, None], axis=1), experts - 1).astype(mx.int32)
+    piece = slot - (ends[expert] - per_expert[expert])                  # the tile's place in its run
+    count = mx.clip(counts[expert] - TILE_PAIRS * piece, 0, TILE_PAIRS)
+    count = mx.where(slot < ends[-1], count, 0)
+    return mx.stack([expert, firsts[expert] + TILE_PAIRS * piece, count], axis=1).astype(mx.int32)
 
 
 def reference(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False):
@@ -151,15 +165,15 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     """x [P, 1, K] (bf16) through the experts indices [P] of the stacked MX matrix (weight
     [E, N, K * bits / 32] uint32, scales [E, N, K / 32]) -> [P, 1, N], as gather_qmm. The tiles
     need the pairs sorted by expert: unless `sorted_indices` says they come so (RoutedExperts
-    sorts them), they are sorted here and the result put back in the callers' order. One host
-    sync either way (the tiles)."""
+    sorts them), they are sorted here and the result put back in the callers' order. No host
+    sync: the tiles are made on the device, the grid sized for the most there can be."""
     P, K = indices.size, x.shape[-1]
     N = scales.shape[1]
     flat, x = indices.reshape(-1), x.reshape(P, K)
     order = None if sorted_indices else mx.argsort(flat)
     if order is not None:
         flat, x = flat[order], x[order]
-    work = mx.array(tiles(np.array(flat)))
+    work = tiles(flat, weight.shape[0])
     (y,) = KERNEL(
         inputs=[x, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
         grid=(THREADS, math.ceil(N / TILE_ROWS), work.shape[0]), threadgroup=(THREADS, 1, 1),
