@@ -190,17 +190,19 @@ define("dequant_matmul", "auto",
 
 define("prefill_chunk", 0,
        "tokens per prefill chunk of generate and chat (the server's scheduler picks its own); 0 "
-       "(default): 512. On the H200 slice 2048 was 6% faster at 4K tokens but 2.9x slower at "
-       "32K (16.6 s against 5.6 s), and 5.4 s when each piece of a layer was evaluated on its "
-       "own: a 2048-token chunk's whole graph at once is what costs there "
-       "(benchmarks/results/2026-12-04-0254-prefill-profile-32768-c2048.md)", minimum=0)
-define("prefill_eval_layers", "off",
+       "(default): 2048 under CUDA, 512 elsewhere. On the H200 slice chunks of 2048, evaluated "
+       "layer by layer (DSV4_PREFILL_EVAL_LAYERS), prefilled 4K tokens in 0.40 s against 0.54 "
+       "and 32K in 3.85 s against 5.16 (benchmarks/results/2026-12-04-0848-slice-prefill.md); "
+       "evaluated as one graph they took 16.6 s at 32K "
+       "(2026-12-04-0254-prefill-profile-32768-c2048.md). Metal keeps 512 until a Mac measures it",
+       minimum=0)
+define("prefill_eval_layers", "auto",
        "a prefill chunk evaluated layer by layer (async: mx.async_eval after each layer, the "
-       "host building the next meanwhile; sync: mx.eval) instead of as one graph; off "
-       "(default) until the H200 measures it. Why: in chunks of 2048 at 32K tokens the slice's "
-       "prefill took 16.6 s evaluated whole and 5.4 s evaluated piece by piece "
-       "(benchmarks/results/2026-12-04-0254-prefill-profile-32768-c2048.md)",
-       choices=("off", "async", "sync"))
+       "host building the next meanwhile; sync: mx.eval) instead of as one graph: auto "
+       "(default): async under CUDA, where chunks of 2048 took 3.85 s at 32K tokens with it and "
+       "16.6 s without (benchmarks/results/2026-12-04-0848-slice-prefill.md, "
+       "2026-12-04-0254-prefill-profile-32768-c2048.md); off elsewhere until a Mac measures it; "
+       "async, sync, off", choices=("auto", "off", "async", "sync"))
 define("dequant_prefill", "auto",
        "mxfp8/mxfp4 projections of 512 rows or more (prefill chunks; bf16/fp16 activations) "
        "dequantize their weight for each product and use a plain matmul instead of MLX's "
@@ -328,18 +330,24 @@ define("kernel_matvec", "auto",
        "rounding + MLX's quantized_matmul on the H200, i.e. an input still to be rounded and >= "
        "2048 rows (wo_b: 31.5 vs 37.6 µs, benchmarks/results/2026-11-29-1815-kernels-matvec-h200.md); "
        "on: every such projection; off: quantized_matmul", choices=AUTO_ON_OFF)
-define("kernel_prefill_experts_mma", False,
-       "CUDA: the routed experts of a prefill chunk (64 or more (token, expert) pairs, MX layouts, "
-       "bf16) on tensor cores, a threadgroup per 32 pairs of one expert and 64 rows "
-       "(dsv4/kernels/experts_prefill.py), instead of MLX's gather_qmm (26 TFLOP/s on the "
-       "H200); off (default): host-tested, not yet run on a GPU")
-define("kernel_prefill_attention_mma", False,
+define("kernel_prefill_experts_mma", "auto",
+       "CUDA: the routed experts of a prefill chunk (MX layouts, bf16) on tensor cores, a "
+       "threadgroup per 32 pairs of one expert and 64 rows (dsv4/kernels/experts_prefill.py), "
+       "instead of MLX's gather_qmm. auto (default): under CUDA for chunks whose experts average a "
+       "full tile (32 pairs an expert: 2048 tokens at V4.1's top-6 of 384), where it took 7.0 ms "
+       "against 11.6 a projection (benchmarks/results/2026-12-04-0831-prefill-matmuls.md) and, "
+       "with the CUDA defaults of the prefill chunk, its evaluation and the attention kernel, "
+       "the slice's 32K prefill 3.31 s against 3.85 without both kernels "
+       "(2026-12-04-0848-slice-prefill.md); with chunks of 512 (8 pairs an expert) it was "
+       "slower (5.84 s against 5.16); on: from 64 pairs; off", choices=AUTO_ON_OFF)
+define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "
        "(dsv4/kernels/attention_prefill.py), instead of the reference's per-query gathers of fp32 "
-       "rows (9.0 of its 14.7 ms at 2048 queries on the H200, "
-       "benchmarks/results/2026-12-04-0241-prefill-matmuls.md); the same roundings, another fp32 "
-       "summation order. Off until the H200 measures it")
+       "rows; the same roundings, another fp32 summation order. auto (default): on under CUDA, "
+       "where it took 6.98 ms against 16.96 for 2048 queries (benchmarks/results/"
+       "2026-12-04-0831-prefill-matmuls.md) and the slice's 4K prefill 0.49 s against 0.54 "
+       "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "

@@ -17,11 +17,13 @@ import numpy as np
 from . import flags, memory, profiler
 from .cache import Cache
 from .errors import InputError, reported
+from .kernels.dialect import backend
 from .progress import Progress, Waiting
 from .sampling import Sampling, check_max_tokens, check_seed, make_sampler, option_name
 from .step import decoder
 
 PREFILL_CHUNK = 512   # tokens per prefill chunk unless flag prefill_chunk says otherwise
+CUDA_PREFILL_CHUNK = 2048   # under CUDA, each chunk evaluated layer by layer (see the flag)
 # Why a fresh process's warm-up or first token can take minutes (MLX compiles kernels at their
 # first evaluation; on CUDA dsv4's own come from the kernel cache after the first start).
 KERNELS_WHY = "a process's first steps build their kernels; later ones reuse them"
@@ -41,8 +43,9 @@ class GenerationResponse:
 
 
 def prefill_chunk() -> int:
-    """Tokens per prefill chunk: flag `prefill_chunk`, or PREFILL_CHUNK."""
-    return flags.get("prefill_chunk") or PREFILL_CHUNK
+    """Tokens per prefill chunk: flag `prefill_chunk`, or CUDA_PREFILL_CHUNK under CUDA,
+    PREFILL_CHUNK elsewhere."""
+    return flags.get("prefill_chunk") or (CUDA_PREFILL_CHUNK if backend() == "cuda" else PREFILL_CHUNK)
 
 
 def prefill(model, ids: np.ndarray, cache: Cache, chunk: Optional[int] = None,

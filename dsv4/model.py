@@ -20,6 +20,7 @@ from .config import ModelArgs
 from .engram import DEAD, Engram, NgramHasher
 from .linear import Linear
 from .kernels import cuda_cache, head as head_kernel
+from .kernels.dialect import backend
 from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
@@ -29,6 +30,8 @@ def layer_evaluation(state, lead: tuple[int, int]) -> Optional[Callable]:
     mx.async_eval or mx.eval after each layer), or None: the chunk's graph evaluated whole,
     as a decode step's always is (its fixed-shape state is traced, not evaluated)."""
     how = flags.get("prefill_eval_layers")
+    if how == "auto":
+        how = "async" if backend() == "cuda" else "off"
     if how == "off" or not isinstance(state, ForwardState) or lead[0] * lead[1] == 1:
         return None
     return mx.async_eval if how == "async" else mx.eval

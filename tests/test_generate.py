@@ -112,3 +112,24 @@ def test_prefill_evaluated_layer_by_layer_gives_the_same_logits(tiny_dir, monkey
         monkeypatch.setattr(mx, name, real)
         assert evaluated.count(2) == model.args.num_hidden_layers * chunks   # (streams, pre) per layer
         np.testing.assert_array_equal(got, whole)
+
+
+def test_prefill_defaults_follow_the_backend():
+    """auto: CUDA prefills in chunks of CUDA_PREFILL_CHUNK evaluated layer by layer (async), the
+    others in chunks of PREFILL_CHUNK as one graph; the switches still override."""
+    from dsv4 import flags
+    from dsv4.attention import ForwardState
+    from dsv4.generation import CUDA_PREFILL_CHUNK, PREFILL_CHUNK, prefill_chunk
+    from dsv4.kernels import dialect
+    from dsv4.model import layer_evaluation
+
+    state = ForwardState.__new__(ForwardState)   # only its type matters here
+    assert prefill_chunk() == PREFILL_CHUNK and layer_evaluation(state, (1, 64)) is None
+    with dialect.pretend_gpu("cuda", None):
+        assert prefill_chunk() == CUDA_PREFILL_CHUNK
+        assert layer_evaluation(state, (1, 64)) is mx.async_eval
+        assert layer_evaluation(state, (1, 1)) is None                 # a decode step: one graph
+        with flags.override(prefill_chunk=300, prefill_eval_layers="off"):
+            assert prefill_chunk() == 300 and layer_evaluation(state, (1, 64)) is None
+    with dialect.pretend_gpu("metal", None):
+        assert prefill_chunk() == PREFILL_CHUNK and layer_evaluation(state, (1, 64)) is None

@@ -172,7 +172,9 @@ def test_the_switch_takes_bf16_prefill_on_cuda_only():
         with dialect.pretend_gpu("metal", None):
             assert not ap.applies(q(), kv, kv, 640)
     with dialect.pretend_gpu("cuda", None):
-        assert not ap.applies(q(), kv, kv, 640)                             # the switch is off
+        assert ap.applies(q(), kv, kv, 640)                                 # auto (default): on
+        with flags.override(kernel_prefill_attention_mma="off"):
+            assert not ap.applies(q(), kv, kv, 640)
     assert ap.shared_bytes(512, 640) <= dialect.shared_memory_limit("cuda")
 
 

@@ -156,15 +156,20 @@ def test_the_switch_takes_prefill_chunks_on_cuda_only():
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, "mxfp4", 4, 16, 128, 64)
     idx = mx.array(ids)
-    with flags.override(kernel_prefill_experts_mma=True):
+    with flags.override(kernel_prefill_experts_mma="on"):
         with dialect.pretend_gpu("cuda", None):
             assert experts_prefill.applies(layer, x, idx)
             assert not experts_prefill.applies(layer, x[:63], idx[:63])            # decode, verification
             assert not experts_prefill.applies(layer, x.astype(mx.float32), idx)    # bf16 only
         with dialect.pretend_gpu("metal", None):
             assert not experts_prefill.applies(layer, x, idx)
-    with dialect.pretend_gpu("cuda", None):
-        assert not experts_prefill.applies(layer, x, idx)                          # the switch is off
+    with dialect.pretend_gpu("cuda", None):   # auto (default): a full tile an expert on average
+        assert flags.get("kernel_prefill_experts_mma") == "auto"
+        assert not experts_prefill.applies(layer, x, idx)                          # 16 pairs an expert
+        many = mx.concatenate([idx, idx])
+        assert experts_prefill.applies(layer, mx.concatenate([x, x]), many)       # 32
+        with flags.override(kernel_prefill_experts_mma="off"):
+            assert not experts_prefill.applies(layer, mx.concatenate([x, x]), many)
 
 
 @pytest.mark.gpu

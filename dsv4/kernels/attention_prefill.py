@@ -1,5 +1,5 @@
-"""Prefill's sparse attention on CUDA tensor cores (flag `kernel_prefill_attention_mma`, off by
-default until the H200 measures it).
+"""Prefill's sparse attention on CUDA tensor cores (flag `kernel_prefill_attention_mma`; auto: on
+under CUDA, where the H200 measured it 2.4x the reference at 2048 queries).
 
 At prefill the reference (sparse_attention_reference) gathers each query's rows (its window
 rows and its selected compressed rows, 640 in V4.1), widens them to fp32 and runs two batched
@@ -205,7 +205,7 @@ def applies(q, window_kv, compressed_kv, rows: int) -> bool:
     H, D = q.shape[-2:]
     bf16 = (q.dtype == window_kv.dtype == mx.bfloat16
             and (compressed_kv is None or compressed_kv.dtype == mx.bfloat16))
-    return (bool(flags.get("kernel_prefill_attention_mma")) and backend() == "cuda" and bf16
+    return (backend() == "cuda" and flags.switch("kernel_prefill_attention_mma", True) and bf16
             and H % HEADS == 0 and D % 32 == 0 and shared_bytes(D, rows) <= shared_memory_limit("cuda"))
 
 
