@@ -199,7 +199,8 @@ define("prefill_chunk", 0,
 define("prefill_eval_layers", "auto",
        "a prefill chunk evaluated layer by layer (async: mx.async_eval after each layer, the "
        "host building the next meanwhile; sync: mx.eval) instead of as one graph: auto "
-       "(default): async under CUDA, where chunks of 2048 took 3.85 s at 32K tokens with it and "
+       "(default): async under CUDA for chunks of 16 positions or more (not decode steps, their "
+       "batches or a draft's verification), where chunks of 2048 took 3.85 s at 32K tokens with it and "
        "16.6 s without (benchmarks/results/2026-12-04-0848-slice-prefill.md, "
        "2026-12-04-0254-prefill-profile-32768-c2048.md); off elsewhere until a Mac measures it; "
        "async, sync, off", choices=("auto", "off", "async", "sync"))

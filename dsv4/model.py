@@ -25,13 +25,18 @@ from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
 
+AUTO_EVAL_MIN_TOKENS = 16   # prefill_eval_layers auto: prompt chunks, not steps of <= 8 positions
+
+
 def layer_evaluation(state, lead: tuple[int, int]) -> Optional[Callable]:
     """How a prefill chunk's layers are evaluated one by one (flag `prefill_eval_layers`:
     mx.async_eval or mx.eval after each layer), or None: the chunk's graph evaluated whole,
-    as a decode step's always is (its fixed-shape state is traced, not evaluated)."""
+    as a decode step's always is (its fixed-shape state is traced, not evaluated). auto: async
+    under CUDA for chunks of AUTO_EVAL_MIN_TOKENS positions or more (a batch of decode steps
+    or a draft's verification stays one graph)."""
     how = flags.get("prefill_eval_layers")
     if how == "auto":
-        how = "async" if backend() == "cuda" else "off"
+        how = "async" if backend() == "cuda" and lead[1] >= AUTO_EVAL_MIN_TOKENS else "off"
     if how == "off" or not isinstance(state, ForwardState) or lead[0] * lead[1] == 1:
         return None
     return mx.async_eval if how == "async" else mx.eval

@@ -129,6 +129,8 @@ def test_prefill_defaults_follow_the_backend():
         assert prefill_chunk() == CUDA_PREFILL_CHUNK
         assert layer_evaluation(state, (1, 64)) is mx.async_eval
         assert layer_evaluation(state, (1, 1)) is None                 # a decode step: one graph
+        assert layer_evaluation(state, (4, 1)) is None                 # a batch of them
+        assert layer_evaluation(state, (1, 6)) is None                 # a draft's verification
         with flags.override(prefill_chunk=300, prefill_eval_layers="off"):
             assert prefill_chunk() == 300 and layer_evaluation(state, (1, 64)) is None
     with dialect.pretend_gpu("metal", None):
