@@ -1,6 +1,6 @@
 """The fast path against the plain reference path, where the two must agree (issue 27's checks).
 
-    python -m benchmarks.exactness [--contexts 512,8192] [--steps 32] [--small] [--no-demo]
+    MLX_ENABLE_TF32=0 python -m benchmarks.exactness [--contexts 512] [--steps 32] [--small] [--no-demo]
 
 1. **Real widths** (the shape-true slice of benchmarks/slice_decode.py, cast to float32, the
    fp8/fp4 roundings off): each context is prefilled with random tokens, then `--steps` random
@@ -17,7 +17,10 @@
    0.2% of the reference.
 
 On a machine without a GPU every kernel dispatcher takes its plain-MLX reference, so this
-checks the fixed-shape decoder and its run-ahead only; the H200 run is the real check.
+checks the fixed-shape decoder and its run-ahead only; the H200 run is the real check. There,
+set MLX_ENABLE_TF32=0: otherwise MLX's fp32 matmuls round their inputs to TF32, in the
+reference path too (2.5e-4 / 1.4e-3 with it, 5e-6 / 2e-6 without, at 512). Each context
+costs the reference path's prefill of it in fp32: ~1.5 min at 512 in a fresh process.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def demo_rows() -> tuple[list[str], dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", default="512,8192")
+    p.add_argument("--contexts", default="512")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
     p.add_argument("--no-demo", action="store_true", help="skip the demo checkpoint's loss")

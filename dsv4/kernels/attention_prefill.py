@@ -40,7 +40,6 @@ from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_m
 HEADS = 16      # heads per threadgroup: the mma's M
 THREADS = 128   # 4 SIMD groups
 TILE = 8        # rows per pass-1 tile (the mma's N)
-BLOCK = 16      # rows per pass-2 block (the mma's K)
 PAD = 4         # uint32 of padding per staged row: rows 4 banks apart
 
 HEADER = r"""
