@@ -19,8 +19,7 @@
 On a machine without a GPU every kernel dispatcher takes its plain-MLX reference, so this
 checks the fixed-shape decoder and its run-ahead only; the H200 run is the real check. There,
 set MLX_ENABLE_TF32=0: otherwise MLX's fp32 matmuls round their inputs to TF32, in the
-reference path too (2.5e-4 / 1.4e-3 with it, 5e-6 / 2e-6 without, at 512). Each context
-costs the reference path's prefill of it in fp32: ~1.5 min at 512 in a fresh process.
+reference path too (2.5e-4 / 1.4e-3 with it, 5e-6 / 2e-6 without, at 512).
 """
 
 from __future__ import annotations
