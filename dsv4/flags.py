@@ -341,6 +341,11 @@ define("kernel_prefill_experts_mma", "auto",
        "the slice's 32K prefill 3.31 s against 3.85 without both kernels "
        "(2026-12-04-0848-slice-prefill.md); with chunks of 512 (8 pairs an expert) it was "
        "slower (5.84 s against 5.16); on: from 64 pairs; off", choices=AUTO_ON_OFF)
+define("kernel_prefill_experts_pairs", False,
+       "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: x's fp16 pairs and powers of two made once per "
+       "projection by their own launch (dsv4/kernels/experts_prefill.py X_KERNEL) and copied by each "
+       "threadgroup, where every row block of a tile converts them again (36 blocks for gate/up, 80 "
+       "for down); the same values. Off until the H200 measures it")
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "

@@ -47,28 +47,91 @@ int main() {
 """
 
 
+MAIN_PAIRS = r"""
+void body(const uint32_t* x_pairs, const float* x_scales, const uint32_t* w, const uint8_t* s, const int* tiles,
+          T* y, uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int pairs = read_int(), rows = read_int(), n_tiles = read_int();
+  std::vector<uint32_t> xh((size_t)pairs * K / 2), w((size_t)rows * K * BITS / 32);
+  std::vector<float> xs((size_t)pairs * K / 32);
+  std::vector<T> y((size_t)pairs * N, T(NAN));
+  std::vector<uint8_t> s((size_t)rows * K / 32);
+  std::vector<int> tiles(3 * n_tiles);
+  read(xh); read(xs); read(w); read(s); read(tiles);
+  launch(THREADS, (N + 63) / 64, n_tiles, [&](int t, int g, int z, int threads) {
+    body(xh.data(), xs.data(), w.data(), s.data(), tiles.data(), y.data(), t, g, z, threads);
+  });
+  std::fwrite(y.data(), 2, y.size(), stdout);
+  return 0;
+}
+"""
+
+MAIN_X = r"""
+void body(const T* x, uint32_t* x_pairs, float* x_scales, const int* x_shape, uint32_t tid, uint32_t group_x,
+          uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int pairs = read_int(), blocks = read_int(), threads = read_int();
+  std::vector<T> x((size_t)pairs * K);
+  std::vector<uint32_t> xh((size_t)pairs * K / 2, 0xffffffffu);
+  std::vector<float> xs((size_t)pairs * K / 32, NAN);
+  read(x);
+  const int shape[1] = {pairs};
+  launch(threads, blocks, 1, [&](int t, int g, int z, int n) { body(x.data(), xh.data(), xs.data(), shape, t, g, n); });
+  std::fwrite(xh.data(), 4, xh.size(), stdout);
+  std::fwrite(xs.data(), 4, xs.size(), stdout);
+  return 0;
+}
+"""
+
+
 def host_launch(folder, mutation=""):
-    """A pretend_gpu launch that builds (once per template) and runs the body on the host."""
+    """A pretend_gpu launch that builds (once per kernel and template) and runs the body on the host."""
     built = {}
 
-    def launch(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
-        assert kernel is experts_prefill.KERNEL and threadgroup == (experts_prefill.THREADS, 1, 1)
-        values = {n: v for n, v in template if isinstance(v, int)}
-        key = tuple(sorted(values.items()))
+    def exe(kernel, values, main):
+        key = (kernel.name, tuple(sorted(values.items())))
         if key not in built:
             consts = "".join(f"constexpr int {n} = {int(v)};\n" for n, v in values.items())
             source = (EMULATOR + BF16 + mutation + MMA_EMULATOR + consts
                       + f"constexpr int THREADS = {experts_prefill.THREADS};\n"
-                      + ex._HEADER + experts_mma.HEADER + MAIN.replace("BODY", kernel.body))
+                      + ex._HEADER + experts_mma.HEADER + main.replace("BODY", kernel.body))
             built[key] = build_host(folder, f"prefill{len(built)}", source)
-        x, w, s, tiles = inputs
+        return built[key]
+
+    def launch(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
+        launch.kernels.append(kernel.name)
+        values = {n: v for n, v in template if isinstance(v, int)}
+        if kernel is experts_prefill.X_KERNEL:
+            (x,) = inputs
+            blocks = grid[0] // threadgroup[0]
+            assert grid[0] % threadgroup[0] == 0 and blocks * threadgroup[0] >= x.size // 32
+            data = np.array([x.shape[0], blocks, threadgroup[0]], np.int32).tobytes() + bf16_bits(x)
+            out = subprocess.run([str(exe(kernel, values, MAIN_X))], input=data, capture_output=True,
+                                 check=True).stdout
+            (n_pairs,), (n_scales,) = output_shapes
+            return [mx.array(np.frombuffer(out[:4 * n_pairs], np.uint32)),
+                    mx.array(np.frombuffer(out[4 * n_pairs:], np.float32))]
+        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PAIRS)
+        assert threadgroup == (experts_prefill.THREADS, 1, 1)
+        *xin, w, s, tiles = inputs
         (pairs, n), = output_shapes
         assert grid == (experts_prefill.THREADS, -(-n // experts_prefill.TILE_ROWS), tiles.shape[0])
-        data = (np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes() + bf16_bits(x)
-                + np.array(w).tobytes() + np.array(s).tobytes() + np.array(tiles).tobytes())
-        out = subprocess.run([str(built[key])], input=data, capture_output=True, check=True).stdout
+        head = np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes()
+        if kernel is experts_prefill.KERNEL:
+            data, main = head + bf16_bits(xin[0]), MAIN
+        else:
+            data, main = head + np.array(xin[0]).tobytes() + np.array(xin[1]).tobytes(), MAIN_PAIRS
+        data += np.array(w).tobytes() + np.array(s).tobytes() + np.array(tiles).tobytes()
+        out = subprocess.run([str(exe(kernel, values, main))], input=data, capture_output=True, check=True).stdout
         return [from_bf16_bits(out, (pairs, n))]
 
+    launch.kernels = []
     return launch
 
 
@@ -101,21 +164,27 @@ def check(y, layer, x, ids):
 # N = 40: one threadgroup of 64 rows, its rows 40-63 clamped; K = 256 / 384: 2 and 3 chunks of
 # 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles. The pairs in any
 # order (sorted by the dispatcher) or sorted by expert, as RoutedExperts passes them.
-@pytest.mark.parametrize("mode,n,k,sort", [("mxfp4", 40, 256, False), ("mxfp8", 72, 384, False),
-                                           ("mxfp4", 40, 256, True)])
-def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort):
+@pytest.mark.parametrize("mode,n,k,sort,pairs", [("mxfp4", 40, 256, False, False), ("mxfp8", 72, 384, False, False),
+                                                 ("mxfp4", 40, 256, True, False), ("mxfp4", 40, 256, True, True),
+                                                 ("mxfp8", 72, 384, False, True)])
+def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, pairs):
+    """pairs: x's fp16 pairs made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)."""
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 6, n, k, 70)
     if sort:
         order = np.argsort(ids, kind="stable")
         x, ids = x[mx.array(order)], ids[order]
-    with (flags.override(kernel_prefill_experts_mma=True), dialect.pretend_gpu("cuda", host_launch(tmp_path)),
-          warnings.catch_warnings()):
+    launch = host_launch(tmp_path)
+    # dequant_matmul off: on the CPU device its auto mode would multiply dense copies instead
+    with (flags.override(kernel_prefill_experts_mma=True, kernel_prefill_experts_pairs=pairs, dequant_matmul="off"),
+          dialect.pretend_gpu("cuda", launch), warnings.catch_warnings()):
         warnings.simplefilter("error")   # a fall-back to the reference would be a failure
         assert experts_prefill.applies(layer, x, mx.array(ids))
         y = layer(x, mx.array(ids), sorted_indices=sort)
     assert y.shape == (70, 1, n) and y.dtype == mx.bfloat16
-    check(y, layer, x, ids)
+    check(y, layer, x, ids)   # evaluates y: the launches run then
+    want = [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name] if pairs else [experts_prefill.KERNEL.name]
+    assert launch.kernels == want
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
@@ -173,14 +242,16 @@ def test_the_switch_takes_prefill_chunks_on_cuda_only():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("mode,n,k", [("mxfp4", 2304, 5120), ("mxfp4", 5120, 2304), ("mxfp8", 2304, 5120)])
-def test_prefill_experts_on_the_gpu(mode, n, k):
+def test_prefill_experts_on_the_gpu(mode, n, k, pairs):
     """The CUDA build at V4.1's expert shapes against the same float64 products."""
     if dialect.backend() != "cuda":
         pytest.skip("CUDA only")
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 8, n, k, 300)
-    with flags.override(kernel_prefill_experts_mma=True), warnings.catch_warnings():
+    with flags.override(kernel_prefill_experts_mma=True, kernel_prefill_experts_pairs=pairs), \
+            warnings.catch_warnings():
         warnings.simplefilter("error")
         assert experts_prefill.applies(layer, x, mx.array(ids))
         y = layer(x, mx.array(ids))

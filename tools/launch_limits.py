@@ -261,8 +261,10 @@ def v41_calls():
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
         pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):
-            experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs, 32, 4,
-                                            "mxfp4", sorted_indices=True)
+            for made_once in (False, True):   # x's fp16 pairs made per threadgroup, or once
+                with flags.override(kernel_prefill_experts_pairs=made_once):
+                    experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs,
+                                                    32, 4, "mxfp4", sorted_indices=True)
 
 
 def v41_problems() -> list[str]:

@@ -42,7 +42,7 @@ CHUNK = 128        # input values per shared-memory chunk (4 groups)
 X_STRIDE = 72      # uint32 per pair's row of the chunk: 64 fp16 pairs, padded off the bank period
 MIN_PAIRS = 64     # fewer pairs (decode, verification) keep gather_qmm
 
-BODY = r"""
+_BODY = r"""
   // grid (THREADS, ceil(N / 64), tiles); tile z = (expert, first pair, pairs) in `tiles`.
   constexpr int GROUPS = K / 32;
   const int PAIR_GAP = MODE == 1 ? 4 : 2;
@@ -59,23 +59,7 @@ BODY = r"""
   float acc[4][4];
   for (int j = 0; j < 4; ++j) for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
   for (int c = 0; c < GROUPS / 4; ++c) {
-    {   // thread tid: group tid % 4 of the chunk for pair tid / 4 of the tile (zeros past its end)
-      const int pr = (int)tid >> 2, gl = (int)tid & 3;
-      uint32_t hv[32];
-      float xs = 0.0f;
-      if (pr < count) {
-        float v[32];
-        for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);
-        store_x_halves<false>(hv, &xs, 0, v);
-      } else {
-        for (int i = 0; i < 32; ++i) hv[i] = 0u;
-      }
-      for (int p = 0; p < 16; ++p) {
-        const int k = pair_k<MODE>(p);
-        xp[pr * XSTRIDE + 16 * gl + p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
-      }
-      xsc[pr * 4 + gl] = xs * UNIT;
-    }
+STAGE
     BARRIER();
     for (int gl = 0; gl < 4; ++gl) {
       const int g = 4 * c + gl;
@@ -110,14 +94,91 @@ BODY = r"""
     }
 """
 
+# The staging of a chunk: thread tid makes group tid % 4 of the chunk for pair tid / 4 of the tile
+# (zeros past its end) as fp16 pairs in the A fragments' order and the pack's power of two: from
+# x itself, or copied from the pairs and powers X_KERNEL made once for every threadgroup.
+_CONVERT = r"""
+    {
+      const int pr = (int)tid >> 2, gl = (int)tid & 3;
+      uint32_t hv[32];
+      float xs = 0.0f;
+      if (pr < count) {
+        float v[32];
+        for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);
+        store_x_halves<false>(hv, &xs, 0, v);
+      } else {
+        for (int i = 0; i < 32; ++i) hv[i] = 0u;
+      }
+      for (int p = 0; p < 16; ++p) {
+        const int k = pair_k<MODE>(p);
+        xp[pr * XSTRIDE + 16 * gl + p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
+      }
+      xsc[pr * 4 + gl] = xs * UNIT;
+    }
+"""
+_COPY = r"""
+    {
+      const int pr = (int)tid >> 2, gl = (int)tid & 3;
+      uint4 h[4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
+      float xs = 0.0f;
+      if (pr < count) {
+        const size_t pack = (size_t)(first + pr) * GROUPS + 4 * c + gl;
+        for (int i = 0; i < 4; ++i) h[i] = LOAD_U4(x_pairs + 16 * pack, i);
+        xs = x_scales[pack];
+      }
+      for (int i = 0; i < 4; ++i) {
+        uint32_t* to = xp + pr * XSTRIDE + 16 * gl + 4 * i;
+        to[0] = h[i].x; to[1] = h[i].y; to[2] = h[i].z; to[3] = h[i].w;
+      }
+      xsc[pr * 4 + gl] = xs;
+    }
+"""
+
+X_BODY = r"""
+  // grid (packs rounded up to the threadgroup, 1, 1): thread i makes pack i % (K / 32) of pair
+  // i / (K / 32), as _CONVERT does for one threadgroup: its 16 fp16 pairs and power of two.
+  constexpr int PACKS = K / 32;
+  const int PAIR_GAP = MODE == 1 ? 4 : 2;
+  constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;
+  const size_t i = (size_t)group_x * group_threads + tid;
+  if (i >= (size_t)x_shape[0] * PACKS) return;
+  float v[32];
+  for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (i / PACKS) * K, (int)(i % PACKS), c8, v + 8 * c8);
+  uint32_t hv[32];
+  float xs;
+  store_x_halves<false>(hv, &xs, 0, v);
+  for (int p = 0; p < 16; ++p) {
+    const int k = pair_k<MODE>(p);
+    x_pairs[16 * i + p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
+  }
+  x_scales[i] = xs * UNIT;
+"""
+
+_SHAPES = (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304), ("mxfp8", 8, 2304, 5120))
+
 KERNEL = Kernel(
     name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles"), output_names=("y",),
-    body=BODY, header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
+    body=_BODY.replace("STAGE", _CONVERT), header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
     checks=tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
                   (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
                    ("N", n), ("K", k)))
-                 for mode, bits, n, k in (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304),
-                                          ("mxfp8", 8, 2304, 5120))))
+                 for mode, bits, n, k in _SHAPES))
+
+KERNEL_PAIRS = Kernel(
+    name="dsv4_prefill_experts_mma_pairs", input_names=("x_pairs", "x_scales", "w", "s", "tiles"),
+    output_names=("y",), body=_BODY.replace("STAGE", _COPY), header=_HEADER + experts_mma.HEADER,
+    dialects=("cuda",),
+    checks=tuple(((mx.uint32, mx.float32, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
+                  (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
+                   ("N", n), ("K", k)))
+                 for mode, bits, n, k in _SHAPES))
+
+X_KERNEL = Kernel(
+    name="dsv4_prefill_experts_x", input_names=("x",), output_names=("x_pairs", "x_scales"), body=X_BODY,
+    header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
+    checks=tuple(((mx.bfloat16,), (mx.uint32, mx.float32), (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("K", k)))
+                 for mode, k in (("mxfp4", 5120), ("mxfp4", 2304), ("mxfp8", 5120))))
+X_THREADS = 128
 
 
 def applies(layer, x: mx.array, indices: mx.array) -> bool:
@@ -177,8 +238,15 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     if order is not None:
         flat, x = flat[order], x[order]
     work = tiles(flat, weight.shape[0])
-    (y,) = KERNEL(
-        inputs=[x, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
+    inputs, kernel = [x], KERNEL
+    if flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
+        packs = P * K // 32
+        inputs, kernel = X_KERNEL(
+            inputs=[x], output_shapes=[(packs * 16,), (packs,)], output_dtypes=[mx.uint32, mx.float32],
+            grid=(math.ceil(packs / X_THREADS) * X_THREADS, 1, 1), threadgroup=(X_THREADS, 1, 1),
+            template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("K", K)]), KERNEL_PAIRS
+    (y,) = kernel(
+        inputs=[*inputs, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
         grid=(THREADS, math.ceil(N / TILE_ROWS), work.shape[0]), threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE), ("N", N),
                   ("K", K)])
