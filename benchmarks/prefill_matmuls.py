@@ -1,6 +1,7 @@
 """The matmuls of a prefill chunk at V4.1's shapes, each way MLX can compute them (GPU).
 
     python -m benchmarks.prefill_matmuls [--tokens 128,512,2048] [--repeats 5]
+                                         [--parts dense,grouped,attention,experts]
 
 For each chunk size T:
 - the dense projections (mxfp8, group 32): MLX's quantized_matmul, the weight dequantized to
