@@ -59,8 +59,8 @@ def reference_switches() -> dict:
 
 
 def fast_logits(model, prompt: np.ndarray, forced: np.ndarray) -> mx.array:
-    """[1 + len(forced) - 1, V]: the prompt's last logits, then each forced token's, the
-    tokens fed through decode_tokens (the decoder and run-ahead the switches pick)."""
+    """[len(forced), V]: the prompt's last logits, then those after each forced token but the
+    last, the tokens fed through decode_tokens (the decoder and run-ahead the switches pick)."""
     from dsv4.generation import decode_tokens, prefill
 
     cache = model.make_cache()

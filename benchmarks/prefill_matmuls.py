@@ -184,8 +184,8 @@ def main(argv=None) -> int:
 
     rate = matmul_roofline()
     table = []
+    parts = {"dense": dense_rows, "grouped": grouped_rows, "attention": attention_rows, "experts": expert_rows}
     for t in [int(v) for v in a.tokens.split(",")]:
-        parts = {"dense": dense_rows, "grouped": grouped_rows, "attention": attention_rows, "experts": expert_rows}
         for part in (parts[name] for name in a.parts.split(",")):
             for shape, way, flops, s in part(t, a.repeats):
                 tflops = flops / s / 1e12   # 0 for a row without a product

@@ -100,7 +100,7 @@ def host_launch(folder, mutation=""):
             consts = "".join(f"constexpr int {n} = {int(v)};\n" for n, v in values.items())
             source = (EMULATOR + BF16 + mutation + MMA_EMULATOR + consts
                       + f"constexpr int THREADS = {experts_prefill.THREADS};\n"
-                      + ex._HEADER + experts_mma.HEADER + main.replace("BODY", kernel.body))
+                      + kernel.header + main.replace("BODY", kernel.body))
             built[key] = build_host(folder, f"prefill{len(built)}", source)
         return built[key]
 

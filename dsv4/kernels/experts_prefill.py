@@ -45,8 +45,6 @@ MIN_PAIRS = 64     # fewer pairs (decode, verification) keep gather_qmm
 _BODY = r"""
   // grid (THREADS, ceil(N / 64), tiles); tile z = (expert, first pair, pairs) in `tiles`.
   constexpr int GROUPS = K / 32;
-  const int PAIR_GAP = MODE == 1 ? 4 : 2;
-  constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;   // the 2^14 (2^8) pair_bits takes out
   const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
   const int count = tiles[3 * (int)group_z + 2];
   if (count <= 0) return;   // a slot past the last tile (the grid is sized for the most there can be)
@@ -100,20 +98,15 @@ STAGE
 _CONVERT = r"""
     {
       const int pr = (int)tid >> 2, gl = (int)tid & 3;
-      uint32_t hv[32];
-      float xs = 0.0f;
+      uint32_t* to = xp + pr * XSTRIDE + 16 * gl;
       if (pr < count) {
         float v[32];
         for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);
-        store_x_halves<false>(hv, &xs, 0, v);
+        xsc[pr * 4 + gl] = pack_x_pairs<MODE>(to, v);
       } else {
-        for (int i = 0; i < 32; ++i) hv[i] = 0u;
+        for (int p = 0; p < 16; ++p) to[p] = 0u;
+        xsc[pr * 4 + gl] = 0.0f;
       }
-      for (int p = 0; p < 16; ++p) {
-        const int k = pair_k<MODE>(p);
-        xp[pr * XSTRIDE + 16 * gl + p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
-      }
-      xsc[pr * 4 + gl] = xs * UNIT;
     }
 """
 _COPY = r"""
@@ -138,27 +131,38 @@ X_BODY = r"""
   // grid (packs rounded up to the threadgroup, 1, 1): thread i makes pack i % (K / 32) of pair
   // i / (K / 32), as _CONVERT does for one threadgroup: its 16 fp16 pairs and power of two.
   constexpr int PACKS = K / 32;
-  const int PAIR_GAP = MODE == 1 ? 4 : 2;
-  constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;
   const size_t i = (size_t)group_x * group_threads + tid;
   if (i >= (size_t)x_shape[0] * PACKS) return;
   float v[32];
   for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (i / PACKS) * K, (int)(i % PACKS), c8, v + 8 * c8);
+  x_scales[i] = pack_x_pairs<MODE>(x_pairs + 16 * i, v);
+"""
+
+# What both stagings share: a pack's fp16 pairs in the A fragments' order and its power of two.
+_PACK_HEADER = r"""
+// Pack (32 values v) of an input row as the tiles' B side reads it: its 16 fp16 pairs at dst in
+// the order pair_bits holds the weights (pair_k; the high one PAIR_GAP further), and, returned,
+// the pack's power of two (store_x_halves) times the 2^14 (2^8) pair_bits takes out.
+template <int MODE, typename PD>
+KFN float pack_x_pairs(PD dst, LOCAL const float* v) {
+  constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;
   uint32_t hv[32];
   float xs;
   store_x_halves<false>(hv, &xs, 0, v);
   for (int p = 0; p < 16; ++p) {
     const int k = pair_k<MODE>(p);
-    x_pairs[16 * i + p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
+    dst[p] = (hv[k] & 0xffffu) | (hv[k + PAIR_GAP] << 16);
   }
-  x_scales[i] = xs * UNIT;
+  return xs * (MODE == 1 ? 16384.0f : 256.0f);
+}
 """
+HEADER = _HEADER + experts_mma.HEADER + _PACK_HEADER
 
 _SHAPES = (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304), ("mxfp8", 8, 2304, 5120))
 
 KERNEL = Kernel(
     name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles"), output_names=("y",),
-    body=_BODY.replace("STAGE", _CONVERT), header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
+    body=_BODY.replace("STAGE", _CONVERT), header=HEADER, dialects=("cuda",),
     checks=tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
                   (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
                    ("N", n), ("K", k)))
@@ -166,7 +170,7 @@ KERNEL = Kernel(
 
 KERNEL_PAIRS = Kernel(
     name="dsv4_prefill_experts_mma_pairs", input_names=("x_pairs", "x_scales", "w", "s", "tiles"),
-    output_names=("y",), body=_BODY.replace("STAGE", _COPY), header=_HEADER + experts_mma.HEADER,
+    output_names=("y",), body=_BODY.replace("STAGE", _COPY), header=HEADER,
     dialects=("cuda",),
     checks=tuple(((mx.uint32, mx.float32, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
                   (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
@@ -175,7 +179,7 @@ KERNEL_PAIRS = Kernel(
 
 X_KERNEL = Kernel(
     name="dsv4_prefill_experts_x", input_names=("x",), output_names=("x_pairs", "x_scales"), body=X_BODY,
-    header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
+    header=HEADER, dialects=("cuda",),
     checks=tuple(((mx.bfloat16,), (mx.uint32, mx.float32), (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("K", k)))
                  for mode, k in (("mxfp4", 5120), ("mxfp4", 2304), ("mxfp8", 5120))))
 X_THREADS = 128
