@@ -173,7 +173,12 @@ inline float emulated_simd_max(float v) {
 inline float emulated_simd_xor(float v, int mask) {
   return emulated_warp_op(v, [mask](const float* w) { return w[t_lane ^ (uint32_t)mask]; });
 }
+// A lane's int from lane src (through the lanes' exchange, as bits).
+inline int emulated_simd_shuffle(int v, int src) {
+  return (int)host_as_uint(emulated_warp_op(host_as_float((uint32_t)v), [src](const float* w) { return w[src]; }));
+}
 #undef simd_sum_f
+#define simd_shuffle_i emulated_simd_shuffle
 #define simd_sum_f emulated_simd_sum
 #define simd_max_f emulated_simd_max
 #define simd_xor_f emulated_simd_xor

@@ -21,13 +21,9 @@ from tests.test_kernels_mhc import oracle_mixes
 HC, NM, ITERS = 4, 24, 20
 NORM_EPS, HC_EPS, RMS_EPS = 1e-6, 1e-6, 1e-6
 
-# What the emulator lacks for these bodies: shuffles (through the lanes' exchange), RSQRT,
-# DIV_RN, and bf16 as a type that rounds to nearest even on its way in.
+# What the emulator lacks for these bodies: RSQRT, DIV_RN, and bf16 as a type that rounds to
+# nearest even on its way in.
 EXTRAS = r"""
-inline int emulated_simd_shuffle(int v, int src) {
-  return (int)host_as_uint(emulated_warp_op(host_as_float((uint32_t)v), [src](const float* w) { return w[src]; }));
-}
-#define simd_shuffle_i emulated_simd_shuffle
 #define RSQRT(x) (1.0f / std::sqrt(x))
 #define DIV_RN(a, b) ((a) / (b))
 struct bf16 {

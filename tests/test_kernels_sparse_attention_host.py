@@ -24,18 +24,7 @@ from tests.test_kernels_experts_host import BF16
 from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_sparse_attention import as_np, oracle
 
-SHUFFLE = r"""
-inline int emulated_shuffle_i(int v, int src) {
-  static int vals[32][32];
-  vals[t_warp][t_lane] = v;
-  warp_bar[t_warp]->arrive_and_wait();
-  const int r = vals[t_warp][src];
-  warp_bar[t_warp]->arrive_and_wait();
-  return r;
-}
-#define simd_shuffle_i emulated_shuffle_i
-using std::max;
-"""
+MAX = "using std::max;\n"
 
 # Inputs on stdin: the input shapes, sizes, then the arrays in the kernel's input order.
 PARTIAL_MAIN = r"""
@@ -114,7 +103,7 @@ class Emulated:
         if key not in self.built:
             consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
             self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
-                                         EMULATOR + BF16 + SHUFFLE + consts + sa._HEADER + sa._ROWS8_HEADER
+                                         EMULATOR + BF16 + MAX + consts + sa._HEADER + sa._ROWS8_HEADER
                                          + main.replace("BODY", kernel.body))
         return self.built[key]
 
