@@ -9,7 +9,8 @@ fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fuse
 1. Decode: the fused experts (gate/up + down launches) for 1, 2, 4 and 8 tokens of distinct
    experts: time per call (medians, host share included) and the rate at which it reads the
    weights it uses, for each GGUF unit variant (VARIANTS: the blocks as before, Q8_0 pairs, the
-   wide 16-byte loads) interleaved in one run, with whether its output equals the first's; the
+   wide 16-byte loads; for the experts also EXPERT_VARIANTS' fp16-subnormal codes and q2's
+   tensor-core gate/up) interleaved in one run, with whether its output equals the first's; the
    same for the GGUF Q8_0 dense matvec at the dense projections' shapes (1 and 8 tokens).
 2. Prefill: one MoE layer's experts over a 512-token chunk, 8 chunks (4096 tokens), through
    the path prefill takes: GGUF (only the selected experts decoded, a batch at a time) against
@@ -90,11 +91,14 @@ def expert_bytes(m) -> float:
 
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
-VARIANTS = {"blocks": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False),
-            "Q8_0 pairs": dict(kernel_gguf_q8_pairs=True, kernel_gguf_wide=False, kernel_gguf_halves=False),
-            "wide": dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=True, kernel_gguf_halves=False)}
-# The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none).
-EXPERT_VARIANTS = dict(VARIANTS, halves=dict(VARIANTS["wide"], kernel_gguf_halves=True))
+_PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False)
+VARIANTS = {"blocks": _PORTABLE,
+            "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
+            "wide": dict(_PORTABLE, kernel_gguf_wide=True)}
+# The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none),
+# and q2's gate/up on tensor cores (gguf_mma.py; q4's Q4_K keeps the halves units there).
+EXPERT_VARIANTS = dict(VARIANTS, halves=dict(VARIANTS["wide"], kernel_gguf_halves=True),
+                       mma=dict(VARIANTS["wide"], kernel_gguf_halves=True, kernel_gguf_mma=True))
 
 
 def under(switches: dict, fn):
@@ -223,7 +227,8 @@ def main(argv=None) -> int:
              "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
              "GGUF variants interleaved in one run: blocks (the units as they were), Q8_0 pairs "
              "(DSV4_KERNEL_GGUF_Q8_PAIRS), wide (DSV4_KERNEL_GGUF_WIDE: 16-byte loads for Q8_0, IQ2_XXS, "
-             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units). 'same' = "
+             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), mma "
+             "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

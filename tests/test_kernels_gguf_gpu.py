@@ -13,6 +13,7 @@ import pytest
 
 from dsv4 import flags
 from dsv4.kernels import experts as ex
+from dsv4.kernels import gguf_mma
 from dsv4.kernels import matvec as mv
 from dsv4.kernels import mhc
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
@@ -45,11 +46,15 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True, "halves"])
+@pytest.mark.parametrize("wide", [False, True, "halves", "mma"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
-    subnormals (DSV4_KERNEL_GGUF_HALVES)."""
-    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide == "halves"):
+    subnormals (DSV4_KERNEL_GGUF_HALVES); "mma": q2's gate/up on tensor cores (DSV4_KERNEL_GGUF_MMA)."""
+    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "mma"),
+                        kernel_gguf_mma=wide == "mma"):
+        gate, _, _, shared = experts
+        x = mx.zeros((tokens, gate.in_features), mx.bfloat16)
+        assert gguf_mma.applies(x, gate, shared[0]) == (wide == "mma" and gate.qtype == "IQ2_XXS")
         experts_against_their_stages(experts, tokens, act_quant)
 
 
@@ -68,9 +73,15 @@ def experts_against_their_stages(experts, tokens, act_quant):
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_gguf_routed_experts_with_expand(experts, tokens):
+@pytest.mark.parametrize("mma", [False, True])
+def test_gguf_routed_experts_with_expand(experts, tokens, mma):
     """The router's tail and the mHC expand fused around the GGUF experts: the same as routing
-    with the router kernel, then the two launches, then hc_expand."""
+    with the router kernel, then the two launches, then hc_expand (`mma`: DSV4_KERNEL_GGUF_MMA)."""
+    with flags.override(kernel_gguf_mma=mma):
+        routed_experts_with_expand(experts, tokens)
+
+
+def routed_experts_with_expand(experts, tokens):
     from dsv4.kernels import router
     gate, up, down, shared = experts
     E, D = gate.weight.shape[0], gate.in_features

@@ -214,7 +214,7 @@ def v41_calls():
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
             for e, mma in ((None, False), (expand, False), (expand, True)):   # mma: the CUDA tensor-core gate/up
-                with flags.override(kernel_moe_mma=mma):
+                with flags.override(kernel_moe_mma=mma, kernel_gguf_mma=mma):
                     experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up,
                                     down, shared, a.swiglu_limit, True, e)
                     experts.routed_experts(x, logits, _zeros(E, dtype=mx.float32), k, 1.0,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import experts_mma, gguf_dot
+from dsv4.kernels import experts_mma, gguf_dot, gguf_mma
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.kernels.mhc import hc_expand
@@ -547,20 +547,23 @@ DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_
 
 
 # The gate/up launch on CUDA tensor cores (experts_mma.py; MX layouts only, CUDA only).
-def _mma_checks(routed: bool):
-    mats = (mx.uint32, mx.uint8, mx.uint8) * 4
-    tmpl = experts_mma.template(experts_mma.check_template(), True, 2304, 5120)
+def _mma_checks(routed: bool, mats: tuple = (mx.uint32, mx.uint8, mx.uint8) * 4, common: list = None):
+    """The compile gate's instance of a tensor-core gate/up launch at V4.1's widths: the four
+    matrices' operand dtypes and the layouts' template values (V4.1's MX ones by default)."""
+    tmpl = experts_mma.template(common or experts_mma.check_template(), True, 2304, 5120)
     if routed:
         ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
         return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + [("E", 384), ("NORM", True)])),)
     return (((mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats, (mx.bfloat16,), tuple(tmpl)),)
 
 
+_NO_TABLES = {"MMA_TABLES": "  const uint4* mma_tab = 0;"}
 MMA_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_mma", input_names=_GATE_UP_INPUTS, output_names=("h",),
-                            body=_gate_up_body(_GIVEN, experts_mma.BODY), header=_HEADER + experts_mma.HEADER,
-                            checks=_mma_checks(False), dialects=("cuda",))
+                            body=_gate_up_body(dict(_GIVEN, **_NO_TABLES), experts_mma.BODY),
+                            header=_HEADER + experts_mma.HEADER, checks=_mma_checks(False), dialects=("cuda",))
 MMA_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_mma", input_names=_ROUTED_GATE_UP_INPUTS,
-                                   output_names=("h", "ids"), body=_gate_up_body(_ROUTED, experts_mma.BODY),
+                                   output_names=("h", "ids"),
+                                   body=_gate_up_body(dict(_ROUTED, **_NO_TABLES), experts_mma.BODY),
                                    header=_HEADER + experts_mma.HEADER + ROUTER_HEADER,
                                    checks=_mma_checks(True), dialects=("cuda",))
 
@@ -619,6 +622,27 @@ GGUF_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf", inp
                                     header=_GGUF_HEADER + ROUTER_HEADER, checks=_gguf_checks("routed_gate_up"))
 GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUTS, output_names=("y",),
                           body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
+
+
+# The gate/up launch over GGUF blocks on CUDA tensor cores (gguf_mma.py: ds4's q2 recipe's
+# IQ2_XXS routed and Q8_0 shared experts); the down launch stays the portable one above.
+# ds4's q2 recipe: IQ2_XXS routed, Q8_0 shared (GGUF operands: bytes, tables, placeholder).
+_GGUF_MMA_CHECK = ((mx.uint8, mx.uint32, mx.uint32) * 4,
+                   [("T", mx.bfloat16), ("MODE", 13), ("BITS", 0), ("GS", 0), ("SMODE", 10), ("SBITS", 0),
+                    ("SGS", 0), ("HS", 1), ("K", 6)])
+
+
+_GGUF_MMA_HEADER = _HEADER + gguf_dot.BLOCK_LOADS + experts_mma.HEADER + gguf_mma.HEADER
+_GGUF_TABLES = {"MMA_TABLES": gguf_mma.STAGE_TABLES}
+GGUF_MMA_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf_mma", input_names=_GATE_UP_INPUTS,
+                                 output_names=("h",), body=_gate_up_body(dict(_GIVEN, **_GGUF_TABLES), experts_mma.BODY),
+                                 header=_GGUF_MMA_HEADER, checks=_mma_checks(False, *_GGUF_MMA_CHECK),
+                                 dialects=("cuda",))
+GGUF_MMA_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf_mma", input_names=_ROUTED_GATE_UP_INPUTS,
+                                        output_names=("h", "ids"),
+                                        body=_gate_up_body(dict(_ROUTED, **_GGUF_TABLES), experts_mma.BODY),
+                                        header=_GGUF_MMA_HEADER + ROUTER_HEADER, checks=_mma_checks(True, *_GGUF_MMA_CHECK),
+                                        dialects=("cuda",))
 
 
 def _kernels(m):
@@ -715,6 +739,10 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     template = _common_template(x.dtype, K, gate, s_gate)
     if experts_mma.applies(x, gate, s_gate):
         given_kernel, routed_kernel = MMA_GATE_UP_KERNEL, MMA_ROUTED_GATE_UP_KERNEL
+        threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
+    elif gguf_mma.applies(x, gate, s_gate):
+        given_kernel, routed_kernel = GGUF_MMA_GATE_UP_KERNEL, GGUF_MMA_ROUTED_GATE_UP_KERNEL
+        template = [("T", x.dtype)] + gguf_mma.layouts(gate, s_gate) + [("HS", int(s_gate is not None)), ("K", K)]
         threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
     else:
         given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)

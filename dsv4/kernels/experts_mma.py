@@ -1,6 +1,7 @@
 """The fused experts' gate/up and down launches on CUDA tensor cores (flag `kernel_moe_mma`), and
-the projection matvec's (`kernel_matvec_mma`, matvec.py); both off by default: not yet run on a
-GPU; the portable kernels of experts.py and matvec.py are the rollback, and Metal's.
+the projection matvec's (`kernel_matvec_mma`, matvec.py); both off by default: within their
+bounds on the H200 but slower there; the portable kernels of experts.py and matvec.py are the
+rollback, and Metal's.
 
 The portable kernel spends ~4.2 instructions per fp4 weight (decode to fp16, widen to fp32, one
 FMA per weight and token). Here the decoded fp16 pairs go straight into `mma.sync.m16n8k16`
@@ -19,7 +20,9 @@ places. The four lanes of a lane group hold four different groups, each with its
 is block-diagonal: column n < 4 holds group n's x (its fp16 high part), column n + 4 its low part
 (hi + lo carries 22 bits of x divided by a power of two that keeps hi within fp16's range), zero
 elsewhere. D's column n is then group n's partial sum of each row, which its lane scales by the
-row's e8m0 scale and x's power of two before summing; the lane group's four lanes sum last.
+row's group scale (the one lane n of the lane group loaded, shuffled over) and x's power of two
+before summing; the lane group's four lanes sum last. x's parts sit in two fp16 planes.
+The codes are a trait (MmaCodes<MODE>: MX packs here, GGUF blocks in gguf_mma.py).
 
 The down launch does the same for each slot's h (one fp16 part: h is bf16, so it fits whole
 but for values below 2^-32 of their group's largest), a SIMD group per slot over 16 rows,
@@ -53,11 +56,11 @@ template <int MODE> KFN uint32_t pair_bits(LOCAL const uint32_t* w, int p) {
 template <int MODE> KFN int pair_k(int p) { return MODE == 1 ? 8 * (p >> 2) + (p & 3) : 4 * (p >> 1) + (p & 1); }
 
 // Pack p (32 values v) of an input as the B side reads it: per value the fp16 bits of v / s,
-// s = the pack's power of two that keeps |v / s| <= 2^15, and with LO in the high half the fp16
-// bits of what that leaves (hi + lo carries 22 bits: a bf16 x exactly; without LO, values below
-// 2^-32 of the pack's largest lose bits, as fp16 subnormals).
+// s = the pack's power of two that keeps |v / s| <= 2^15, and with LO, lo_at values further (a
+// second plane), the fp16 bits of what that leaves (hi + lo carries 22 bits: a bf16 x exactly;
+// without LO, values below 2^-32 of the pack's largest lose bits, as fp16 subnormals).
 template <bool LO, typename PH, typename PS>
-KFN void store_x_halves(PH xh, PS xscale, int p, LOCAL const float* v) {
+KFN void store_x_halves(PH xh, PS xscale, int p, LOCAL const float* v, int lo_at = 0) {
   float amax = 0.0f;
   for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
   const float s = pow2_ceil(FMAX(amax * (1.0f / 32768.0f), 1.17549435e-38f));
@@ -66,64 +69,91 @@ KFN void store_x_halves(PH xh, PS xscale, int p, LOCAL const float* v) {
   for (int i = 0; i < 32; ++i) {
     const float a = v[i] * inv;
     const uint32_t hi = F2H_BITS(a);
-    if (LO) xh[32 * p + i] = hi | (F2H_BITS(a - half2_bits_to_float2(hi).x) << 16);
-    else xh[32 * p + i] = hi;
+    xh[32 * p + i] = hi;
+    if (LO) xh[lo_at + 32 * p + i] = F2H_BITS(a - half2_bits_to_float2(hi).x);
   }
 }
 
-// Sums of an input (xh, xscale as store_x_halves<LO> left them) with the 16 rows row0..
-// (clamped to rows_out) of the MX matrix at w0/s0 (and w1/s1 if TWO) from row `first`, over
-// the chunks split, split + splits, ... of 128 inputs. On return each lane of lane group q holds
-// rows row0 + q (acc[0]) and row0 + q + 8 (acc[1]).
+// A lane's group of 32 codes of one row, as rows_mma reads them: load(w, s, row, grp) takes group
+// grp of the row from a matrix's operands, `scale` is then the group's scale (times what the
+// pairs take out), and quad(e, out, tab) gives pairs 4e..4e+3 as fp16 bit pairs whose weights
+// are the group's places pair_k(p) and pair_k(p) + PAIR_GAP (tab: the launch's threadgroup
+// tables, for codes that decode through one). MX packs here; GGUF blocks in gguf_mma.py.
+template <int MODE> struct MmaCodes {   // MODE 1 mxfp4, 2 mxfp8
+  static constexpr int BITS = MODE == 1 ? 4 : 8;    // words per group of a row
+  static constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;
+  static KFN int pair_k(int p) { return ::pair_k<MODE>(p); }
+  uint32_t w[BITS];
+  float scale;
+  template <int K_IN, typename PW, typename PS> KFN void load(PW w0, PS s0, size_t row, int grp) {
+    load_words<BITS>(w0 + (row * (K_IN / 32) + grp) * BITS, w);
+    scale = e8m0_scale((uint32_t)s0[row * (K_IN / 32) + grp]) * (MODE == 1 ? 16384.0f : 256.0f);
+  }
+  KFN void quad(int e, LOCAL uint32_t* out, const uint4* tab) const {
+    for (int i = 0; i < 4; ++i) out[i] = pair_bits<MODE>(w, 4 * e + i);
+  }
+};
+
+KFN float simd_shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
+
+// Sums of an input (fp16 planes xh, xscale as store_x_halves<LO> left them, the low plane K_IN
+// values after the high one) with the 16 rows row0..
+// (clamped to rows_out) of the matrix at w0/s0 (and w1/s1 if TWO), codes MmaCodes<MODE>, from
+// row `first`, over the chunks split, split + splits, ... of 128 inputs. On return each lane of
+// lane group q holds rows row0 + q (acc[0]) and row0 + q + 8 (acc[1]).
 template <int MODE, int K_IN, bool TWO, bool LO, typename PX, typename PF, typename PW, typename PS>
 KFN void rows_mma(PX xh, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first, int row0, int rows_out,
-                  int split, int splits, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
-  constexpr int BITS = MODE == 1 ? 4 : 8;    // words per group of a row
+                  int split, int splits, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane, const uint4* tab) {
+  typedef MmaCodes<MODE> C;
   constexpr int GROUPS = K_IN / 32;
-  constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;
-  constexpr float UNIT = MODE == 1 ? 16384.0f : 256.0f;   // the 2^14 (2^8) pair_bits takes out
   const int q = (int)lane >> 2, t = (int)lane & 3;
   const size_t ra = first + (size_t)min(row0 + q, rows_out - 1);
   const size_t rb = first + (size_t)min(row0 + q + 8, rows_out - 1);
   const bool holds_x = (q & 3) == t && (LO || q < 4);   // B's nonzero lanes: column q is group t's
-  const int part = q < 4 ? 0 : 16;                        // high part in columns 0-3, low part in 4-7
+  const PX xp = xh + (q < 4 ? 0 : K_IN);                  // high plane in columns 0-3, low plane in 4-7
   acc0[0] = 0.0f; acc0[1] = 0.0f; acc1[0] = 0.0f; acc1[1] = 0.0f;
   for (int c = split; c < GROUPS / 4; c += splits) {
     const int grp = 4 * c + t;
-    uint32_t wa0[BITS], wb0[BITS], wa1[BITS], wb1[BITS];
-    load_words<BITS>(w0 + (ra * GROUPS + grp) * BITS, wa0);
-    load_words<BITS>(w0 + (rb * GROUPS + grp) * BITS, wb0);
+    C ca0, cb0, ca1, cb1;
+    ca0.template load<K_IN>(w0, s0, ra, grp);
+    cb0.template load<K_IN>(w0, s0, rb, grp);
     if (TWO) {
-      load_words<BITS>(w1 + (ra * GROUPS + grp) * BITS, wa1);
-      load_words<BITS>(w1 + (rb * GROUPS + grp) * BITS, wb1);
+      ca1.template load<K_IN>(w1, s1, ra, grp);
+      cb1.template load<K_IN>(w1, s1, rb, grp);
     }
     float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      uint32_t b[2] = {0u, 0u};
-      if (holds_x)
-        for (int i = 0; i < 2; ++i) {
-          const int k = 32 * grp + pair_k<MODE>(2 * s + i);
-          b[i] = (((uint32_t)xh[k] >> part) & 0xffffu) | ((((uint32_t)xh[k + PAIR_GAP] >> part) & 0xffffu) << 16);
+    for (int e = 0; e < 4; ++e) {
+      uint32_t qa0[4], qb0[4], qa1[4], qb1[4];
+      ca0.quad(e, qa0, tab); cb0.quad(e, qb0, tab);
+      if (TWO) { ca1.quad(e, qa1, tab); cb1.quad(e, qb1, tab); }
+#pragma unroll
+      for (int hs = 0; hs < 2; ++hs) {   // mma step 2e + hs: pairs 4e + 2hs, 4e + 2hs + 1
+        uint32_t b[2] = {0u, 0u};
+        if (holds_x)
+          for (int i = 0; i < 2; ++i) {
+            const int k = 32 * grp + C::pair_k(4 * e + 2 * hs + i);   // even where PAIR_GAP is 1
+            b[i] = C::PAIR_GAP == 1 ? ((const uint32_t*)xp)[k >> 1]
+                                    : (uint32_t)xp[k] | ((uint32_t)xp[k + C::PAIR_GAP] << 16);
+          }
+        const uint32_t a0[4] = {qa0[2 * hs], qb0[2 * hs], qa0[2 * hs + 1], qb0[2 * hs + 1]};
+        mma_16816(d0, a0, b);
+        if (TWO) {
+          const uint32_t a1[4] = {qa1[2 * hs], qb1[2 * hs], qa1[2 * hs + 1], qb1[2 * hs + 1]};
+          mma_16816(d1, a1, b);
         }
-      const uint32_t a0[4] = {pair_bits<MODE>(wa0, 2 * s), pair_bits<MODE>(wb0, 2 * s),
-                              pair_bits<MODE>(wa0, 2 * s + 1), pair_bits<MODE>(wb0, 2 * s + 1)};
-      mma_16816(d0, a0, b);
-      if (TWO) {
-        const uint32_t a1[4] = {pair_bits<MODE>(wa1, 2 * s), pair_bits<MODE>(wb1, 2 * s),
-                                pair_bits<MODE>(wa1, 2 * s + 1), pair_bits<MODE>(wb1, 2 * s + 1)};
-        mma_16816(d1, a1, b);
       }
     }
-    // This lane's D columns 2t and 2t+1 are groups (2t) % 4 and (2t+1) % 4 of the chunk.
+    // This lane's D columns 2t and 2t+1 are groups (2t) % 4 and (2t+1) % 4 of the chunk, whose
+    // scales lane (q, that group) loaded.
     for (int j = 0; j < 2; ++j) {
-      const int gi = 4 * c + ((2 * t + j) & 3);
-      const float sx = xscale[gi] * UNIT;
-      acc0[0] += d0[j] * (e8m0_scale((uint32_t)s0[ra * GROUPS + gi]) * sx);
-      acc0[1] += d0[2 + j] * (e8m0_scale((uint32_t)s0[rb * GROUPS + gi]) * sx);
+      const int gj = (2 * t + j) & 3, src = 4 * q + gj;
+      const float sx = xscale[4 * c + gj];
+      acc0[0] += d0[j] * (simd_shuffle_f(ca0.scale, src) * sx);
+      acc0[1] += d0[2 + j] * (simd_shuffle_f(cb0.scale, src) * sx);
       if (TWO) {
-        acc1[0] += d1[j] * (e8m0_scale((uint32_t)s1[ra * GROUPS + gi]) * sx);
-        acc1[1] += d1[2 + j] * (e8m0_scale((uint32_t)s1[rb * GROUPS + gi]) * sx);
+        acc1[0] += d1[j] * (simd_shuffle_f(ca1.scale, src) * sx);
+        acc1[1] += d1[2 + j] * (simd_shuffle_f(cb1.scale, src) * sx);
       }
     }
   }
@@ -149,14 +179,16 @@ BODY = r"""
   const int t = pair / (K + HS), slot = pair % (K + HS);
   const float limit = params[0];
   ROUTE_TOKEN
-  SHARED uint32_t xhl[D];
+  SHARED uint32_t xh_words[D];   // x's high and low fp16 planes, 4-byte aligned
+  uint16_t* xhl = (uint16_t*)xh_words;
   SHARED float xscale[D / 32];
   for (int p = (int)tid; p < D / 32; p += (int)group_threads) {
     float v[32];
     for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
     if (ACTQ) qdq_fp8_32(v);
-    store_x_halves<true>(xhl, xscale, p, v);
+    store_x_halves<true>(xhl, xscale, p, v, D);
   }
+  MMA_TABLES
   BARRIER();
   SELECT_EXPERT
   const int set = (int)warp & 1, split = (int)warp >> 1;
@@ -164,10 +196,10 @@ BODY = r"""
   float g[2], u[2];
   if (slot < K) {
     rows_mma<MODE, D, true, true>(xhl, xscale, gate_w, gate_s, up_w, up_s, (size_t)expert * I, row0, I, split,
-                                  KSPLIT, g, u, lane);
+                                  KSPLIT, g, u, lane, mma_tab);
   } else {
     rows_mma<SMODE, D, true, true>(xhl, xscale, sgate_w, sgate_s, sup_w, sup_s, 0, row0, I, split, KSPLIT, g, u,
-                                   lane);
+                                   lane, mma_tab);
   }
   SHARED float part[2][KSPLIT][32];
   if ((lane & 3u) == 0u) {
@@ -205,10 +237,10 @@ DOWN_DOTS = r"""
   float acc[2], unused[2];
   if (slot < K) {
     rows_mma<MODE, I, false, false>(hh + slot * I, hscale + slot * (I / 32), down_w, down_s, down_w, down_s,
-                                    (size_t)idx[t * K + slot] * DO, row0, DO, 0, 1, acc, unused, lane);
+                                    (size_t)idx[t * K + slot] * DO, row0, DO, 0, 1, acc, unused, lane, 0);
   } else {
     rows_mma<SMODE, I, false, false>(hh + slot * I, hscale + slot * (I / 32), sdown_w, sdown_s, sdown_w, sdown_s,
-                                     0, row0, DO, 0, 1, acc, unused, lane);
+                                     0, row0, DO, 0, 1, acc, unused, lane, 0);
   }
   // Each expert's output is rounded to the activation dtype, as its own matmul would be.
   SHARED float part[(K + HS) * RW];
@@ -226,19 +258,20 @@ MATVEC_BODY = r"""
   constexpr int SETS = 8 / MKSPLIT;
   const int N = (int)w_shape[0];
   const int t = group_z;
-  SHARED uint32_t xhl[K];
+  SHARED uint32_t xh_words[K];   // x's high and low fp16 planes, 4-byte aligned
+  uint16_t* xhl = (uint16_t*)xh_words;
   SHARED float xscale[K / 32];
   for (int p = (int)tid; p < K / 32; p += (int)group_threads) {
     float v[32];
     for (int i = 0; i < 32; ++i) v[i] = float(x[(size_t)t * K + 32 * p + i]);
     if (ACTQ) qdq_fp8_32(v);
-    store_x_halves<true>(xhl, xscale, p, v);
+    store_x_halves<true>(xhl, xscale, p, v, K);
   }
   BARRIER();
   const int set = (int)warp % SETS, split = (int)warp / SETS;
   float acc[2], unused[2];
   rows_mma<MODE, K, false, true>(xhl, xscale, w, s, w, s, 0, ((int)group_y * SETS + set) * 16, N, split, MKSPLIT,
-                                 acc, unused, lane);
+                                 acc, unused, lane, 0);
   SHARED float part[MKSPLIT][SETS * 16];
   if ((lane & 3u) == 0u) {
     part[split][16 * set + (int)(lane >> 2)] = acc[0];

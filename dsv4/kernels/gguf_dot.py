@@ -47,7 +47,9 @@ HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
-HEADER = r"""
+# Reading GGUF bytes: fp16 fields, codes as exact floats, u16/u32 and 16-byte realigned loads
+# (also the tensor-core launches' GGUF codes, gguf_mma.py).
+BLOCK_LOADS = r"""
 KFN float f16_bits(uint32_t h) { return half2_bits_to_float2(h).x; }
 // The two integers at bits 0 and 16 of `w` (each < 1024), minus `offset`, as exact floats:
 // fp16 0x6400 is 1024 with a mantissa step of 1, so OR-ing them in and widening the half2 is one
@@ -60,6 +62,9 @@ KFN float2 ints2(uint32_t w, float offset) {
 // times 2^-24 as fp16 subnormals' bits, no subtraction (the halves units, DSV4_KERNEL_GGUF_HALVES,
 // whose scales carry the 2^24).
 template <bool SMALL> KFN float2 codes2(uint32_t w) { return SMALL ? half2_bits_to_float2(w) : ints2(w, 0.0f); }
+// IQ2_XXS's 8 signs (bit k for value k) from their 7 stored bits: the 8th makes the parity even
+// (0x6996 holds the parities of 0-15).
+KFN uint32_t iq2_signs8(uint32_t si) { return si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7); }
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
 // sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7].
@@ -96,7 +101,10 @@ template <int NB, int ALIGN, typename P> KFN void span_words(P base, size_t off,
   const bool half = ALIGN < 4 && (off & 2) != 0;
   for (int k = 0; k < NW; ++k) out[k] = half ? (w[k] >> 16) | (w[k + 1] << 16) : w[k];
 }
+"""
 
+# The lanes' units and rows_dot (the portable kernels').
+UNITS = r"""
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
 template <int MODE> struct GgufUnit;
@@ -260,10 +268,7 @@ template <> struct GgufUnit<23> {
   template <typename PT> KFN uint2 entry(int c, PT tables) const {
     return ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
   }
-  KFN uint32_t signs8(int c) const {
-    const uint32_t si = (aux >> (7 * c)) & 127u;
-    return si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7);
-  }
+  KFN uint32_t signs8(int c) const { return iq2_signs8((aux >> (7 * c)) & 127u); }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     const uint2 g = entry(c, tables);
     const uint32_t signs = signs8(c), e[2] = {g.x, g.y};
@@ -371,6 +376,8 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
   }
 }
 """
+
+HEADER = BLOCK_LOADS + UNITS
 
 
 @dataclass(frozen=True)
