@@ -345,7 +345,8 @@ define("kernel_prefill_experts_pairs", False,
        "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: x's fp16 pairs and powers of two made once per "
        "projection by their own launch (dsv4/kernels/experts_prefill.py X_KERNEL) and copied by each "
        "threadgroup, where every row block of a tile converts them again (36 blocks for gate/up, 80 "
-       "for down); the same values. Off until the H200 measures it")
+       "for down); the same values. Off: slower on the H200 slice, 4K 0.34 vs 0.32 s, 32K 3.31 vs "
+       "3.17 s (benchmarks/results/2026-12-04-1254-slice-prefill.md)")
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "
