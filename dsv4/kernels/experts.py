@@ -624,14 +624,12 @@ GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUT
                           body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
 
 
-# The gate/up launch over GGUF blocks on CUDA tensor cores (gguf_mma.py: ds4's q2 recipe's
-# IQ2_XXS routed and Q8_0 shared experts); the down launch stays the portable one above.
-# ds4's q2 recipe: IQ2_XXS routed, Q8_0 shared (GGUF operands: bytes, tables, placeholder).
+# The gate/up launch over GGUF blocks on CUDA tensor cores (gguf_mma.py), checked at ds4's q2
+# recipe (IQ2_XXS routed, Q8_0 shared; GGUF operands: bytes, tables, placeholder); the down
+# launch stays the portable one above.
 _GGUF_MMA_CHECK = ((mx.uint8, mx.uint32, mx.uint32) * 4,
-                   [("T", mx.bfloat16), ("MODE", 13), ("BITS", 0), ("GS", 0), ("SMODE", 10), ("SBITS", 0),
-                    ("SGS", 0), ("HS", 1), ("K", 6)])
-
-
+                   [("T", mx.bfloat16), ("MODE", gguf_mma.MODE_IDS["IQ2_XXS"]), ("BITS", 0), ("GS", 0),
+                    ("SMODE", gguf_mma.MODE_IDS["Q8_0"]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)])
 _GGUF_MMA_HEADER = _HEADER + gguf_dot.BLOCK_LOADS + experts_mma.HEADER + gguf_mma.HEADER
 _GGUF_TABLES = {"MMA_TABLES": gguf_mma.STAGE_TABLES}
 GGUF_MMA_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf_mma", input_names=_GATE_UP_INPUTS,
@@ -721,10 +719,11 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     return down_kernel(h, indices, down, shared[2] if shared is not None else None, expand)
 
 
-def _common_template(dtype, K, routed: QuantizedMatrix, shared: QuantizedMatrix | None):
-    """Template values both launches share: the routed and shared experts' layouts, HS and K."""
-    return [("T", dtype)] + routed.template() + (shared or routed).template("S") + [
-        ("HS", int(shared is not None)), ("K", K)]
+def _common_template(dtype, K, routed: QuantizedMatrix, shared: QuantizedMatrix | None, layouts: list = None):
+    """Template values both launches share: the routed and shared experts' layouts (their own,
+    or `layouts`), HS and K."""
+    layouts = layouts or routed.template() + (shared or routed).template("S")
+    return [("T", dtype)] + layouts + [("HS", int(shared is not None)), ("K", K)]
 
 
 def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0, act_quant=False,
@@ -742,7 +741,7 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
         threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
     elif gguf_mma.applies(x, gate, s_gate):
         given_kernel, routed_kernel = GGUF_MMA_GATE_UP_KERNEL, GGUF_MMA_ROUTED_GATE_UP_KERNEL
-        template = [("T", x.dtype)] + gguf_mma.layouts(gate, s_gate) + [("HS", int(s_gate is not None)), ("K", K)]
+        template = _common_template(x.dtype, K, gate, s_gate, gguf_mma.layouts(gate, s_gate))
         threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
     else:
         given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)

@@ -97,10 +97,10 @@ template <int MODE> struct MmaCodes {   // MODE 1 mxfp4, 2 mxfp8
 KFN float simd_shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
 
 // Sums of an input (fp16 planes xh, xscale as store_x_halves<LO> left them, the low plane K_IN
-// values after the high one) with the 16 rows row0..
-// (clamped to rows_out) of the matrix at w0/s0 (and w1/s1 if TWO), codes MmaCodes<MODE>, from
-// row `first`, over the chunks split, split + splits, ... of 128 inputs. On return each lane of
-// lane group q holds rows row0 + q (acc[0]) and row0 + q + 8 (acc[1]).
+// values after the high one) with the 16 rows row0.. (clamped to rows_out) of the matrix at
+// w0/s0 (and w1/s1 if TWO), codes MmaCodes<MODE>, from row `first`, over the chunks split,
+// split + splits, ... of 128 inputs. On return each lane of lane group q holds rows row0 + q
+// (acc[0]) and row0 + q + 8 (acc[1]).
 template <int MODE, int K_IN, bool TWO, bool LO, typename PX, typename PF, typename PW, typename PS>
 KFN void rows_mma(PX xh, PF xscale, PW w0, PS s0, PW w1, PS s1, size_t first, int row0, int rows_out,
                   int split, int splits, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane, const uint4* tab) {
@@ -316,6 +316,12 @@ def down_applies(h, down, s_down) -> bool:
             and I % 128 == 0 and slots * (2 * I + I // 8 + 4 * DOWN_ROWS) <= shared_memory_limit(dialect))
 
 
+def gate_up_shared_bytes(D: int) -> int:
+    """BODY's threadgroup memory for an input of D values: x's two fp16 planes, the packs' powers
+    of two and the SIMD groups' partial sums (a table of the codes' comes on top)."""
+    return 4 * D + D // 8 + 2 * KSPLIT * 32 * 4
+
+
 def supports(x, gate, shared, dialect) -> bool:
     """Whether the tensor-core launch takes this gate/up: CUDA, routed and shared experts in MX
     modes (mxfp4 / mxfp8, groups of 32), the input in chunks of 128 with its fp16 parts in
@@ -325,7 +331,7 @@ def supports(x, gate, shared, dialect) -> bool:
     return (flags.get("kernel_moe_mma") and dialect == "cuda"
             and all(_mx(m) for m in mats)
             and D % 128 == 0 and gate.out_features % 32 == 0
-            and 4 * D + D // 8 + 2 * KSPLIT * 32 * 4 <= shared_memory_limit(dialect))
+            and gate_up_shared_bytes(D) <= shared_memory_limit(dialect))
 
 
 def applies(x, gate, shared) -> bool:

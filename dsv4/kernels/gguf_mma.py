@@ -110,7 +110,7 @@ def supports(x, gate, shared, dialect) -> bool:
     D = x.shape[-1]
     return (flags.get("kernel_gguf_mma") and dialect == "cuda" and _codes(gate)
             and (shared is None or _codes(shared)) and D % 128 == 0 and gate.out_features % 32 == 0
-            and 4 * D + D // 8 + 2 * experts_mma.KSPLIT * 32 * 4 + 16 * TABLE_ENTRIES <= shared_memory_limit(dialect))
+            and experts_mma.gate_up_shared_bytes(D) + 16 * TABLE_ENTRIES <= shared_memory_limit(dialect))
 
 
 def applies(x, gate, shared) -> bool:
