@@ -382,13 +382,15 @@ define("kernel_gguf_wide", "auto",
        "on, off. Takes precedence over DSV4_KERNEL_GGUF_Q8_PAIRS", choices=AUTO_ON_OFF)
 define("kernel_gguf_halves", "auto",
        "GPU kernels over GGUF rows make the codes fp16 subnormals, their scales carrying the 2^24 "
-       "(dsv4/kernels/gguf_dot.py): IQ2_XXS's grid byte and its sign one half, two signed weights a "
-       "conversion, where the wide unit flips x's sign per value; Q2_K's and Q4_K's codes without the "
+       "(dsv4/kernels/gguf_dot.py): IQ2_XXS's grid entry read as such pairs from a table and each word's "
+       "two signs put on by one multiply, two signed weights a conversion, where the wide unit flips "
+       "x's sign per value; Q2_K's and Q4_K's codes without the "
        "1024 offset and its subtraction. The same products and sums, so the same outputs; IQ2_XXS and "
        "Q2_K on the wide units' loads (DSV4_KERNEL_GGUF_WIDE). auto (default): on CUDA, where the H200 "
        "measured the fused experts 216 vs 231 us (q2) and 206 vs 214 (q4) at one token, 751 vs 821 and "
        "835 vs 864 at eight, bit-identical, and the q2 slice 2.82 vs 2.99 ms/token "
-       "(benchmarks/results/2026-12-03-2111-gguf-native.md); off on Metal until a Mac measures it; on, off",
+       "(benchmarks/results/2026-12-03-2111-gguf-native.md), and with the table of pairs the q2 gate/up "
+       "463 vs 543 us at eight tokens, the same at one (2026-12-04-1623-gguf-halves-iq2.md); off on Metal until a Mac measures it; on, off",
        choices=AUTO_ON_OFF)
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "

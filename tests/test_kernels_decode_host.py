@@ -30,6 +30,7 @@ HOST_PRELUDE = r"""
 #define AS_FLOAT(u) host_as_float(u)
 #define AS_UINT(f) host_as_uint(f)
 #define FABS(x) std::fabs(x)
+#define POPCOUNT(x) ((uint32_t)__builtin_popcount(x))
 #define FMAX(a, b) std::fmax(a, b)
 #define FMIN(a, b) std::fmin(a, b)
 #define RINT(x) std::nearbyint(x)

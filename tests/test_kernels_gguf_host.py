@@ -36,12 +36,12 @@ def matrix_bytes(m: GGUFMatrix | None, like: GGUFMatrix, rows: int) -> bytes:
         return np.zeros(rows * gguf_blocks.row_bytes(like.qtype, like.in_features), np.uint8).tobytes() \
             + np.zeros(16, np.uint32).tobytes()
     tables, bias = (np.array(a) for a in m.operands()[1:])
-    return np.array(m.weight).tobytes() + np.resize(tables, 544 if m.qtype == "IQ2_XXS" else 8).tobytes() \
+    return np.array(m.weight).tobytes() + np.resize(tables, gguf_dot.IQ2_TABLE_WORDS if m.qtype == "IQ2_XXS" else 8).tobytes() \
         + bias.tobytes()
 
 
 # The Metal/CUDA vector types the GGUF header uses beyond the host prelude's, and LOAD_U4 checked
-# against the weight buffers (Matrix registers them): a 16-byte load at or after a buffer's start
+# against the weight buffers and tables (Matrix registers them): a 16-byte load at or after a buffer's start
 # must start before its end (it holds one of its bytes, so on a GPU it stays in the buffer's
 # pages); the bytes it reads past the end come back as zeros.
 HOST_TYPES = r"""
@@ -65,16 +65,17 @@ inline uint4 checked_u4(const void* p, size_t i) {
 """
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
-READ_MATRIX = r"""
+READ_MATRIX = f"constexpr size_t IQ2_TABLE_WORDS = {gguf_dot.IQ2_TABLE_WORDS};\n" + r"""
 inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 24-27 halves)
   return qtype == 10 || qtype == 14 || qtype == 20 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
        : qtype == 12 || qtype == 22 || qtype == 26 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
-  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 ? 544 : 8), bias(8) {
+  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 ? IQ2_TABLE_WORDS : 8), bias(8) {
     read(w); read(tables); read(bias);
     weight_buffers.emplace_back(w.data(), w.data() + w.size());
+    weight_buffers.emplace_back((const uint8_t*)tables.data(), (const uint8_t*)(tables.data() + tables.size()));
   }
 };
 """

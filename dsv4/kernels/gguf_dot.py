@@ -44,6 +44,10 @@ WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 # The units whose codes become fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K on the
 # wide units' loads, Q4_K's unit is wide already).
 HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
+# IQ2_XXS's tables (iq2_xxs_tables): where the halves unit's fp16 pairs start, in words (after the
+# grid's 2048 bytes and the 128 sign bytes), and the whole length.
+IQ2_PAIRS_AT = 544
+IQ2_TABLE_WORDS = IQ2_PAIRS_AT + 1024
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -104,7 +108,7 @@ template <int NB, int ALIGN, typename P> KFN void span_words(P base, size_t off,
 """
 
 # The lanes' units and rows_dot (the portable kernels').
-UNITS = r"""
+UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\n" + r"""
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
 template <int MODE> struct GgufUnit;
@@ -284,23 +288,31 @@ template <> struct GgufUnit<23> {
   }
 };
 
-// IQ2_XXS with the wide unit's loads. A grid byte g (< 64) and its sign become the fp16 subnormal
-// +-g 2^-24 (sign in bit 15, no exponent bits), so one conversion makes two signed weights,
-// exactly, where the wide unit flips x's sign bit per value; db carries the 2^24. n * 0x00204081
-// puts bit k of a 4-bit n at bit 8k (the four shifted copies do not overlap).
+// IQ2_XXS with the wide unit's loads, its weights made as signed fp16 subnormals (+-g 2^-24, db
+// carrying the 2^24), two to a word, exactly: a grid entry is one 16-byte read of its values as
+// such pairs (the tables' words from IQ2_PAIRS_AT: values 0 and 2, 1 and 3, 4 and 6, 5 and 7), and
+// one multiply puts a pair's two signs on their halves' sign bits: s * (2^a + 2^b) is s << a OR
+// s << b while |a - b| >= 14 exceeds s's width (its parity bit's popcount may reach bit 9).
 template <> struct GgufUnit<24> : GgufUnit<23> {
+  // The sub-block's 8 bytes (2-byte aligned) as two 4-byte reads from the word holding its first
+  // byte, and at a 2-byte phase a 2-byte read of its last two (no byte read outside the 8).
   template <typename P> KFN void load(P base, size_t row_off, int u) {
-    GgufUnit<23>::load(base, row_off, u);
-    db *= 16777216.0f;
+    const size_t b = row_off + 66 * (size_t)(u / 8), off = b + 2 + 8 * (u % 8);
+    P w = base + (off & ~(size_t)3);
+    const bool half = (off & 2) != 0;
+    const uint32_t w0 = u32_at(w, 0), w1 = u32_at(w, 1), last = u16_at(w, half ? 4 : 2);
+    grid_index = half ? (w0 >> 16) | (w1 << 16) : w0;
+    aux = half ? (w1 >> 16) | (last << 16) : w1;
+    db = f16_bits(u16_at(base + b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f * 16777216.0f;
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
-    const uint2 g = entry(c, tables);
-    const uint32_t signs = signs8(c), e[2] = {g.x, g.y};
+    const uint4 g = LOAD_U4(tables + IQ2_PAIRS_AT, (grid_index >> (8 * c)) & 255u);
+    const uint32_t si = (aux >> (7 * c)) & 127u, signs = si | (POPCOUNT(si) << 7);
+    const uint32_t w[4] = {g.x | ((signs * 0x20008000u) & 0x80008000u), g.y | ((signs * 0x10004000u) & 0x80008000u),
+                           g.z | ((signs * 0x02000800u) & 0x80008000u), g.w | ((signs * 0x01000400u) & 0x80008000u)};
     float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
-      const uint32_t neg = (((signs >> (4 * j)) & 15u) * 0x00204081u) & 0x01010101u;   // value k's sign at bit 8k
-      const float2 a = half2_bits_to_float2((e[j] & 0x00ff00ffu) | ((neg << 15) & 0x80008000u));          // values 0, 2
-      const float2 b = half2_bits_to_float2(((e[j] >> 8) & 0x00ff00ffu) | ((neg << 7) & 0x80008000u));    // values 1, 3
+      const float2 a = half2_bits_to_float2(w[2 * j]), b = half2_bits_to_float2(w[2 * j + 1]);   // values 0, 2 and 1, 3
       s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
     }
     return db * s;
@@ -445,11 +457,15 @@ def supported(m: GGUFMatrix) -> bool:
             and m.in_features % UNIT_VALUES[m.qtype] == 0)
 
 
+
 @lru_cache(maxsize=1)
 def iq2_xxs_tables() -> mx.array:
-    """IQ2_XXS's grid as bytes (256 entries x 8 values, 512 words), then its 128 sign bytes."""
-    grid = gguf_blocks.iq2_xxs_grid().astype(np.uint8).reshape(-1)
-    return mx.array(np.concatenate([grid, gguf_blocks.iq2_xxs_signs()]).view(np.uint32))
+    """IQ2_XXS's grid as bytes (256 entries x 8 values, 512 words), its 128 sign bytes, then from
+    word IQ2_PAIRS_AT the grid as the halves unit's fp16 pairs: each entry's values
+    (0, 2), (1, 3), (4, 6), (5, 7) as 16-bit integers g (the fp16 subnormals g 2^-24), low first."""
+    grid = gguf_blocks.iq2_xxs_grid().astype(np.uint8)
+    pairs = grid[:, [0, 2, 1, 3, 4, 6, 5, 7]].astype(np.uint16).reshape(-1)
+    return mx.array(np.concatenate([grid.reshape(-1), gguf_blocks.iq2_xxs_signs(), pairs.view(np.uint8)]).view(np.uint32))
 
 
 @lru_cache(maxsize=1)

@@ -63,6 +63,7 @@ float rsqrt(float);
 float sqrt(float);
 float rint(float);
 float abs(float);
+uint popcount(uint);   // MSL integer function: set bits
 float max(float, float);
 float min(float, float);
 int max(int, int);
