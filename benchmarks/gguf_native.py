@@ -9,8 +9,8 @@ fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fuse
 1. Decode: the fused experts (gate/up + down launches) for 1, 2, 4 and 8 tokens of distinct
    experts: time per call (medians, host share included) and the rate at which it reads the
    weights it uses, for each GGUF unit variant (VARIANTS: the blocks as before, Q8_0 pairs, the
-   wide 16-byte loads; for the experts also EXPERT_VARIANTS' fp16-subnormal codes and q2's
-   tensor-core gate/up) interleaved in one run, with whether its output equals the first's; the
+   wide 16-byte loads, Q8_0's bias off in fp16; for the experts also EXPERT_VARIANTS' fp16-subnormal
+   codes and q2's tensor-core gate/up) interleaved in one run, with whether its output equals the first's; the
    same for the GGUF Q8_0 dense matvec at the dense projections' shapes (1 and 8 tokens).
 2. Prefill: one MoE layer's experts over a 512-token chunk, 8 chunks (4096 tokens), through
    the path prefill takes: GGUF (only the selected experts decoded, a batch at a time) against
@@ -91,14 +91,17 @@ def expert_bytes(m) -> float:
 
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
-_PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False)
+_PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
+                 kernel_gguf_q8_hsub=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
-            "wide": dict(_PORTABLE, kernel_gguf_wide=True)}
+            "wide": dict(_PORTABLE, kernel_gguf_wide=True),
+            "Q8_0 hsub": dict(_PORTABLE, kernel_gguf_wide=True, kernel_gguf_q8_hsub=True)}
 # The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none),
 # and q2's gate/up on tensor cores (gguf_mma.py; q4's Q4_K keeps the halves units there).
-EXPERT_VARIANTS = dict(VARIANTS, halves=dict(VARIANTS["wide"], kernel_gguf_halves=True),
-                       mma=dict(VARIANTS["wide"], kernel_gguf_halves=True, kernel_gguf_mma=True))
+_HALVES = dict(VARIANTS["wide"], kernel_gguf_halves=True)
+EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES, mma=dict(_HALVES, kernel_gguf_mma=True),
+                       **{"Q8_0 hsub": dict(_HALVES, kernel_gguf_q8_hsub=True)})   # the experts' on the halves units
 
 
 def under(switches: dict, fn):
@@ -228,7 +231,9 @@ def main(argv=None) -> int:
              "GGUF variants interleaved in one run: blocks (the units as they were), Q8_0 pairs "
              "(DSV4_KERNEL_GGUF_Q8_PAIRS), wide (DSV4_KERNEL_GGUF_WIDE: 16-byte loads for Q8_0, IQ2_XXS, "
              "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), mma "
-             "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves). 'same' = "
+             "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves), Q8_0 hsub "
+             "(DSV4_KERNEL_GGUF_Q8_HSUB: Q8_0's int8 bias off two at a time in fp16; the experts' on the "
+             "halves units). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

@@ -50,6 +50,20 @@ inline float half_bits(uint32_t h) {
   return sign * std::ldexp(1.0f + m / 1024.0f, e - 15);
 }
 inline float2 half2_bits_to_float2(uint32_t b) { return {half_bits(b & 0xffffu), half_bits(b >> 16)}; }
+inline uint32_t host_h2_sub_bits(uint32_t a, uint32_t b) {
+  uint32_t out = 0;
+  for (int i = 0; i < 2; ++i) {
+    const uint16_t ua = (uint16_t)(a >> (16 * i)), ub = (uint16_t)(b >> (16 * i));
+    _Float16 x, y;
+    std::memcpy(&x, &ua, 2); std::memcpy(&y, &ub, 2);
+    const _Float16 r = x - y;
+    uint16_t ur;
+    std::memcpy(&ur, &r, 2);
+    out |= (uint32_t)ur << (16 * i);
+  }
+  return out;
+}
+#define H2_SUB_BITS(a, b) host_h2_sub_bits(a, b)
 """
 
 HOST_MAIN = r"""

@@ -68,20 +68,6 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) { mma_emul
 inline void mma_16816_bf16(float* d, const uint32_t* a, const uint32_t* b) { mma_emulated<frag_bf16>(d, a, b); }
 inline uint32_t host_f2h_bits(float f) { _Float16 h = (_Float16)f; uint16_t u; std::memcpy(&u, &h, 2); return u; }
 #define F2H_BITS(x) host_f2h_bits(x)
-inline uint32_t host_h2_sub_bits(uint32_t a, uint32_t b) {
-  uint32_t out = 0;
-  for (int i = 0; i < 2; ++i) {
-    const uint16_t ua = (uint16_t)(a >> (16 * i)), ub = (uint16_t)(b >> (16 * i));
-    _Float16 x, y;
-    std::memcpy(&x, &ua, 2); std::memcpy(&y, &ub, 2);
-    const _Float16 r = x - y;
-    uint16_t ur;
-    std::memcpy(&ur, &r, 2);
-    out |= (uint32_t)ur << (16 * i);
-  }
-  return out;
-}
-#define H2_SUB_BITS(a, b) host_h2_sub_bits(a, b)
 """
 
 MUTATIONS = {

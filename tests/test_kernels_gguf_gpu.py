@@ -46,12 +46,13 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True, "halves", "mma"])
+@pytest.mark.parametrize("wide", [False, True, "halves", "mma", "hsub"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
-    subnormals (DSV4_KERNEL_GGUF_HALVES); "mma": q2's gate/up on tensor cores (DSV4_KERNEL_GGUF_MMA)."""
-    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "mma"),
-                        kernel_gguf_mma=wide == "mma"):
+    subnormals (DSV4_KERNEL_GGUF_HALVES); "mma": q2's gate/up on tensor cores (DSV4_KERNEL_GGUF_MMA);
+    "hsub": halves and the Q8_0 shared expert's int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
+    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "mma", "hsub"),
+                        kernel_gguf_mma=wide == "mma", kernel_gguf_q8_hsub=wide == "hsub"):
         gate, _, _, shared = experts
         x = mx.zeros((tokens, gate.in_features), mx.bfloat16)
         assert gguf_mma.applies(x, gate, shared[0]) == (wide == "mma" and gate.qtype == "IQ2_XXS")
@@ -108,16 +109,18 @@ def routed_experts_with_expand(experts, tokens):
                                        ("Q8_0 wide", 5120, 8192), ("Q2_K wide", 512, 5120),
                                        ("Q2_K wide", 5120, 2304), ("IQ2_XXS wide", 2304, 5120),
                                        ("IQ2_XXS halves", 2304, 5120), ("Q2_K halves", 5120, 2304),
-                                       ("Q4_K halves", 1280, 5120)])
+                                       ("Q4_K halves", 1280, 5120), ("Q8_0 hsub", 1280, 5120),
+                                       ("Q8_0 hsub", 32768, 1280), ("Q8_0 hsub", 5120, 8192)])
 @pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_gguf_matvec(qtype, n, k, tokens):
     """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); 'wide': 16-byte
-    loads (DSV4_KERNEL_GGUF_WIDE); 'halves': codes as fp16 subnormals (DSV4_KERNEL_GGUF_HALVES)."""
+    loads (DSV4_KERNEL_GGUF_WIDE); 'halves': codes as fp16 subnormals (DSV4_KERNEL_GGUF_HALVES);
+    'hsub': the wide Q8_0 unit with its int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
     q = gguf_matrix(RNG, (n, k), qtype.split()[0])
     x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
     assert mv.kernel_supports(x, q)
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves")),
-                        kernel_gguf_halves=qtype.endswith("halves")):
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves", "hsub")),
+                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub")):
         got = f32(mv.quantized_matvec(x, q, True))
     want = f32(mv.matvec_reference(x, q, True))
     # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation

@@ -66,8 +66,8 @@ inline uint4 checked_u4(const void* p, size_t i) {
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = f"constexpr size_t IQ2_TABLE_WORDS = {gguf_dot.IQ2_TABLE_WORDS};\n" + r"""
-inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 24-27 halves)
-  return qtype == 10 || qtype == 14 || qtype == 20 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
+inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves)
+  return qtype == 10 || qtype == 14 || qtype == 20 || qtype == 21 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
        : qtype == 12 || qtype == 22 || qtype == 26 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
@@ -176,12 +176,13 @@ def mode(m: GGUFMatrix) -> int:
 @pytest.mark.parametrize("tokens,act_quant,pairs,wide", [(1, True, False, False), (2, False, False, False),
                                                           (2, True, True, False), (1, True, False, True),
                                                           (2, False, True, True), (1, True, False, "halves"),
-                                                          (2, True, False, "halves")])
+                                                          (2, True, False, "halves"), (2, True, False, "hsub")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
-    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES)."""
-    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide == "halves"):
+    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": those and Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
+    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "hsub"),
+                        kernel_gguf_q8_hsub=wide == "hsub"):
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
@@ -238,12 +239,16 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     ("Q2_K halves", 45, 2304),
     ("Q4_K halves", 37, 1024),
     ("IQ2_XXS halves", 33, 256),
+    ("Q8_0 hsub", 2100, 64),      # as the wide unit's cases, the int8s by int8s2
+    ("Q8_0 hsub", 30, 96),
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves")),
-                        kernel_gguf_halves=qtype.endswith("halves")):
-        matvec_body(tmp_path, rng, gguf_matrix(rng, (n, k), qtype.split()[0]), n, k)
+    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves", "hsub")),
+                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub")):
+        q = gguf_matrix(rng, (n, k), qtype.split()[0])
+        assert (mode(q) == gguf_dot.Q8_0_HSUB) == qtype.endswith("hsub")
+        matvec_body(tmp_path, rng, q, n, k)
 
 
 def matvec_body(tmp_path, rng, q, n, k):

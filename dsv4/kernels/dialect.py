@@ -27,7 +27,7 @@ Vocabulary available to bodies:
   AS_FLOAT(u32), AS_UINT(f)  bit casts
   half2_bits_to_float2(u32)  two fp16 bit patterns (low half first) -> float2
   F2H_BITS(f)                (CUDA) the fp16 bit pattern of f rounded to nearest even, as uint32
-  H2_SUB_BITS(a, b)          (CUDA) the fp16 pairs a - b (rounded to nearest even), as bits
+  H2_SUB_BITS(a, b)          the fp16 pairs a - b (rounded to nearest even), as bits
   mma_16816(d, a, b)         (CUDA) d[4] += A B of one warp-wide mma.sync m16n8k16 (fp16 a[4], b[2])
   mma_16816_bf16(d, a, b)    (CUDA) the same with bf16 a and b
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
@@ -81,6 +81,8 @@ inline int simd_shuffle_i(int x, int src) { return simd_shuffle(x, ushort(src));
 inline float simd_max_f(float x) { return simd_max(x); }
 inline float simd_xor_f(float x, int mask) { return simd_shuffle_xor(x, ushort(mask)); }
 inline float2 half2_bits_to_float2(uint32_t b) { return float2(as_type<half2>(b)); }
+inline uint32_t h2_sub_bits(uint32_t a, uint32_t b) { return as_type<uint32_t>(as_type<half2>(a) - as_type<half2>(b)); }
+#define H2_SUB_BITS(a, b) h2_sub_bits(a, b)
 """
 
 METAL_BODY_PRELUDE = r"""

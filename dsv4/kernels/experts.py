@@ -586,13 +586,15 @@ _GGUF_HEADER = X_HEADER + gguf_dot.HEADER
 def _gguf_checks(stage):
     """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's
     widths; then the q2 recipe's (and the mix's) in the wide units (DSV4_KERNEL_GGUF_WIDE), and
-    the recipes' units with fp16-subnormal codes (DSV4_KERNEL_GGUF_HALVES)."""
+    the recipes' units with fp16-subnormal codes (DSV4_KERNEL_GGUF_HALVES), q2's with Q8_0 by
+    int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
     out = []
     narrow, wide = gguf_dot.GGUF_MODE_IDS, dict(gguf_dot.GGUF_MODE_IDS, **gguf_dot.WIDE_MODE_IDS)
     halves = dict(wide, **gguf_dot.HALVES_MODE_IDS)
+    hsub = dict(halves, Q8_0=gguf_dot.Q8_0_HSUB)
     for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
                                 ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide), ("IQ2_XXS", "Q8_0", halves),
-                                ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves)):
+                                ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", hsub)):
         tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),
                 ("SMODE", ids[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         mats = (mx.uint8, mx.uint32, mx.uint32) * 4

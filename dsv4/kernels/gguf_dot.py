@@ -39,6 +39,7 @@ from dsv4.kernels.dialect import backend
 
 GGUF_MODE_IDS = {"Q8_0": 10, "Q4_K": 11, "Q2_K": 12, "IQ2_XXS": 13}
 Q8_0_PAIRS = 14   # the mode id of Q8_0 read two blocks at a time
+Q8_0_HSUB = 21    # Q8_0's wide unit taking its int8s' bias off fp16 pairs (DSV4_KERNEL_GGUF_Q8_HSUB)
 # The mode ids of the wide units (DSV4_KERNEL_GGUF_WIDE); Q4_K's unit is wide already.
 WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 # The units whose codes become fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K on the
@@ -71,13 +72,18 @@ template <bool SMALL> KFN float2 codes2(uint32_t w) { return SMALL ? half2_bits_
 KFN uint32_t iq2_signs8(uint32_t si) { return si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7); }
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
-// sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7].
-KFN float int8_dot8(uint32_t w0, uint32_t w1, LOCAL const float* x) {
+// Two int8s stored + 128 at bits 0 and 16 of `w` as exact floats: 1024 + u less 1152 in fp16 (exact,
+// integers up to 2048), then widened; ints2(w, 128) with one subtraction for the pair.
+KFN float2 int8s2(uint32_t w) { return half2_bits_to_float2(H2_SUB_BITS(w | 0x64006400u, 0x64806480u)); }
+// sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7]; HSUB: the int8s
+// made by int8s2 (the same values).
+template <bool HSUB = false> KFN float int8_dot8(uint32_t w0, uint32_t w1, LOCAL const float* x) {
   const uint32_t w[2] = {w0, w1};
   float s = 0.0f;
   for (int j = 0; j < 2; ++j) {
     const uint32_t u = w[j] ^ 0x80808080u;   // int8 + 128, as bytes
-    const float2 a = ints2(u & 0x00ff00ffu, 128.0f), b = ints2((u >> 8) & 0x00ff00ffu, 128.0f);
+    const uint32_t lo = u & 0x00ff00ffu, hi = (u >> 8) & 0x00ff00ffu;
+    const float2 a = HSUB ? int8s2(lo) : ints2(lo, 128.0f), b = HSUB ? int8s2(hi) : ints2(hi, 128.0f);
     s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
   }
   return s;
@@ -252,6 +258,12 @@ template <> struct GgufUnit<20> : GgufUnit<10> {   // Q8_0: 3 16-byte loads a bl
   }
 };
 
+template <> struct GgufUnit<21> : GgufUnit<20> {   // Q8_0 wide, the int8s by int8s2
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    return d * int8_dot8<true>(q[2 * c], q[2 * c + 1], x);
+  }
+};
+
 // IQ2_XXS: a sub-block's 8 bytes in 2 16-byte loads and d in one (5 u16 loads before); the signs
 // computed (7 bits and their parity, 0x6996 being the parities of 0-15) instead of read from the
 // table; grid bytes widened two at a time (ints2) where each took an int-to-float conversion, and
@@ -423,6 +435,11 @@ class GGUFMatrix:
         return self.qtype in WIDE_MODE_IDS and flags.switch("kernel_gguf_wide", backend() == "cuda")
 
     @property
+    def hsub(self) -> bool:
+        """Q8_0's wide unit with its int8s' bias taken off fp16 pairs (DSV4_KERNEL_GGUF_Q8_HSUB)."""
+        return self.qtype == "Q8_0" and self.wide and bool(flags.get("kernel_gguf_q8_hsub"))
+
+    @property
     def halves(self) -> bool:
         """Codes made fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K with the wide units)."""
         return (self.qtype in HALVES_MODE_IDS and flags.switch("kernel_gguf_halves", backend() == "cuda")
@@ -436,6 +453,8 @@ class GGUFMatrix:
     def template(self, prefix: str = "") -> list:
         if self.halves:
             mode = HALVES_MODE_IDS[self.qtype]
+        elif self.hsub:
+            mode = Q8_0_HSUB
         elif self.wide:
             mode = WIDE_MODE_IDS[self.qtype]
         else:

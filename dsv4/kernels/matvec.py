@@ -102,15 +102,16 @@ MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec", input_names=("x", "w", "s",
 def _gguf_checks():
     """GGUF dense projections: ds4's Q8_0 (split and rows; read in pairs, and wide, too), the Q4_K
     of its q4 attention option, an IQ2_XXS in the wide unit, and both with fp16-subnormal codes
-    (DSV4_KERNEL_GGUF_HALVES)."""
+    (DSV4_KERNEL_GGUF_HALVES); Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
     out = []
-    modes = dict(gguf_dot.GGUF_MODE_IDS, Q8_0_PAIRS=gguf_dot.Q8_0_PAIRS,
+    modes = dict(gguf_dot.GGUF_MODE_IDS, Q8_0_PAIRS=gguf_dot.Q8_0_PAIRS, Q8_0_HSUB=gguf_dot.Q8_0_HSUB,
                  **{f"{t}_WIDE": m for t, m in gguf_dot.WIDE_MODE_IDS.items()},
                  **{f"{t}_HALVES": m for t, m in gguf_dot.HALVES_MODE_IDS.items()})
     for qtype, split, rows, k in (("Q8_0", 1, 2, 4096), ("Q8_0", 4, 1, 1024), ("Q4_K", 2, 1, 4096),
                                   ("Q8_0_PAIRS", 1, 2, 4096), ("Q8_0_WIDE", 1, 2, 4096),
                                   ("Q8_0_WIDE", 4, 1, 1024), ("IQ2_XXS_WIDE", 2, 1, 5120),
-                                  ("Q4_K_HALVES", 2, 1, 4096), ("IQ2_XXS_HALVES", 2, 1, 5120)):
+                                  ("Q4_K_HALVES", 2, 1, 4096), ("IQ2_XXS_HALVES", 2, 1, 5120),
+                                  ("Q8_0_HSUB", 1, 2, 4096)):
         template = (("T", mx.bfloat16), ("MODE", modes[qtype]), ("BITS", 0), ("GS", 0),
                     ("SPLIT", split), ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", True))
         out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))

@@ -28,6 +28,7 @@ struct uint3 { uint x, y, z; };
 struct uint2 { uint x, y; };
 struct uint4 { uint x, y, z, w; };
 struct half2 { half x, y; };
+half2 operator-(half2, half2);
 struct float2 {
   float x, y;
   float2(float, float);
