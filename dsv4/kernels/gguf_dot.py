@@ -476,7 +476,6 @@ def supported(m: GGUFMatrix) -> bool:
             and m.in_features % UNIT_VALUES[m.qtype] == 0)
 
 
-
 @lru_cache(maxsize=1)
 def iq2_xxs_tables() -> mx.array:
     """IQ2_XXS's grid as bytes (256 entries x 8 values, 512 words), its 128 sign bytes, then from
