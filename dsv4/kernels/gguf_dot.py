@@ -45,10 +45,10 @@ WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 # The units whose codes become fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K on the
 # wide units' loads, Q4_K's unit is wide already).
 HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
-# IQ2_XXS's tables (iq2_xxs_tables): where the halves unit's fp16 pairs start, in words (after the
-# grid's 2048 bytes and the 128 sign bytes), and the whole length.
-IQ2_PAIRS_AT = 544
-IQ2_TABLE_WORDS = IQ2_PAIRS_AT + 1024
+# IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
+# grid's 256 x 8 bytes and the 128 sign bytes), and the whole length (the pairs: 256 x 16 bytes).
+IQ2_PAIRS_AT = (256 * 8 + 128) // 4
+IQ2_TABLE_WORDS = IQ2_PAIRS_AT + 256 * 16 // 4
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -72,6 +72,10 @@ template <bool SMALL> KFN float2 codes2(uint32_t w) { return SMALL ? half2_bits_
 KFN uint32_t iq2_signs8(uint32_t si) { return si | (((0x6996u >> ((si ^ (si >> 4)) & 15u)) & 1u) << 7); }
 template <typename P> KFN uint32_t u16_at(P bytes, int i) { return (uint32_t)((GLOBAL uint16_t*)bytes)[i]; }
 template <typename P> KFN uint32_t u32_at(P bytes, int i) { return ((GLOBAL uint32_t*)bytes)[i]; }
+// An IQ2_XXS sub-block's scale: its block's d (the fp16 at byte 0) times (0.5 + aux's top 4 bits) / 4.
+template <typename P> KFN float iq2_scale(P block, uint32_t aux) {
+  return f16_bits(u16_at(block, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+}
 // Two int8s stored + 128 at bits 0 and 16 of `w` as exact floats: 1024 + u less 1152 in fp16 (exact,
 // integers up to 2048), then widened; ints2(w, 128) with one subtraction for the pair.
 KFN float2 int8s2(uint32_t w) { return half2_bits_to_float2(H2_SUB_BITS(w | 0x64006400u, 0x64806480u)); }
@@ -160,7 +164,7 @@ template <> struct GgufUnit<13> {   // IQ2_XXS: tables = grid (512 words), then 
     const int j = u % 8;
     grid_index = u16_at(b, 1 + 4 * j) | (u16_at(b, 2 + 4 * j) << 16);
     aux = u16_at(b, 3 + 4 * j) | (u16_at(b, 4 + 4 * j) << 16);
-    db = f16_bits(u16_at(b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+    db = iq2_scale(b, aux);
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
@@ -278,7 +282,7 @@ template <> struct GgufUnit<23> {
     span_words<8, 2>(base, b + 2 + 8 * (u % 8), w);
     grid_index = w[0];
     aux = w[1];
-    db = f16_bits(u16_at(base + b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+    db = iq2_scale(base + b, aux);
   }
   // Chunk c's grid entry (8 bytes) and its 8 signs (bit k for value k).
   template <typename PT> KFN uint2 entry(int c, PT tables) const {
@@ -315,7 +319,7 @@ template <> struct GgufUnit<24> : GgufUnit<23> {
     const uint32_t w0 = u32_at(w, 0), w1 = u32_at(w, 1), last = u16_at(w, half ? 4 : 2);
     grid_index = half ? (w0 >> 16) | (w1 << 16) : w0;
     aux = half ? (w1 >> 16) | (last << 16) : w1;
-    db = f16_bits(u16_at(base + b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f * 16777216.0f;
+    db = iq2_scale(base + b, aux) * 16777216.0f;
   }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     const uint4 g = LOAD_U4(tables + IQ2_PAIRS_AT, (grid_index >> (8 * c)) & 255u);

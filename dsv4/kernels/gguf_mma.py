@@ -44,7 +44,7 @@ template <> struct MmaCodes<13> {
     span_words<8, 2>(w, b + 2 + 8 * (grp % 8), v);
     grid_index = v[0];
     aux = v[1];
-    scale = f16_bits(u16_at(w + b, 0)) * (0.5f + (float)(aux >> 28)) * 0.25f;
+    scale = iq2_scale(w + b, aux);
   }
   KFN void quad(int e, LOCAL uint32_t* out, const uint4* tab) const {
     const uint4 g = tab[(grid_index >> (8 * e)) & 255u];
