@@ -7,7 +7,7 @@ ds4's q2 (IQ2_XXS gate/up, Q2_K down, Q8_0 shared) and q4 (Q4_K, Q8_0 shared) re
 fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fused mx kernels.
 
 1. Decode: the fused experts (gate/up + down launches) for 1, 2, 4 and 8 tokens of distinct
-   experts: time per call (medians, host share included) and the rate at which it reads the
+   experts: time per call (medians of the eval, kernels_bench.timed) and the rate at which it reads the
    weights it uses, for each GGUF unit variant (VARIANTS: the blocks as before, Q8_0 pairs, the
    wide 16-byte loads, Q8_0's bias off in fp16; for the experts also EXPERT_VARIANTS' fp16-subnormal
    codes and q2's tensor-core gate/up) interleaved in one run, with whether its output equals the first's; the
