@@ -380,12 +380,15 @@ define("kernel_gguf_wide", "auto",
        "the fused experts at one token 199 vs 219 us (q2) and 201 vs 222 us (q4), bit-identical "
        "(benchmarks/results/2026-12-03-1318-gguf-native.md); off on Metal until a Mac measures it; "
        "on, off. Takes precedence over DSV4_KERNEL_GGUF_Q8_PAIRS", choices=AUTO_ON_OFF)
-define("kernel_gguf_q8_hsub", False,
+define("kernel_gguf_q8_hsub", "auto",
        "GPU kernels over GGUF Q8_0 rows in the wide unit (DSV4_KERNEL_GGUF_WIDE) take the int8s' bias "
        "of 128 off two at a time in fp16 (1024 + u less 1152, exact), where each took an fp32 "
        "subtraction after widening (dsv4/kernels/gguf_dot.py int8s2): the same values and sums, "
-       "1633 against 1761 SASS instructions a lane's unit of the q2 gate/up's Q8_0 slot. Off "
-       "(default) until the H200 measures it (benchmarks/gguf_native.py's 'Q8_0 hsub')")
+       "1633 against 1761 SASS instructions a lane's unit of the q2 gate/up's Q8_0 slot. auto "
+       "(default): on CUDA, where the H200 measured the q2 experts 114 vs 118 us at one token and "
+       "617 vs 633 at eight, the dense 1280 x 5120 matvec 22 vs 26 us, bit-identical "
+       "(benchmarks/results/2026-12-04-1903-gguf-native.md); off on Metal until a Mac measures it; "
+       "on, off", choices=AUTO_ON_OFF)
 define("kernel_gguf_halves", "auto",
        "GPU kernels over GGUF rows make the codes fp16 subnormals, their scales carrying the 2^24 "
        "(dsv4/kernels/gguf_dot.py): IQ2_XXS's grid entry read as such pairs from a table and each word's "

@@ -441,7 +441,7 @@ class GGUFMatrix:
     @property
     def hsub(self) -> bool:
         """Q8_0's wide unit with its int8s' bias taken off fp16 pairs (DSV4_KERNEL_GGUF_Q8_HSUB)."""
-        return self.qtype == "Q8_0" and self.wide and bool(flags.get("kernel_gguf_q8_hsub"))
+        return self.qtype == "Q8_0" and self.wide and flags.switch("kernel_gguf_q8_hsub", backend() == "cuda")
 
     @property
     def halves(self) -> bool:
