@@ -20,7 +20,6 @@ import numpy as np
 from . import distributed, flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
-from .kernels.gguf_dot import GGUFMatrix
 from .kernels.indexer import indexer_scores
 from .kernels.matvec import kernel_supports as matvec_kernel_supports
 from .kernels.matvec import quantized_matvec
@@ -479,10 +478,9 @@ class Attention(nn.Module):
                                 rhs_indices=ramp(g, mx.uint32, (1, g)),
                                 transpose=True, group_size=w.group_size,
                                 bits=w.bits, mode=w.mode)
-        elif isinstance(w, GGUFLinear) and matvec_kernel_supports(x[:, 0, 0], w.matrix()):
-            # GGUF blocks: each group's rows (a view of its block of the weight) through the matvec kernel.
-            blocks = lambda j: GGUFMatrix(w["weight"][j * rows:(j + 1) * rows], w.qtype)
-            out = mx.stack([quantized_matvec(x[:, j, 0], blocks(j), act_quant=False) for j in range(g)], axis=1)
+        elif isinstance(w, GGUFLinear) and matvec_kernel_supports(x.reshape(b * s, g, -1), w.matrix(), groups=g):
+            # GGUF blocks: every group through its block of rows in one grouped matvec launch.
+            out = quantized_matvec(x.reshape(b * s, g, -1), w.matrix(), act_quant=False, groups=g)
         else:
             # Each group is a plain product with its block of rows.
             if isinstance(w, GGUFLinear):

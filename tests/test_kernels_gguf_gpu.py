@@ -129,6 +129,23 @@ def test_gguf_matvec(qtype, n, k, tokens):
     assert np.mean(got == want) > 0.9
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q8_0 blocks", "Q4_K"])
+@pytest.mark.parametrize("tokens", [1, 5, 8])
+def test_grouped_gguf_matvec(qtype, tokens):
+    """V4.1's grouped wo_a in one launch (8 groups of heads, each through its own block of 1024 rows
+    of 4096 inputs) against the reference's per-group products; the units the switches pick by
+    default, and 'blocks': the narrow ones (DSV4_KERNEL_GGUF_WIDE off)."""
+    q = gguf_matrix(RNG, (8 * 1024, 4096), qtype.split()[0])
+    x = arr(RNG.standard_normal((tokens, 8, 4096)), mx.bfloat16)
+    assert mv.kernel_supports(x, q, groups=8)
+    with flags.override(**({"kernel_gguf_wide": False} if qtype.endswith("blocks") else {})):
+        got = f32(mv.quantized_matvec(x, q, False, groups=8))
+    want = f32(mv.matvec_reference(x, q, False, groups=8))
+    scale = np.abs(want).max(-1, keepdims=True)
+    assert (np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 2.0 ** -12 * scale).all()
+    assert np.mean(got == want) > 0.9
+
+
 def test_gguf_layers_dispatch_to_the_kernels():
     """A GGUF model's layers reach the kernels: GGUFLinear for 1-8 tokens, and with the kernel
     switched off the same values from the reference."""

@@ -7,6 +7,7 @@ tests. This checks the unit decoding (nibble, bit-plane and grid layouts, sub-bl
 and mins, unaligned 34- and 66-byte blocks) and the indexing of lanes over units."""
 
 import subprocess
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
 from dsv4.testing import gguf_block_weight
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
+from tests.test_kernels_experts import check_down, check_hidden, hidden_expected, quantized
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_matvec import EMULATOR
 
@@ -141,7 +142,7 @@ void body(const float* x, const uint8_t* w, Shape2 w_shape, const uint32_t* s, c
 }
 int main() {
   const int n = read_int(), tokens = read_int();
-  std::vector<float> x(tokens * K), y(tokens * n, NAN);
+  std::vector<float> x(tokens * GROUPS * K), y(tokens * n, NAN);
   read(x);
   Matrix m(n, MODE, K);
   launch(32 * WARPS, (n * SPLIT + WARPS * ROWS - 1) / (WARPS * ROWS), tokens, [&](int t, int g, int z, int threads) {
@@ -251,21 +252,60 @@ def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
         matvec_body(tmp_path, rng, q, n, k)
 
 
-def matvec_body(tmp_path, rng, q, n, k):
-    split, rows = mv.work_split(n, k, q.block_values)
-    consts = dict(WARPS=mv.WARPS, MODE=mode(q), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k, XS=ex.X_STRIDE, ACTQ=1)
+def matvec_body(tmp_path, rng, q, n, k, groups=1):
+    """The GGUF matvec body on the host for 2 tokens (of `groups` groups of K inputs each: row r
+    takes group r // (n / groups)) against the float64 product of the decoded blocks, and
+    matvec_reference likewise."""
+    split, rows = mv.work_split(n, k, q.block_values, groups)
+    consts = dict(WARPS=mv.WARPS, MODE=mode(q), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k, XS=ex.X_STRIDE, ACTQ=1,
+                  GROUPS=groups)
     exe = build(tmp_path, "matvec", mv.GGUF_MATVEC_KERNEL, MATVEC_MAIN, consts)
-    x = (rng.standard_normal((2, k)) * 2).astype(np.float32)
+    x = (rng.standard_normal((2, groups, k)) * 2).astype(np.float32)
     data = np.array([n, 2], np.int32).tobytes() + x.tobytes() + matrix_bytes(q, q, n)
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
     got = np.frombuffer(out, np.float32).reshape(2, n).astype(np.float64)
-    xq = np.array(qdq_fp8(mx.array(x))).astype(np.float64)
-    w = np.array(q.dequantized()).astype(np.float64)
-    want, mag = xq @ w.T, np.abs(xq) @ np.abs(w).T
+    xq = np.array(qdq_fp8(mx.array(x))).astype(np.float64)                    # [2, G, K]
+    w = np.array(q.dequantized()).astype(np.float64).reshape(groups, n // groups, k)
+    want = np.einsum("tgk,gnk->tgn", xq, w).reshape(2, n)
+    mag = np.einsum("tgk,gnk->tgn", np.abs(xq), np.abs(w)).reshape(2, n)
     # fp32 sums in some order: within 2 K 2^-24 sum|w x| of the exact float64 product.
     assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
-    ref = np.array(mv.matvec_reference(mx.array(x), q, True)).astype(np.float64)
+    x_in = mx.array(x if groups > 1 else x[:, 0])
+    ref = np.array(mv.matvec_reference(x_in, q, True, groups)).astype(np.float64).reshape(2, n)
     assert np.all(np.abs(ref - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30)
+
+
+def test_grouped_matvec_takes_whole_threadgroups_per_group():
+    """A grouped launch only where each threadgroup's rows lie in one group: V4.1's wo_a (8 groups of
+    1024 rows) takes it; groups of 3 rows (no split fits) and MLX's packs (gather_qmm's) do not."""
+    rng = np.random.default_rng()
+    with mock.patch.object(mv, "backend", return_value="cuda"):
+        wo_a = gguf_matrix(rng, (8 * 1024, 256), "Q8_0")   # V4.1's rows; a shorter input
+        assert mv.kernel_supports(mx.ones((1, 8, 256), mx.bfloat16), wo_a, groups=8)
+        assert mv.grouped_fits(8192, 8, *mv.work_split(8192, 4096, 32, 8))
+        assert not mv.kernel_supports(mx.ones((1, 4, 256), mx.bfloat16), wo_a, groups=8), "x's groups"
+        assert not mv.kernel_supports(mx.ones((9, 8, 256), mx.bfloat16), wo_a, groups=8), "more than 8 tokens"
+        odd = gguf_matrix(rng, (8 * 3, 256), "Q8_0")
+        assert not mv.kernel_supports(mx.ones((1, 8, 256), mx.bfloat16), odd, groups=8), "3 rows a group"
+        packs = quantized(rng, (8 * 1024, 256), "mxfp8", 8, 32)
+        assert not mv.kernel_supports(mx.ones((1, 8, 256), mx.bfloat16), packs, groups=8), "MLX's packs"
+
+
+@pytest.mark.parametrize("qtype,groups,n,k", [
+    ("Q8_0 hsub", 8, 4096, 64),    # 8 groups of 512 rows, 4 rows a SIMD group (V4.1's wo_a split)
+    ("Q8_0", 4, 64, 512),          # 4 groups of 16 rows, K in 4 slices: 8 threadgroups of 2 rows each
+    ("Q4_K halves", 2, 16, 256),   # 2 groups of 8 rows, a threadgroup each
+])
+def test_grouped_gguf_matvec_body_on_the_host(tmp_path, qtype, groups, n, k):
+    """A grouped projection (V4.1's wo_a: each group of heads through its own block of rows) in one
+    launch: each threadgroup copies its group's x."""
+    rng = np.random.default_rng()
+    with flags.override(kernel_gguf_wide=qtype.endswith(("halves", "hsub")), kernel_gguf_halves=qtype.endswith("halves"),
+                        kernel_gguf_q8_hsub=qtype.endswith("hsub")):
+        q = gguf_matrix(rng, (n, k), qtype.split()[0])
+        split, rows = mv.work_split(n, k, q.block_values, groups)
+        assert mv.grouped_fits(n, groups, split, rows)
+        matvec_body(tmp_path, rng, q, n, k, groups)
 
 
 def iq2_xxs_every_entry(rng, rows: int) -> GGUFMatrix:

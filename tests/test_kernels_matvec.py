@@ -237,7 +237,7 @@ def emulated_kernel(tmp_path, q, x, act_quant, split, rows):
     tokens, K = x.shape
     N = q.out_features
     consts = dict(WARPS=mv.WARPS, MODE=MODE_IDS[q.mode], BITS=q.bits, GS=q.group_size, SPLIT=split,
-                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)))
+                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)), GROUPS=1)
     scale = "uint8_t" if q.mode != "affine" else "float"
     exe = build_host(tmp_path, "matvec", EMULATOR + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
                      + _HEADER + EMULATOR_MAIN.replace("BODY", mv.MATVEC_KERNEL.body).replace("SCALE", scale))

@@ -16,6 +16,10 @@ so a small N splits K: with SPLIT > 1, SPLIT SIMD groups share each row, one sli
 each (slice j of row r is row r*SPLIT + j of W seen as [N*SPLIT, K/SPLIT], so `rows_dot`
 takes it as it is), and their partial sums are added in slice order through threadgroup
 memory. A large N instead gives each SIMD group ROWS rows (fewer, longer threadgroups).
+
+A grouped projection (GGUF blocks: V4.1's wo_a, 8 groups of heads each through its own block of
+1024 rows) is one launch too: x [tokens, G, K], each threadgroup's rows in one group, whose x it
+copies; with MLX's packs, gather_qmm does the same in one launch (attention.py).
 """
 
 from __future__ import annotations
@@ -38,24 +42,26 @@ IN_FLIGHT_ROWS = 2048   # ~16 SIMD groups on each of the H200's 132 SMs
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 _BODY = r"""
-  // grid (32 * warps, ceil(N * SPLIT / (warps * ROWS)), tokens); y is [tokens, N], x [tokens, K].
-  // SPLIT > 1 needs ROWS == 1 and warps <= 32.
+  // grid (32 * warps, ceil(N * SPLIT / (warps * ROWS)), tokens); y is [tokens, N], x [tokens, K],
+  // or with GROUPS > 1 [tokens, GROUPS, K], row n of W taking x's group n / (N / GROUPS) (a grouped
+  // projection: a threadgroup's rows lie in one group). SPLIT > 1 needs ROWS == 1 and warps <= 32.
   const int N = (int)w_shape[0];
   const int t = group_z;
+  const int tg_rows = (int)(group_threads / 32) / SPLIT * ROWS;
+  const size_t x_row = GROUPS == 1 ? (size_t)t : (size_t)t * GROUPS + (size_t)((int)group_y * tg_rows / (N / GROUPS));
   // The token's x in fp32, fp8-rounded when ACTQ, once per threadgroup (XS uint4s per pack).
   SHARED uint4 xs[K / 32 * XS];
   SHARED float part[32];   // SPLIT > 1: each SIMD group's partial sum
   for (int p = (int)tid; p < K / 32; p += (int)group_threads) {
     float v[32];
-    for (int i = 0; i < 32; ++i) v[i] = float(x[(size_t)t * K + 32 * p + i]);
+    for (int i = 0; i < 32; ++i) v[i] = float(x[x_row * K + 32 * p + i]);
     if (ACTQ) qdq_fp8_32(v);
     store_x_pack<XS>(xs, p, v);
   }
   BARRIER();
-  const int rows_per_group = (int)(group_threads / 32) / SPLIT * ROWS;
   float acc[ROWS], unused[ROWS];
   if (SPLIT == 1) {
-    const int row0 = (int)group_y * rows_per_group + (int)warp * ROWS;
+    const int row0 = (int)group_y * tg_rows + (int)warp * ROWS;
     if (row0 >= N) return;
     rows_dot<MODE, BITS, GS, ROWS, 32, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
     if (lane == 0) {
@@ -64,13 +70,13 @@ _BODY = r"""
   } else {
     constexpr int KS = K / SPLIT;   // slice length; KS % 32 == 0 and KS % GS == 0
     const int j = (int)warp % SPLIT;
-    const int row = min((int)group_y * rows_per_group + (int)warp / SPLIT, N - 1);
+    const int row = min((int)group_y * tg_rows + (int)warp / SPLIT, N - 1);
     rows_dot<MODE, BITS, GS, 1, 32, KS, XS, false>(xs + j * (KS / 32) * XS, w, s, b, w, s, b, 0,
                                                    row * SPLIT + j, N * SPLIT, acc, unused, lane);
     if (lane == 0) part[warp] = acc[0];
     BARRIER();
-    const int out_row = (int)group_y * rows_per_group + (int)lane;
-    if (warp == 0 && (int)lane < rows_per_group && out_row < N) {
+    const int out_row = (int)group_y * tg_rows + (int)lane;
+    if (warp == 0 && (int)lane < tg_rows && out_row < N) {
       float v = 0.0f;
       for (int i = 0; i < SPLIT; ++i) v += part[lane * SPLIT + i];
       y[(size_t)t * N + out_row] = static_cast<T>(v);
@@ -90,7 +96,7 @@ def _checks():
             (bf16, ("affine", 3, 64, bf16, bf16), 2, 1, 512, True),
             (f32, ("affine", 8, 32, f32, f32), 1, 1, 8192, True)]:
         template = (("T", xt), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("GS", gs), ("SPLIT", split),
-                    ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", actq))
+                    ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", actq), ("GROUPS", 1))
         out.append(((xt, u32, st, bt), (xt,), template))
     return tuple(out)
 
@@ -102,18 +108,19 @@ MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec", input_names=("x", "w", "s",
 def _gguf_checks():
     """GGUF dense projections: ds4's Q8_0 (split and rows; read in pairs, and wide, too), the Q4_K
     of its q4 attention option, an IQ2_XXS in the wide unit, and both with fp16-subnormal codes
-    (DSV4_KERNEL_GGUF_HALVES); Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
+    (DSV4_KERNEL_GGUF_HALVES); Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB), also as V4.1's grouped
+    wo_a (8 groups of 1024 rows over 4096 inputs)."""
     out = []
     modes = dict(gguf_dot.GGUF_MODE_IDS, Q8_0_PAIRS=gguf_dot.Q8_0_PAIRS, Q8_0_HSUB=gguf_dot.Q8_0_HSUB,
                  **{f"{t}_WIDE": m for t, m in gguf_dot.WIDE_MODE_IDS.items()},
                  **{f"{t}_HALVES": m for t, m in gguf_dot.HALVES_MODE_IDS.items()})
-    for qtype, split, rows, k in (("Q8_0", 1, 2, 4096), ("Q8_0", 4, 1, 1024), ("Q4_K", 2, 1, 4096),
-                                  ("Q8_0_PAIRS", 1, 2, 4096), ("Q8_0_WIDE", 1, 2, 4096),
-                                  ("Q8_0_WIDE", 4, 1, 1024), ("IQ2_XXS_WIDE", 2, 1, 5120),
-                                  ("Q4_K_HALVES", 2, 1, 4096), ("IQ2_XXS_HALVES", 2, 1, 5120),
-                                  ("Q8_0_HSUB", 1, 2, 4096)):
-        template = (("T", mx.bfloat16), ("MODE", modes[qtype]), ("BITS", 0), ("GS", 0),
-                    ("SPLIT", split), ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", True))
+    for qtype, split, rows, k, groups in (("Q8_0", 1, 2, 4096, 1), ("Q8_0", 4, 1, 1024, 1), ("Q4_K", 2, 1, 4096, 1),
+                                          ("Q8_0_PAIRS", 1, 2, 4096, 1), ("Q8_0_WIDE", 1, 2, 4096, 1),
+                                          ("Q8_0_WIDE", 4, 1, 1024, 1), ("IQ2_XXS_WIDE", 2, 1, 5120, 1),
+                                          ("Q4_K_HALVES", 2, 1, 4096, 1), ("IQ2_XXS_HALVES", 2, 1, 5120, 1),
+                                          ("Q8_0_HSUB", 1, 2, 4096, 1), ("Q8_0_HSUB", 1, 4, 4096, 8)):
+        template = (("T", mx.bfloat16), ("MODE", modes[qtype]), ("BITS", 0), ("GS", 0), ("SPLIT", split),
+                    ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", True), ("GROUPS", groups))
         out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))
     return tuple(out)
 
@@ -136,39 +143,54 @@ MMA_MATVEC_KERNEL = Kernel(
                                                         (mx.float32, "mxfp4", 4, 4, 8192, False))))
 
 
-def work_split(n: int, k: int, group_size: int) -> tuple[int, int]:
+def work_split(n: int, k: int, group_size: int, groups: int = 1) -> tuple[int, int]:
     """(SPLIT, ROWS) for an [n, k] matrix: SIMD groups per row when n is small, so that about
     IN_FLIGHT_ROWS rows' packs are in flight; rows per SIMD group when n is large, while
-    that still leaves >= 128 threadgroups."""
+    that still leaves >= 128 threadgroups. With `groups` > 1 (a grouped projection) a
+    threadgroup's rows must lie in one group: `grouped_fits` says whether the split keeps them so."""
+    fits = lambda split, rows: grouped_fits(n, groups, split, rows)
     split = MAX_SPLIT
-    while split > 1 and (n * split // 2 >= IN_FLIGHT_ROWS or k % (split * max(32, group_size))):
+    while split > 1 and (n * split // 2 >= IN_FLIGHT_ROWS or k % (split * max(32, group_size)) or not fits(split, 1)):
         split //= 2
     if split > 1:
         return split, 1
     for rows in (4, 2):
-        if n >= 128 * WARPS * rows:
+        if n >= 128 * WARPS * rows and fits(1, rows):
             return 1, rows
     return 1, 1
 
 
-def kernel_supports(x: mx.array, q: QuantizedMatrix) -> bool:
-    """Whether `quantized_matvec` handles (x, q) on this device: a GPU backend, 1-8 tokens of a
-    float dtype, a single [N, K] matrix in a layout the decoder knows, x's copy within the
-    threadgroup memory."""
-    if backend() is None or x.ndim < 1 or x.dtype not in DTYPES:
+def grouped_fits(n: int, groups: int, split: int, rows: int) -> bool:
+    """Whether a threadgroup's rows (WARPS / split * rows) lie in one of `groups` equal groups of n rows."""
+    return groups == 1 or (n % groups == 0 and (n // groups) % (WARPS // split * rows) == 0)
+
+
+def kernel_supports(x: mx.array, q: QuantizedMatrix, groups: int = 1) -> bool:
+    """Whether `quantized_matvec` handles (x, q, groups) on this device: a GPU backend, 1-8 tokens
+    of a float dtype, a single [N, K] matrix in a layout the decoder knows (grouped: GGUF blocks,
+    N in `groups` groups that whole threadgroups fill), x's copy within the threadgroup memory."""
+    if backend() is None or x.ndim < (2 if groups > 1 else 1) or x.dtype not in DTYPES:
         return False
     K = x.shape[-1]
-    tokens = x.size // K if K else 0
+    tokens = x.size // (K * groups) if K else 0
+    N = q.out_features
     return (1 <= tokens <= MAX_TOKENS and K % 32 == 0 and q.weight.ndim == 2
             and q.in_features == K and matrix_supported(q)
+            and (groups == 1 or (isinstance(q, GGUFMatrix) and x.shape[-2] == groups
+                                 and grouped_fits(N, groups, *work_split(N, K, q.block_values, groups))))
             and K // 32 * X_STRIDE * 16 + 4 * 32 <= shared_memory_limit(backend()))   # x's copy + partial sums
 
 
-def matvec_reference(x: mx.array, q, act_quant: bool) -> mx.array:
+def matvec_reference(x: mx.array, q, act_quant: bool, groups: int = 1) -> mx.array:
     """Plain MLX: the quantized matmul on the (fp8-rounded) input in fp32, so that it
     accumulates in fp32 on every backend, rounded to x's dtype (as in experts_reference);
-    GGUF blocks decoded exactly, then a fp32 matmul."""
+    GGUF blocks decoded exactly, then a fp32 matmul. With `groups` G > 1 (GGUF blocks), x is
+    [..., G, K] and group j meets W's rows j N/G .. (j+1) N/G - 1: y [..., N] (a grouped projection)."""
     xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
+    if groups > 1:
+        w = q.dequantized()
+        y = xin[..., None, :] @ w.reshape(groups, -1, w.shape[-1]).swapaxes(-1, -2)   # [..., G, 1, N/G]
+        return y.reshape(*x.shape[:-2], -1).astype(x.dtype)
     if isinstance(q, GGUFMatrix):
         return (xin @ q.dequantized().T).astype(x.dtype)
     y = mx.quantized_matmul(xin, q.weight, q.scales, q.biases, transpose=True, **q.kwargs())
@@ -176,12 +198,14 @@ def matvec_reference(x: mx.array, q, act_quant: bool) -> mx.array:
 
 
 @falls_back(matvec_reference, "kernel_matvec")
-def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool) -> mx.array:
-    """x [..., K] (at most MAX_TOKENS rows) -> y [..., N] in x's dtype, one launch; the same
-    contract as `matvec_reference`. Call only where `kernel_supports(x, q)`."""
+def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: int = 1) -> mx.array:
+    """x [..., K] (at most MAX_TOKENS rows), or [..., G, K] with `groups` G -> y [..., N] in x's
+    dtype, one launch; the same contract as `matvec_reference`. Call only where
+    `kernel_supports(x, q, groups)`."""
     K, N = x.shape[-1], q.out_features
-    tokens = x.size // K
-    if experts_mma.matvec_applies(x, q):
+    tokens = x.size // (K * groups)
+    lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
+    if groups == 1 and experts_mma.matvec_applies(x, q):
         split = experts_mma.matvec_split(N)
         (y,) = MMA_MATVEC_KERNEL(
             inputs=[x] + q.operands(), output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype],
@@ -189,11 +213,12 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool) -> mx.arr
             threadgroup=(experts_mma.MATVEC_THREADS, 1, 1),
             template=[("T", x.dtype)] + q.template() + [("MKSPLIT", split), ("K", K), ("ACTQ", bool(act_quant))])
         return y
-    split, rows = work_split(N, K, q.block_values)
+    split, rows = work_split(N, K, q.block_values, groups)
     kernel = GGUF_MATVEC_KERNEL if isinstance(q, GGUFMatrix) else MATVEC_KERNEL
     (y,) = kernel(
-        inputs=[x] + q.operands(), output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype],
+        inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
         grid=(32 * WARPS, math.ceil(N * split / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
         template=[("T", x.dtype)] + q.template() + [
-            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant))])
+            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant)),
+            ("GROUPS", groups)])
     return y
