@@ -355,6 +355,13 @@ define("kernel_prefill_attention_mma", "auto",
        "where it took 6.98 ms against 16.96 for 2048 queries (benchmarks/results/"
        "2026-12-04-0831-prefill-matmuls.md) and the slice's 4K prefill 0.49 s against 0.54 "
        "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
+define("kernel_matvec_tokens", False,
+       "GPU projections of 2-6 tokens (a DSpark verify, a batch of sessions) that take the matvec "
+       "kernel in MLX's layouts (DSV4_KERNEL_MATVEC) in one pass over the weight: each threadgroup "
+       "decodes its rows' packs once and multiplies them by every token's x, staged 1024 values at a "
+       "time for all the tokens, where the one-token launch decodes every weight once a token (at "
+       "eight tokens ~4x one token's time on the H200); the same sums in the same order "
+       "(dsv4/kernels/matvec.py). Off (default) until the H200 measures it")
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "

@@ -136,6 +136,40 @@ def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
         assert n >= mv.IN_FLIGHT_ROWS / 2, "small n with K divisible should split"
 
 
+@pytest.mark.parametrize("n,k,mode,bits,gs,act_quant,tokens", [
+    (37, 1280, "mxfp8", 8, 32, True, 2),      # 40 packs: a segment of 32, then 8 (lanes 8.. idle)
+    (40, 512, "mxfp4", 4, 32, False, mv.MAX_TOKS),
+    (33, 128, "affine", 3, 64, True, 3),      # 3-bit words straddling packs, x's sums per pack
+    (4100, 64, "mxfp8", 8, 32, True, 4),      # 2 rows a SIMD group; the last threadgroup clamps
+])
+def test_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, mode, bits, gs, act_quant, tokens):
+    """DSV4_KERNEL_MATVEC_TOKENS' body on the host: every token's outputs equal, bit for bit, the
+    one-token body's at SPLIT 1 (each row's packs in the same order per lane, each weight decoded
+    once for all the tokens), and lie within the fp32 bound of the float64 product."""
+    rng = np.random.default_rng()
+    q = quantized(rng, (n, k), mode, bits, gs, mx.float32)
+    x = inputs(rng, tokens, k)
+    got = emulated_kernel(tmp_path, q, x, act_quant, 1, mv.tokens_rows(n), tokens_launch=True)
+    np.testing.assert_array_equal(got, emulated_kernel(tmp_path, q, x, act_quant, 1, 1))
+    xin = (ref_qdq_fp8(x) if act_quant else x).astype(np.float64)
+    want, mag = xin @ dequantize_np(q).T, np.abs(xin) @ np.abs(dequantize_np(q)).T
+    assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
+
+
+def test_tokens_launch_only_where_it_applies():
+    """The multi-token launch: with its switch, MLX's packs, 2..MAX_TOKS tokens; never one token,
+    more than MAX_TOKS, GGUF blocks or a grouped projection."""
+    from tests.test_kernels_gguf_host import gguf_matrix
+    rng = np.random.default_rng()
+    q = quantized(rng, (64, 128), "mxfp8", 8, 32)
+    with flags.override(kernel_matvec_tokens=True):
+        assert mv.tokens_applies(q, 2) and mv.tokens_applies(q, mv.MAX_TOKS)
+        assert not mv.tokens_applies(q, 1) and not mv.tokens_applies(q, mv.MAX_TOKS + 1)
+        assert not mv.tokens_applies(gguf_matrix(rng, (64, 256), "Q8_0"), 4)
+        assert not mv.tokens_applies(q, 4, groups=2)
+    assert not mv.tokens_applies(q, 4), "off by default"
+
+
 # --- the kernel body itself, run on the host --------------------------------------------------
 # The body and header are compiled with clang under test_kernels_decode_host's host prelude
 # and run as a threadgroup of real threads: SHARED is a static shared by the threads of the
@@ -232,15 +266,19 @@ int main() {
 """
 
 
-def emulated_kernel(tmp_path, q, x, act_quant, split, rows):
-    """quantized_matvec's body run on the host for fp32 x [tokens, K] with the given work split."""
+def emulated_kernel(tmp_path, q, x, act_quant, split, rows, tokens_launch=False):
+    """quantized_matvec's body run on the host for fp32 x [tokens, K] with the given work split, or
+    (`tokens_launch`) the multi-token body (DSV4_KERNEL_MATVEC_TOKENS: one launch for every token)."""
     tokens, K = x.shape
     N = q.out_features
     consts = dict(WARPS=mv.WARPS, MODE=MODE_IDS[q.mode], BITS=q.bits, GS=q.group_size, SPLIT=split,
-                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)), GROUPS=1)
+                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)), GROUPS=1, TOKS=tokens)
     scale = "uint8_t" if q.mode != "affine" else "float"
+    main, body = EMULATOR_MAIN, mv.MATVEC_KERNEL.body
+    if tokens_launch:   # one threadgroup row for all the tokens
+        main, body = main.replace("(WARPS * ROWS), tokens, [&]", "(WARPS * ROWS), 1, [&]"), mv.TOKENS_MATVEC_KERNEL.body
     exe = build_host(tmp_path, "matvec", EMULATOR + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
-                     + _HEADER + EMULATOR_MAIN.replace("BODY", mv.MATVEC_KERNEL.body).replace("SCALE", scale))
+                     + _HEADER + main.replace("BODY", body).replace("SCALE", scale))
     scales = np.array(q.scales.astype(mx.float32) if q.mode == "affine" else q.scales)
     biases = np.array(q.biases.astype(mx.float32)).tobytes() if q.mode == "affine" else b""
     data = (np.array([N, tokens], np.int32).tobytes() + np.asarray(x, np.float32).tobytes()

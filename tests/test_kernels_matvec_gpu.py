@@ -119,3 +119,26 @@ def test_tensor_core_matvec_matches_reference(shape, layout, dtype, act_quant, t
     with flags.override(kernel_matvec_mma=True):
         assert experts_mma.matvec_applies(activations(1, shape[1], dtype), quantized(shape, *layout))
         test_kernel_matches_reference(shape, layout, dtype, act_quant, tokens)
+
+
+TOKENS_CASES = [CASES[0], CASES[3], CASES[5], CASES[9], CASES[11],
+                ((32768, 1280), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),     # wq_b
+                ((5120, 8192), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True)]      # wo_b
+
+
+@pytest.mark.parametrize("tokens", [2, 4, mv.MAX_TOKS])
+@pytest.mark.parametrize("shape,layout,dtype,act_quant", TOKENS_CASES)
+def test_tokens_matvec_matches_reference(shape, layout, dtype, act_quant, tokens):
+    """DSV4_KERNEL_MATVEC_TOKENS: every token in one launch, each weight decoded once, within the
+    same bounds; and equal, bit for bit, to the one-token launch where that takes the whole K in one
+    SIMD group (SPLIT 1: the same sums in the same order; its host emulation:
+    test_kernels_matvec.test_tokens_body_gives_the_one_token_bodys_sums)."""
+    with flags.override(kernel_matvec_tokens=True):
+        assert mv.tokens_applies(quantized((32, 32), "mxfp8", 8, 32, mx.bfloat16), tokens)
+        test_kernel_matches_reference(shape, layout, dtype, act_quant, tokens)
+    (N, K), (mode, bits, gs, source_dtype) = shape, layout
+    if mv.work_split(N, K, gs)[0] == 1:
+        q, x = quantized((N, K), mode, bits, gs, source_dtype), activations(tokens, K, dtype)
+        with flags.override(kernel_matvec_tokens=True):
+            both = mv.quantized_matvec(x, q, act_quant)
+        assert mx.array_equal(both, mv.quantized_matvec(x, q, act_quant)).item()

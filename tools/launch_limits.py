@@ -223,8 +223,9 @@ def v41_calls():
             for n, d in projections:
                 q = dense((n, d))
                 if matvec.kernel_supports(_zeros(t, d), q):
-                    for mma in (False, True):   # mma: the CUDA tensor-core matvec
-                        with flags.override(kernel_matvec_mma=mma):
+                    for mma, tokens in ((False, False), (True, False), (False, True)):
+                        # mma: the CUDA tensor-core matvec; tokens: the multi-token launch (2..6 tokens)
+                        with flags.override(kernel_matvec_mma=mma, kernel_matvec_tokens=tokens):
                             matvec.quantized_matvec(_zeros(t, d), q, True)
 
         for n, d in projections:   # the head product of a bf16 weight (the head, the gate, ...)

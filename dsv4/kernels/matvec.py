@@ -28,6 +28,7 @@ import math
 
 import mlx.core as mx
 
+from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, falls_back, shared_memory_limit
 from dsv4.kernels import experts_mma, gguf_dot
 from dsv4.kernels.experts import (_HEADER, MODE_IDS, X_HEADER, X_STRIDE, QuantizedMatrix,
@@ -125,6 +126,108 @@ def _gguf_checks():
     return tuple(out)
 
 
+# DSV4_KERNEL_MATVEC_TOKENS: 2..MAX_TOKS tokens (a DSpark verify, a batch of sessions) in one pass
+# over MLX's packs. The body above makes a threadgroup per token, which decodes every weight once a
+# token: at eight tokens the H200 measured ~4x one token's time with the weights found in L2.
+MAX_TOKS = 6          # x's segment for 6 tokens is 27 KB of threadgroup memory (Metal allows 32)
+TOKENS_SEGMENT = 32   # packs of x a segment (one a lane)
+TOKENS_ROWS2_MIN = 4096   # rows from which a SIMD group makes 2 rows (fewer threadgroups), else 1
+
+_TOKENS_BODY = r"""
+  // grid (32 * warps, ceil(N / (warps * ROWS)), 1); y is [TOKS, N], x [TOKS, K]. A lane decodes
+  // the pack of each of its SIMD group's ROWS rows once and multiplies it by every token's x: packs
+  // p = lane + 32 i of a row, in order, the one-token body's sums at SPLIT 1. x comes into
+  // threadgroup memory SEG packs at a time for all the tokens, fp8-rounded per pack when ACTQ.
+  constexpr int SEG = TOKENS_SEGMENT;
+  constexpr int PACKS = K / 32;
+  constexpr int WORDS_PER_ROW = PACKS * BITS;
+  constexpr int SCALES_PER_ROW = K / GS;
+  const int N = (int)w_shape[0];
+  const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
+  SHARED uint4 xs[TOKS * SEG * XS];
+  float acc[ROWS][TOKS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TOKS; ++t) acc[r][t] = 0.0f;
+  for (int seg = 0; seg < PACKS; seg += SEG) {
+    BARRIER();   // the last segment read by every SIMD group
+    for (int i = (int)tid; i < TOKS * SEG; i += (int)group_threads) {
+      const int t = i / SEG, p = seg + i % SEG;
+      if (p < PACKS) {
+        float v[32];
+        for (int j = 0; j < 32; ++j) v[j] = float(x[(size_t)t * K + 32 * p + j]);
+        if (ACTQ) qdq_fp8_32(v);
+        store_x_pack<XS>(xs, i, v);
+      }
+    }
+    BARRIER();
+    const int p = seg + (int)lane;
+    if (p >= PACKS) continue;
+    uint32_t words[ROWS][BITS];
+    float scale[ROWS], bias[ROWS] = {};
+    for (int r = 0; r < ROWS; ++r) {
+      const size_t row = (size_t)min(row0 + r, N - 1);
+      load_pack<MODE, BITS, GS>(w + row * WORDS_PER_ROW, s + row * SCALES_PER_ROW, b + row * SCALES_PER_ROW, p,
+                                words[r], &scale[r], &bias[r]);
+    }
+    float d[ROWS][TOKS], x_sum[TOKS];
+    for (int t = 0; t < TOKS; ++t) {
+      x_sum[t] = 0.0f;
+      for (int r = 0; r < ROWS; ++r) d[r][t] = 0.0f;
+    }
+    for (int c = 0; c < 4; ++c) {
+      float v[ROWS][8];
+      for (int r = 0; r < ROWS; ++r) unpack8<MODE, BITS>(words[r], c, v[r]);
+      for (int t = 0; t < TOKS; ++t) {
+        float xv[8];
+        XChunk<XS>::load(xs, t * SEG + (int)lane, c, xv);
+        if (MODE == 0)
+          for (int i = 0; i < 8; ++i) x_sum[t] += xv[i];
+        for (int r = 0; r < ROWS; ++r)
+          for (int i = 0; i < 8; ++i) d[r][t] += v[r][i] * xv[i];
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int t = 0; t < TOKS; ++t)
+        acc[r][t] += MODE == 0 ? scale[r] * d[r][t] + bias[r] * x_sum[t] : scale[r] * d[r][t];
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TOKS; ++t) acc[r][t] = simd_sum_f(acc[r][t]);
+  if (lane == 0)
+    for (int r = 0; r < ROWS && row0 + r < N; ++r)
+      for (int t = 0; t < TOKS; ++t) y[(size_t)t * N + row0 + r] = static_cast<T>(acc[r][t]);
+""".replace("TOKENS_SEGMENT", str(TOKENS_SEGMENT))
+
+
+def _tokens_checks():
+    """The multi-token launch at V4.1's dense shapes: mxfp8 over 5120 and 1280 inputs, mxfp4 (the
+    draft stages' experts' layout family) and 3-bit affine (words straddling packs)."""
+    u32, u8, bf16, f32 = mx.uint32, mx.uint8, mx.bfloat16, mx.float32
+    out = []
+    for xt, (mode, bits, gs, st, bt), rows, k, toks in [
+            (bf16, ("mxfp8", 8, 32, u8, u32), 2, 5120, MAX_TOKS), (bf16, ("mxfp8", 8, 32, u8, u32), 1, 1280, 4),
+            (f32, ("mxfp4", 4, 32, u8, u32), 2, 8192, 2), (bf16, ("affine", 3, 64, bf16, bf16), 1, 512, 3)]:
+        template = (("T", xt), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("GS", gs), ("ROWS", rows), ("K", k),
+                    ("XS", X_STRIDE), ("ACTQ", True), ("TOKS", toks))
+        out.append(((xt, u32, st, bt), (xt,), template))
+    return tuple(out)
+
+
+TOKENS_MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec_tokens", input_names=("x", "w", "s", "b"),
+                              output_names=("y",), body=_TOKENS_BODY, header=_HEADER, checks=_tokens_checks())
+
+
+def tokens_rows(n: int) -> int:
+    """Rows a SIMD group makes in the multi-token launch."""
+    return 2 if n >= TOKENS_ROWS2_MIN else 1
+
+
+def tokens_applies(q, tokens: int, groups: int = 1) -> bool:
+    """Whether `quantized_matvec` takes the multi-token launch: DSV4_KERNEL_MATVEC_TOKENS, MLX's
+    packs, 2..MAX_TOKS tokens."""
+    return (bool(flags.get("kernel_matvec_tokens")) and groups == 1 and isinstance(q, QuantizedMatrix)
+            and 2 <= tokens <= MAX_TOKS)
+
+
 # The same body over rows of GGUF blocks (gguf_dot.py's rows_dot).
 GGUF_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec", input_names=("x", "w", "s", "b"),
                             output_names=("y",), body=_BODY, header=X_HEADER + gguf_dot.HEADER,
@@ -205,6 +308,14 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
     K, N = x.shape[-1], q.out_features
     tokens = x.size // (K * groups)
     lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
+    if tokens_applies(q, tokens, groups):
+        rows = tokens_rows(N)
+        (y,) = TOKENS_MATVEC_KERNEL(
+            inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
+            grid=(32 * WARPS, math.ceil(N / (WARPS * rows)), 1), threadgroup=(32 * WARPS, 1, 1),
+            template=[("T", x.dtype)] + q.template() + [("ROWS", rows), ("K", K), ("XS", X_STRIDE),
+                                                        ("ACTQ", bool(act_quant)), ("TOKS", tokens)])
+        return y
     if groups == 1 and experts_mma.matvec_applies(x, q):
         split = experts_mma.matvec_split(N)
         (y,) = MMA_MATVEC_KERNEL(
