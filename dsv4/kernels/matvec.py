@@ -20,6 +20,9 @@ memory. A large N instead gives each SIMD group ROWS rows (fewer, longer threadg
 A grouped projection (GGUF blocks: V4.1's wo_a, 8 groups of heads each through its own block of
 1024 rows) is one launch too: x [tokens, G, K], each threadgroup's rows in one group, whose x it
 copies; with MLX's packs, gather_qmm does the same in one launch (attention.py).
+
+With DSV4_KERNEL_MATVEC_TOKENS, 2-6 tokens in MLX's packs take another launch, whose threadgroups
+hold every token's x (a segment of K at a time) and decode each weight once for all of them.
 """
 
 from __future__ import annotations
