@@ -21,8 +21,12 @@ name the `.part1` and the others are found next to it.
   instead (a self-contained directory). --affine maps them into MLX affine instead (Q8_0 and
   Q4_K exact, IQ2_XXS and Q2_K lossily, convert/gguf_quants.py, the added error reported per
   tensor kind); --dequantize bf16|f32 writes them as plain floats (dsv4.gguf_blocks' exact
-  decoding: the full-precision reference of the same model). Mapping and dequantizing run in
+  decoding: the full-precision reference of the same model). MXFP4 (ds4's native DSpark
+  experts) becomes MLX mxfp4, bit for bit, unless dequantized. Mapping and dequantizing run in
   worker processes, in row tasks a few steps ahead of the writer.
+- Draft stages (--draft): ds4 keeps V4.1's DSpark stages in a separate support GGUF; given
+  it, they are converted as the text file's tensors are (convert/gguf_draft.py) into
+  `mtp*.safetensors` and config.json's `dsv4.draft` (their quantization and references).
 - Output through convert/writer.py: atomic, resumable, sharded. The report (config.json,
   `dsv4.conversion`) counts the errors of the modules converted by the run that finished;
   after --resume, those of shards written earlier are not in it.
@@ -42,7 +46,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import numpy as np
 import typer
@@ -73,7 +77,7 @@ UNUSED = re.compile(r"^blk\.\d+\.exp_probs_b_vl\.bias$")
 _TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
         "output.weight": "head.weight"}
 # blk.N.<suffix> -> layers.N.<dsv4 suffix>
-_LAYER = {
+LAYER_NAMES = {
     "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
     **{f"hc_{s}_{p}.weight": f"hc_{s}_{p}" for s in ("attn", "ffn") for p in ("fn", "base", "scale")},
     "attn_sinks.weight": "attn.attn_sink", "attn_q_a.weight": "attn.wq_a.weight",
@@ -109,8 +113,8 @@ def dsv4_name(gguf_name: str) -> Optional[str]:
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     m = _BLK.match(gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in LAYER_NAMES:
+        return f"layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
     return None
 
 
@@ -284,7 +288,7 @@ def read_config(src: GGUFSource) -> tuple[dict, ModelArgs]:
         got = src.get(key)
         if name == "compress_ratios":
             expected = expected[: text["num_hidden_layers"]]
-        if not _same(got, expected):
+        if not same_value(got, expected):
             problems.append(f"{key} = {got!r} but deepseek41.config has {name} = {expected!r}")
     if problems:
         raise ConversionError(f"{src.path}: metadata disagrees with deepseek41.config: " +
@@ -292,10 +296,11 @@ def read_config(src: GGUFSource) -> tuple[dict, ModelArgs]:
     return config, ModelArgs.from_dict(config, source=f"{src.path}: deepseek41.config")
 
 
-def _same(got, expected) -> bool:
+def same_value(got, expected) -> bool:
+    """A GGUF metadata value equals a config value (f32 floats compared in f32)."""
     if isinstance(expected, (list, tuple)):
         return isinstance(got, list) and len(got) == len(expected) and \
-            all(_same(g, e) for g, e in zip(got, expected))
+            all(same_value(g, e) for g, e in zip(got, expected))
     if isinstance(expected, bool) or isinstance(got, (str, bool)):
         return got == expected
     if isinstance(got, float):  # stored as f32
@@ -377,16 +382,17 @@ def engram_references(src: GGUFSource, tables: dict[int, GGUFTensor]) -> dict[st
 
 # --- tensors -----------------------------------------------------------------------------------
 
-def _expected_logical(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """dsv4 tensor name -> logical shape (before packing), experts stacked."""
+def expected_logical(tensors: dict, experts: int) -> dict[str, tuple[int, ...]]:
+    """Official tensors (dsv4.layout.expected_tensors, draft_tensors) -> dsv4 name -> logical
+    shape (before packing), the `experts` routed experts of a layer stacked."""
     out = {}
-    expert = re.compile(r"^(layers\.\d+\.ffn\.experts)\.\d+\.(w[123])\.weight$")
-    for name, (dtype, shape) in expected_tensors(args).items():
+    expert = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.\d+\.(w[123])\.weight$")
+    for name, (dtype, shape) in tensors.items():
         if name.endswith(".scale"):
             continue
         m = expert.match(name)
         if m:
-            out[f"{m.group(1)}.{m.group(2)}.weight"] = (args.n_routed_experts, shape[0], shape[1] * 2)
+            out[f"{m.group(1)}.{m.group(2)}.weight"] = (experts, shape[0], shape[1] * 2)
         else:
             out[name] = tuple(shape)
     return out
@@ -450,12 +456,21 @@ def run_job(job: _Job) -> tuple[dict, float, float]:
     row_bytes = t.byte_shape[-1]
     raw = read_bytes(job.parts, t.offset + job.first * row_bytes, (job.last - job.first) * row_bytes)
     raw = raw.reshape(job.last - job.first, row_bytes)
+    if t.qtype == T.MXFP4:
+        weight, scales = gguf_quants.mxfp4(raw)
+        if job.mode not in DEQUANTIZED:
+            module = job.name.removesuffix(".weight")
+            return {f"{module}.weight": ("U32", weight), f"{module}.scales": ("U8", scales)}, 0.0, 0.0
     if job.mode in DEQUANTIZED:
         import mlx.core as mx
 
         from dsv4 import gguf_blocks
 
-        values = gguf_blocks.dequantize(mx.array(raw), t.qtype.name)  # the runtime's decoder
+        if t.qtype == T.MXFP4:
+            values = mx.dequantize(mx.array(weight), mx.array(scales), group_size=32, bits=4,
+                                   mode="mxfp4", dtype=mx.float32)
+        else:
+            values = gguf_blocks.dequantize(mx.array(raw), t.qtype.name)  # the runtime's decoder
         if job.mode == "f32":
             return {job.name: ("F32", np.array(values))}, 0.0, 0.0
         return {job.name: ("BF16", np.array(values.astype(mx.bfloat16).view(mx.uint16)))}, 0.0, 0.0
@@ -531,7 +546,7 @@ class _Ahead:
 
 
 def _kind(name: str) -> str:
-    return re.sub(r"^layers\.\d+\.", "layers.*.", name.removesuffix(".weight"))
+    return re.sub(r"^(layers|mtp)\.\d+\.", r"\1.*.", name.removesuffix(".weight"))
 
 
 @dataclass
@@ -552,17 +567,24 @@ class KindStats:
         return out
 
 
-def plan(src: GGUFSource, args: ModelArgs, options: Options):
+def _not_weights(gguf_name: str) -> bool:
+    """A text file's tensor that is no model weight: an Engram table, the image-routing bias."""
+    return bool(_ENGRAM_TABLE.match(gguf_name) or UNUSED.match(gguf_name))
+
+
+def plan(src: GGUFSource, expected: dict[str, tuple[int, ...]], options: Options,
+         name_of: Callable[[str], Optional[str]] = dsv4_name, skipped: Callable[[str], bool] = _not_weights):
     """(jobs by dsv4 name in order, their output bytes, stats by kind, quantization by module,
-    references by tensor name); every tensor the model needs present with its shape, every
-    GGUF tensor accounted for, each either a job or (kept blocks, not copied) a reference."""
-    expected = _expected_logical(args)
+    references by tensor name); every tensor of `expected` (dsv4 name -> logical shape, as
+    `expected_logical` gives) present with its shape, every GGUF tensor but the `skipped`
+    accounted for (`name_of` names it), each either a job or (kept blocks, not copied) a
+    reference. MXFP4 becomes MLX mxfp4 (exact) unless dequantized."""
     jobs: dict[str, _Job] = {}
     problems, unknown = [], []
     for t in src.tensors.values():
-        if _ENGRAM_TABLE.match(t.name) or UNUSED.match(t.name):
+        if skipped(t.name):
             continue
-        name = dsv4_name(t.name)
+        name = name_of(t.name)
         if name is None or name not in expected:
             unknown.append(t.name)
             continue
@@ -578,9 +600,12 @@ def plan(src: GGUFSource, args: ModelArgs, options: Options):
                                 f"{gguf_quants.BLOCK_WEIGHTS[t.qtype]}, has {t.shape[-1]}")
                 continue
             jobs[name] = _Job(src.parts, t, name, options.mode, options.bits(t.qtype))
+        elif t.qtype == T.MXFP4 and t.shape[-1] % 32 == 0:
+            jobs[name] = _Job(src.parts, t, name, options.dequantize or "mxfp4")
         else:
-            problems.append(f"tensor {t.name} has type {t.qtype.name}, which ds4 files do not use "
-                            f"(expected F16, F32, BF16, Q8_0, Q4_K, Q2_K or IQ2_XXS)")
+            problems.append(f"tensor {t.name} has type {t.qtype.name}{list(t.shape)}, which ds4 files "
+                            f"do not use (expected F16, F32, BF16, Q8_0, Q4_K, Q2_K, IQ2_XXS, or "
+                            f"MXFP4 of whole 32-value blocks)")
     missing = sorted(set(expected) - set(jobs))
     problems += [f"tensor for {n} is missing" for n in missing[:10]]
     problems += [f"unexpected tensor {n}" for n in sorted(unknown)[:10]]
@@ -605,6 +630,9 @@ def plan(src: GGUFSource, args: ModelArgs, options: Options):
                 references[name] = tensor_reference(src, t)
         elif job.mode in DEQUANTIZED:
             target, nbytes = job.mode.upper(), DEQUANTIZED[job.mode] * rows * t.shape[-1]
+        elif job.mode == "mxfp4":   # the same 17 bytes a block, moved into MLX's arrays
+            target, nbytes = "MLX mxfp4", t.nbytes
+            quantization[module] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
         else:
             target = f"affine {job.bits}-bit g32"
             nbytes = gguf_quants.affine_nbytes(t.qtype, job.bits, rows, t.shape[-1])
@@ -632,14 +660,14 @@ def tensor_reference(src: GGUFSource, t: GGUFTensor) -> dict:
 
 
 def verify_references(src: GGUFSource, references: dict[str, dict], model_dir: Path,
-                      rows: int = 8, seed: int = 0) -> int:
+                      rows: int = 8, seed: int = 0, name_of: Callable[[str], Optional[str]] = dsv4_name) -> int:
     """Read each referenced tensor as the runtime does (dsv4.tensor_refs) and compare sampled
     rows (first, last, random) with the GGUF tensor's rows where the header places them;
     returns the number of tensors checked."""
     from dsv4 import tensor_refs
 
     rng = np.random.default_rng(seed)
-    by_name = {dsv4_name(t.name): t for t in src.tensors.values()}
+    by_name = {name_of(t.name): t for t in src.tensors.values()}
     for name, ref in references.items():
         t = by_name[name]
         if ref["dtype"] != "U8" or tuple(ref["shape"]) != t.byte_shape:
@@ -673,16 +701,30 @@ def quantization_block(per_module: dict[str, dict]) -> Optional[dict]:
 def convert(source: Path | str, dst: Path | str, options: Optional[Options] = None, workers: int = 0,
             copy_engram: bool = False, overwrite: bool = False, resume: bool = False,
             verify: bool = False, progress: bool = True,
-            max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Convert a ds4 GGUF into the dsv4 model directory `dst`; returns the per-kind report."""
+            max_shard_bytes: int = MAX_SHARD_BYTES, draft: Optional[Path | str] = None) -> dict:
+    """Convert a ds4 GGUF into the dsv4 model directory `dst`; returns the per-kind report.
+    `draft`: ds4's DSpark support GGUF of the same checkpoint (convert/gguf_draft.py), whose
+    draft stages go to `mtp*.safetensors` and `dsv4.draft`, treated as the text file's tensors."""
+    from . import gguf_draft
+
     options = options or Options()
     src = GGUFSource(source)
     check_dialect(src)
     config, args = read_config(src)
+    draft_src = None if draft is None else GGUFSource(draft)
+    if draft_src is not None:
+        gguf_draft.check_dialect(draft_src)
+        config, args = gguf_draft.with_draft(config, draft_src, src)
     tokenizer = read_tokenizer(src)
     tables = check_engram(src, args, tokenizer)
     refs = {} if copy_engram else engram_references(src, tables)
-    jobs, sizes, stats, per_module, references = plan(src, args, options)
+    expected = expected_logical(expected_tensors(args), args.n_routed_experts)
+    jobs, sizes, stats, per_module, references = plan(src, expected, options)
+    draft_jobs, draft_per_module, draft_references = {}, {}, {}
+    if draft_src is not None:
+        draft_jobs, draft_sizes, draft_stats, draft_per_module, draft_references = plan(
+            draft_src, gguf_draft.expected(args), options, gguf_draft.dsv4_name, gguf_draft.SKIPPED.match)
+        jobs, sizes, stats = {**jobs, **draft_jobs}, {**sizes, **draft_sizes}, {**stats, **draft_stats}
     # the main process assembles and writes: leave it a core (on 2 cores, in-process was faster)
     workers = workers or max(1, (os.cpu_count() or 2) - 1)
     order = list(jobs)
@@ -698,25 +740,32 @@ def convert(source: Path | str, dst: Path | str, options: Optional[Options] = No
                 s.err_sq += err_sq
                 s.ref_sq += ref_sq
             return tensors
-        return Unit(name.removesuffix(".weight") if jobs[name].mode == "affine" else name,
+        return Unit(name.removesuffix(".weight") if jobs[name].mode in ("affine", "mxfp4") else name,
                     sizes[name], produce)
 
-    fingerprint = {"source": [[p, size, os.stat(p).st_mtime_ns] for p, size in src.parts],
+    parts = src.parts + (() if draft_src is None else draft_src.parts)
+    fingerprint = {"source": [[p, size, os.stat(p).st_mtime_ns] for p, size in parts],
                    "options": vars(options) | {"copy_engram": copy_engram}}
     try:
         with ModelDirWriter(dst, fingerprint, overwrite=overwrite, resume=resume,
                             max_shard_bytes=max_shard_bytes, progress=progress,
-                            sources=[path for path, _ in src.parts]) as out:
-            units = [unit(n) for n in order]
-            out.write_weights({"model": units})
+                            sources=[path for path, _ in parts]) as out:
+            groups = {"model": [unit(n) for n in order if n not in draft_jobs]}
+            if draft_jobs:
+                groups["mtp"] = [unit(n) for n in order if n in draft_jobs]
+            out.write_weights(groups)
             if verify:
-                out.verify({"model": units})
+                out.verify(groups)
                 verify_references(src, references, out.tmp)
+                if draft_src is not None:
+                    verify_references(draft_src, draft_references, out.tmp, name_of=gguf_draft.dsv4_name)
             if copy_engram:
                 refs = _copy_tables(src, tables, out, progress)
             report = {k: s.summary() for k, s in sorted(stats.items())}
+            stored_draft = None if draft_src is None else \
+                _draft_block(draft_src, draft_per_module, draft_references)
             out.write_json("config.json", _output_config(src, config, per_module, refs,
-                                                         references, report))
+                                                         references, report, stored_draft))
             out.write_json("tokenizer.json", json.loads(tokenizer.to_str()))
             out.write_json("tokenizer_config.json", gguf_tokenizer.tokenizer_config(
                 src.need("tokenizer.ggml.tokens"), src.need("tokenizer.ggml.bos_token_id"),
@@ -758,8 +807,24 @@ def _copy_span(src: GGUFSource, t: GGUFTensor, dst: Path, progress: bool,
     shown.finish()
 
 
+def _draft_block(src: GGUFSource, per_module: dict, references: dict) -> dict:
+    """config.json's `dsv4.draft`: draft stages stored as the backbone's are (`layout` dsv4:
+    mtp*.safetensors, their own quantization block and references), not in official packing."""
+    block = {"layout": "dsv4",
+             "source": {"kind": "gguf", "path": [p for p, _ in src.parts],
+                        "architecture": src.get("general.architecture"),
+                        "revision": src.get("general.source.revision"),
+                        "recipe": src.get("dspark.precision") or src.get("dspark.quantization")}}
+    quantization = quantization_block(per_module)
+    if quantization is not None:
+        block["quantization"] = quantization
+    if references:
+        block["tensors"] = references
+    return block
+
+
 def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict,
-                   references: dict, report: dict) -> dict:
+                   references: dict, report: dict, draft: Optional[dict] = None) -> dict:
     out = {k: v for k, v in config.items() if k != "quantization_config"}
     block = quantization_block(per_module)
     if block is not None:
@@ -772,6 +837,7 @@ def _output_config(src: GGUFSource, config: dict, per_module: dict, refs: dict,
                    "recipe": src.get("deepseek41.quantization")},
         "engram": refs,
         **({"tensors": references} if references else {}),
+        **({"draft": draft} if draft else {}),
         "conversion": report,
     }
     return out
@@ -817,6 +883,9 @@ def gguf_command(
     overwrite: Annotated[bool, typer.Option(help="replace DST or an unfinished conversion")] = False,
     resume: Annotated[bool, typer.Option(help="continue an interrupted conversion")] = False,
     verify: Annotated[bool, typer.Option(help="re-read sampled rows of every tensor")] = False,
+    draft: Annotated[Optional[Path], typer.Option(
+        help="ds4's DSpark support GGUF of the same checkpoint (deepseek41_dspark.py): the draft "
+             "stages for speculative decoding (--draft on generate, chat, serve)")] = None,
 ) -> None:
     """Convert a ds4 GGUF of DeepSeek V4.1 Flash into a dsv4 model directory."""
     with reported():
@@ -825,6 +894,7 @@ def gguf_command(
         if given and not affine:
             raise ConversionError(f"--{next(iter(given)).replace('_', '-')} applies to --affine")
         options = Options(**given, dequantize=dequantize, affine=affine, copy_weights=copy_weights)
-        report = convert(source, dst, options, workers, copy_engram, overwrite, resume, verify)
+        report = convert(source, dst, options, workers, copy_engram, overwrite, resume, verify,
+                         draft=draft)
     print_report(report)
     print(f"wrote {dst}", file=sys.stderr)

@@ -13,6 +13,8 @@ uint32 words (`mx.dequantize(weight, scales, biases, group_size=32, bits=b)`).
              min, which share no grid; fitted per group on its 8 distinct values weighted by
              their counts (min/max start, then Lloyd steps: nearest codes <-> least-squares
              scale and bias), scale and bias in f16. ~3.4% added error at 4 bits, 0.2% at 8.
+  MXFP4   -> MLX mxfp4, exact (`mxfp4`): the same e2m1 codes and e8m0 scales, nibbles reordered
+             (ds4's DSpark support files hold the released fp4 experts so).
 
 Every function takes the raw rows of a tensor, uint8 [..., bytes per row] (one GGUF row is
 one output neuron, blocks along the input), and returns an `Affine` whose arrays have the
@@ -292,3 +294,20 @@ def to_affine(raw: np.ndarray, qtype: T, bits: int, chunk_weights: int = 1 << 18
 
     return Affine(joined("weight"), joined("scales"), joined("biases"), first.bits, first.exact,
                   sum(p.err_sq for p in parts), sum(p.ref_sq for p in parts))
+
+
+MXFP4_BLOCK = 17   # GGUF MXFP4 (type 39): an e8m0 byte, then 16 bytes of 32 e2m1 codes
+
+
+def mxfp4(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF MXFP4 rows uint8 [..., blocks * 17] -> MLX mxfp4 (weight uint32 [..., in / 8],
+    scales uint8 [..., in / 32]), exact: the same e2m1 codes and e8m0 scales, only the nibbles
+    move (a GGUF block's byte j holds codes j and j + 16; MLX packs codes in order, LSB first)."""
+    if raw.shape[-1] % MXFP4_BLOCK:
+        raise QuantError(f"MXFP4 rows of {raw.shape[-1]} bytes are not whole blocks of {MXFP4_BLOCK}")
+    blocks = raw.reshape(*raw.shape[:-1], -1, MXFP4_BLOCK)
+    qs = blocks[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)              # [..., blocks, 32] in order
+    pairs = codes[..., 0::2] | (codes[..., 1::2] << 4)                 # two codes a byte, LSB first
+    weight = np.ascontiguousarray(pairs.reshape(*raw.shape[:-1], -1)).view(np.uint32)
+    return weight, np.ascontiguousarray(blocks[..., 0])

@@ -163,21 +163,36 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
         raise CheckpointError(f"{path / 'config.json'}: dsv4 format_version "
                               f"{block.get('format_version')}, this dsv4 reads {FORMAT_VERSION}")
     ckpt = Checkpoint(path, "model*.safetensors")
+    refs = _references(block, path, "dsv4.tensors")
+    reader.check([(n, i.shape) for n, i in ckpt.tensors.items()]
+                 + [(n, r.get("shape", ())) for n, r in refs.items() if isinstance(r, dict)])
+    model = Model(args, reader.plan)
+    _stored_forms(model, ckpt, refs, config.get("quantization") or {}, path)
+    reader.plan.prepare(model)
+    if stream is not None:
+        stream.detach(model)
+    _read_stored(model, ckpt, refs, path, reader, stream)
+    return model, block.get("engram", {})
+
+
+def _references(block: dict, path: Path, where: str) -> dict:
     refs = block.get("tensors") or {}
     if not isinstance(refs, dict):
-        raise CheckpointError(f"{path / 'config.json'}: dsv4.tensors must map tensor names to references")
-    quant = config.get("quantization") or {}
+        raise CheckpointError(f"{path / 'config.json'}: {where} must map tensor names to references")
+    return refs
+
+
+def _stored_forms(model: nn.Module, ckpt: Checkpoint, refs: dict, quant: dict, path: Path) -> None:
+    """Turn `model`'s modules into the forms a dsv4 directory stores them in, from the shards'
+    and references' tensors and mlx-lm's quantization block `quant`: MLX quantized (a weight
+    with .scales) or GGUF blocks (a uint8 weight without scales, "gguf" in the block)."""
     default = {k: quant[k] for k in ("group_size", "bits", "mode", "type") if k in quant}
     setting = lambda module: quant.get(module, default)
     modules = {n.removesuffix(".scales") for n in ckpt.names() if n.endswith(".scales")}
-    # GGUF blocks: a uint8 weight without scales, named "gguf" in the quantization block
     dtypes = {**{n: ckpt[n].dtype for n in ckpt.names()}, **{n: r.get("dtype") for n, r in refs.items()
                                                              if isinstance(r, dict)}}
     blocks = {n.removesuffix(".weight") for n, d in dtypes.items()
               if n.endswith(".weight") and d == "U8" and n.removesuffix(".weight") not in modules}
-    reader.check([(n, i.shape) for n, i in ckpt.tensors.items()]
-                 + [(n, r.get("shape", ())) for n, r in refs.items() if isinstance(r, dict)])
-    model = Model(args, reader.plan)
     types = {}
     for module in sorted(blocks):
         q = setting(module)
@@ -187,9 +202,13 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
         types[module] = q["type"]
     _keep_gguf_blocks(model, types, path)
     _quantize(model, {m: setting(m) for m in modules})
-    reader.plan.prepare(model)
-    if stream is not None:
-        stream.detach(model)
+
+
+def _read_stored(model: nn.Module, ckpt: Checkpoint, refs: dict, path: Path, reader: Reader,
+                 stream=None) -> None:
+    """Load the shards' and references' tensors into `model` (in its stored forms), each file
+    then each reference evaluated as it arrives; the routed experts `stream` takes are only
+    recorded."""
     expected = dict(tree_flatten(model.parameters()))
     seen: set = set()
     by_file: dict[Path, list[str]] = {}
@@ -208,7 +227,6 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
         _load_arrays(model, {name: None if a is None else to_mx(a, ref["dtype"])},
                      str(path / "config.json"), expected, seen)
     _check_complete(model, seen, path)
-    return model, block.get("engram", {})
 
 
 def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = None,
@@ -265,9 +283,11 @@ def load_model(path: Path, tokenizer: Tokenizer, dtype: Optional[mx.Dtype] = Non
 
 def load_draft(path: Path, config: dict, args: ModelArgs):
     """The DSpark draft stages (dsv4.draft.Draft) where DSV4_DRAFT asks for them, or None: from
-    the official shards, or from a dsv4 directory's mtp*.safetensors (the official converter
-    copies them there as they are); packed as the backbone's tensors (dsv4.layout.draft_plan).
-    Under 'auto' a checkpoint without them simply has none; 'on' requires them."""
+    the official shards, or from a dsv4 directory's mtp*.safetensors: as the official converter
+    copies them (official packing, packed as the backbone's tensors by dsv4.layout.draft_plan),
+    or stored as the backbone's are where config.json's `dsv4.draft` says so (the GGUF
+    converter's, from ds4's DSpark support file). Under 'auto' a checkpoint without them simply
+    has none; 'on' requires them."""
     from . import layout
     from .draft import Draft
 
@@ -285,8 +305,12 @@ def load_draft(path: Path, config: dict, args: ModelArgs):
     if "dsv4" in config:
         if not any(path.glob("mtp*.safetensors")):
             return absent("the directory has no mtp*.safetensors (converted with --drop-mtp, or from "
-                          "a GGUF: ds4's V4.1 GGUFs carry no draft stages)")
+                          "a ds4 GGUF without --draft: ds4 keeps the draft stages in a separate "
+                          "DSpark support GGUF)")
         ckpt = Checkpoint(path, "mtp*.safetensors", index="mtp.safetensors.index.json")
+        stored = config["dsv4"].get("draft")
+        if stored is not None:
+            return _load_stored_draft(path, ckpt, stored, args)
     else:
         ckpt = Checkpoint(path, "model*.safetensors")
         if not any(n.startswith("mtp.") for n in ckpt.names()):
@@ -300,6 +324,20 @@ def load_draft(path: Path, config: dict, args: ModelArgs):
         arrays = {n: to_mx(a, dtype) for n, (dtype, a) in item.produce().items()}
         _load_arrays(draft, arrays, str(item.sources[0].file), expected, seen)
     _check_complete(draft, seen, path)
+    return draft
+
+
+def _load_stored_draft(path: Path, ckpt: Checkpoint, block: dict, args: ModelArgs):
+    """Draft stages stored as the backbone's are (`dsv4.draft` with layout dsv4)."""
+    from .draft import Draft
+
+    if not isinstance(block, dict) or block.get("layout") != "dsv4":
+        raise CheckpointError(f"{path / 'config.json'}: dsv4.draft must be an object with layout "
+                              f"'dsv4', got {block!r:.80}")
+    refs = _references(block, path, "dsv4.draft.tensors")
+    draft = Draft(args)
+    _stored_forms(draft, ckpt, refs, block.get("quantization") or {}, path)
+    _read_stored(draft, ckpt, refs, path, Reader(distributed.SINGLE))
     return draft
 
 

@@ -25,8 +25,8 @@ from gguf.quants import quantize
 
 from convert.gguf_quants import BLOCK_BYTES, BLOCK_WEIGHTS
 from dsv4.config import ModelArgs
-from dsv4.quant import pack_fp8_block32
-from dsv4.testing import official_tensors, tiny_config, train_tokenizer
+from dsv4.quant import pack_fp4, pack_fp8_block32
+from dsv4.testing import draft_config, official_tensors, tiny_config, train_tokenizer
 
 ALIGNMENT = 16384
 RECIPES = {"q2": (T.IQ2_XXS, T.IQ2_XXS, T.Q2_K), "q4": (T.Q4_K, T.Q4_K, T.Q4_K)}
@@ -147,6 +147,10 @@ def _float(dtype: str, array: np.ndarray, scale: np.ndarray = None) -> np.ndarra
         w, s = pack_fp8_block32(array, scale)
         return np.array(mx.dequantize(mx.array(w), mx.array(s), group_size=32, bits=8,
                                       mode="mxfp8", dtype=mx.float32))
+    if dtype == "I8":   # fp4 pairs, first value in the low nibble
+        w, s = pack_fp4(array.view(np.uint8), scale)
+        return np.array(mx.dequantize(mx.array(w), mx.array(s), group_size=32, bits=4,
+                                      mode="mxfp4", dtype=mx.float32))
     return array.astype(np.float32)
 
 
@@ -314,3 +318,143 @@ def _typed_config(w: GGUFWriter, text: dict) -> None:
         _u32s(w, f"deepseek41.{key}", text[key])
     for key in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings"):
         w.add_float32(f"deepseek41.rope_scaling.{key}", float(text["rope_scaling"][key]))
+
+
+# --- ds4's DSpark support file ------------------------------------------------------------------
+
+def draft_fixture_config(tokenizer) -> dict:
+    """fixture_config with V4.1-shaped draft stages (dsv4.testing.draft_config: three stages,
+    blocks of 5, their own 4 experts with top-2)."""
+    layers = tiny_config()["text_config"]["num_hidden_layers"]
+    fields = draft_config(layers)
+    ratios = tiny_config()["text_config"]["compress_ratios"] + [0] * fields["num_nextn_predict_layers"]
+    return fixture_config(tokenizer, **fields, compress_ratios=ratios)
+
+
+# ds4's precisions for the support file (gguf-tools/deepseek41_dspark.py): attention and main_proj,
+# shared expert, routed gate/up/down, Markov heads, the mHC projections.
+DSPARK_RECIPES = {
+    "native": dict(att=T.F16, shared=T.F16, experts=(T.MXFP4,) * 3, heads=T.F32, hc_fn=T.F32),
+    "bf16": dict(att=T.BF16, shared=T.BF16, experts=(T.BF16,) * 3, heads=T.BF16, hc_fn=T.F32),
+    "q8": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q8_0,) * 3, heads=T.F16, hc_fn=T.F16),
+    "q4": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q4_K,) * 3, heads=T.F16, hc_fn=T.F16),
+    "q2": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.IQ2_XXS, T.IQ2_XXS, T.Q2_K), heads=T.F16, hc_fn=T.F16),
+}
+
+
+def mxfp4_blocks(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Official fp4 pairs [..., in/2] (value 2i in the low nibble) + e8m0 [..., in/32] -> GGUF
+    MXFP4 rows [..., in/32 * 17]: each block its scale byte, then byte j = value j | value j+16 << 4."""
+    pairs = codes.view(np.uint8)
+    values = np.stack([pairs & 0x0F, pairs >> 4], axis=-1).reshape(*pairs.shape[:-1], -1, 32)
+    qs = values[..., :16] | (values[..., 16:] << 4)
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(*pairs.shape[:-1], -1)
+
+
+def write_dspark_gguf(path: Path | str, config: dict, recipe: str = "native", seed: int = 0,
+                      architecture: str = "deepseek41-dspark", prefix: str = "dspark.",
+                      metadata: dict = None, revision: str = "0" * 40, hc_head: bool = False,
+                      skip: tuple = ()) -> dict:
+    """Write ds4's DSpark support GGUF of the draft stages of `config` (with dsv4.testing's
+    official tensors of `seed`, as write_ds4_gguf's text file has them) to `path`; returns the
+    official tensors. `prefix` picks the metadata keys' spelling ("dspark." as ds4 writes them
+    now, "deepseek4.dspark." or "deepseek4.dspark_" as earlier revisions did); `metadata`
+    overrides values (None leaves a key out); `hc_head` adds ds4's derived hc_head_* copies;
+    tensors in `skip` are left out (tests of bad input)."""
+    text = config["text_config"]
+    args = ModelArgs.from_dict(config)
+    official = official_tensors(args, seed)
+    rng = np.random.default_rng(seed + 2)
+    types = DSPARK_RECIPES[recipe]
+
+    def get(name):
+        dtype, array = official[name]
+        scale = official.get(name.removesuffix(".weight") + ".scale")
+        return _float(dtype, array, None if scale is None else scale[1])
+
+    w = GGUFWriter(str(path), architecture)
+    w.add_custom_alignment(32)
+    w.add_name("DeepSeek V4.1 Flash DSpark (tiny test model)")
+    if revision is not None:
+        w.add_string("general.source.revision", revision)
+    w.add_string("dspark.precision", recipe)
+    values = {"block_size": text["dspark_block_size"], "markov_rank": text["dspark_markov_rank"],
+              "noise_token_id": text["dspark_noise_token_id"],
+              "target_layer_ids": text["dspark_target_layer_ids"],
+              "stage_count": text["num_nextn_predict_layers"],
+              "expert_count": text["dspark_n_routed_experts"],
+              "expert_used_count": text["dspark_num_experts_per_tok"],
+              "window_size": text["sliding_window"], "embedding_length": text["hidden_size"],
+              **(metadata or {})}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            _u32s(w, prefix + key, value)
+        else:
+            w.add_uint32(prefix + key, int(value))
+
+    def tensor(name, array, qtype):
+        if name in skip:
+            return
+        if qtype in (T.F16, T.F32):
+            w.add_tensor(name, array.astype(np.float16 if qtype == T.F16 else np.float32))
+        elif qtype == T.BF16:
+            bits = np.array(mx.array(array, mx.float32).astype(mx.bfloat16).view(mx.uint16))
+            w.add_tensor(name, bits.view(np.uint8), raw_dtype=T.BF16)
+        elif qtype == T.Q8_0:
+            w.add_tensor(name, quantize(array.astype(np.float32), T.Q8_0), raw_dtype=T.Q8_0)
+        else:
+            w.add_tensor(name, array, raw_dtype=qtype)
+
+    d, inter, e = args.hidden_size, args.moe_intermediate_size, args.dspark_n_routed_experts
+    stages = args.num_nextn_predict_layers
+    for stage in range(stages):
+        p = f"mtp.{stage}"
+        for site in ("attn", "ffn"):
+            tensor(f"{p}.hc_{site}_fn.weight", get(f"{p}.hc_{site}_fn"), types["hc_fn"])
+            tensor(f"{p}.hc_{site}_base.weight", get(f"{p}.hc_{site}_base"), T.F32)
+            tensor(f"{p}.hc_{site}_scale.weight", get(f"{p}.hc_{site}_scale"), T.F32)
+            tensor(f"{p}.{site}_norm.weight", get(f"{p}.{site}_norm.weight"), T.F32)
+        for target, source, qtype in (
+                ("attn_sinks", "attn_sink", T.F32), ("attn_q_a", "wq_a.weight", types["att"]),
+                ("attn_q_a_norm", "q_norm.weight", T.F32), ("attn_q_b", "wq_b.weight", types["att"]),
+                ("attn_kv", "wkv.weight", types["att"]), ("attn_kv_a_norm", "kv_norm.weight", T.F32),
+                ("attn_output_a", "wo_a.weight", types["att"]), ("attn_output_b", "wo_b.weight", types["att"])):
+            tensor(f"{p}.{target}.weight", get(f"{p}.attn.{source}"), qtype)
+        f = f"{p}.ffn"
+        tensor(f"{p}.ffn_gate_inp.weight", get(f"{f}.gate.weight"), T.F32)
+        tensor(f"{p}.exp_probs_b.bias", get(f"{f}.gate.bias"), T.F32)
+        tensor(f"{p}.exp_probs_b_vl.bias", get(f"{f}.gate.bias_vl"), T.F32)
+        for part, source, shape, qtype in (("gate", "w1", (e, inter, d), types["experts"][0]),
+                                           ("up", "w3", (e, inter, d), types["experts"][1]),
+                                           ("down", "w2", (e, d, inter), types["experts"][2])):
+            tensor(f"{p}.ffn_{part}_shexp.weight", get(f"{f}.shared_experts.{source}.weight"), types["shared"])
+            names = [f"{f}.experts.{k}.{source}" for k in range(e)]
+            if qtype == T.MXFP4:
+                array = np.stack([mxfp4_blocks(official[f"{n}.weight"][1], official[f"{n}.scale"][1])
+                                  for n in names])
+            elif qtype in (T.BF16, T.Q8_0):
+                array = np.stack([get(f"{n}.weight") for n in names])
+            else:
+                level = {T.IQ2_XXS: 25 * 2.0, T.Q2_K: 1.5 * 8, T.Q4_K: 7.5 * 32}[qtype]
+                array = random_blocks(rng, qtype, shape, shape[-1] ** -0.5 / level)
+            tensor(f"{p}.ffn_{part}_exps.weight", array, qtype)
+        if stage == 0:
+            tensor(f"{p}.main_proj.weight", get(f"{p}.main_proj.weight"), types["att"])
+            tensor(f"{p}.main_norm.weight", get(f"{p}.main_norm.weight"), T.F32)
+        if stage == stages - 1:
+            tensor(f"{p}.norm.weight", get(f"{p}.norm.weight"), T.F32)
+            tensor(f"{p}.markov_head.markov_w1.weight", get(f"{p}.markov_head.embed.weight"), types["heads"])
+            tensor(f"{p}.markov_head.markov_w2.weight", get(f"{p}.markov_head.head.weight"), types["heads"])
+            tensor(f"{p}.confidence_head.proj.weight", get(f"{p}.confidence_head.proj.weight"), T.F32)
+            if hc_head:
+                hc = args.hc_mult
+                tensor(f"{p}.hc_head_fn.weight", get(f"{p}.hc_ffn_fn")[:hc], T.F16)
+                tensor(f"{p}.hc_head_base.weight", get(f"{p}.hc_ffn_base")[:hc], T.F32)
+                tensor(f"{p}.hc_head_scale.weight", get(f"{p}.hc_ffn_scale")[:1], T.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return official

@@ -168,6 +168,17 @@ def convert(command, inputs):
     run([sys.executable, "-m", "dsv4.generate", "--model", str(dst), "-m", "3"])
 
 
+def convert_with_draft(command, inputs):             # ds4's DSpark support file beside its text GGUF
+    from tests.gguf_fixtures import draft_fixture_config, source_tokenizer, write_dspark_gguf
+
+    root, _ = inputs
+    support, dst = root / "dspark-support.gguf", root / "out-gguf-draft"
+    write_dspark_gguf(support, draft_fixture_config(source_tokenizer()), "native", seed=2)
+    run(python(command, FILE=str(root / "q2.gguf"), DST=str(dst), SUPPORT=str(support)))
+    out = run([sys.executable, "-m", "dsv4.generate", "--model", str(dst), "-m", "3", "--draft", "on"])
+    assert "Speculative:" in out.stdout + out.stderr
+
+
 def train(command, inputs):                            # ~30 minutes: its options parse, it starts
     run(python(command.split(" --")[0]) + ["--help"])
 
@@ -182,6 +193,7 @@ RUNNERS = [
     (r"^mlx\.launch -n 2 --backend ring -- python -m dsv4\.chat --model PATH ", chat_ranks),
     (r"^ANTHROPIC_BASE_URL=http://127\.0\.0\.1:8080 .* claude$", claude_code),
     (r"^python -m dsv4_convert (official|gguf|exl3) (SRC|FILE) DST$", convert),
+    (r"^python -m dsv4_convert gguf FILE DST --draft SUPPORT$", convert_with_draft),
     (r"^python training/train_demo\.py ", train),
 ]
 
