@@ -25,11 +25,13 @@ from convert import gguf as conv
 from convert import gguf_quants
 from dsv4 import flags, loader
 from dsv4.config import ModelArgs
-from dsv4.speculative import Policy
+from dsv4.speculative import Policy, Stats
 from dsv4.testing import official_tensors, write_sharded
 from tests.gguf_fixtures import (draft_fixture_config, fixture_config, source_tokenizer,
                                  write_dspark_gguf, write_ds4_gguf)
 from tests.test_draft import block_logits
+from tests.test_draft_step import FP32, SAMPLINGS, check_cycles
+from tests.test_expert_streaming import least_gb
 from tests.test_speculative import plain, speculate
 
 SEED = 3
@@ -196,3 +198,35 @@ def test_command_line(made, tmp_path):
     assert "mtp.*.ffn.experts.w1 (MXFP4)" in done.stderr and (tmp_path / "out" / "mtp.safetensors").is_file()
     bad = run(tmp_path / "out2", made["root"] / "text.gguf")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a DSpark support GGUF" in bad.stderr
+
+
+def test_fixed_propose_over_gguf_blocks(made):
+    """The fixed-shape propose (dsv4/draft_step.py, compiled) with the q2 stages' GGUF modules
+    gives the reference propose's drafts and confidence, cycle after cycle."""
+    with flags.override(compile=True, **FP32):
+        check_cycles(_model(made["q2"]), SAMPLINGS["greedy"], 0)
+
+
+@pytest.mark.gpu
+def test_gpu_fixed_propose_over_gguf_blocks(made):
+    """The same on a GPU with every kernel (the GGUF matvec and experts kernels among them)
+    against the reference propose without them (summation order apart: 1e-4)."""
+    kernels_off = {flag: False for flag in flags.FLAGS if flag.startswith("kernel_")}
+    with flags.override(compile=True, **FP32):
+        check_cycles(_model(made["q2"]), SAMPLINGS["sampled-penalized"], 0, kernels_off, tol=1e-4)
+
+
+def test_speculation_over_streamed_gguf_experts(made):
+    """ds4 cannot combine V4.1's DSpark with SSD streaming; dsv4 can, from ds4's own files: the
+    q2 text file's routed experts streamed from the GGUF at the least cache, the q2 support
+    file's stages drafting, the verify as compiled segments around the expert lookups: plain
+    decode's tokens on the resident model."""
+    with flags.override(draft="on"):
+        want, _ = plain(dsv4.load(made["q2"])[0], PROMPT, 24)
+        streamed, _ = dsv4.load(made["q2"], expert_cache_gb=least_gb(made["q2"]))
+    stats = Stats()
+    with flags.override(fixed_verify=True, expert_step_segments=True, compile=True):
+        got, _ = speculate(streamed, PROMPT, 24, Policy(3), stats=stats)
+    assert got == want
+    assert stats.verifies > 0 and streamed.expert_store.totals().misses > 0
+    streamed.expert_store.close()
