@@ -5,7 +5,8 @@
 Reads antirez's ds4 dialect (`general.architecture = "deepseek41"`, the HF config as the
 JSON string `deepseek41.config`, Engram tables as I8 [264, rows] at the end of the file).
 A file published as raw byte splits (`X.gguf.part1`, `X.gguf.part2`, ...) is read as given:
-name the `.part1` and the others are found next to it.
+name the `.part1` and the others are found next to it. So are gguf-split shards
+(`X-00001-of-00004.gguf`, llama.cpp's and gguf-py's way under 50 GB files): name any of them.
 
 - Config: `deepseek41.config`, cross-checked against the typed `deepseek41.*` copies.
 - Tokenizer: tokenizer.json rebuilt from `tokenizer.ggml.*` (convert/gguf_tokenizer.py).
@@ -38,6 +39,7 @@ re-quantized) and `deepseek4` (V4 Flash) files.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -139,6 +141,13 @@ class GGUFTensor:
         return (*self.shape[:-1], self.shape[-1] // block * size)
 
 
+def _read_header(path: Path, file: str) -> "_HeaderReader":
+    try:
+        return _HeaderReader(file)
+    except (ValueError, IndexError, OSError) as e:
+        raise ConversionError(f"{path}: not a readable GGUF file ({e})") from None
+
+
 class _HeaderReader(GGUFReader):
     """gguf's reader, keeping tensor positions only: in a split file the data of later
     tensors lies in other parts, which the parts reader maps itself."""
@@ -154,6 +163,22 @@ class _HeaderReader(GGUFReader):
                                                 tuple(int(d) for d in dims),
                                                 int(start_offs + offset[0]), n // block * size))
         self.tensors = []
+
+
+_SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")   # gguf-split's shards (llama.cpp, gguf-py)
+
+
+def _shards_of(path: Path) -> list[Path]:
+    """Every shard of the gguf-split set `path` names (any of them), in order; [] if it names none."""
+    m = _SHARD.match(path.name)
+    if m is None:
+        return []
+    count = int(m.group(3))
+    shards = [path.with_name(f"{m.group(1)}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+    missing = [p.name for p in shards if not p.is_file()]
+    if missing:
+        raise ConversionError(f"{path}: shard {missing[0]} of the {count} is missing")
+    return shards
 
 
 def _parts_of(path: Path) -> list[Path]:
@@ -195,21 +220,23 @@ def read_bytes(parts: tuple[tuple[str, int], ...], offset: int, nbytes: int) -> 
 
 
 class GGUFSource:
-    """A GGUF file (or its raw byte splits): metadata fields and tensor positions."""
+    """A GGUF file, its raw byte splits (X.gguf.part1, ...: one GGUF cut into pieces) or its
+    gguf-split shards (X-00001-of-0000N.gguf: each a GGUF with its own tensors, the metadata in
+    the first): metadata fields and tensor positions in the concatenation of the files."""
 
     def __init__(self, path: Path | str):
         path = Path(path).absolute()
         if not path.is_file():
             raise ConversionError(f"{path}: file not found")
         self.path = path
-        self.parts = tuple((str(p), p.stat().st_size) for p in _parts_of(path))
-        try:
-            reader = _HeaderReader(self.parts[0][0])
-        except (ValueError, IndexError, OSError) as e:
-            raise ConversionError(f"{path}: not a readable GGUF file ({e})") from None
-        self.fields = reader.fields
-        self.tensors = {t.name: t for t in reader.tensor_infos}
-        del reader
+        shards = _shards_of(path)
+        self.parts = tuple((str(p), p.stat().st_size) for p in shards or _parts_of(path))
+        if shards:
+            self._read_shards()
+        else:
+            reader = _read_header(path, self.parts[0][0])
+            self.fields = reader.fields
+            self.tensors = {t.name: t for t in reader.tensor_infos}
         size = sum(n for _, n in self.parts)
         for t in self.tensors.values():
             if t.offset + t.nbytes > size:
@@ -217,6 +244,33 @@ class GGUFSource:
                     f"{path}: tensor {t.name} ends at byte {t.offset + t.nbytes}, but the file"
                     f"{' parts have' if len(self.parts) > 1 else ' has'} {size} bytes (truncated "
                     f"download{', or a missing part' if path.name.endswith('.part1') else ''}?)")
+
+    def _read_shards(self) -> None:
+        """Fields from the first shard, tensors from each, at their shard's place in the
+        concatenation; every shard says which of how many it is."""
+        self.fields, self.tensors, start = {}, {}, 0
+        for k, (file, size) in enumerate(self.parts):
+            reader = _read_header(self.path, file)
+            no, count = (reader.fields.get(f"split.{key}") for key in ("no", "count"))
+            if no is None or count is None or (no.contents(), count.contents()) != (k, len(self.parts)):
+                said = "no split.no / split.count" if no is None or count is None else \
+                    f"split.no {no.contents()} of split.count {count.contents()}"
+                raise ConversionError(f"{file}: a gguf-split shard with {said}, expected shard {k} "
+                                      f"of {len(self.parts)} (0-based)")
+            if k == 0:
+                self.fields = reader.fields
+            for t in reader.tensor_infos:
+                if t.name in self.tensors:
+                    raise ConversionError(f"{file}: tensor {t.name} is in an earlier shard too")
+                if t.offset + t.nbytes > size:
+                    raise ConversionError(f"{file}: tensor {t.name} ends at byte {t.offset + t.nbytes}, "
+                                          f"but the shard has {size} bytes (truncated download?)")
+                self.tensors[t.name] = dataclasses.replace(t, offset=start + t.offset)
+            start += size
+        declared = self.get("split.tensors.count")
+        if declared is not None and declared != len(self.tensors):
+            raise ConversionError(f"{self.parts[0][0]}: split.tensors.count is {declared}, but the "
+                                  f"{len(self.parts)} shards hold {len(self.tensors)} tensors")
 
     def has(self, key: str) -> bool:
         return key in self.fields

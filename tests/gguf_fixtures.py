@@ -158,12 +158,15 @@ def _float(dtype: str, array: np.ndarray, scale: np.ndarray = None) -> np.ndarra
 
 def write_ds4_gguf(path: Path | str, recipe: str = "q2", seed: int = 0, tokenizer=None,
                    config: dict = None, expert_types: dict = None, typed_overrides: dict = None,
-                   engram_overrides: dict = None, skip: tuple = ()) -> dict:
+                   engram_overrides: dict = None, skip: tuple = (), split_max_size: int = 0,
+                   alignment: int = ALIGNMENT) -> dict:
     """Write a ds4-dialect GGUF to `path`; returns {"config", "tokenizer", "official", "tables"}.
     `expert_types` maps a layer to its (gate, up, down) types, overriding `recipe` (ds4's
     mixed files). For tests of bad input: `typed_overrides` changes typed `deepseek41.*`
     copies (not the JSON config), `engram_overrides` Engram metadata values, and tensors
-    named in `skip` are left out."""
+    named in `skip` are left out. `split_max_size`: gguf-py writes gguf-split shards
+    (`path`'s stem-0000k-of-0000n.gguf) of at most that many tensor bytes, each aligned to
+    `alignment` (None: GGUF's default 32, which is what a shard without the metadata is read at)."""
     path = Path(path)
     tokenizer = tokenizer or source_tokenizer()
     config = config or fixture_config(tokenizer)
@@ -177,8 +180,9 @@ def write_ds4_gguf(path: Path | str, recipe: str = "q2", seed: int = 0, tokenize
         scale = official.get(name.removesuffix(".weight") + ".scale")
         return _float(dtype, array, None if scale is None else scale[1])
 
-    w = GGUFWriter(str(path), "deepseek41")
-    w.add_custom_alignment(ALIGNMENT)
+    w = GGUFWriter(str(path), "deepseek41", split_max_size=split_max_size)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     w.add_name("DeepSeek V4.1 Flash (tiny test model)")
     w.add_string("general.source.url", "https://huggingface.co/deepseek-ai/DeepSeek-V4.1-Flash")
     w.add_string("general.source.revision", "0" * 40)

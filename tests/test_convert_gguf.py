@@ -8,12 +8,13 @@ tensors the fixture was made from for the Engram rows, dsv4.layout for the names
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
 from convert import gguf as conv
@@ -431,6 +432,40 @@ def test_split_file_reads_as_one(mixed, tmp_path):
         with open_table(ref, tmp_path / "out3", head_dim=256) as table:
             assert np.array_equal(table.read_range(0, table.rows),
                                   mixed["tables"][f"blk.{layer}.engram_embd.weight"])
+
+
+def test_gguf_split_shards_read_as_one(mixed, tmp_path):
+    """gguf-py's own gguf-split shards of the same model (metadata in the first, each shard its
+    own tensors): the conversion is the single file's, every reference points into the shard
+    that holds the tensor; a missing or renumbered shard is named."""
+    made = write_ds4_gguf(tmp_path / "m.gguf", "q2", tokenizer=mixed["tokenizer"], config=mixed["config"],
+                          split_max_size=1 << 20, alignment=None)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(shards) > 2
+    write_ds4_gguf(tmp_path / "one.gguf", "q2", tokenizer=mixed["tokenizer"], config=mixed["config"])
+    conv.convert(shards[1], tmp_path / "out", workers=1, progress=False)     # any shard names the set
+    conv.convert(tmp_path / "one.gguf", tmp_path / "want", workers=1, progress=False)
+    a, b = _tensors(tmp_path / "want"), _tensors(tmp_path / "out")
+    assert set(a) == set(b) and all(np.array_equal(view(a[n]), view(b[n])) for n in a)
+    refs = json.loads((tmp_path / "out" / "config.json").read_text())["dsv4"]
+    src = GGUFReader(shards[-1])
+    last = {t.name: int(t.data_offset) for t in src.tensors}
+    for name, ref in {**refs["tensors"], **refs["engram"]}.items():
+        assert "parts" not in ref and Path(ref["file"]).name.startswith("m-")
+    table = next(n for n in last if "engram_embd" in n)
+    layer = table.split(".")[1]
+    assert refs["engram"][layer] == {**refs["engram"][layer], "file": str(shards[-1]), "offset": last[table]}
+    with open_table(refs["engram"][layer], tmp_path / "out", head_dim=256) as t:
+        assert np.array_equal(t.read_range(0, t.rows), made["tables"][table])
+    shards[1].rename(tmp_path / "m-moved.gguf")
+    with pytest.raises(ConversionError, match=f"shard {shards[1].name} of the {len(shards)} is missing"):
+        conv.GGUFSource(shards[0])
+    (tmp_path / "m-moved.gguf").rename(shards[1])
+    shards[1].rename(tmp_path / "x")
+    shards[2].rename(shards[1])
+    (tmp_path / "x").rename(shards[2])
+    with pytest.raises(ConversionError, match=r"split.no 2 of split.count \d+, expected shard 1 "):
+        conv.GGUFSource(shards[0])
 
 
 @pytest.mark.parametrize("overrides, match", [
