@@ -119,8 +119,12 @@ def ds4_multipliers(text: dict, compressed_vocab: int) -> list[list[int]]:
 # --- blocks --------------------------------------------------------------------------------
 
 def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], d: float) -> np.ndarray:
-    """Random valid blocks for a logical shape [..., in]; f16 scale fields near `d`."""
+    """Random valid blocks for a logical shape [..., in]; scale fields near `d`."""
     *lead, n_in = shape
+    if qtype == T.MXFP4:   # e8m0 scales near d (any code is valid)
+        blocks = rng.integers(0, 256, (*lead, n_in // 32, 17), dtype=np.uint8)
+        blocks[..., 0] = np.round(127 + np.log2(d) + rng.uniform(-0.5, 0.5, blocks.shape[:-1])).astype(np.uint8)
+        return blocks.reshape(*lead, n_in // 32 * 17)
     nb = n_in // BLOCK_WEIGHTS[qtype]
     blocks = rng.integers(0, 256, (*lead, nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
 
@@ -244,7 +248,7 @@ def write_ds4_gguf(path: Path | str, recipe: str = "q2", seed: int = 0, tokenize
                                            ("down", "w2", (e, d, inter), types[2])):
             tensor(f"{dst}.ffn_{part}_shexp.weight", get(f"{f}.shared_experts.{source}.weight"), T.Q8_0)
             # scale so that values have roughly the official experts' std (in ** -0.5)
-            level = {T.IQ2_XXS: 25 * 2.0, T.Q2_K: 1.5 * 8, T.Q4_K: 7.5 * 32}[qtype]
+            level = {T.IQ2_XXS: 25 * 2.0, T.Q2_K: 1.5 * 8, T.Q4_K: 7.5 * 32, T.MXFP4: 2.5}[qtype]
             tensor(f"{dst}.ffn_{part}_exps.weight",
                    random_blocks(rng, qtype, shape, shape[-1] ** -0.5 / level), qtype)
         if layer in args.engram_layer_ids:

@@ -11,10 +11,13 @@ activations in reduced precision, ~1e-2), with the fp8/fp4 QDQ roundings off (th
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
 import dsv4
@@ -104,6 +107,18 @@ def test_kept_blocks_match_full_precision(files, recipe, mode):
         _greedy(files[recipe, mode][0]), _greedy(files[recipe, "f32"][0]))
     assert tokens == ref_tokens
     assert _relative(step_logits, ref_step_logits) < 1e-4
+
+
+def test_mxfp4_experts_match_full_precision(tmp_path):
+    """MXFP4 routed experts in the text file (ds4's engine runs them; its native DSpark files
+    carry them) become MLX mxfp4, whose logits are the f32 reference's as kept blocks' are."""
+    write_ds4_gguf(tmp_path / "mx.gguf", "q4", seed=5, expert_types={l: (T.MXFP4,) * 3 for l in (2, 5)})
+    for mode, options in (("native", conv.Options()), ("f32", conv.Options(dequantize="f32"))):
+        conv.convert(tmp_path / "mx.gguf", tmp_path / mode, options, workers=1, progress=False)
+    quantization = json.loads((tmp_path / "native" / "config.json").read_text())["quantization"]
+    assert quantization["layers.5.ffn.experts.w2"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    got, ref = _logits(tmp_path / "native"), _logits(tmp_path / "f32")
+    assert np.abs(ref).max() > 0.1 and _relative(got, ref) < 1e-4
 
 
 def test_exact_affine_file_matches_full_precision(files):
