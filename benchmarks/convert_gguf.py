@@ -14,7 +14,7 @@
    `dsv4.tensors` references), against the GGUF's tensor bytes as gguf-py's reader gives them.
 5. The same per kind for V4.1 Flash's real shapes (40 layers, 384 experts; ds4's tensor types),
    computed by the converter's planner over those shapes: what a real conversion keeps and
-   writes.
+   writes; and for ds4's DSpark support file (`--draft`) in each of its precisions.
 Writes `<date>-convert-gguf-native.md` to benchmarks/results/; the temporary files are deleted.
 """
 
@@ -250,10 +250,13 @@ class RealShapeHeader:
             REAL, num_hidden_layers=40, compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
             kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
             candidate_source_layer_id=20, engram_layer_ids=[1, 14]))
-        top, layer_names = ({v: k for k, v in names.items()} for names in (conv._TOP, conv._LAYER))
+        from dsv4.layout import expected_tensors
+
+        top, layer_names = ({v: k for k, v in names.items()} for names in (conv._TOP, conv.LAYER_NAMES))
         self.path = Path(f"V4.1 Flash {recipe} (real shapes)")
+        self.expected = conv.expected_logical(expected_tensors(self.args), self.args.n_routed_experts)
         self.tensors, offset = {}, 0
-        for name, shape in conv._expected_logical(self.args).items():
+        for name, shape in self.expected.items():
             if name in top:
                 gguf = top[name]
             else:
@@ -270,17 +273,79 @@ class RealShapeHeader:
         return self.parts[0][0], offset
 
 
+# ds4's DSpark support file (gguf-tools/deepseek41_dspark.py) per precision: attention and
+# main_proj, shared expert, routed gate/up/down, Markov embedding and head, mHC projections.
+DSPARK_TYPES = {
+    "native": ("F16", "F16", ("MXFP4",) * 3, ("F32", "F32"), "F32"),
+    "q4": ("Q8_0", "Q8_0", ("Q4_K",) * 3, ("F16", "F16"), "F16"),
+    "q2": ("Q8_0", "Q8_0", ("IQ2_XXS", "IQ2_XXS", "Q2_K"), ("F16", "F16"), "F16"),
+}
+
+
+class RealShapeDraftHeader:
+    """The tensor list of ds4's DSpark support file at V4.1's shapes (three stages of 128
+    routed experts, top-3, Markov rank 256), as RealShapeHeader's."""
+
+    def __init__(self, recipe: str):
+        from gguf import GGMLQuantizationType as T
+        from gguf.constants import GGML_QUANT_SIZES
+
+        from convert import gguf as conv
+        from convert import gguf_draft
+        from dsv4.config import ModelArgs
+        from dsv4.testing import draft_config
+
+        text = RealShapeHeader("q2").args
+        fields = dict(draft_config(text.num_hidden_layers), dspark_n_routed_experts=128,
+                      dspark_num_experts_per_tok=3, dspark_markov_rank=256, dspark_noise_token_id=128799)
+        self.args = ModelArgs.from_dict({**vars(text), **fields})
+        att, shared, experts, heads, hc_fn = DSPARK_TYPES[recipe]
+        ds4_names = {}
+        for name in (f"mtp.{s}.{suffix}" for s in range(3) for suffix in
+                     (*conv.LAYER_NAMES, "main_proj.weight", "main_norm.weight", "norm.weight",
+                      "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                      "confidence_head.proj.weight")):
+            if gguf_draft.dsv4_name(name) is not None:
+                ds4_names[gguf_draft.dsv4_name(name)] = name
+        self.path = Path(f"V4.1 Flash DSpark {recipe} (real shapes)")
+        self.expected = gguf_draft.expected(self.args)
+        self.tensors, offset = {}, 0
+        for name, shape in self.expected.items():
+            gguf = ds4_names[name]
+            part = name.rsplit(".", 2)[-2]
+            qtype = (experts[("w1", "w3", "w2").index(part)] if ".experts." in name else
+                     heads[("embed", "head").index(part)] if ".markov_head." in name else
+                     shared if ".shared_experts." in name else
+                     att if part in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "main_proj") else
+                     hc_fn if name.endswith("_fn") else "F32")
+            block, size = GGML_QUANT_SIZES[T[qtype]]
+            nbytes = math.prod(shape) // block * size
+            self.tensors[gguf] = conv.GGUFTensor(gguf, T[qtype], tuple(reversed(shape)), offset, nbytes)
+            offset += nbytes
+        self.parts = ((str(self.path), offset),)
+
+    def locate(self, offset: int, nbytes: int):
+        return self.parts[0][0], offset
+
+
 def real_shapes() -> dict[str, dict]:
-    """Per recipe: the planner's per-kind stats for the blocks kept (referenced) and --affine."""
+    """Per recipe: the planner's per-kind stats for the blocks kept (referenced) and --affine;
+    per DSpark support precision ("dspark native", ...), the kept conversion's."""
     from convert import gguf as conv
+    from convert import gguf_draft
 
     out = {}
     for recipe in ("q2", "q4"):
         header = RealShapeHeader(recipe)
-        kept = conv.plan(header, header.args, conv.Options())
-        affine = conv.plan(header, header.args, conv.Options(affine=True))
+        kept = conv.plan(header, header.expected, conv.Options())
+        affine = conv.plan(header, header.expected, conv.Options(affine=True))
         out[recipe] = {"kept": kept[2], "affine": affine[2],
                        "written": sum(kept[1][n] for n in kept[0])}
+    for recipe in DSPARK_TYPES:
+        header = RealShapeDraftHeader(recipe)
+        kept = conv.plan(header, header.expected, conv.Options(), gguf_draft.dsv4_name,
+                         gguf_draft.SKIPPED.match)
+        out[f"dspark {recipe}"] = {"kept": kept[2], "written": sum(kept[1][n] for n in kept[0])}
     return out
 
 
@@ -363,7 +428,10 @@ def render(args, types, meta, sizes, order, results, resident, gguf_kinds, real)
               "routed experts, hidden 5120, ds4's types per tensor: Q8_0 attention, shared experts "
               "and head; F16 embedding, mHC, compressor, indexer and Engram projections; F32 "
               "norms and router), no Engram tables. GiB = 2^30 bytes.", ""]
+    drafts = {recipe: r for recipe, r in real.items() if recipe.startswith("dspark ")}
     for recipe, r in real.items():
+        if recipe in drafts:
+            continue
         lines += [f"### {recipe}", "", "| tensor kind | GGUF GiB | kept GiB | --affine GiB | "
                   "--affine / GGUF |", "|---|---|---|---|---|"]
         rows: dict[str, list[int]] = {}
@@ -383,6 +451,14 @@ def render(args, types, meta, sizes, order, results, resident, gguf_kinds, real)
                   f"tensors); --copy-weights writes {_gib(kept)} GiB, which at the copy rate "
                   f"above (a page-cached source: a lower bound) adds "
                   f"{(kept - r['written']) / rate / 60:.0f} min.", ""]
+    lines += ["### ds4's DSpark support file (`--draft`)", "",
+              "The same planner over the support file's tensors (gguf-tools/deepseek41_dspark.py: "
+              "three stages of 128 routed experts, Markov rank 256) in each of its precisions.", "",
+              "| precision | GGUF GiB | kept GiB | written GiB |", "|---|---|---|---|"]
+    for recipe, r in drafts.items():
+        lines.append(f"| {recipe.removeprefix('dspark ')} | "
+                     f"{_gib(sum(s.bytes_in for s in r['kept'].values()))} | "
+                     f"{_gib(sum(s.bytes_out for s in r['kept'].values()))} | {_gib(r['written'])} |")
     return "\n".join(lines) + "\n"
 
 
