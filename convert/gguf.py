@@ -952,3 +952,9 @@ def gguf_command(
                          draft=draft)
     print_report(report)
     print(f"wrote {dst}", file=sys.stderr)
+    if draft is None:
+        from .gguf_draft import support_files_beside
+
+        for found in support_files_beside(source):
+            print(f"note: {found} is ds4's DSpark support file; convert with --draft {found} to "
+                  f"speculate with its draft stages", file=sys.stderr)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Optional
 
 from dsv4.config import ModelArgs
@@ -65,6 +66,20 @@ def dsv4_name(gguf_name: str) -> Optional[str]:
         return None
     target = _HEADS.get(m.group(2)) or gguf.LAYER_NAMES.get(m.group(2))
     return f"mtp.{m.group(1)}.{target}" if target else None
+
+
+def support_files_beside(text_file: Path) -> list[Path]:
+    """Support files next to a text GGUF (named *dspark*.gguf, a DSpark architecture inside),
+    for a hint when a conversion left them out."""
+    found = []
+    for path in sorted(Path(text_file).absolute().parent.glob("*.gguf")):
+        if "dspark" in path.name.lower():
+            try:
+                if gguf.GGUFSource(path).get("general.architecture") in ARCHITECTURES:
+                    found.append(path)
+            except ConversionError:
+                pass   # not readable: not one to suggest
+    return found
 
 
 def check_dialect(src: gguf.GGUFSource) -> None:

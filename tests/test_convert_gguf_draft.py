@@ -198,6 +198,14 @@ def test_command_line(made, tmp_path):
     assert "mtp.*.ffn.experts.w1 (MXFP4)" in done.stderr and (tmp_path / "out" / "mtp.safetensors").is_file()
     bad = run(tmp_path / "out2", made["root"] / "text.gguf")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a DSpark support GGUF" in bad.stderr
+    # without --draft, a support file next to the text file is pointed out
+    (made["root"] / "native.gguf").rename(made["root"] / "V41-DSpark-support.gguf")
+    try:
+        plain = subprocess.run([sys.executable, "-m", "dsv4_convert", "gguf", str(made["root"] / "text.gguf"),
+                                str(tmp_path / "out3"), "--workers", "1"], capture_output=True, text=True)
+    finally:
+        (made["root"] / "V41-DSpark-support.gguf").rename(made["root"] / "native.gguf")
+    assert plain.returncode == 0 and f"--draft {made['root'] / 'V41-DSpark-support.gguf'}" in plain.stderr
 
 
 def test_fixed_propose_over_gguf_blocks(made):
