@@ -92,7 +92,7 @@ def expert_bytes(m) -> float:
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
 _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
-                 kernel_gguf_q8_hsub=False)
+                 kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
@@ -101,7 +101,8 @@ VARIANTS = {"blocks": _PORTABLE,
 # and q2's gate/up on tensor cores (gguf_mma.py; q4's Q4_K keeps the halves units there).
 _HALVES = dict(VARIANTS["wide"], kernel_gguf_halves=True)
 EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES, mma=dict(_HALVES, kernel_gguf_mma=True),
-                       **{"Q8_0 hsub": dict(_HALVES, kernel_gguf_q8_hsub=True)})   # the experts' on the halves units
+                       **{"Q8_0 hsub": dict(_HALVES, kernel_gguf_q8_hsub=True),   # the experts' on the halves units
+                          "dp4a": dict(_HALVES, kernel_gguf_q8_hsub=True, kernel_gguf_dp4a=True)})
 
 
 def under(switches: dict, fn):
@@ -233,7 +234,8 @@ def main(argv=None) -> int:
              "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), mma "
              "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves), Q8_0 hsub "
              "(DSV4_KERNEL_GGUF_Q8_HSUB: Q8_0's int8 bias off two at a time in fp16; the experts' on the "
-             "halves units). 'same' = "
+             "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's gate/up in integer units over x's fp8 "
+             "values as limbs; q4 runs hsub). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

@@ -366,6 +366,14 @@ define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
        "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
+define("kernel_gguf_dp4a", False,
+       "GPU: the fused experts' gate/up launch over IQ2_XXS or Q8_0 routed experts with a Q8_0 (or no) "
+       "shared expert, under act_quant: x's fp8-rounded values copied as integers (e4m3 * 2^9, three "
+       "signed bytes each) and each unit's dot product made exactly in integers, four values a DP4A "
+       "(IQ2_XXS's signs put on its grid bytes by byte masks from a table), converted to fp32 once a "
+       "32-value unit: within the fp32 summation bound of the reference. A static count (sm_90a) of "
+       "one lane's IQ2_XXS work: 2.6 against the halves unit's 4.6 SASS instructions a weight. Off "
+       "(default) until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_gguf_mma", False,
        "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "
        "(ds4's q2 recipe) on tensor cores (mma.sync m16n8k16: the codes as exact fp16 pairs, IQ2_XXS's "

@@ -31,6 +31,11 @@ HOST_PRELUDE = r"""
 #define AS_UINT(f) host_as_uint(f)
 #define FABS(x) std::fabs(x)
 #define POPCOUNT(x) ((uint32_t)__builtin_popcount(x))
+inline int host_dp4a(int a, int b, int c) {
+  for (int k = 0; k < 4; ++k) c += (int)(int8_t)(a >> (8 * k)) * (int)(int8_t)(b >> (8 * k));
+  return c;
+}
+#define DP4A(a, b, c) host_dp4a(a, b, c)
 #define FMAX(a, b) std::fmax(a, b)
 #define FMIN(a, b) std::fmin(a, b)
 #define RINT(x) std::nearbyint(x)

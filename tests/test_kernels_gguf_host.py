@@ -67,13 +67,13 @@ inline uint4 checked_u4(const void* p, size_t i) {
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = f"constexpr size_t IQ2_TABLE_WORDS = {gguf_dot.IQ2_TABLE_WORDS};\n" + r"""
-inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves)
-  return qtype == 10 || qtype == 14 || qtype == 20 || qtype == 21 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
+inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves, 28-29 integer)
+  return qtype == 10 || qtype == 14 || qtype == 20 || qtype == 21 || qtype == 29 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
        : qtype == 12 || qtype == 22 || qtype == 26 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
-  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 ? IQ2_TABLE_WORDS : 8), bias(8) {
+  Matrix(size_t rows, int qtype, int n_in) : w(rows * row_bytes(qtype, n_in)), tables(qtype == 13 || qtype == 23 || qtype == 24 || qtype == 28 ? IQ2_TABLE_WORDS : 8), bias(8) {
     read(w); read(tables); read(bias);
     weight_buffers.emplace_back(w.data(), w.data() + w.size());
     weight_buffers.emplace_back((const uint8_t*)tables.data(), (const uint8_t*)(tables.data() + tables.size()));
@@ -160,9 +160,10 @@ def build(tmp_path, name, kernel, main, consts):
     return build_host(tmp_path, name, source)
 
 
-def mode(m: GGUFMatrix) -> int:
-    """The unit decoder the switches pick for m (Q8_0 in pairs under DSV4_KERNEL_GGUF_Q8_PAIRS)."""
-    return dict(m.template())["MODE"]
+def mode(m: GGUFMatrix, integer: bool = False) -> int:
+    """The unit decoder the switches pick for m (Q8_0 in pairs under DSV4_KERNEL_GGUF_Q8_PAIRS);
+    `integer`: its integer unit (the launch's choice, experts.integer_units)."""
+    return dict(m.template(integer=integer))["MODE"]
 
 
 # (routed, shared, I, D): ds4's q2 and q4 recipes at toy widths whose rows hold several units
@@ -177,13 +178,17 @@ def mode(m: GGUFMatrix) -> int:
 @pytest.mark.parametrize("tokens,act_quant,pairs,wide", [(1, True, False, False), (2, False, False, False),
                                                           (2, True, True, False), (1, True, False, True),
                                                           (2, False, True, True), (1, True, False, "halves"),
-                                                          (2, True, False, "halves"), (2, True, False, "hsub")])
+                                                          (2, True, False, "halves"), (2, True, False, "hsub"),
+                                                          (1, True, False, "dp4a"), (3, True, False, "dp4a")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
-    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": those and Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
-    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "hsub"),
-                        kernel_gguf_q8_hsub=wide == "hsub"):
+    fp16 subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": those and Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB);
+    "dp4a": those and the gate/up in the integer units over x's limbs where the types have them
+    (DSV4_KERNEL_GGUF_DP4A: IQ2_XXS and Q8_0; Q4_K's recipe keeps the float units)."""
+    with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide),
+                        kernel_gguf_halves=wide in ("halves", "hsub", "dp4a"),
+                        kernel_gguf_q8_hsub=wide in ("hsub", "dp4a"), kernel_gguf_dp4a=wide == "dp4a"):
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
@@ -201,10 +206,12 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     s_gate, s_up, s_down = shared_m if shared_m else (None, None, None)
 
     rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
-    consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate), SMODE=mode(s_gate or gate), BITS=0, GS=0,
+    integer = ex.integer_units(gate, s_gate, act_quant)
+    assert integer == (flags.get("kernel_gguf_dp4a") and gate.qtype != "Q4_K")
+    consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, integer), SMODE=mode(s_gate or gate, integer), BITS=0, GS=0,
                   SBITS=0, SGS=0)
     exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNEL, GATE_UP_MAIN,
-                dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_STRIDE, ACTQ=act_quant))
+                dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_INTS if integer else ex.X_STRIDE, ACTQ=act_quant))
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
             + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
             + matrix_bytes(gate, gate, E * I) + matrix_bytes(up, gate, E * I)

@@ -20,6 +20,7 @@ Vocabulary available to bodies:
   simd_xor_f(v, mask)        float v of lane (lane ^ mask)
   EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
   POPCOUNT(u32)              set bits of a uint32_t
+  DP4A(a, b, c)              c + the dot product of the four signed bytes of int a and of int b
   COS, SIN                   fp32 cosine and sine, the accurate ones (MLX's mx.cos/mx.sin's)
   DIV_RN(a, b)               a / b correctly rounded (IEEE), whatever the fast-math setting
   SHARED_ATOMIC_U32 x[n];    threadgroup/shared uint32 counters, used only through
@@ -73,6 +74,11 @@ METAL_HEADER = r"""
 #define ATOMIC_STORE(x, v) atomic_store_explicit(&(x), (v), memory_order_relaxed)
 #define FABS(x) metal::abs(x)
 #define POPCOUNT(x) metal::popcount(x)
+inline int dp4a(int a, int b, int c) {   // byte k sign-extended by shifts
+  for (int k = 0; k < 4; ++k) c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24);
+  return c;
+}
+#define DP4A(a, b, c) dp4a(a, b, c)
 #define AS_FLOAT(u) as_type<float>(u)
 #define AS_UINT(f) as_type<uint32_t>(f)
 #define LOAD_U4(p, i) (((const device uint4*)(p))[i])
@@ -122,6 +128,7 @@ CUDA_HEADER = r"""
 #define ATOMIC_STORE(x, v) ((x) = (v))
 #define FABS(x) fabsf(x)
 #define POPCOUNT(x) ((uint32_t)__popc(x))
+#define DP4A(a, b, c) __dp4a((int)(a), (int)(b), (int)(c))
 #define AS_FLOAT(u) __uint_as_float(u)
 #define AS_UINT(f) __float_as_uint(f)
 #define LOAD_U4(p, i) (reinterpret_cast<const uint4*>(p)[i])

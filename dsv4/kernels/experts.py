@@ -51,6 +51,7 @@ MAX_KERNEL_TOKENS = 8
 ROWS_GATE_UP = 4
 LANES_GATE_UP = 32
 X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
+X_INTS = 11         # the same as integer limbs, for gguf_dot.py's integer units (see XStore<X_INTS>)
 ROWS_DOWN = 2
 LANES_DOWN = 8
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
@@ -173,7 +174,7 @@ def down_reference(h, indices, down, s_down=None):
 # What every decode kernel of a few tokens shares: the official fp8 rounding, bf16 loads, the
 # threadgroup copy of x (XChunk) and lane-group sums. The matrix decoders come on top: MLX's
 # packs here (PACKS_HEADER), GGUF blocks in gguf_dot.py; each defines rows_dot.
-X_HEADER = r"""
+X_HEADER = f"constexpr int X_INTS = {X_INTS};\n" + r"""
 KFN float e4m3_round(float x) {
   const float a = FABS(x);
   float r;
@@ -193,13 +194,14 @@ KFN float pow2_ceil(float v) {
   return AS_FLOAT((((b >> 23) & 0xffu) + ((b & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
 }
 
-// fp8 e4m3 with a power-of-two scale per 32 values (the official act_quant).
-KFN void qdq_fp8_32(LOCAL float* v) {
+// fp8 e4m3 with a power-of-two scale per 32 values (the official act_quant); returns the scale.
+KFN float qdq_fp8_32(LOCAL float* v) {
   float amax = 1e-4f;
   for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
   const float s = pow2_ceil(amax * (1.0f / 448.0f));
   const float inv = 1.0f / s;   // exact: s is a power of two
   for (int i = 0; i < 32; ++i) v[i] = e4m3_round(FMIN(FMAX(v[i] * inv, -448.0f), 448.0f)) * s;
+  return s;
 }
 
 // 8 bf16 values: chunk c (< 4) of pack p of row, i.e. elements 32p+8c.. (16-byte aligned).
@@ -227,16 +229,61 @@ template <> struct XChunk<0> {
   template <typename P> static KFN void load(P x, int p, int c, LOCAL float* v) { load_bf16_8(x, p, c, v); }
 };
 
-// Pack p (the 32 values v) into the threadgroup copy of x that XChunk<XS> reads.
-template <int XS, typename P>
-KFN void store_x_pack(P xs, int p, LOCAL const float* v) {
-  for (int k = 0; k < 8; ++k) {
-    uint4 q;
-    q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
-    q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
-    xs[p * XS + k] = q;
+// Pack p (the 32 values v; s their fp8 scale when rounded) into the threadgroup copy of x that
+// XChunk<XS> reads: as floats, XS uint4s a pack.
+template <int XS> struct XStore {
+  template <typename P> static KFN void pack(P xs, int p, LOCAL const float* v, float s) {
+    for (int k = 0; k < 8; ++k) {
+      uint4 q;
+      q.x = AS_UINT(v[4 * k]); q.y = AS_UINT(v[4 * k + 1]);
+      q.z = AS_UINT(v[4 * k + 2]); q.w = AS_UINT(v[4 * k + 3]);
+      xs[p * XS + k] = q;
+    }
   }
-}
+};
+// X_INTS: fp8-rounded values (v = e4m3 * s) as the integers q = v 2^9 / s (|q| < 2^18: e4m3's
+// values are multiples of 2^-9 up to 448), each split into three signed bytes q = l0 + 2^7 l1 +
+// 2^14 l2 (l0, l1 in 0..127), four values a word: chunk c (values 8c..8c+7) in uint4s 2c (l0 of
+// values 0-3 and 4-7, then l1's) and 2c + 1 (l2's), s / 2^9 in uint4 8's x; 11 uint4s a pack
+// (odd: a quarter-warp's 16-byte reads of 8 packs hit distinct banks).
+template <> struct XStore<X_INTS> {
+  template <typename P> static KFN void pack(P xs, int p, LOCAL const float* v, float s) {
+    const float up = 512.0f / s;   // exact: s is a power of two
+    for (int c = 0; c < 4; ++c) {
+      uint32_t w[6];
+      for (int h = 0; h < 2; ++h) {
+        uint32_t b0 = 0u, b1 = 0u, b2 = 0u;
+        for (int k = 0; k < 4; ++k) {
+          const int q = (int)RINT(v[8 * c + 4 * h + k] * up);
+          b0 |= (uint32_t)(q & 127) << (8 * k);
+          b1 |= (uint32_t)((q >> 7) & 127) << (8 * k);
+          b2 |= ((uint32_t)(q >> 14) & 255u) << (8 * k);
+        }
+        w[h] = b0; w[2 + h] = b1; w[4 + h] = b2;
+      }
+      uint4 a, b;
+      a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
+      b.x = w[4]; b.y = w[5]; b.z = 0u; b.w = 0u;
+      xs[p * X_INTS + 2 * c] = a;
+      xs[p * X_INTS + 2 * c + 1] = b;
+    }
+    uint4 t;
+    t.x = AS_UINT(s * (1.0f / 512.0f)); t.y = 0u; t.z = 0u; t.w = 0u;
+    xs[p * X_INTS + 8] = t;
+  }
+};
+template <int XS, typename P>
+KFN void store_x_pack(P xs, int p, LOCAL const float* v, float s = 1.0f) { XStore<XS>::pack(xs, p, v, s); }
+
+// Chunk c of pack p of an X_INTS copy: its six limb words (l0, l1, l2 of values 0-3 and 4-7),
+// and the pack's scale s / 2^9.
+struct XInts {
+  template <typename P> static KFN void load(P x4, int p, int c, LOCAL int* q) {
+    const uint4 a = x4[p * X_INTS + 2 * c], b = x4[p * X_INTS + 2 * c + 1];
+    q[0] = (int)a.x; q[1] = (int)a.y; q[2] = (int)a.z; q[3] = (int)a.w; q[4] = (int)b.x; q[5] = (int)b.y;
+  }
+  template <typename P> static KFN float scale(P x4, int p) { return AS_FLOAT(x4[p * X_INTS + 8].x); }
+};
 
 // Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
 // lane of the group.
@@ -390,8 +437,8 @@ _GATE_UP_BODY = r"""
   for (int p = (int)tid; p < D / 32; p += (int)group_threads) {
     float v[32];
     for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
-    if (ACTQ) qdq_fp8_32(v);
-    store_x_pack<XS>(xs, p, v);
+    const float s = ACTQ ? qdq_fp8_32(v) : 1.0f;
+    store_x_pack<XS>(xs, p, v, s);
   }
   BARRIER();
   SELECT_EXPERT
@@ -587,20 +634,25 @@ def _gguf_checks(stage):
     """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's
     widths; then the q2 recipe's (and the mix's) in the wide units (DSV4_KERNEL_GGUF_WIDE), and
     the recipes' units with fp16-subnormal codes (DSV4_KERNEL_GGUF_HALVES), q2's with Q8_0 by
-    int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
+    int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB), and q2's gate/up in the integer units over x as limbs
+    (DSV4_KERNEL_GGUF_DP4A)."""
     out = []
     narrow, wide = gguf_dot.GGUF_MODE_IDS, dict(gguf_dot.GGUF_MODE_IDS, **gguf_dot.WIDE_MODE_IDS)
     halves = dict(wide, **gguf_dot.HALVES_MODE_IDS)
     hsub = dict(halves, Q8_0=gguf_dot.Q8_0_HSUB)
+    integer = dict(hsub, **gguf_dot.INT_MODE_IDS)   # their gate/up only (the down launch: hsub's)
     for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
                                 ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide), ("IQ2_XXS", "Q8_0", halves),
-                                ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", hsub)):
+                                ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", hsub),
+                                ("IQ2_XXS", "Q8_0", integer)):
+        if ids is integer and stage == "down":
+            continue
         tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),
                 ("SMODE", ids[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         mats = (mx.uint8, mx.uint32, mx.uint32) * 4
         rows, lanes = GGUF_GATE_UP_SHAPES[routed]
-        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", True),
-                               ("I", 2304), ("D", 5120)]
+        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if ids is integer else X_STRIDE),
+                               ("ACTQ", True), ("I", 2304), ("D", 5120)]
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
             out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
@@ -674,7 +726,8 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     # per expert are a decode's), where MLX's packs take gather_qmm beyond a decode's tokens.
     if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
-    if x.shape[-1] // 32 * X_STRIDE * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
+    stride = X_INTS if gguf(gate) and gate.integer else X_STRIDE   # the integer units' limbs (if act_quant)
+    if x.shape[-1] // 32 * stride * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
         return False
     if not all(matrix_supported(m) for m in mats):
         return False
@@ -689,6 +742,13 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
         return same(gate, up) and (shared is None or same(shared[0], shared[1]))
     return same(gate, up) and same(gate, down) and (shared is None or (
         same(shared[0], shared[1]) and same(shared[0], shared[2])))
+
+
+def integer_units(gate, s_gate, act_quant: bool) -> bool:
+    """Whether the GGUF gate/up launch takes gguf_dot's integer units (DSV4_KERNEL_GGUF_DP4A): x
+    fp8-rounded (act_quant) and both its matrices of a type that has one."""
+    return (bool(act_quant) and isinstance(gate, GGUFMatrix) and gate.integer
+            and (s_gate is None or (isinstance(s_gate, GGUFMatrix) and s_gate.integer)))
 
 
 def _placeholder():
@@ -748,7 +808,12 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     else:
         given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
         threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
-        template += [("ROWS", rows), ("LANES", lanes), ("XS", X_STRIDE), ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
+        integer = integer_units(gate, s_gate, act_quant)
+        if integer:
+            template = _common_template(x.dtype, K, gate, s_gate, gate.template(integer=True) +
+                                        (s_gate or gate).template("S", integer=True))
+        template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if integer else X_STRIDE),
+                     ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
     launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),
                   output_shapes=[(T, slots, I)], output_dtypes=[x.dtype])

@@ -45,10 +45,15 @@ WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 # The units whose codes become fp16 subnormals (DSV4_KERNEL_GGUF_HALVES; IQ2_XXS and Q2_K on the
 # wide units' loads, Q4_K's unit is wide already).
 HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
+# The integer units (DSV4_KERNEL_GGUF_DP4A): with x fp8-rounded (act_quant) and copied as integer
+# limbs (experts.py's XStore<X_INTS>), exact integer dot products, DP4A four values at a time.
+INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29}
 # IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
-# grid's 256 x 8 bytes and the 128 sign bytes), and the whole length (the pairs: 256 x 16 bytes).
+# grid's 256 x 8 bytes and the 128 sign bytes), where the integer unit's sign masks start (after
+# the pairs' 256 x 16 bytes), and the whole length (the masks: 128 x 16 bytes).
 IQ2_PAIRS_AT = (256 * 8 + 128) // 4
-IQ2_TABLE_WORDS = IQ2_PAIRS_AT + 256 * 16 // 4
+IQ2_MASKS_AT = IQ2_PAIRS_AT + 256 * 16 // 4
+IQ2_TABLE_WORDS = IQ2_MASKS_AT + 128 * 16 // 4
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -118,7 +123,7 @@ template <int NB, int ALIGN, typename P> KFN void span_words(P base, size_t off,
 """
 
 # The lanes' units and rows_dot (the portable kernels').
-UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\n" + r"""
+UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\nconstexpr int IQ2_MASKS_AT = {IQ2_MASKS_AT};\n" + r"""
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
 template <int MODE> struct GgufUnit;
@@ -370,39 +375,109 @@ template <> struct GgufUnit<26> : GgufUnit<22> {
   }
 };
 
+// The integer units (DSV4_KERNEL_GGUF_DP4A), over x as experts.py's X_INTS limbs: idot8 adds a
+// chunk's 8 values times x's limbs to acc[0..2] (the dot products with l0, l1, l2), exactly;
+// scale() is what the unit's integer sum q . w is multiplied by (with x's s / 2^9).
+// IQ2_XXS: the grid bytes (8, 25, 43) made signed four at a time, (g ^ m) + (m & 1) with m the
+// byte masks of the 7 stored sign bits (and their parity) from the tables' masks.
+template <> struct GgufUnit<28> : GgufUnit<24> {
+  KFN float scale() const { return db * (1.0f / 16777216.0f); }   // <24>'s db carries 2^24
+  template <typename PT> KFN void idot8(int c, LOCAL const int* xq, LOCAL int* acc, PT tables) const {
+    const uint2 g = ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
+    const uint4 m = LOAD_U4(tables + IQ2_MASKS_AT, (aux >> (7 * c)) & 127u);
+    const int lo = (int)((g.x ^ m.x) + m.y), hi = (int)((g.y ^ m.z) + m.w);
+    for (int k = 0; k < 3; ++k) acc[k] = DP4A(hi, xq[2 * k + 1], DP4A(lo, xq[2 * k], acc[k]));
+  }
+};
+// Q8_0: the int8s as they are stored, on the wide unit's loads.
+template <> struct GgufUnit<29> : GgufUnit<20> {
+  KFN float scale() const { return d; }
+  template <typename PT> KFN void idot8(int c, LOCAL const int* xq, LOCAL int* acc, PT tables) const {
+    for (int k = 0; k < 3; ++k) acc[k] = DP4A((int)q[2 * c + 1], xq[2 * k + 1], DP4A((int)q[2 * c], xq[2 * k], acc[k]));
+  }
+};
+
+// rows_dot's two loops: over x as floats (XChunk<XS>, a unit's dot8), or as X_INTS limbs (a unit of
+// one pack, its idot8 sums converted once a unit).
+template <bool INTS> struct RowsDot;
+
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
           typename PW, typename PS, typename PB>
 KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
                   int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
-  typedef GgufUnit<MODE> U;
-  constexpr int UNITS = K_IN / U::VALUES;
-  constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
-  const int sub = (int)lane % LANES;
-  const int rows0 = row0 + ((int)lane / LANES) * ROWS;
+  const int sub = (int)lane % LANES;                       // the lane's first unit
+  const int rows0 = row0 + ((int)lane / LANES) * ROWS;      // its lane group's first row
   for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
-  for (int u = sub; u < UNITS; u += LANES) {
-    U a[ROWS], b[TWO ? ROWS : 1];
-    for (int r = 0; r < ROWS; ++r) {
-      const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
-      a[r].load(w0, row * ROW_BYTES, u);
-      if (TWO) b[r].load(w1, row * ROW_BYTES, u);
-    }
-    for (int c = 0; c < U::VALUES / 8; ++c) {
-      float xv[8];
-      XChunk<XS>::load(x, u * (U::VALUES / 32) + c / 4, c % 4, xv);
-      float x_sum = 0.0f;
-      for (int i = 0; i < 8; ++i) x_sum += xv[i];
-      for (int r = 0; r < ROWS; ++r) {
-        acc0[r] += a[r].dot8(c, xv, x_sum, s0);
-        if (TWO) acc1[r] += b[TWO ? r : 0].dot8(c, xv, x_sum, s1);
-      }
-    }
-  }
+  RowsDot<XS == X_INTS>::template run<MODE, ROWS, LANES, K_IN, XS, TWO>(x, w0, s0, w1, s1, first, sub, rows0,
+                                                                         rows_out, acc0, acc1);
   for (int r = 0; r < ROWS; ++r) {
     acc0[r] = lanes_sum<LANES>(acc0[r]);
     if (TWO) acc1[r] = lanes_sum<LANES>(acc1[r]);
   }
 }
+
+template <> struct RowsDot<true> {
+  template <int MODE, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX, typename PW, typename PS>
+  static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int rows0, int rows_out,
+                      LOCAL float* acc0, LOCAL float* acc1) {
+    typedef GgufUnit<MODE> U;
+    static_assert(U::VALUES == 32, "an integer unit is one pack of x");
+    constexpr int UNITS = K_IN / 32;
+    constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
+    for (int u = sub; u < UNITS; u += LANES) {
+      U a[ROWS], b[TWO ? ROWS : 1];
+      int la[ROWS][3], lb[TWO ? ROWS : 1][3];
+      for (int r = 0; r < ROWS; ++r) {
+        const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
+        a[r].load(w0, row * ROW_BYTES, u);
+        if (TWO) b[r].load(w1, row * ROW_BYTES, u);
+        for (int k = 0; k < 3; ++k) { la[r][k] = 0; lb[TWO ? r : 0][k] = 0; }
+      }
+      for (int c = 0; c < 4; ++c) {
+        int q[6];
+        XInts::load(x, u, c, q);
+        for (int r = 0; r < ROWS; ++r) {
+          a[r].idot8(c, q, la[r], s0);
+          if (TWO) b[TWO ? r : 0].idot8(c, q, lb[TWO ? r : 0], s1);
+        }
+      }
+      const float sx = XInts::scale(x, u);
+      for (int r = 0; r < ROWS; ++r) {   // |sum| < 2^31: 32 values of |w| <= 128 times |q| < 2^18
+        acc0[r] += a[r].scale() * sx * (float)(la[r][0] + (la[r][1] << 7) + (la[r][2] << 14));
+        if (TWO) acc1[r] += b[TWO ? r : 0].scale() * sx *
+                            (float)(lb[TWO ? r : 0][0] + (lb[TWO ? r : 0][1] << 7) + (lb[TWO ? r : 0][2] << 14));
+      }
+    }
+  }
+};
+
+template <> struct RowsDot<false> {
+  template <int MODE, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX, typename PW, typename PS>
+  static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int rows0, int rows_out,
+                      LOCAL float* acc0, LOCAL float* acc1) {
+    typedef GgufUnit<MODE> U;
+    constexpr int UNITS = K_IN / U::VALUES;
+    constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
+    for (int u = sub; u < UNITS; u += LANES) {
+      U a[ROWS], b[TWO ? ROWS : 1];
+      for (int r = 0; r < ROWS; ++r) {
+        const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
+        a[r].load(w0, row * ROW_BYTES, u);
+        if (TWO) b[r].load(w1, row * ROW_BYTES, u);
+      }
+      for (int c = 0; c < U::VALUES / 8; ++c) {
+        float xv[8];
+        XChunk<XS>::load(x, u * (U::VALUES / 32) + c / 4, c % 4, xv);
+        float x_sum = 0.0f;
+        for (int i = 0; i < 8; ++i) x_sum += xv[i];
+        for (int r = 0; r < ROWS; ++r) {
+          acc0[r] += a[r].dot8(c, xv, x_sum, s0);
+          if (TWO) acc1[r] += b[TWO ? r : 0].dot8(c, xv, x_sum, s1);
+        }
+      }
+    }
+  }
+};
 """
 
 HEADER = BLOCK_LOADS + UNITS
@@ -454,8 +529,17 @@ class GGUFMatrix:
         """Values of the unit a kernel's work split must keep whole: a block, or a pair."""
         return 64 if self.paired and not self.wide else gguf_blocks.BLOCK_WEIGHTS[self.qtype]
 
-    def template(self, prefix: str = "") -> list:
-        if self.halves:
+    @property
+    def integer(self) -> bool:
+        """A type with an integer unit (DSV4_KERNEL_GGUF_DP4A); the launch decides whether it
+        takes it (x must be fp8-rounded, and its other matrix integer too)."""
+        return self.qtype in INT_MODE_IDS and bool(flags.get("kernel_gguf_dp4a"))
+
+    def template(self, prefix: str = "", integer: bool = False) -> list:
+        """MODE (the unit the switches pick; with `integer`, the integer unit), BITS, GS."""
+        if integer:
+            mode = INT_MODE_IDS[self.qtype]
+        elif self.halves:
             mode = HALVES_MODE_IDS[self.qtype]
         elif self.hsub:
             mode = Q8_0_HSUB
@@ -484,10 +568,20 @@ def supported(m: GGUFMatrix) -> bool:
 def iq2_xxs_tables() -> mx.array:
     """IQ2_XXS's grid as bytes (256 entries x 8 values, 512 words), its 128 sign bytes, then from
     word IQ2_PAIRS_AT the grid as the halves unit's fp16 pairs: each entry's values
-    (0, 2), (1, 3), (4, 6), (5, 7) as 16-bit integers g (the fp16 subnormals g 2^-24), low first."""
+    (0, 2), (1, 3), (4, 6), (5, 7) as 16-bit integers g (the fp16 subnormals g 2^-24), low first,
+    then from word IQ2_MASKS_AT the integer unit's sign masks (iq2_sign_masks)."""
     grid = gguf_blocks.iq2_xxs_grid().astype(np.uint8)
     pairs = grid[:, [0, 2, 1, 3, 4, 6, 5, 7]].astype(np.uint16).reshape(-1)
-    return mx.array(np.concatenate([grid.reshape(-1), gguf_blocks.iq2_xxs_signs(), pairs.view(np.uint8)]).view(np.uint32))
+    return mx.array(np.concatenate([grid.reshape(-1), gguf_blocks.iq2_xxs_signs(), pairs.view(np.uint8),
+                                    iq2_sign_masks().reshape(-1).view(np.uint8)]).view(np.uint32))
+
+
+def iq2_sign_masks() -> np.ndarray:
+    """uint32 [128, 4]: for each 7 stored sign bits (the 8th their parity), the byte masks of
+    values 0-3 and 4-7 (0xff where negative) each followed by its low bits (0x01 there)."""
+    bits = np.unpackbits(gguf_blocks.iq2_xxs_signs()[:, None], axis=1, bitorder="little")   # [128, 8]
+    low = (bits.reshape(128, 2, 4).astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(-1)
+    return np.stack([low[:, 0] * 255, low[:, 0], low[:, 1] * 255, low[:, 1]], axis=1).astype(np.uint32)
 
 
 @lru_cache(maxsize=1)
