@@ -96,7 +96,8 @@ _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
-            "Q8_0 hsub": dict(_PORTABLE, kernel_gguf_wide=True, kernel_gguf_q8_hsub=True)}
+            "Q8_0 hsub": dict(_PORTABLE, kernel_gguf_wide=True, kernel_gguf_q8_hsub=True),
+            "dp4a": dict(_PORTABLE, kernel_gguf_wide=True, kernel_gguf_q8_hsub=True, kernel_gguf_dp4a=True)}
 # The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none),
 # and q2's gate/up on tensor cores (gguf_mma.py; q4's Q4_K keeps the halves units there).
 _HALVES = dict(VARIANTS["wide"], kernel_gguf_halves=True)
@@ -234,8 +235,8 @@ def main(argv=None) -> int:
              "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), mma "
              "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves), Q8_0 hsub "
              "(DSV4_KERNEL_GGUF_Q8_HSUB: Q8_0's int8 bias off two at a time in fp16; the experts' on the "
-             "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's gate/up in integer units over x's fp8 "
-             "values as limbs; q4 runs hsub). 'same' = "
+             "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's gate/up and the Q8_0 matvec in integer "
+             "units over x's fp8 values as limbs; q4's experts run hsub). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

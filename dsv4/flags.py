@@ -368,11 +368,13 @@ define("kernel_matvec_mma", False,
        "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
 define("kernel_gguf_dp4a", False,
        "GPU: the fused experts' gate/up launch over IQ2_XXS or Q8_0 routed experts with a Q8_0 (or no) "
-       "shared expert, under act_quant: x's fp8-rounded values copied as integers (e4m3 * 2^9, three "
+       "shared expert, and the GGUF matvec over Q8_0 or IQ2_XXS projections (ds4's dense ones are "
+       "Q8_0), under act_quant: x's fp8-rounded values copied as integers (e4m3 * 2^9, three "
        "signed bytes each) and each unit's dot product made exactly in integers, four values a DP4A "
        "(IQ2_XXS's signs put on its grid bytes by byte masks from a table), converted to fp32 once a "
        "32-value unit: within the fp32 summation bound of the reference. A static count (sm_90a) of "
-       "one lane's IQ2_XXS work: 2.6 against the halves unit's 4.6 SASS instructions a weight. Off "
+       "one lane's work, SASS instructions a weight: IQ2_XXS 2.6 against the halves unit's 4.6, Q8_0 "
+       "1.5 against 5.1 (benchmarks/results/2026-12-04-2310-gguf-dp4a-static.md). Off "
        "(default) until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_gguf_mma", False,
        "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "

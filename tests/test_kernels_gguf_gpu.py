@@ -113,17 +113,21 @@ def routed_experts_with_expand(experts, tokens):
                                        ("Q2_K wide", 5120, 2304), ("IQ2_XXS wide", 2304, 5120),
                                        ("IQ2_XXS halves", 2304, 5120), ("Q2_K halves", 5120, 2304),
                                        ("Q4_K halves", 1280, 5120), ("Q8_0 hsub", 1280, 5120),
-                                       ("Q8_0 hsub", 32768, 1280), ("Q8_0 hsub", 5120, 8192)])
+                                       ("Q8_0 hsub", 32768, 1280), ("Q8_0 hsub", 5120, 8192),
+                                       ("Q8_0 dp4a", 1280, 5120), ("Q8_0 dp4a", 32768, 1280),
+                                       ("IQ2_XXS dp4a", 2304, 5120)])
 @pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_gguf_matvec(qtype, n, k, tokens):
     """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); 'wide': 16-byte
     loads (DSV4_KERNEL_GGUF_WIDE); 'halves': codes as fp16 subnormals (DSV4_KERNEL_GGUF_HALVES);
-    'hsub': the wide Q8_0 unit with its int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB)."""
+    'hsub': the wide Q8_0 unit with its int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); 'dp4a': the
+    integer units over x's limbs (DSV4_KERNEL_GGUF_DP4A)."""
     q = gguf_matrix(RNG, (n, k), qtype.split()[0])
     x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
     assert mv.kernel_supports(x, q)
     with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves", "hsub")),
-                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub")):
+                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub"),
+                        kernel_gguf_dp4a=qtype.endswith("dp4a")):
         got = f32(mv.quantized_matvec(x, q, True))
     want = f32(mv.matvec_reference(x, q, True))
     # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation

@@ -249,13 +249,18 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     ("IQ2_XXS halves", 33, 256),
     ("Q8_0 hsub", 2100, 64),      # as the wide unit's cases, the int8s by int8s2
     ("Q8_0 hsub", 30, 96),
+    ("Q8_0 dp4a", 40, 512),       # the integer units over x's limbs: split in 4 slices,
+    ("Q8_0 dp4a", 30, 96),        # rows at every 2-byte phase,
+    ("IQ2_XXS dp4a", 33, 256),    # and IQ2_XXS's 66-byte rows
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
     with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves", "hsub")),
-                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub")):
+                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub"),
+                        kernel_gguf_dp4a=qtype.endswith("dp4a")):
         q = gguf_matrix(rng, (n, k), qtype.split()[0])
         assert (mode(q) == gguf_dot.Q8_0_HSUB) == qtype.endswith("hsub")
+        assert q.integer == qtype.endswith("dp4a")
         matvec_body(tmp_path, rng, q, n, k)
 
 
@@ -264,8 +269,8 @@ def matvec_body(tmp_path, rng, q, n, k, groups=1):
     takes group r // (n / groups)) against the float64 product of the decoded blocks, and
     matvec_reference likewise."""
     split, rows = mv.work_split(n, k, q.block_values, groups)
-    consts = dict(WARPS=mv.WARPS, MODE=mode(q), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k, XS=ex.X_STRIDE, ACTQ=1,
-                  GROUPS=groups)
+    consts = dict(WARPS=mv.WARPS, MODE=mode(q, q.integer), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k,
+                  XS=ex.X_INTS if q.integer else ex.X_STRIDE, ACTQ=1, GROUPS=groups)
     exe = build(tmp_path, "matvec", mv.GGUF_MATVEC_KERNEL, MATVEC_MAIN, consts)
     x = (rng.standard_normal((2, groups, k)) * 2).astype(np.float32)
     data = np.array([n, 2], np.int32).tobytes() + x.tobytes() + matrix_bytes(q, q, n)
@@ -302,13 +307,14 @@ def test_grouped_matvec_takes_whole_threadgroups_per_group():
     ("Q8_0 hsub", 8, 4096, 64),    # 8 groups of 512 rows, 4 rows a SIMD group (V4.1's wo_a split)
     ("Q8_0", 4, 64, 512),          # 4 groups of 16 rows, K in 4 slices: 8 threadgroups of 2 rows each
     ("Q4_K halves", 2, 16, 256),   # 2 groups of 8 rows, a threadgroup each
+    ("Q8_0 dp4a", 4, 64, 512),     # the integer units: each threadgroup its group's x as limbs
 ])
 def test_grouped_gguf_matvec_body_on_the_host(tmp_path, qtype, groups, n, k):
     """A grouped projection (V4.1's wo_a: each group of heads through its own block of rows) in one
     launch: each threadgroup copies its group's x."""
     rng = np.random.default_rng()
     with flags.override(kernel_gguf_wide=qtype.endswith(("halves", "hsub")), kernel_gguf_halves=qtype.endswith("halves"),
-                        kernel_gguf_q8_hsub=qtype.endswith("hsub")):
+                        kernel_gguf_q8_hsub=qtype.endswith("hsub"), kernel_gguf_dp4a=qtype.endswith("dp4a")):
         q = gguf_matrix(rng, (n, k), qtype.split()[0])
         split, rows = mv.work_split(n, k, q.block_values, groups)
         assert mv.grouped_fits(n, groups, split, rows)

@@ -437,8 +437,8 @@ _GATE_UP_BODY = r"""
   for (int p = (int)tid; p < D / 32; p += (int)group_threads) {
     float v[32];
     for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
-    const float s = ACTQ ? qdq_fp8_32(v) : 1.0f;
-    store_x_pack<XS>(xs, p, v, s);
+    const float x_scale = ACTQ ? qdq_fp8_32(v) : 1.0f;
+    store_x_pack<XS>(xs, p, v, x_scale);   // XS == X_INTS (GGUF integer units): as limbs
   }
   BARRIER();
   SELECT_EXPERT

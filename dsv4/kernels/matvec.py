@@ -34,7 +34,7 @@ import mlx.core as mx
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, falls_back, shared_memory_limit
 from dsv4.kernels import experts_mma, gguf_dot
-from dsv4.kernels.experts import (_HEADER, MODE_IDS, X_HEADER, X_STRIDE, QuantizedMatrix,
+from dsv4.kernels.experts import (_HEADER, MODE_IDS, X_HEADER, X_INTS, X_STRIDE, QuantizedMatrix,
                                   matrix_supported)
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
@@ -59,8 +59,8 @@ _BODY = r"""
   for (int p = (int)tid; p < K / 32; p += (int)group_threads) {
     float v[32];
     for (int i = 0; i < 32; ++i) v[i] = float(x[x_row * K + 32 * p + i]);
-    if (ACTQ) qdq_fp8_32(v);
-    store_x_pack<XS>(xs, p, v);
+    const float x_scale = ACTQ ? qdq_fp8_32(v) : 1.0f;
+    store_x_pack<XS>(xs, p, v, x_scale);   // XS == X_INTS (GGUF integer units): as limbs
   }
   BARRIER();
   float acc[ROWS], unused[ROWS];
@@ -113,18 +113,23 @@ def _gguf_checks():
     """GGUF dense projections: ds4's Q8_0 (split and rows; read in pairs, and wide, too), the Q4_K
     of its q4 attention option, an IQ2_XXS in the wide unit, and both with fp16-subnormal codes
     (DSV4_KERNEL_GGUF_HALVES); Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB), also as V4.1's grouped
-    wo_a (8 groups of 1024 rows over 4096 inputs)."""
+    wo_a (8 groups of 1024 rows over 4096 inputs); Q8_0 and IQ2_XXS in the integer units over x's
+    limbs (DSV4_KERNEL_GGUF_DP4A), split and grouped too."""
     out = []
     modes = dict(gguf_dot.GGUF_MODE_IDS, Q8_0_PAIRS=gguf_dot.Q8_0_PAIRS, Q8_0_HSUB=gguf_dot.Q8_0_HSUB,
                  **{f"{t}_WIDE": m for t, m in gguf_dot.WIDE_MODE_IDS.items()},
-                 **{f"{t}_HALVES": m for t, m in gguf_dot.HALVES_MODE_IDS.items()})
+                 **{f"{t}_HALVES": m for t, m in gguf_dot.HALVES_MODE_IDS.items()},
+                 **{f"{t}_INT": m for t, m in gguf_dot.INT_MODE_IDS.items()})
     for qtype, split, rows, k, groups in (("Q8_0", 1, 2, 4096, 1), ("Q8_0", 4, 1, 1024, 1), ("Q4_K", 2, 1, 4096, 1),
                                           ("Q8_0_PAIRS", 1, 2, 4096, 1), ("Q8_0_WIDE", 1, 2, 4096, 1),
                                           ("Q8_0_WIDE", 4, 1, 1024, 1), ("IQ2_XXS_WIDE", 2, 1, 5120, 1),
                                           ("Q4_K_HALVES", 2, 1, 4096, 1), ("IQ2_XXS_HALVES", 2, 1, 5120, 1),
-                                          ("Q8_0_HSUB", 1, 2, 4096, 1), ("Q8_0_HSUB", 1, 4, 4096, 8)):
+                                          ("Q8_0_HSUB", 1, 2, 4096, 1), ("Q8_0_HSUB", 1, 4, 4096, 8),
+                                          ("Q8_0_INT", 1, 2, 4096, 1), ("Q8_0_INT", 4, 1, 1024, 1),
+                                          ("Q8_0_INT", 1, 4, 4096, 8), ("IQ2_XXS_INT", 2, 1, 5120, 1)):
+        xs = X_INTS if qtype.endswith("_INT") else X_STRIDE
         template = (("T", mx.bfloat16), ("MODE", modes[qtype]), ("BITS", 0), ("GS", 0), ("SPLIT", split),
-                    ("ROWS", rows), ("K", k), ("XS", X_STRIDE), ("ACTQ", True), ("GROUPS", groups))
+                    ("ROWS", rows), ("K", k), ("XS", xs), ("ACTQ", True), ("GROUPS", groups))
         out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))
     return tuple(out)
 
@@ -284,7 +289,8 @@ def kernel_supports(x: mx.array, q: QuantizedMatrix, groups: int = 1) -> bool:
             and q.in_features == K and matrix_supported(q)
             and (groups == 1 or (isinstance(q, GGUFMatrix) and x.shape[-2] == groups
                                  and grouped_fits(N, groups, *work_split(N, K, q.block_values, groups))))
-            and K // 32 * X_STRIDE * 16 + 4 * 32 <= shared_memory_limit(backend()))   # x's copy + partial sums
+            and K // 32 * (X_INTS if isinstance(q, GGUFMatrix) and q.integer else X_STRIDE) * 16 + 4 * 32
+            <= shared_memory_limit(backend()))   # x's copy + partial sums
 
 
 def matvec_reference(x: mx.array, q, act_quant: bool, groups: int = 1) -> mx.array:
@@ -328,11 +334,12 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
             template=[("T", x.dtype)] + q.template() + [("MKSPLIT", split), ("K", K), ("ACTQ", bool(act_quant))])
         return y
     split, rows = work_split(N, K, q.block_values, groups)
-    kernel = GGUF_MATVEC_KERNEL if isinstance(q, GGUFMatrix) else MATVEC_KERNEL
-    (y,) = kernel(
+    gguf = isinstance(q, GGUFMatrix)
+    integer = gguf and bool(act_quant) and q.integer   # gguf_dot's integer units over x's limbs
+    (y,) = (GGUF_MATVEC_KERNEL if gguf else MATVEC_KERNEL)(
         inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
         grid=(32 * WARPS, math.ceil(N * split / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
-        template=[("T", x.dtype)] + q.template() + [
-            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_STRIDE), ("ACTQ", bool(act_quant)),
-            ("GROUPS", groups)])
+        template=[("T", x.dtype)] + (q.template(integer=True) if integer else q.template()) + [
+            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_INTS if integer else X_STRIDE),
+            ("ACTQ", bool(act_quant)), ("GROUPS", groups)])
     return y
