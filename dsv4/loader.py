@@ -158,6 +158,8 @@ def _load_official(path: Path, args: ModelArgs, reader: Reader, stream=None) -> 
 def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream=None) -> tuple[Model, dict]:
     """`stream` (an expert_store.Streaming): the routed experts are recorded, not loaded;
     `reader` reads this rank's share of each tensor."""
+    from . import layout
+
     block = config["dsv4"]
     if block.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path / 'config.json'}: dsv4 format_version "
@@ -172,6 +174,7 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
     if stream is not None:
         stream.detach(model)
     _read_stored(model, ckpt, refs, path, reader, stream)
+    _official_dtypes(model, layout.expected_tensors(args))
     return model, block.get("engram", {})
 
 
@@ -202,6 +205,20 @@ def _stored_forms(model: nn.Module, ckpt: Checkpoint, refs: dict, quant: dict, p
         types[module] = q["type"]
     _keep_gguf_blocks(model, types, path)
     _quantize(model, {m: setting(m) for m in modules})
+
+
+def _official_dtypes(model: nn.Module, official: dict) -> None:
+    """F16 float weights back in the official checkpoint's dtype, so that the model computes in
+    bf16 as the official one does (fp16's range is 65504; the fused experts kernels take bf16).
+    ds4's GGUFs store the official BF16 tensors, float copies of its fp8 ones and its F32 mHC
+    projections as F16: to BF16 (exact for values that came from BF16 or fp8) or F32 (exact).
+    `official`: dsv4.layout's tensor table (name -> (dtype, shape))."""
+    restored = [(name, a.astype(mx.float32 if official[name][0] == "F32" else mx.bfloat16))
+                for name, a in tree_flatten(model.parameters())
+                if a.dtype == mx.float16 and name in official]
+    if restored:
+        model.load_weights(restored, strict=False)
+        mx.eval([a for _, a in restored])
 
 
 def _read_stored(model: nn.Module, ckpt: Checkpoint, refs: dict, path: Path, reader: Reader,
@@ -329,6 +346,7 @@ def load_draft(path: Path, config: dict, args: ModelArgs):
 
 def _load_stored_draft(path: Path, ckpt: Checkpoint, block: dict, args: ModelArgs):
     """Draft stages stored as the backbone's are (`dsv4.draft` with layout dsv4)."""
+    from . import layout
     from .draft import Draft
 
     if not isinstance(block, dict) or block.get("layout") != "dsv4":
@@ -338,6 +356,7 @@ def _load_stored_draft(path: Path, ckpt: Checkpoint, block: dict, args: ModelArg
     draft = Draft(args)
     _stored_forms(draft, ckpt, refs, block.get("quantization") or {}, path)
     _read_stored(draft, ckpt, refs, path, Reader(distributed.SINGLE))
+    _official_dtypes(draft, layout.draft_tensors(args))
     return draft
 
 

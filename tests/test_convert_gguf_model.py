@@ -161,3 +161,32 @@ def test_lossy_file_behaves_like_noise_of_its_reported_error(files):
 
         controls.append(_relative(_logits(files["q2", "f32"][0], noisy), ref))
     assert 1e-3 < got < 2 * max(controls), (got, controls)
+
+
+def test_float16_tensors_load_in_the_official_dtypes(files):
+    """ds4 stores the official BF16 tensors (and float copies of fp8 ones) as F16, and its F32 mHC
+    projections too. They load back in the official dtypes, value for value, so that the model
+    computes in bf16 as the official one does (not in fp16, whose range is 65504) and its MoE
+    layers take the fused GGUF experts kernels (bf16 only), as a GPU backend would run them."""
+    from dsv4.kernels import dialect
+
+    path = files["q2", "native"][0]
+    src = conv.GGUFSource(path.parent / "q2.gguf")
+    model, _ = dsv4.load(path)
+    for gguf_name, name, dtype in (("token_embd.weight", "embed.weight", mx.bfloat16),
+                                   ("blk.0.hc_attn_fn.weight", "layers.0.hc_attn_fn", mx.float32)):
+        t = src.tensors[gguf_name]
+        assert t.qtype.name == "F16"
+        got = dict(tree_flatten(model.parameters()))[name]
+        assert got.dtype == dtype
+        want = np.asarray(src.raw(t)).view(np.float16).reshape(t.shape).astype(np.float32)
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+    launched = []
+
+    def stand_in(kernel, *, output_shapes, output_dtypes, **_):
+        launched.append(kernel.name)
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with flags.override(fixed_decode="off", dequant_matmul="off"), dialect.pretend_gpu("cuda", stand_in):
+        mx.eval(model(mx.array([TOKENS[:3]]), cache=model.make_cache()))
+    assert launched.count("dsv4_experts_routed_gate_up_gguf") == launched.count("dsv4_experts_down_gguf") > 0
