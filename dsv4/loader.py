@@ -13,7 +13,7 @@ holds more than the weights plus one module's source tensors.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -174,7 +174,7 @@ def _load_dsv4(path: Path, config: dict, args: ModelArgs, reader: Reader, stream
     if stream is not None:
         stream.detach(model)
     _read_stored(model, ckpt, refs, path, reader, stream)
-    _official_dtypes(model, layout.expected_tensors(args))
+    _official_dtypes(model, lambda: layout.expected_tensors(args))
     return model, block.get("engram", {})
 
 
@@ -207,15 +207,17 @@ def _stored_forms(model: nn.Module, ckpt: Checkpoint, refs: dict, quant: dict, p
     _quantize(model, {m: setting(m) for m in modules})
 
 
-def _official_dtypes(model: nn.Module, official: dict) -> None:
+def _official_dtypes(model: nn.Module, official: Callable[[], dict]) -> None:
     """F16 float weights back in the official checkpoint's dtype, so that the model computes in
     bf16 as the official one does (fp16's range is 65504; the fused experts kernels take bf16).
     ds4's GGUFs store the official BF16 tensors, float copies of its fp8 ones and its F32 mHC
     projections as F16: to BF16 (exact for values that came from BF16 or fp8) or F32 (exact).
-    `official`: dsv4.layout's tensor table (name -> (dtype, shape))."""
-    restored = [(name, a.astype(mx.float32 if official[name][0] == "F32" else mx.bfloat16))
-                for name, a in tree_flatten(model.parameters())
-                if a.dtype == mx.float16 and name in official]
+    `official()`: dsv4.layout's tensor table (name -> (dtype, shape)), built only where some
+    weight is F16 (~90k entries at V4.1's size)."""
+    halves = [(name, a) for name, a in tree_flatten(model.parameters()) if a.dtype == mx.float16]
+    table = official() if halves else {}
+    restored = [(name, a.astype(mx.float32 if table[name][0] == "F32" else mx.bfloat16))
+                for name, a in halves if name in table]
     if restored:
         model.load_weights(restored, strict=False)
         mx.eval([a for _, a in restored])
@@ -356,7 +358,7 @@ def _load_stored_draft(path: Path, ckpt: Checkpoint, block: dict, args: ModelArg
     draft = Draft(args)
     _stored_forms(draft, ckpt, refs, block.get("quantization") or {}, path)
     _read_stored(draft, ckpt, refs, path, Reader(distributed.SINGLE))
-    _official_dtypes(draft, layout.draft_tensors(args))
+    _official_dtypes(draft, lambda: layout.draft_tensors(args))
     return draft
 
 

@@ -276,8 +276,9 @@ template <int XS, typename P>
 KFN void store_x_pack(P xs, int p, LOCAL const float* v, float s = 1.0f) { XStore<XS>::pack(xs, p, v, s); }
 
 // Chunk c of pack p of an X_INTS copy: its six limb words (l0, l1, l2 of values 0-3 and 4-7),
-// and the pack's scale s / 2^9.
+// and the pack's scale s / 2^9; join: a dot product with the limbs' three (l0, l1, l2) as one.
 struct XInts {
+  static KFN int join(LOCAL const int* l) { return l[0] + (l[1] << 7) + (l[2] << 14); }
   template <typename P> static KFN void load(P x4, int p, int c, LOCAL int* q) {
     const uint4 a = x4[p * X_INTS + 2 * c], b = x4[p * X_INTS + 2 * c + 1];
     q[0] = (int)a.x; q[1] = (int)a.y; q[2] = (int)a.z; q[3] = (int)a.w; q[4] = (int)b.x; q[5] = (int)b.y;

@@ -443,9 +443,8 @@ template <> struct RowsDot<true> {
       }
       const float sx = XInts::scale(x, u);
       for (int r = 0; r < ROWS; ++r) {   // |sum| < 2^31: 32 values of |w| <= 128 times |q| < 2^18
-        acc0[r] += a[r].scale() * sx * (float)(la[r][0] + (la[r][1] << 7) + (la[r][2] << 14));
-        if (TWO) acc1[r] += b[TWO ? r : 0].scale() * sx *
-                            (float)(lb[TWO ? r : 0][0] + (lb[TWO ? r : 0][1] << 7) + (lb[TWO ? r : 0][2] << 14));
+        acc0[r] += a[r].scale() * sx * (float)XInts::join(la[r]);
+        if (TWO) acc1[r] += b[TWO ? r : 0].scale() * sx * (float)XInts::join(lb[TWO ? r : 0]);
       }
     }
   }
