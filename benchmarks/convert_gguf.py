@@ -273,22 +273,16 @@ class RealShapeHeader:
         return self.parts[0][0], offset
 
 
-# ds4's DSpark support file (gguf-tools/deepseek41_dspark.py) per precision: attention and
-# main_proj, shared expert, routed gate/up/down, Markov embedding and head, mHC projections.
-DSPARK_TYPES = {
-    "native": ("F16", "F16", ("MXFP4",) * 3, ("F32", "F32"), "F32"),
-    "q4": ("Q8_0", "Q8_0", ("Q4_K",) * 3, ("F16", "F16"), "F16"),
-    "q2": ("Q8_0", "Q8_0", ("IQ2_XXS", "IQ2_XXS", "Q2_K"), ("F16", "F16"), "F16"),
-}
-
-
 class RealShapeDraftHeader:
     """The tensor list of ds4's DSpark support file at V4.1's shapes (three stages of 128
-    routed experts, top-3, Markov rank 256), as RealShapeHeader's."""
+    routed experts, top-3, Markov rank 256) in one of its precisions (the tests' table of them,
+    tests/gguf_fixtures.py DSPARK_RECIPES), as RealShapeHeader's."""
 
     def __init__(self, recipe: str):
         from gguf import GGMLQuantizationType as T
         from gguf.constants import GGML_QUANT_SIZES
+
+        from tests.gguf_fixtures import DSPARK_RECIPES
 
         from convert import gguf as conv
         from convert import gguf_draft
@@ -299,7 +293,8 @@ class RealShapeDraftHeader:
         fields = dict(draft_config(text.num_hidden_layers), dspark_n_routed_experts=128,
                       dspark_num_experts_per_tok=3, dspark_markov_rank=256, dspark_noise_token_id=128799)
         self.args = ModelArgs.from_dict({**vars(text), **fields})
-        att, shared, experts, heads, hc_fn = DSPARK_TYPES[recipe]
+        types = DSPARK_RECIPES[recipe]
+        experts, heads = types["experts"], types["heads"]
         ds4_names = {}
         for name in (f"mtp.{s}.{suffix}" for s in range(3) for suffix in
                      (*conv.LAYER_NAMES, "main_proj.weight", "main_norm.weight", "norm.weight",
@@ -315,12 +310,12 @@ class RealShapeDraftHeader:
             part = name.rsplit(".", 2)[-2]
             qtype = (experts[("w1", "w3", "w2").index(part)] if ".experts." in name else
                      heads[("embed", "head").index(part)] if ".markov_head." in name else
-                     shared if ".shared_experts." in name else
-                     att if part in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "main_proj") else
-                     hc_fn if name.endswith("_fn") else "F32")
-            block, size = GGML_QUANT_SIZES[T[qtype]]
+                     types["shared"] if ".shared_experts." in name else
+                     types["att"] if part in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "main_proj") else
+                     types["hc_fn"] if name.endswith("_fn") else T.F32)
+            block, size = GGML_QUANT_SIZES[qtype]
             nbytes = math.prod(shape) // block * size
-            self.tensors[gguf] = conv.GGUFTensor(gguf, T[qtype], tuple(reversed(shape)), offset, nbytes)
+            self.tensors[gguf] = conv.GGUFTensor(gguf, qtype, tuple(reversed(shape)), offset, nbytes)
             offset += nbytes
         self.parts = ((str(self.path), offset),)
 
@@ -328,9 +323,9 @@ class RealShapeDraftHeader:
         return self.parts[0][0], offset
 
 
-def real_shapes() -> dict[str, dict]:
+def real_shapes(drafts: tuple = ("native", "q4", "q2")) -> dict[str, dict]:
     """Per recipe: the planner's per-kind stats for the blocks kept (referenced) and --affine;
-    per DSpark support precision ("dspark native", ...), the kept conversion's."""
+    per DSpark support precision of `drafts` ("dspark native", ...), the kept conversion's."""
     from convert import gguf as conv
     from convert import gguf_draft
 
@@ -341,7 +336,7 @@ def real_shapes() -> dict[str, dict]:
         affine = conv.plan(header, header.expected, conv.Options(affine=True))
         out[recipe] = {"kept": kept[2], "affine": affine[2],
                        "written": sum(kept[1][n] for n in kept[0])}
-    for recipe in DSPARK_TYPES:
+    for recipe in drafts:
         header = RealShapeDraftHeader(recipe)
         kept = conv.plan(header, header.expected, conv.Options(), gguf_draft.dsv4_name,
                          gguf_draft.SKIPPED.match)

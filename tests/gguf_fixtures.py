@@ -340,13 +340,16 @@ def draft_fixture_config(tokenizer) -> dict:
 
 
 # ds4's precisions for the support file (gguf-tools/deepseek41_dspark.py): attention and main_proj,
-# shared expert, routed gate/up/down, Markov heads, the mHC projections.
+# shared expert, routed gate/up/down, Markov embedding and head, the mHC projections; "q4 first" is
+# the script's first revision (the only precision then; the Markov head F32).
 DSPARK_RECIPES = {
-    "native": dict(att=T.F16, shared=T.F16, experts=(T.MXFP4,) * 3, heads=T.F32, hc_fn=T.F32),
-    "bf16": dict(att=T.BF16, shared=T.BF16, experts=(T.BF16,) * 3, heads=T.BF16, hc_fn=T.F32),
-    "q8": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q8_0,) * 3, heads=T.F16, hc_fn=T.F16),
-    "q4": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q4_K,) * 3, heads=T.F16, hc_fn=T.F16),
-    "q2": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.IQ2_XXS, T.IQ2_XXS, T.Q2_K), heads=T.F16, hc_fn=T.F16),
+    "native": dict(att=T.F16, shared=T.F16, experts=(T.MXFP4,) * 3, heads=(T.F32, T.F32), hc_fn=T.F32),
+    "bf16": dict(att=T.BF16, shared=T.BF16, experts=(T.BF16,) * 3, heads=(T.BF16, T.BF16), hc_fn=T.F32),
+    "q8": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q8_0,) * 3, heads=(T.F16, T.F16), hc_fn=T.F16),
+    "q4": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q4_K,) * 3, heads=(T.F16, T.F16), hc_fn=T.F16),
+    "q4 first": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.Q4_K,) * 3, heads=(T.F16, T.F32), hc_fn=T.F16),
+    "q2": dict(att=T.Q8_0, shared=T.Q8_0, experts=(T.IQ2_XXS, T.IQ2_XXS, T.Q2_K), heads=(T.F16, T.F16),
+               hc_fn=T.F16),
 }
 
 
@@ -453,8 +456,8 @@ def write_dspark_gguf(path: Path | str, config: dict, recipe: str = "native", se
             tensor(f"{p}.main_norm.weight", get(f"{p}.main_norm.weight"), T.F32)
         if stage == stages - 1:
             tensor(f"{p}.norm.weight", get(f"{p}.norm.weight"), T.F32)
-            tensor(f"{p}.markov_head.markov_w1.weight", get(f"{p}.markov_head.embed.weight"), types["heads"])
-            tensor(f"{p}.markov_head.markov_w2.weight", get(f"{p}.markov_head.head.weight"), types["heads"])
+            tensor(f"{p}.markov_head.markov_w1.weight", get(f"{p}.markov_head.embed.weight"), types["heads"][0])
+            tensor(f"{p}.markov_head.markov_w2.weight", get(f"{p}.markov_head.head.weight"), types["heads"][1])
             tensor(f"{p}.confidence_head.proj.weight", get(f"{p}.confidence_head.proj.weight"), T.F32)
             if hc_head:
                 hc = args.hc_mult

@@ -245,15 +245,10 @@ def test_planned_sizes_at_real_shapes_are_ds4s_published_ones():
     the Q2 text file's tensors 151.77 GiB less its image-routing biases (landscape: 151.77 GiB
     main + 188.83 GiB Engram), the DSpark support file ~7.88 GiB in its first precision (Q8_0
     dense, Q4_K experts, the Markov head F32). Within 0.5%: the tensor tables are ds4's."""
-    from benchmarks.convert_gguf import DSPARK_TYPES, real_shapes
+    from benchmarks.convert_gguf import real_shapes
 
-    q4 = DSPARK_TYPES["q4"]
-    DSPARK_TYPES["ds4 first"] = (*q4[:3], ("F16", "F32"), q4[4])
-    try:
-        real = real_shapes()
-    finally:
-        del DSPARK_TYPES["ds4 first"]
+    real = real_shapes(drafts=("q4 first", "q2"))
     gib = lambda r: sum(s.bytes_in for s in r["kept"].values()) / 2 ** 30
     assert gib(real["q2"]) == pytest.approx(151.77, rel=5e-3)
-    assert gib(real["dspark ds4 first"]) == pytest.approx(7.88, rel=5e-3)
+    assert gib(real["dspark q4 first"]) == pytest.approx(7.88, rel=5e-3)
     assert real["dspark q2"]["written"] < 0.05 * gib(real["dspark q2"]) * 2 ** 30
