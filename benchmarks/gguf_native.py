@@ -11,7 +11,9 @@ fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fuse
    weights it uses, for each GGUF unit variant (VARIANTS: the blocks as before, Q8_0 pairs, the
    wide 16-byte loads, Q8_0's bias off in fp16; for the experts also EXPERT_VARIANTS' fp16-subnormal
    codes and q2's tensor-core gate/up) interleaved in one run, with whether its output equals the first's; the
-   same for the GGUF Q8_0 dense matvec at the dense projections' shapes (1 and 8 tokens).
+   same for the GGUF Q8_0 dense matvec at the dense projections' shapes (1 and 8 tokens), and
+   for a verify's 2-6 tokens (--verify-tokens) its multi-token launch (DSV4_KERNEL_MATVEC_TOKENS:
+   each unit decoded once for every token) against a threadgroup a token, the grouped wo_a too.
 2. Prefill: one MoE layer's experts over a 512-token chunk, 8 chunks (4096 tokens), through
    the path prefill takes: GGUF (only the selected experts decoded, a batch at a time) against
    the affine mapping the converter used to write (IQ2_XXS -> 3-bit, Q2_K -> 4-bit, Q4_K ->
@@ -159,6 +161,31 @@ def matvec_rows(tokens_list):
     return rows
 
 
+# A verify's few tokens through the dense Q8_0 projections: a threadgroup a token (the one-token
+# launch), or the multi-token launch; the CUDA default units (hsub) and the integer ones (dp4a).
+TOKENS_VARIANTS = {"hsub": VARIANTS["Q8_0 hsub"], "hsub, tokens": dict(VARIANTS["Q8_0 hsub"], kernel_matvec_tokens=True),
+                   "dp4a": VARIANTS["dp4a"], "dp4a, tokens": dict(VARIANTS["dp4a"], kernel_matvec_tokens=True)}
+
+
+def matvec_tokens_rows(tokens_list):
+    """(shape, tokens, {variant: seconds}, bytes, same) per dense Q8_0 shape and V4.1's grouped wo_a
+    (8 groups of 1024 rows over 4096 inputs), the TOKENS_VARIANTS interleaved; same: whether each
+    multi-token launch's output equals its one-token launch's bit for bit."""
+    rows = []
+    for n, k, groups in ((1280, 5120, 1), (32768, 1280, 1), (5120, 8192, 1), (2304, 5120, 1), (8 * 1024, 4096, 8)):
+        q = gguf((n, k), "Q8_0")
+        for tokens in tokens_list:
+            x = (mx.random.normal((tokens, groups, k) if groups > 1 else (tokens, k))).astype(mx.bfloat16)
+            mx.eval(x)
+            runs = {label: under(switches, lambda: mv.quantized_matvec(x, q, True, groups))
+                    for label, switches in TOKENS_VARIANTS.items()}
+            out = {label: run() for label, run in runs.items()}
+            same = {label: mx.array_equal(out[label], out[label.split(",")[0]]).item() for label in out if "," in label}
+            shape = f"{n} x {k}" + (f" in {groups} groups" if groups > 1 else "")
+            rows.append((shape, tokens, compare(runs), q.weight.nbytes, same))
+    return rows
+
+
 def affine_of(m: GGUFMatrix) -> ex.QuantizedMatrix:
     """The affine mapping's layout (group 32, the converter's default bits) with random codes:
     what the converter wrote before blocks were kept (speed only, not its values)."""
@@ -221,6 +248,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--tokens", default="1,2,4,8")
+    p.add_argument("--verify-tokens", default="2,4,6", help="token counts of the dense multi-token table ('' for none)")
     p.add_argument("--no-prefill", action="store_true", help="decode timings only")
     a = p.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
@@ -235,8 +263,8 @@ def main(argv=None) -> int:
              "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), mma "
              "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves), Q8_0 hsub "
              "(DSV4_KERNEL_GGUF_Q8_HSUB: Q8_0's int8 bias off two at a time in fp16; the experts' on the "
-             "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's gate/up and the Q8_0 matvec in integer "
-             "units over x's fp8 values as limbs; q4's experts run hsub). 'same' = "
+             "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's and q4's gate/up and the Q8_0 matvec in "
+             "integer units over x's fp8 values as limbs; the down launches run hsub). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",
@@ -259,6 +287,18 @@ def main(argv=None) -> int:
     for n, k, t_count, t, nbytes in matvec_rows([v for v in tokens if v in (1, 8)] or tokens[:1]):
         cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
         lines.append(f"| {n} x {k} | {t_count} | {nbytes / 1e6:.1f} | {cells} |")
+        print(lines[-1], flush=True)
+    verify = [int(t) for t in a.verify_tokens.split(",") if t]
+    labels = list(TOKENS_VARIANTS)
+    lines += ["", "## GGUF Q8_0 dense matvec for a verify's tokens: a threadgroup a token, or the multi-token "
+              "launch (DSV4_KERNEL_MATVEC_TOKENS), interleaved", "",
+              "'same': the multi-token launch's output equals the one-token launch's bit for bit.", "",
+              "| N x K | tokens | MB | " + " | ".join(f"{v} µs (TB/s)" for v in labels) + " | same |",
+              "|---|---|---|" + "---|" * len(labels) + "---|"]
+    for shape, t_count, t, nbytes, same in matvec_tokens_rows(verify):
+        cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
+        flags_same = ", ".join(f"{v}: {'yes' if ok else 'no'}" for v, ok in same.items())
+        lines.append(f"| {shape} | {t_count} | {nbytes / 1e6:.1f} | {cells} | {flags_same} |")
         print(lines[-1], flush=True)
     lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
               "| recipe | path | tokens/s |", "|---|---|---|"]

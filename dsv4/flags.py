@@ -357,24 +357,31 @@ define("kernel_prefill_attention_mma", "auto",
        "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
 define("kernel_matvec_tokens", False,
        "GPU projections of 2-6 tokens (a DSpark verify, a batch of sessions) that take the matvec "
-       "kernel in MLX's layouts (DSV4_KERNEL_MATVEC) in one pass over the weight: each threadgroup "
-       "decodes its rows' packs once and multiplies them by every token's x, staged 1024 values at a "
-       "time for all the tokens, where the one-token launch decodes every weight once a token (at "
-       "eight tokens ~4x one token's time on the H200); the same sums in the same order "
-       "(dsv4/kernels/matvec.py). Off (default) until the H200 measures it")
+       "kernel (DSV4_KERNEL_MATVEC; GGUF blocks always) in one pass over the weight: each "
+       "threadgroup decodes its rows' packs or GGUF units once and multiplies them by every token's "
+       "x, staged 1024 values at a time for all the tokens, where the one-token launch decodes every "
+       "weight once a token (at eight tokens ~4x one token's time on the H200, the GGUF Q8_0 ones "
+       "4-5x: benchmarks/results/2026-12-04-1903-gguf-native.md). MLX's packs: the same sums in the "
+       "same order; GGUF rows (ds4's dense Q8_0, the grouped wo_a too, and the integer units of "
+       "DSV4_KERNEL_GGUF_DP4A): the same where a unit is 32 values, else within the fp32 bound "
+       "(dsv4/kernels/matvec.py, gguf_dot.py's TokensDot; statically 2.5-3x fewer instructions a "
+       "weight a token at 4 tokens: benchmarks/results/2026-12-05-0150-gguf-tokens-static.md). Off "
+       "(default) until the H200 measures it")
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
        "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
 define("kernel_gguf_dp4a", False,
-       "GPU: the fused experts' gate/up launch over IQ2_XXS or Q8_0 routed experts with a Q8_0 (or no) "
-       "shared expert, and the GGUF matvec over Q8_0 or IQ2_XXS projections (ds4's dense ones are "
-       "Q8_0), under act_quant: x's fp8-rounded values copied as integers (e4m3 * 2^9, three "
-       "signed bytes each) and each unit's dot product made exactly in integers, four values a DP4A "
-       "(IQ2_XXS's signs put on its grid bytes by byte masks from a table), converted to fp32 once a "
-       "32-value unit: within the fp32 summation bound of the reference. A static count (sm_90a) of "
+       "GPU: the fused experts' gate/up launch over IQ2_XXS, Q4_K or Q8_0 routed experts with a Q8_0 "
+       "(or no) shared expert (ds4's q2 and q4 recipes), and the GGUF matvec over Q8_0, IQ2_XXS or "
+       "Q4_K projections (ds4's dense ones are Q8_0), under act_quant: x's fp8-rounded values copied as "
+       "integers (e4m3 * 2^9, three signed bytes each, and each 32's sum for Q4_K's mins) and each "
+       "unit's dot product made exactly in integers, four values a DP4A (IQ2_XXS's signs put on its "
+       "grid bytes by byte masks from a table), converted to fp32 once a 32-value sub-block: within "
+       "the fp32 summation bound of the reference. A static count (sm_90a) of "
        "one lane's work, SASS instructions a weight: IQ2_XXS 2.6 against the halves unit's 4.6, Q8_0 "
-       "1.5 against 5.1 (benchmarks/results/2026-12-04-2310-gguf-dp4a-static.md). Off "
+       "1.5 against 5.1 (benchmarks/results/2026-12-04-2310-gguf-dp4a-static.md); Q4_K, counted with "
+       "its loads, 3.8 against 7.2 (2026-12-05-0150-gguf-tokens-static.md). Off "
        "(default) until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_gguf_mma", False,
        "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "

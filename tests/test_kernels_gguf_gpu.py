@@ -115,7 +115,7 @@ def routed_experts_with_expand(experts, tokens):
                                        ("Q4_K halves", 1280, 5120), ("Q8_0 hsub", 1280, 5120),
                                        ("Q8_0 hsub", 32768, 1280), ("Q8_0 hsub", 5120, 8192),
                                        ("Q8_0 dp4a", 1280, 5120), ("Q8_0 dp4a", 32768, 1280),
-                                       ("IQ2_XXS dp4a", 2304, 5120)])
+                                       ("IQ2_XXS dp4a", 2304, 5120), ("Q4_K dp4a", 1280, 5120)])
 @pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_gguf_matvec(qtype, n, k, tokens):
     """'Q8_0 pairs': read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); 'wide': 16-byte
@@ -151,6 +151,35 @@ def test_grouped_gguf_matvec(qtype, tokens):
     scale = np.abs(want).max(-1, keepdims=True)
     assert (np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 2.0 ** -12 * scale).all()
     assert np.mean(got == want) > 0.9
+
+
+@pytest.mark.parametrize("qtype,n,k,groups", [("Q8_0", 1280, 5120, 1), ("Q8_0", 32768, 1280, 1),
+                                              ("Q8_0", 5120, 8192, 1), ("Q4_K", 1280, 5120, 1),
+                                              ("Q2_K", 5120, 2304, 1), ("IQ2_XXS", 2304, 5120, 1),
+                                              ("Q8_0", 8 * 1024, 4096, 8), ("Q8_0 dp4a", 1280, 5120, 1),
+                                              ("Q8_0 dp4a", 32768, 1280, 1), ("IQ2_XXS dp4a", 2304, 5120, 1),
+                                              ("Q8_0 dp4a", 8 * 1024, 4096, 8), ("Q4_K dp4a", 1280, 5120, 1)])
+@pytest.mark.parametrize("tokens", [2, 4, 6])
+def test_gguf_tokens_matvec(qtype, n, k, groups, tokens):
+    """DSV4_KERNEL_MATVEC_TOKENS over GGUF rows at V4.1's shapes (ds4's dense Q8_0 projections, the
+    grouped wo_a, Q4_K, Q2_K and IQ2_XXS rows; 'dp4a': the integer units), the units the CUDA
+    defaults pick: within the reference's bounds, and equal to the one-token launch where a unit is
+    one pack of x and that launch takes the whole K in one SIMD group (SPLIT 1; the same sums: the
+    host emulation's test_gguf_tokens_matvec_body_on_the_host)."""
+    q = gguf_matrix(RNG, (n, k), qtype.split()[0])
+    x = arr(RNG.standard_normal((tokens, groups, k) if groups > 1 else (tokens, k)) * 2, mx.bfloat16)
+    with flags.override(kernel_gguf_dp4a=qtype.endswith("dp4a")):
+        assert mv.kernel_supports(x, q, groups)
+        with flags.override(kernel_matvec_tokens=True):
+            assert mv.tokens_applies(q, tokens, groups, q.integer)
+            got = f32(mv.quantized_matvec(x, q, True, groups))
+        one = f32(mv.quantized_matvec(x, q, True, groups))
+    want = f32(mv.matvec_reference(x, q, True, groups))
+    scale = np.abs(want).max(-1, keepdims=True)
+    assert (np.abs(got - want) <= 2.0 ** -7 * np.abs(want) + 2.0 ** -12 * scale).all()
+    assert np.mean(got == want) > 0.9
+    if q.unit_values(q.integer) == 32 and mv.work_split(n, k, q.block_values, groups)[0] == 1:
+        np.testing.assert_array_equal(got, one)
 
 
 def test_gguf_layers_dispatch_to_the_kernels():

@@ -67,8 +67,9 @@ inline uint4 checked_u4(const void* p, size_t i) {
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = f"constexpr size_t IQ2_TABLE_WORDS = {gguf_dot.IQ2_TABLE_WORDS};\n" + r"""
-inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves, 28-29 integer)
-  return qtype == 10 || qtype == 14 || qtype == 20 || qtype == 21 || qtype == 29 ? n_in / 32 * 34 : qtype == 11 || qtype == 27 ? n_in / 256 * 144
+inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves, 28-30 integer)
+  return qtype == 10 || qtype == 14 || qtype == 20 || qtype == 21 || qtype == 29 ? n_in / 32 * 34
+       : qtype == 11 || qtype == 27 || qtype == 30 ? n_in / 256 * 144
        : qtype == 12 || qtype == 22 || qtype == 26 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
@@ -156,7 +157,7 @@ int main() {
 
 def build(tmp_path, name, kernel, main, consts):
     source = (EMULATOR + BF16 + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
-              + HOST_TYPES + READ_MATRIX + ex.X_HEADER + gguf_dot.HEADER + main.replace("BODY", kernel.body))
+              + HOST_TYPES + READ_MATRIX + kernel.header + main.replace("BODY", kernel.body))
     return build_host(tmp_path, name, source)
 
 
@@ -184,8 +185,8 @@ def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens,
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
     fp16 subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": those and Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB);
-    "dp4a": those and the gate/up in the integer units over x's limbs where the types have them
-    (DSV4_KERNEL_GGUF_DP4A: IQ2_XXS and Q8_0; Q4_K's recipe keeps the float units)."""
+    "dp4a": those and the gate/up in the integer units over x's limbs (DSV4_KERNEL_GGUF_DP4A:
+    IQ2_XXS, Q4_K and Q8_0 have them)."""
     with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide),
                         kernel_gguf_halves=wide in ("halves", "hsub", "dp4a"),
                         kernel_gguf_q8_hsub=wide in ("hsub", "dp4a"), kernel_gguf_dp4a=wide == "dp4a"):
@@ -207,7 +208,7 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
 
     rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
     integer = ex.integer_units(gate, s_gate, act_quant)
-    assert integer == (flags.get("kernel_gguf_dp4a") and gate.qtype != "Q4_K")
+    assert integer == (flags.get("kernel_gguf_dp4a") and act_quant)
     consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, integer), SMODE=mode(s_gate or gate, integer), BITS=0, GS=0,
                   SBITS=0, SGS=0)
     exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNEL, GATE_UP_MAIN,
@@ -251,40 +252,119 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     ("Q8_0 hsub", 30, 96),
     ("Q8_0 dp4a", 40, 512),       # the integer units over x's limbs: split in 4 slices,
     ("Q8_0 dp4a", 30, 96),        # rows at every 2-byte phase,
-    ("IQ2_XXS dp4a", 33, 256),    # and IQ2_XXS's 66-byte rows
+    ("IQ2_XXS dp4a", 33, 256),    # and IQ2_XXS's 66-byte rows;
+    ("Q4_K dp4a", 37, 1024),      # Q4_K's two sub-blocks a unit, each with its min, in 4 slices
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves", "hsub")),
-                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub"),
-                        kernel_gguf_dp4a=qtype.endswith("dp4a")):
+    with flags.override(**variant_flags(qtype)):
         q = gguf_matrix(rng, (n, k), qtype.split()[0])
         assert (mode(q) == gguf_dot.Q8_0_HSUB) == qtype.endswith("hsub")
         assert q.integer == qtype.endswith("dp4a")
         matvec_body(tmp_path, rng, q, n, k)
 
 
-def matvec_body(tmp_path, rng, q, n, k, groups=1):
-    """The GGUF matvec body on the host for 2 tokens (of `groups` groups of K inputs each: row r
-    takes group r // (n / groups)) against the float64 product of the decoded blocks, and
-    matvec_reference likewise."""
-    split, rows = mv.work_split(n, k, q.block_values, groups)
+def variant_flags(variant: str) -> dict:
+    """The switches of a unit variant named as the tests name them ("Q8_0 pairs", "Q2_K wide",
+    "IQ2_XXS halves", "Q8_0 hsub", "Q8_0 dp4a")."""
+    return dict(kernel_gguf_q8_pairs=variant.endswith("pairs"),
+                kernel_gguf_wide=variant.endswith(("wide", "halves", "hsub")),
+                kernel_gguf_halves=variant.endswith("halves"), kernel_gguf_q8_hsub=variant.endswith("hsub"),
+                kernel_gguf_dp4a=variant.endswith("dp4a"))
+
+
+def run_matvec(tmp_path, q, x, split, rows, tokens_launch=False) -> np.ndarray:
+    """The GGUF matvec body on the host with the given work split for fp32 x [tokens, G, K] (row r
+    of q takes group r // (n / G)), or (`tokens_launch`) the multi-token body, whose rows a lane
+    group makes are `rows`: y [tokens, n], float64."""
+    tokens, groups, k = x.shape
+    n = q.out_features
     consts = dict(WARPS=mv.WARPS, MODE=mode(q, q.integer), BITS=0, GS=0, SPLIT=split, ROWS=rows, K=k,
                   XS=ex.X_INTS if q.integer else ex.X_STRIDE, ACTQ=1, GROUPS=groups)
-    exe = build(tmp_path, "matvec", mv.GGUF_MATVEC_KERNEL, MATVEC_MAIN, consts)
-    x = (rng.standard_normal((2, groups, k)) * 2).astype(np.float32)
-    data = np.array([n, 2], np.int32).tobytes() + x.tobytes() + matrix_bytes(q, q, n)
+    kernel, main = mv.GGUF_MATVEC_KERNEL, MATVEC_MAIN
+    if tokens_launch:   # one threadgroup row for all the tokens, 32 / LANES lane groups a SIMD group
+        consts.update(TOKS=tokens, LANES=mv.tokens_lanes(q, q.integer))
+        kernel = mv.GGUF_TOKENS_MATVEC_KERNEL
+        main = main.replace("(n * SPLIT + WARPS * ROWS - 1) / (WARPS * ROWS), tokens,",
+                            "(n + WARPS * ROWS * 32 / LANES - 1) / (WARPS * ROWS * 32 / LANES), 1,")
+    exe = build(tmp_path, "matvec", kernel, main, consts)
+    data = np.array([n, tokens], np.int32).tobytes() + x.tobytes() + matrix_bytes(q, q, n)
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
-    got = np.frombuffer(out, np.float32).reshape(2, n).astype(np.float64)
-    xq = np.array(qdq_fp8(mx.array(x))).astype(np.float64)                    # [2, G, K]
+    return np.frombuffer(out, np.float32).reshape(tokens, n).astype(np.float64)
+
+
+def check_product(got, x, q):
+    """got [tokens, n] within the fp32 summation bound of the float64 product of x [tokens, G, K],
+    fp8-rounded, and q's decoded blocks (group j meeting rows j n / G ..); matvec_reference too."""
+    tokens, groups, k = x.shape
+    n = q.out_features
+    xq = np.array(qdq_fp8(mx.array(x))).astype(np.float64)                    # [tokens, G, K]
     w = np.array(q.dequantized()).astype(np.float64).reshape(groups, n // groups, k)
-    want = np.einsum("tgk,gnk->tgn", xq, w).reshape(2, n)
-    mag = np.einsum("tgk,gnk->tgn", np.abs(xq), np.abs(w)).reshape(2, n)
+    want = np.einsum("tgk,gnk->tgn", xq, w).reshape(tokens, n)
+    mag = np.einsum("tgk,gnk->tgn", np.abs(xq), np.abs(w)).reshape(tokens, n)
     # fp32 sums in some order: within 2 K 2^-24 sum|w x| of the exact float64 product.
     assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
     x_in = mx.array(x if groups > 1 else x[:, 0])
-    ref = np.array(mv.matvec_reference(x_in, q, True, groups)).astype(np.float64).reshape(2, n)
+    ref = np.array(mv.matvec_reference(x_in, q, True, groups)).astype(np.float64).reshape(tokens, n)
     assert np.all(np.abs(ref - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30)
+
+
+def matvec_body(tmp_path, rng, q, n, k, groups=1):
+    """The GGUF matvec body on the host for 2 tokens of `groups` groups of K inputs each, at the
+    dispatcher's work split, against the float64 product of the decoded blocks."""
+    x = (rng.standard_normal((2, groups, k)) * 2).astype(np.float32)
+    check_product(run_matvec(tmp_path, q, x, *mv.work_split(n, k, q.block_values, groups)), x, q)
+
+
+@pytest.mark.parametrize("variant,n,k,tokens,groups", [
+    ("Q8_0", 40, 1280, 2, 1),           # 40 packs: a segment of 32, then 8 (lanes 8.. idle)
+    ("Q8_0 hsub", 4100, 64, 4, 1),      # 2 rows a lane group; the last threadgroup clamps
+    ("Q8_0 pairs", 40, 512, 3, 1),      # units of two blocks: 16 lanes a row
+    ("Q4_K", 37, 1024, 3, 1),           # 16 lanes a row
+    ("Q4_K halves", 37, 1024, 6, 1),
+    ("Q2_K wide", 45, 2304, 6, 1),      # 8 lanes a row; V4.1's down width: segments of 8, 8 and 2 units
+    ("Q2_K halves", 45, 2304, 2, 1),
+    ("IQ2_XXS", 64, 768, 5, 1),
+    ("IQ2_XXS halves", 33, 256, 4, 1),  # rows of one block, at every 2-byte phase
+    ("Q8_0 dp4a", 40, 512, 6, 1),       # the integer units over every token's limbs
+    ("IQ2_XXS dp4a", 33, 256, 3, 1),
+    ("Q4_K dp4a", 37, 1024, 5, 1),      # 16 lanes a row, two packs a unit
+    ("Q8_0 hsub", 4096, 64, 3, 8),      # V4.1's grouped wo_a: 8 groups, here of 512 rows
+    ("Q8_0 dp4a", 64, 512, 2, 4),
+])
+def test_gguf_tokens_matvec_body_on_the_host(tmp_path, variant, n, k, tokens, groups):
+    """DSV4_KERNEL_MATVEC_TOKENS over GGUF rows, each unit decoded once for every token: within the
+    fp32 bound of the float64 product, and where a unit is one pack of x (a lane a unit of the
+    segment, as the one-token body's lanes at SPLIT 1), equal to that body's outputs bit for bit."""
+    rng = np.random.default_rng()
+    with flags.override(kernel_matvec_tokens=True, **variant_flags(variant)):
+        q = gguf_matrix(rng, (n, k), variant.split()[0])
+        with mock.patch.object(mv, "backend", return_value="cuda"):
+            assert mv.tokens_applies(q, tokens, groups, q.integer)
+        x = (rng.standard_normal((tokens, groups, k)) * 2).astype(np.float32)
+        lanes = mv.tokens_lanes(q, q.integer)
+        got = run_matvec(tmp_path, q, x, 1, mv.tokens_rows(n, lanes), tokens_launch=True)
+        check_product(got, x, q)
+        assert (lanes == 32) == (q.unit_values(q.integer) == 32)
+        if lanes == 32:
+            np.testing.assert_array_equal(got, run_matvec(tmp_path, q, x, 1, 1))
+
+
+def test_gguf_tokens_launch_only_where_it_applies():
+    """The GGUF multi-token launch: with its switch and 2..MAX_TOKS tokens; x's segment within the
+    threadgroup memory (6 tokens' limbs fit CUDA's 48 KB, not Metal's 32 KB); grouped, only where
+    each threadgroup's rows lie in one group."""
+    rng = np.random.default_rng()
+    q8 = gguf_matrix(rng, (8 * 1024, 256), "Q8_0")
+    assert not mv.tokens_applies(q8, 4), "off by default"
+    with flags.override(kernel_matvec_tokens=True):
+        assert mv.tokens_applies(q8, 2) and mv.tokens_applies(q8, mv.MAX_TOKS) and mv.tokens_applies(q8, 4, 8)
+        assert not mv.tokens_applies(q8, 1) and not mv.tokens_applies(q8, mv.MAX_TOKS + 1)
+        assert not mv.tokens_applies(gguf_matrix(rng, (8 * 3, 256), "Q8_0"), 4, 8), "3 rows a group"
+        for dialect, fits in (("cuda", True), ("metal", False)):
+            with mock.patch.object(mv, "backend", return_value=dialect):
+                assert mv.tokens_applies(q8, mv.MAX_TOKS, integer=True) == fits
+                assert mv.tokens_applies(q8, 5, integer=True)
 
 
 def test_grouped_matvec_takes_whole_threadgroups_per_group():
@@ -308,6 +388,7 @@ def test_grouped_matvec_takes_whole_threadgroups_per_group():
     ("Q8_0", 4, 64, 512),          # 4 groups of 16 rows, K in 4 slices: 8 threadgroups of 2 rows each
     ("Q4_K halves", 2, 16, 256),   # 2 groups of 8 rows, a threadgroup each
     ("Q8_0 dp4a", 4, 64, 512),     # the integer units: each threadgroup its group's x as limbs
+    ("Q4_K dp4a", 2, 16, 256),
 ])
 def test_grouped_gguf_matvec_body_on_the_host(tmp_path, qtype, groups, n, k):
     """A grouped projection (V4.1's wo_a: each group of heads through its own block of rows) in one

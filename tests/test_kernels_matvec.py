@@ -13,7 +13,7 @@ import pytest
 
 from dsv4 import flags
 from dsv4.kernels import matvec as mv
-from dsv4.kernels.experts import _HEADER, MODE_IDS, X_STRIDE
+from dsv4.kernels.experts import MODE_IDS, X_STRIDE
 from dsv4.linear import Linear, fp8_linear
 from dsv4.quant import qdq_fp8
 from tests.test_kernels_decode_host import build_host
@@ -157,15 +157,14 @@ def test_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, mode, bits, 
 
 
 def test_tokens_launch_only_where_it_applies():
-    """The multi-token launch: with its switch, MLX's packs, 2..MAX_TOKS tokens; never one token,
-    more than MAX_TOKS, GGUF blocks or a grouped projection."""
-    from tests.test_kernels_gguf_host import gguf_matrix
+    """The multi-token launch over MLX's packs: with its switch, 2..MAX_TOKS tokens; never one
+    token, more than MAX_TOKS or a grouped projection (gather_qmm's; GGUF blocks:
+    test_kernels_gguf_host.test_gguf_tokens_launch_only_where_it_applies)."""
     rng = np.random.default_rng()
     q = quantized(rng, (64, 128), "mxfp8", 8, 32)
     with flags.override(kernel_matvec_tokens=True):
         assert mv.tokens_applies(q, 2) and mv.tokens_applies(q, mv.MAX_TOKS)
         assert not mv.tokens_applies(q, 1) and not mv.tokens_applies(q, mv.MAX_TOKS + 1)
-        assert not mv.tokens_applies(gguf_matrix(rng, (64, 256), "Q8_0"), 4)
         assert not mv.tokens_applies(q, 4, groups=2)
     assert not mv.tokens_applies(q, 4), "off by default"
 
@@ -274,11 +273,11 @@ def emulated_kernel(tmp_path, q, x, act_quant, split, rows, tokens_launch=False)
     consts = dict(WARPS=mv.WARPS, MODE=MODE_IDS[q.mode], BITS=q.bits, GS=q.group_size, SPLIT=split,
                   ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)), GROUPS=1, TOKS=tokens)
     scale = "uint8_t" if q.mode != "affine" else "float"
-    main, body = EMULATOR_MAIN, mv.MATVEC_KERNEL.body
+    main, kernel = EMULATOR_MAIN, mv.MATVEC_KERNEL
     if tokens_launch:   # one threadgroup row for all the tokens
-        main, body = main.replace("(WARPS * ROWS), tokens, [&]", "(WARPS * ROWS), 1, [&]"), mv.TOKENS_MATVEC_KERNEL.body
+        main, kernel = main.replace("(WARPS * ROWS), tokens, [&]", "(WARPS * ROWS), 1, [&]"), mv.TOKENS_MATVEC_KERNEL
     exe = build_host(tmp_path, "matvec", EMULATOR + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
-                     + _HEADER + main.replace("BODY", body).replace("SCALE", scale))
+                     + kernel.header + main.replace("BODY", kernel.body).replace("SCALE", scale))
     scales = np.array(q.scales.astype(mx.float32) if q.mode == "affine" else q.scales)
     biases = np.array(q.biases.astype(mx.float32)).tobytes() if q.mode == "affine" else b""
     data = (np.array([N, tokens], np.int32).tobytes() + np.asarray(x, np.float32).tobytes()

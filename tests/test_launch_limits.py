@@ -26,16 +26,22 @@ def test_the_v41_calls_launch_every_kernel(name):
 def test_metal_takes_the_reference_where_x_would_overflow_threadgroup_memory(monkeypatch):
     """wo_b's input (8192 values, 36992 bytes of padded fp32 copy) fits CUDA's 48 KB, not an
     Apple GPU's 32 KB: the matvec's dispatch must leave it to the reference on Metal; with the
-    check it had (48 KB on every backend) the gate reports the launches (MLX packs and GGUF)."""
+    check it had (48 KB on every backend) the gate reports the launches (MLX packs and GGUF; as
+    the integer units' limbs, 45184 bytes). Likewise the GGUF multi-token launch's segment of 6 tokens' limbs (the integer units):
+    33792 bytes, which Metal must leave to the one-token launch."""
     metal = [launch for launch in limits.record("metal", limits.v41_calls) if launch.kernel is matvec.MATVEC_KERNEL]
     cuda = [launch for launch in limits.record("cuda", limits.v41_calls) if launch.kernel is matvec.MATVEC_KERNEL]
     assert max(dict(launch.template)["K"] for launch in metal) == 5120
     assert max(dict(launch.template)["K"] for launch in cuda) == 8192
     monkeypatch.setattr(matvec, "shared_memory_limit", lambda _: 48 * 1024)
     found = limits.v41_problems()
-    assert {p.split(" ")[0] for p in found} == {"dsv4_quantized_matvec", "dsv4_gguf_matvec"}
-    assert all("[metal]" in p and "K=8192" in p and "36992 bytes of threadgroup memory, more than 32768" in p
-               for p in found)
+    assert {p.split(" ")[0] for p in found} == {"dsv4_quantized_matvec", "dsv4_gguf_matvec", "dsv4_gguf_matvec_tokens"}
+    assert all("[metal]" in p for p in found)
+    assert all("K=8192" in p and ("XS=9" in p and "36992 bytes" in p or "XS=11" in p and "45184 bytes" in p)
+               and "of threadgroup memory, more than 32768" in p
+               for p in found if not p.startswith("dsv4_gguf_matvec_tokens"))
+    assert all("XS=11" in p and "TOKS=6" in p and "33792 bytes of threadgroup memory, more than 32768" in p
+               for p in found if p.startswith("dsv4_gguf_matvec_tokens"))
 
 
 def _kernel(body):

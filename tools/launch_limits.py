@@ -223,10 +223,18 @@ def v41_calls():
             for n, d in projections:
                 q = dense((n, d))
                 if matvec.kernel_supports(_zeros(t, d), q):
-                    for mma, tokens in ((False, False), (True, False), (False, True)):
-                        # mma: the CUDA tensor-core matvec; tokens: the multi-token launch (2..6 tokens)
-                        with flags.override(kernel_matvec_mma=mma, kernel_matvec_tokens=tokens):
+                    for mma, tokens, dp4a in ((False, False, False), (True, False, False), (False, True, False),
+                                              (False, True, True)):
+                        # mma: the CUDA tensor-core matvec; tokens: the multi-token launch (2..6 tokens);
+                        # dp4a: GGUF rows in the integer units (x's limbs)
+                        with flags.override(kernel_matvec_mma=mma, kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
                             matvec.quantized_matvec(_zeros(t, d), q, True)
+            # ds4's grouped wo_a (GGUF blocks): every group of heads through its rows, one launch
+            g, q = a.o_groups, dense((a.o_groups * a.o_lora_rank, H * Dh // a.o_groups))
+            if matvec.kernel_supports(_zeros(t, g, H * Dh // g), q, groups=g):
+                for tokens, dp4a in ((False, False), (True, False), (True, True)):
+                    with flags.override(kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
+                        matvec.quantized_matvec(_zeros(t, g, H * Dh // g), q, True, groups=g)
 
         for n, d in projections:   # the head product of a bf16 weight (the head, the gate, ...)
             for dtype in (mx.float32, mx.bfloat16):

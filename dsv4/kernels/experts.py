@@ -244,17 +244,20 @@ template <int XS> struct XStore {
 // X_INTS: fp8-rounded values (v = e4m3 * s) as the integers q = v 2^9 / s (|q| < 2^18: e4m3's
 // values are multiples of 2^-9 up to 448), each split into three signed bytes q = l0 + 2^7 l1 +
 // 2^14 l2 (l0, l1 in 0..127), four values a word: chunk c (values 8c..8c+7) in uint4s 2c (l0 of
-// values 0-3 and 4-7, then l1's) and 2c + 1 (l2's), s / 2^9 in uint4 8's x; 11 uint4s a pack
-// (odd: a quarter-warp's 16-byte reads of 8 packs hit distinct banks).
+// values 0-3 and 4-7, then l1's) and 2c + 1 (l2's), s / 2^9 in uint4 8's x and the pack's sum of
+// q (|sum| < 2^23, for the K-quants' mins) in its y; 11 uint4s a pack (odd: a quarter-warp's
+// 16-byte reads of 8 packs hit distinct banks).
 template <> struct XStore<X_INTS> {
   template <typename P> static KFN void pack(P xs, int p, LOCAL const float* v, float s) {
     const float up = 512.0f / s;   // exact: s is a power of two
+    int sum = 0;
     for (int c = 0; c < 4; ++c) {
       uint32_t w[6];
       for (int h = 0; h < 2; ++h) {
         uint32_t b0 = 0u, b1 = 0u, b2 = 0u;
         for (int k = 0; k < 4; ++k) {
           const int q = (int)RINT(v[8 * c + 4 * h + k] * up);
+          sum += q;
           b0 |= (uint32_t)(q & 127) << (8 * k);
           b1 |= (uint32_t)((q >> 7) & 127) << (8 * k);
           b2 |= ((uint32_t)(q >> 14) & 255u) << (8 * k);
@@ -268,7 +271,7 @@ template <> struct XStore<X_INTS> {
       xs[p * X_INTS + 2 * c + 1] = b;
     }
     uint4 t;
-    t.x = AS_UINT(s * (1.0f / 512.0f)); t.y = 0u; t.z = 0u; t.w = 0u;
+    t.x = AS_UINT(s * (1.0f / 512.0f)); t.y = (uint32_t)sum; t.z = 0u; t.w = 0u;
     xs[p * X_INTS + 8] = t;
   }
 };
@@ -276,7 +279,8 @@ template <int XS, typename P>
 KFN void store_x_pack(P xs, int p, LOCAL const float* v, float s = 1.0f) { XStore<XS>::pack(xs, p, v, s); }
 
 // Chunk c of pack p of an X_INTS copy: its six limb words (l0, l1, l2 of values 0-3 and 4-7),
-// and the pack's scale s / 2^9; join: a dot product with the limbs' three (l0, l1, l2) as one.
+// the pack's scale s / 2^9 and its sum of q (exact as a float); join: a dot product with the
+// limbs' three (l0, l1, l2) as one.
 struct XInts {
   static KFN int join(LOCAL const int* l) { return l[0] + (l[1] << 7) + (l[2] << 14); }
   template <typename P> static KFN void load(P x4, int p, int c, LOCAL int* q) {
@@ -284,6 +288,7 @@ struct XInts {
     q[0] = (int)a.x; q[1] = (int)a.y; q[2] = (int)a.z; q[3] = (int)a.w; q[4] = (int)b.x; q[5] = (int)b.y;
   }
   template <typename P> static KFN float scale(P x4, int p) { return AS_FLOAT(x4[p * X_INTS + 8].x); }
+  template <typename P> static KFN float sum(P x4, int p) { return (float)(int)x4[p * X_INTS + 8].y; }
 };
 
 // Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
@@ -635,8 +640,8 @@ def _gguf_checks(stage):
     """(routed, shared) GGUF types of ds4's q2 and q4 recipes (and a Q2_K/IQ2_XXS mix) at V4.1's
     widths; then the q2 recipe's (and the mix's) in the wide units (DSV4_KERNEL_GGUF_WIDE), and
     the recipes' units with fp16-subnormal codes (DSV4_KERNEL_GGUF_HALVES), q2's with Q8_0 by
-    int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB), and q2's gate/up in the integer units over x as limbs
-    (DSV4_KERNEL_GGUF_DP4A)."""
+    int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB), and q2's and q4's gate/up in the integer units over x as
+    limbs (DSV4_KERNEL_GGUF_DP4A)."""
     out = []
     narrow, wide = gguf_dot.GGUF_MODE_IDS, dict(gguf_dot.GGUF_MODE_IDS, **gguf_dot.WIDE_MODE_IDS)
     halves = dict(wide, **gguf_dot.HALVES_MODE_IDS)
@@ -645,7 +650,7 @@ def _gguf_checks(stage):
     for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
                                 ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide), ("IQ2_XXS", "Q8_0", halves),
                                 ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", hsub),
-                                ("IQ2_XXS", "Q8_0", integer)):
+                                ("IQ2_XXS", "Q8_0", integer), ("Q4_K", "Q8_0", integer)):
         if ids is integer and stage == "down":
             continue
         tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),

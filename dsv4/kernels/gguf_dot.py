@@ -47,7 +47,7 @@ WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
 # The integer units (DSV4_KERNEL_GGUF_DP4A): with x fp8-rounded (act_quant) and copied as integer
 # limbs (experts.py's XStore<X_INTS>), exact integer dot products, DP4A four values at a time.
-INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29}
+INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29, "Q4_K": 30}
 # IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
 # grid's 256 x 8 bytes and the 128 sign bytes), where the integer unit's sign masks start (after
 # the pairs' 256 x 16 bytes), and the whole length (the masks: 128 x 16 bytes).
@@ -84,18 +84,27 @@ template <typename P> KFN float iq2_scale(P block, uint32_t aux) {
 // Two int8s stored + 128 at bits 0 and 16 of `w` as exact floats: 1024 + u less 1152 in fp16 (exact,
 // integers up to 2048), then widened; ints2(w, 128) with one subtraction for the pair.
 KFN float2 int8s2(uint32_t w) { return half2_bits_to_float2(H2_SUB_BITS(w | 0x64006400u, 0x64806480u)); }
-// sum of 8 int8s (two little-endian words, as Q8_0 stores them) times x[0..7]; HSUB: the int8s
-// made by int8s2 (the same values).
-template <bool HSUB = false> KFN float int8_dot8(uint32_t w0, uint32_t w1, LOCAL const float* x) {
-  const uint32_t w[2] = {w0, w1};
+// A chunk's 8 values v times x[0..7], four products a term: the units' order of summation.
+KFN float chunk_dot8(LOCAL const float* v, LOCAL const float* x) {
   float s = 0.0f;
+  for (int j = 0; j < 2; ++j) s += v[4 * j] * x[4 * j] + v[4 * j + 1] * x[4 * j + 1] + v[4 * j + 2] * x[4 * j + 2] + v[4 * j + 3] * x[4 * j + 3];
+  return s;
+}
+// The 8 int8s of two little-endian words (as Q8_0 stores them) as exact floats; HSUB: made by
+// int8s2 (the same values).
+template <bool HSUB = false> KFN void int8s8(uint32_t w0, uint32_t w1, LOCAL float* v) {
+  const uint32_t w[2] = {w0, w1};
   for (int j = 0; j < 2; ++j) {
     const uint32_t u = w[j] ^ 0x80808080u;   // int8 + 128, as bytes
     const uint32_t lo = u & 0x00ff00ffu, hi = (u >> 8) & 0x00ff00ffu;
     const float2 a = HSUB ? int8s2(lo) : ints2(lo, 128.0f), b = HSUB ? int8s2(hi) : ints2(hi, 128.0f);
-    s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+    v[4 * j] = a.x; v[4 * j + 1] = b.x; v[4 * j + 2] = a.y; v[4 * j + 3] = b.y;
   }
-  return s;
+}
+template <bool HSUB = false> KFN float int8_dot8(uint32_t w0, uint32_t w1, LOCAL const float* x) {
+  float v[8];
+  int8s8<HSUB>(w0, w1, v);
+  return chunk_dot8(v, x);
 }
 
 // Wide loads (DSV4_KERNEL_GGUF_WIDE): out[k] = the u32 at byte off + 4k of the buffer at `base`
@@ -126,10 +135,14 @@ template <int NB, int ALIGN, typename P> KFN void span_words(P base, size_t off,
 UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\nconstexpr int IQ2_MASKS_AT = {IQ2_MASKS_AT};\n" + r"""
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
+// values8(c, v, tables) gives the chunk's values as exact floats (signs on), and scales8(c) the
+// pair (m, l) that makes dot8 = m chunk_dot8(v, x) - l x_sum (l is 0 unless MINS: the K-quants'
+// mins), so that TokensDot decodes a chunk once for several tokens.
 template <int MODE> struct GgufUnit;
 
 template <> struct GgufUnit<10> {   // Q8_0
   static constexpr int VALUES = 32, BLOCK_VALUES = 32, BLOCK_BYTES = 34;
+  static constexpr bool MINS = false;
   uint32_t q[8];
   float d;
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -140,10 +153,13 @@ template <> struct GgufUnit<10> {   // Q8_0
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return d * int8_dot8(q[2 * c], q[2 * c + 1], x);
   }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { int8s8(q[2 * c], q[2 * c + 1], v); }
+  KFN float2 scales8(int c) const { return {d, 0.0f}; }
 };
 
 template <> struct GgufUnit<14> {   // Q8_0, two blocks per unit: 68 bytes, 4-byte aligned
   static constexpr int VALUES = 64, BLOCK_VALUES = 64, BLOCK_BYTES = 68;
+  static constexpr bool MINS = false;
   uint32_t q[16];
   float d[2];
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -158,10 +174,13 @@ template <> struct GgufUnit<14> {   // Q8_0, two blocks per unit: 68 bytes, 4-by
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return d[c / 4] * int8_dot8(q[2 * c], q[2 * c + 1], x);
   }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { int8s8(q[2 * c], q[2 * c + 1], v); }
+  KFN float2 scales8(int c) const { return {d[c / 4], 0.0f}; }
 };
 
 template <> struct GgufUnit<13> {   // IQ2_XXS: tables = grid (512 words), then the 128 sign bytes
   static constexpr int VALUES = 32, BLOCK_VALUES = 256, BLOCK_BYTES = 66;
+  static constexpr bool MINS = false;
   uint32_t grid_index, aux;
   float db;
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -171,22 +190,27 @@ template <> struct GgufUnit<13> {   // IQ2_XXS: tables = grid (512 words), then 
     aux = u16_at(b, 3 + 4 * j) | (u16_at(b, 4 + 4 * j) << 16);
     db = iq2_scale(b, aux);
   }
-  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const {
     const uint32_t g = (grid_index >> (8 * c)) & 255u, si = (aux >> (7 * c)) & 127u;
     const uint2 entry = ((GLOBAL uint2*)tables)[g];
     const uint32_t lo = entry.x, hi = entry.y;
     const uint32_t signs = (tables[512 + si / 4] >> (8 * (si % 4))) & 255u;
-    float s = 0.0f;
     for (int k = 0; k < 8; ++k) {
-      const float v = (float)(((k < 4 ? lo : hi) >> (8 * (k % 4))) & 255u);
-      s += ((signs >> k) & 1u ? -v : v) * x[k];
+      const float a = (float)(((k < 4 ? lo : hi) >> (8 * (k % 4))) & 255u);
+      v[k] = (signs >> k) & 1u ? -a : a;
     }
-    return db * s;
+  }
+  KFN float2 scales8(int c) const { return {db, 0.0f}; }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    float v[8];
+    values8(c, v, tables);
+    return db * chunk_dot8(v, x);
   }
 };
 
 template <> struct GgufUnit<11> {   // Q4_K
   static constexpr int VALUES = 64, BLOCK_VALUES = 256, BLOCK_BYTES = 144;
+  static constexpr bool MINS = true;
   uint32_t q[8];
   float scale[2], low[2];
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -211,16 +235,21 @@ template <> struct GgufUnit<11> {   // Q4_K
     }
     q[0] = lo.x; q[1] = lo.y; q[2] = lo.z; q[3] = lo.w; q[4] = hi.x; q[5] = hi.y; q[6] = hi.z; q[7] = hi.w;
   }
-  template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
+  template <bool SMALL> KFN void codes8(int c, LOCAL float* v) const {
     const int h = c / 4, k8 = c % 4, shift = 4 * h;   // chunk c: bytes 8 k8.. of the 32, nibble h
-    float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const uint32_t u = q[2 * k8 + j] >> shift;
       const float2 a = codes2<SMALL>(u & 0x000f000fu), b = codes2<SMALL>((u >> 8) & 0x000f000fu);
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+      v[4 * j] = a.x; v[4 * j + 1] = b.x; v[4 * j + 2] = a.y; v[4 * j + 3] = b.y;
     }
-    return scale[h] * s - low[h] * x_sum;
   }
+  KFN float2 scales8(int c) const { return {scale[c / 4], low[c / 4]}; }
+  template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
+    float v[8];
+    codes8<SMALL>(c, v);
+    return scale[c / 4] * chunk_dot8(v, x) - low[c / 4] * x_sum;
+  }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { codes8<false>(c, v); }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return codes_dot8<false>(c, x, x_sum);
   }
@@ -228,6 +257,7 @@ template <> struct GgufUnit<11> {   // Q4_K
 
 template <> struct GgufUnit<12> {   // Q2_K
   static constexpr int VALUES = 128, BLOCK_VALUES = 256, BLOCK_BYTES = 84;
+  static constexpr bool MINS = true;
   uint32_t q[8], sc[2];
   float d, dmin;
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -240,18 +270,26 @@ template <> struct GgufUnit<12> {   // Q2_K
     d = f16_bits(dd & 0xffffu);
     dmin = f16_bits(dd >> 16);
   }
-  template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
+  template <bool SMALL> KFN void codes8(int c, LOCAL float* v) const {
     const int plane = c / 4, k8 = c % 4;           // bits 2 plane of bytes 8 k8.. of the 32
-    const int sub = 2 * plane + k8 / 2;            // its sub-block of 16 within the half
-    const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
-    float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const uint32_t u = q[2 * k8 + j] >> (2 * plane);
       const float2 a = codes2<SMALL>(u & 0x00030003u), b = codes2<SMALL>((u >> 8) & 0x00030003u);
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+      v[4 * j] = a.x; v[4 * j + 1] = b.x; v[4 * j + 2] = a.y; v[4 * j + 3] = b.y;
     }
-    return d * (float)(s8 & 15u) * s - dmin * (float)(s8 >> 4) * x_sum;
   }
+  KFN float2 scales8(int c) const {
+    const int sub = 2 * (c / 4) + (c % 4) / 2;     // the chunk's sub-block of 16 within the half
+    const uint32_t s8 = (sc[sub / 4] >> (8 * (sub % 4))) & 255u;
+    return {d * (float)(s8 & 15u), dmin * (float)(s8 >> 4)};
+  }
+  template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
+    float v[8];
+    codes8<SMALL>(c, v);
+    const float2 m = scales8(c);
+    return m.x * chunk_dot8(v, x) - m.y * x_sum;
+  }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { codes8<false>(c, v); }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return codes_dot8<false>(c, x, x_sum);
   }
@@ -271,14 +309,16 @@ template <> struct GgufUnit<21> : GgufUnit<20> {   // Q8_0 wide, the int8s by in
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return d * int8_dot8<true>(q[2 * c], q[2 * c + 1], x);
   }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { int8s8<true>(q[2 * c], q[2 * c + 1], v); }
 };
 
 // IQ2_XXS: a sub-block's 8 bytes in 2 16-byte loads and d in one (5 u16 loads before); the signs
 // computed (7 bits and their parity, 0x6996 being the parities of 0-15) instead of read from the
 // table; grid bytes widened two at a time (ints2) where each took an int-to-float conversion, and
-// a minus sign put on x's sign bit.
+// a minus sign put on their sign bits.
 template <> struct GgufUnit<23> {
   static constexpr int VALUES = 32, BLOCK_VALUES = 256, BLOCK_BYTES = 66;
+  static constexpr bool MINS = false;
   uint32_t grid_index, aux;
   float db;
   template <typename P> KFN void load(P base, size_t row_off, int u) {
@@ -294,18 +334,21 @@ template <> struct GgufUnit<23> {
     return ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
   }
   KFN uint32_t signs8(int c) const { return iq2_signs8((aux >> (7 * c)) & 127u); }
-  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const {
     const uint2 g = entry(c, tables);
     const uint32_t signs = signs8(c), e[2] = {g.x, g.y};
-    float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const float2 a = ints2(e[j] & 0x00ff00ffu, 0.0f), b = ints2((e[j] >> 8) & 0x00ff00ffu, 0.0f);
-      float xs[4];
+      const float u[4] = {a.x, b.x, a.y, b.y};
       for (int k = 0; k < 4; ++k)
-        xs[k] = AS_FLOAT(AS_UINT(x[4 * j + k]) ^ ((signs << (31 - (4 * j + k))) & 0x80000000u));
-      s += a.x * xs[0] + b.x * xs[1] + a.y * xs[2] + b.y * xs[3];
+        v[4 * j + k] = AS_FLOAT(AS_UINT(u[k]) ^ ((signs << (31 - (4 * j + k))) & 0x80000000u));
     }
-    return db * s;
+  }
+  KFN float2 scales8(int c) const { return {db, 0.0f}; }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    float v[8];
+    values8(c, v, tables);
+    return db * chunk_dot8(v, x);
   }
 };
 
@@ -326,17 +369,20 @@ template <> struct GgufUnit<24> : GgufUnit<23> {
     aux = half ? (w1 >> 16) | (last << 16) : w1;
     db = iq2_scale(base + b, aux) * 16777216.0f;
   }
-  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const {
     const uint4 g = LOAD_U4(tables + IQ2_PAIRS_AT, (grid_index >> (8 * c)) & 255u);
     const uint32_t si = (aux >> (7 * c)) & 127u, signs = si | (POPCOUNT(si) << 7);
     const uint32_t w[4] = {g.x | ((signs * 0x20008000u) & 0x80008000u), g.y | ((signs * 0x10004000u) & 0x80008000u),
                            g.z | ((signs * 0x02000800u) & 0x80008000u), g.w | ((signs * 0x01000400u) & 0x80008000u)};
-    float s = 0.0f;
     for (int j = 0; j < 2; ++j) {
       const float2 a = half2_bits_to_float2(w[2 * j]), b = half2_bits_to_float2(w[2 * j + 1]);   // values 0, 2 and 1, 3
-      s += a.x * x[4 * j] + b.x * x[4 * j + 1] + a.y * x[4 * j + 2] + b.y * x[4 * j + 3];
+      v[4 * j] = a.x; v[4 * j + 1] = b.x; v[4 * j + 2] = a.y; v[4 * j + 3] = b.y;
     }
-    return db * s;
+  }
+  template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
+    float v[8];
+    values8(c, v, tables);
+    return db * chunk_dot8(v, x);
   }
 };
 // Q4_K with its nibbles as fp16 subnormals (codes2<true>); its sub-block scales carry the 2^24.
@@ -346,6 +392,7 @@ template <> struct GgufUnit<27> : GgufUnit<11> {
     scale[0] *= 16777216.0f;
     scale[1] *= 16777216.0f;
   }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { codes8<true>(c, v); }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return codes_dot8<true>(c, x, x_sum);
   }
@@ -370,32 +417,59 @@ template <> struct GgufUnit<26> : GgufUnit<22> {
     GgufUnit<22>::load(base, row_off, u);
     d *= 16777216.0f;
   }
+  template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { codes8<true>(c, v); }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
     return codes_dot8<true>(c, x, x_sum);
   }
 };
 
-// The integer units (DSV4_KERNEL_GGUF_DP4A), over x as experts.py's X_INTS limbs: idot8 adds a
-// chunk's 8 values times x's limbs to acc[0..2] (the dot products with l0, l1, l2), exactly;
-// scale() is what the unit's integer sum q . w is multiplied by (with x's s / 2^9).
+// The integer units (DSV4_KERNEL_GGUF_DP4A), over x as experts.py's X_INTS limbs: ints8 gives a
+// chunk's 8 codes as signed bytes in two words, which limbs_dot8 multiplies by x's limbs. Each pack
+// h of a unit (one sub-block) then adds (with x's s / 2^9) int_scale(h) times its integer sum
+// codes . q, less (MINS) int_low(h) times the pack's sum of q.
 // IQ2_XXS: the grid bytes (8, 25, 43) made signed four at a time, (g ^ m) + (m & 1) with m the
 // byte masks of the 7 stored sign bits (and their parity) from the tables' masks.
 template <> struct GgufUnit<28> : GgufUnit<24> {
-  KFN float scale() const { return db * (1.0f / 16777216.0f); }   // <24>'s db carries 2^24
-  template <typename PT> KFN void idot8(int c, LOCAL const int* xq, LOCAL int* acc, PT tables) const {
+  KFN float int_scale(int h) const { return db * (1.0f / 16777216.0f); }   // <24>'s db carries 2^24
+  KFN float int_low(int h) const { return 0.0f; }
+  template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
     const uint2 g = ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
     const uint4 m = LOAD_U4(tables + IQ2_MASKS_AT, (aux >> (7 * c)) & 127u);
-    const int lo = (int)((g.x ^ m.x) + m.y), hi = (int)((g.y ^ m.z) + m.w);
-    for (int k = 0; k < 3; ++k) acc[k] = DP4A(hi, xq[2 * k + 1], DP4A(lo, xq[2 * k], acc[k]));
+    w[0] = (int)((g.x ^ m.x) + m.y);
+    w[1] = (int)((g.y ^ m.z) + m.w);
   }
 };
 // Q8_0: the int8s as they are stored, on the wide unit's loads.
 template <> struct GgufUnit<29> : GgufUnit<20> {
-  KFN float scale() const { return d; }
-  template <typename PT> KFN void idot8(int c, LOCAL const int* xq, LOCAL int* acc, PT tables) const {
-    for (int k = 0; k < 3; ++k) acc[k] = DP4A((int)q[2 * c + 1], xq[2 * k + 1], DP4A((int)q[2 * c], xq[2 * k], acc[k]));
+  KFN float int_scale(int h) const { return d; }
+  KFN float int_low(int h) const { return 0.0f; }
+  template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
+    w[0] = (int)q[2 * c];
+    w[1] = (int)q[2 * c + 1];
   }
 };
+// Q4_K: the nibbles of chunk c (sub-block c / 4) four at a time, unsigned codes below 16.
+template <> struct GgufUnit<30> : GgufUnit<11> {
+  KFN float int_scale(int h) const { return scale[h]; }
+  KFN float int_low(int h) const { return low[h]; }
+  template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
+    const int shift = 4 * (c / 4);
+    w[0] = (int)((q[2 * (c % 4)] >> shift) & 0x0f0f0f0fu);
+    w[1] = (int)((q[2 * (c % 4) + 1] >> shift) & 0x0f0f0f0fu);
+  }
+};
+// A chunk's signed bytes w (ints8) times x's limbs xq (XInts::load), added to acc[0..2] (the dot
+// products with l0, l1, l2), exactly.
+KFN void limbs_dot8(LOCAL const int* w, LOCAL const int* xq, LOCAL int* acc) {
+  for (int k = 0; k < 3; ++k) acc[k] = DP4A(w[1], xq[2 * k + 1], DP4A(w[0], xq[2 * k], acc[k]));
+}
+// What pack p of x (scale sx) adds through pack h of unit a, given the limbs' dot products l: its
+// integer sum converted once (|sum| < 2^31: 32 codes of |w| <= 128 times |q| < 2^18).
+template <typename U, typename PX>
+KFN float pack_part(const LOCAL U& a, int h, float sx, LOCAL const int* l, PX x, int p) {
+  return U::MINS ? sx * (a.int_scale(h) * (float)XInts::join(l) - a.int_low(h) * XInts::sum(x, p))
+                 : a.int_scale(h) * sx * (float)XInts::join(l);
+}
 
 // rows_dot's two loops: over x as floats (XChunk<XS>, a unit's dot8), or as X_INTS limbs (a unit of
 // one pack, its idot8 sums converted once a unit).
@@ -421,30 +495,39 @@ template <> struct RowsDot<true> {
   static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int rows0, int rows_out,
                       LOCAL float* acc0, LOCAL float* acc1) {
     typedef GgufUnit<MODE> U;
-    static_assert(U::VALUES == 32, "an integer unit is one pack of x");
-    constexpr int UNITS = K_IN / 32;
+    constexpr int PER = U::VALUES / 32;   // packs of x a unit, a sub-block each
+    constexpr int UNITS = K_IN / U::VALUES;
     constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
     for (int u = sub; u < UNITS; u += LANES) {
       U a[ROWS], b[TWO ? ROWS : 1];
-      int la[ROWS][3], lb[TWO ? ROWS : 1][3];
       for (int r = 0; r < ROWS; ++r) {
         const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
         a[r].load(w0, row * ROW_BYTES, u);
         if (TWO) b[r].load(w1, row * ROW_BYTES, u);
-        for (int k = 0; k < 3; ++k) { la[r][k] = 0; lb[TWO ? r : 0][k] = 0; }
       }
-      for (int c = 0; c < 4; ++c) {
-        int q[6];
-        XInts::load(x, u, c, q);
-        for (int r = 0; r < ROWS; ++r) {
-          a[r].idot8(c, q, la[r], s0);
-          if (TWO) b[TWO ? r : 0].idot8(c, q, lb[TWO ? r : 0], s1);
+      for (int h = 0; h < PER; ++h) {
+        const int p = u * PER + h;
+        int la[ROWS][3], lb[TWO ? ROWS : 1][3];
+        for (int r = 0; r < ROWS; ++r)
+          for (int k = 0; k < 3; ++k) { la[r][k] = 0; lb[TWO ? r : 0][k] = 0; }
+        for (int c = 0; c < 4; ++c) {
+          int q[6];
+          XInts::load(x, p, c, q);
+          for (int r = 0; r < ROWS; ++r) {
+            int w[2];
+            a[r].ints8(4 * h + c, w, s0);
+            limbs_dot8(w, q, la[r]);
+            if (TWO) {
+              b[TWO ? r : 0].ints8(4 * h + c, w, s1);
+              limbs_dot8(w, q, lb[TWO ? r : 0]);
+            }
+          }
         }
-      }
-      const float sx = XInts::scale(x, u);
-      for (int r = 0; r < ROWS; ++r) {   // |sum| < 2^31: 32 values of |w| <= 128 times |q| < 2^18
-        acc0[r] += a[r].scale() * sx * (float)XInts::join(la[r]);
-        if (TWO) acc1[r] += b[TWO ? r : 0].scale() * sx * (float)XInts::join(lb[TWO ? r : 0]);
+        const float sx = XInts::scale(x, p);
+        for (int r = 0; r < ROWS; ++r) {
+          acc0[r] += pack_part(a[r], h, sx, la[r], x, p);
+          if (TWO) acc1[r] += pack_part(b[TWO ? r : 0], h, sx, lb[TWO ? r : 0], x, p);
+        }
       }
     }
   }
@@ -473,6 +556,82 @@ template <> struct RowsDot<false> {
           acc0[r] += a[r].dot8(c, xv, x_sum, s0);
           if (TWO) acc1[r] += b[TWO ? r : 0].dot8(c, xv, x_sum, s1);
         }
+      }
+    }
+  }
+};
+"""
+
+# DSV4_KERNEL_MATVEC_TOKENS over GGUF rows (matvec.py's GGUF_TOKENS_MATVEC_KERNEL).
+TOKENS = r"""
+// One segment of x for TOKS tokens (SEG packs each, token t's pack p at t * SEG + p) against ROWS
+// rows: the lane's unit `sub` of the segment (unit seg / PER + sub of the row, PER packs a unit) is
+// decoded once per chunk (values8, or ints8 over X_INTS limbs) and multiplied by every token's x,
+// acc[r * TOKS + t] += its part. A row's units of a segment are LANES = SEG / PER lanes'.
+template <bool INTS> struct TokensDot;
+
+// a[r]: the lane's unit `sub` of the segment from pack seg in rows rows0 + r (clamped to the
+// matrix); false where the row has no such unit (the last segment's idle lanes).
+template <int ROWS, int K_IN, typename U, typename PW>
+KFN bool segment_units(LOCAL U* a, PW w, int seg, int rows0, int rows_out, int sub) {
+  constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
+  const int u = seg / (U::VALUES / 32) + sub;
+  if (u >= K_IN / U::VALUES) return false;
+  for (int r = 0; r < ROWS; ++r) a[r].load(w, (size_t)min(rows0 + r, rows_out - 1) * ROW_BYTES, u);
+  return true;
+}
+
+template <> struct TokensDot<false> {
+  template <int MODE, int ROWS, int SEG, int K_IN, int XS, int TOKS, typename PX, typename PW, typename PS>
+  static KFN void run(PX x, PW w, PS tables, int seg, int rows0, int rows_out, int sub, LOCAL float* acc) {
+    typedef GgufUnit<MODE> U;
+    constexpr int PER = U::VALUES / 32;
+    U a[ROWS];
+    if (!segment_units<ROWS, K_IN>(a, w, seg, rows0, rows_out, sub)) return;
+    for (int c = 0; c < U::VALUES / 8; ++c) {
+      float v[ROWS][8], mul[ROWS], low[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        a[r].values8(c, v[r], tables);
+        const float2 m = a[r].scales8(c);
+        mul[r] = m.x;
+        low[r] = m.y;
+      }
+      for (int t = 0; t < TOKS; ++t) {
+        float xv[8];
+        XChunk<XS>::load(x, t * SEG + sub * PER + c / 4, c % 4, xv);
+        float x_sum = 0.0f;
+        if (U::MINS)
+          for (int i = 0; i < 8; ++i) x_sum += xv[i];
+        for (int r = 0; r < ROWS; ++r)   // as dot8 writes it (the same fp32 contractions)
+          acc[r * TOKS + t] += U::MINS ? mul[r] * chunk_dot8(v[r], xv) - low[r] * x_sum : mul[r] * chunk_dot8(v[r], xv);
+      }
+    }
+  }
+};
+
+template <> struct TokensDot<true> {
+  template <int MODE, int ROWS, int SEG, int K_IN, int XS, int TOKS, typename PX, typename PW, typename PS>
+  static KFN void run(PX x, PW w, PS tables, int seg, int rows0, int rows_out, int sub, LOCAL float* acc) {
+    typedef GgufUnit<MODE> U;
+    constexpr int PER = U::VALUES / 32;
+    U a[ROWS];
+    if (!segment_units<ROWS, K_IN>(a, w, seg, rows0, rows_out, sub)) return;
+    for (int h = 0; h < PER; ++h) {
+      const int p = sub * PER + h;   // the pack within the segment
+      int l[ROWS * TOKS][3];
+      for (int i = 0; i < ROWS * TOKS; ++i) l[i][0] = l[i][1] = l[i][2] = 0;
+      for (int c = 0; c < 4; ++c) {
+        int wq[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) a[r].ints8(4 * h + c, wq[r], tables);
+        for (int t = 0; t < TOKS; ++t) {
+          int q[6];
+          XInts::load(x, t * SEG + p, c, q);
+          for (int r = 0; r < ROWS; ++r) limbs_dot8(wq[r], q, l[r * TOKS + t]);
+        }
+      }
+      for (int t = 0; t < TOKS; ++t) {   // as RowsDot<true>: each pack's sum converted once
+        const float sx = XInts::scale(x, t * SEG + p);
+        for (int r = 0; r < ROWS; ++r) acc[r * TOKS + t] += pack_part(a[r], h, sx, l[r * TOKS + t], x, t * SEG + p);
       }
     }
   }
@@ -527,6 +686,11 @@ class GGUFMatrix:
     def block_values(self) -> int:
         """Values of the unit a kernel's work split must keep whole: a block, or a pair."""
         return 64 if self.paired and not self.wide else gguf_blocks.BLOCK_WEIGHTS[self.qtype]
+
+    def unit_values(self, integer: bool = False) -> int:
+        """Values of a lane's unit in the unit `template(integer=integer)` picks (UNIT_VALUES; a pair
+        of Q8_0 blocks is one)."""
+        return 64 if self.paired and not self.wide and not integer else UNIT_VALUES[self.qtype]
 
     @property
     def integer(self) -> bool:

@@ -21,8 +21,9 @@ A grouped projection (GGUF blocks: V4.1's wo_a, 8 groups of heads each through i
 1024 rows) is one launch too: x [tokens, G, K], each threadgroup's rows in one group, whose x it
 copies; with MLX's packs, gather_qmm does the same in one launch (attention.py).
 
-With DSV4_KERNEL_MATVEC_TOKENS, 2-6 tokens in MLX's packs take another launch, whose threadgroups
-hold every token's x (a segment of K at a time) and decode each weight once for all of them.
+With DSV4_KERNEL_MATVEC_TOKENS, 2-6 tokens take another launch, whose threadgroups hold every
+token's x (a segment of K at a time) and decode each weight once for all of them: MLX's packs,
+and GGUF blocks (grouped too), each lane decoding one unit of a row per segment.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def _gguf_checks():
     """GGUF dense projections: ds4's Q8_0 (split and rows; read in pairs, and wide, too), the Q4_K
     of its q4 attention option, an IQ2_XXS in the wide unit, and both with fp16-subnormal codes
     (DSV4_KERNEL_GGUF_HALVES); Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB), also as V4.1's grouped
-    wo_a (8 groups of 1024 rows over 4096 inputs); Q8_0 and IQ2_XXS in the integer units over x's
-    limbs (DSV4_KERNEL_GGUF_DP4A), split and grouped too."""
+    wo_a (8 groups of 1024 rows over 4096 inputs); Q8_0, IQ2_XXS and Q4_K in the integer units over
+    x's limbs (DSV4_KERNEL_GGUF_DP4A), split and grouped too."""
     out = []
     modes = dict(gguf_dot.GGUF_MODE_IDS, Q8_0_PAIRS=gguf_dot.Q8_0_PAIRS, Q8_0_HSUB=gguf_dot.Q8_0_HSUB,
                  **{f"{t}_WIDE": m for t, m in gguf_dot.WIDE_MODE_IDS.items()},
@@ -126,12 +127,31 @@ def _gguf_checks():
                                           ("Q4_K_HALVES", 2, 1, 4096, 1), ("IQ2_XXS_HALVES", 2, 1, 5120, 1),
                                           ("Q8_0_HSUB", 1, 2, 4096, 1), ("Q8_0_HSUB", 1, 4, 4096, 8),
                                           ("Q8_0_INT", 1, 2, 4096, 1), ("Q8_0_INT", 4, 1, 1024, 1),
-                                          ("Q8_0_INT", 1, 4, 4096, 8), ("IQ2_XXS_INT", 2, 1, 5120, 1)):
+                                          ("Q8_0_INT", 1, 4, 4096, 8), ("IQ2_XXS_INT", 2, 1, 5120, 1),
+                                          ("Q4_K_INT", 2, 1, 4096, 1)):
         xs = X_INTS if qtype.endswith("_INT") else X_STRIDE
         template = (("T", mx.bfloat16), ("MODE", modes[qtype]), ("BITS", 0), ("GS", 0), ("SPLIT", split),
                     ("ROWS", rows), ("K", k), ("XS", xs), ("ACTQ", True), ("GROUPS", groups))
         out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))
     return tuple(out)
+
+
+# The multi-token launches' copy of x: packs seg .. seg + SEG - 1 of each of TOKS tokens (token t's
+# row t * groups + group of K values), fp8-rounded when ACTQ, pack p of token t at t * SEG + p - seg.
+_SEGMENT_HEADER = r"""
+template <int XS, int TOKS, int SEG, int K, bool ROUND, typename PS, typename PX>
+KFN void stage_segment(PS xs, PX x, int seg, int groups, size_t group, uint32_t tid, uint32_t threads) {
+  for (int i = (int)tid; i < TOKS * SEG; i += (int)threads) {
+    const int t = i / SEG, p = seg + i % SEG;
+    if (p < K / 32) {
+      float v[32];
+      for (int j = 0; j < 32; ++j) v[j] = float(x[((size_t)t * groups + group) * K + 32 * p + j]);
+      const float s = ROUND ? qdq_fp8_32(v) : 1.0f;
+      store_x_pack<XS>(xs, i, v, s);
+    }
+  }
+}
+"""
 
 
 # DSV4_KERNEL_MATVEC_TOKENS: 2..MAX_TOKS tokens (a DSpark verify, a batch of sessions) in one pass
@@ -158,15 +178,7 @@ _TOKENS_BODY = r"""
     for (int t = 0; t < TOKS; ++t) acc[r][t] = 0.0f;
   for (int seg = 0; seg < PACKS; seg += SEG) {
     BARRIER();   // the last segment read by every SIMD group
-    for (int i = (int)tid; i < TOKS * SEG; i += (int)group_threads) {
-      const int t = i / SEG, p = seg + i % SEG;
-      if (p < PACKS) {
-        float v[32];
-        for (int j = 0; j < 32; ++j) v[j] = float(x[(size_t)t * K + 32 * p + j]);
-        if (ACTQ) qdq_fp8_32(v);
-        store_x_pack<XS>(xs, i, v);
-      }
-    }
+    stage_segment<XS, TOKS, SEG, K, ACTQ>(xs, x, seg, 1, 0, tid, group_threads);
     BARRIER();
     const int p = seg + (int)lane;
     if (p >= PACKS) continue;
@@ -221,22 +233,89 @@ def _tokens_checks():
 
 
 TOKENS_MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec_tokens", input_names=("x", "w", "s", "b"),
-                              output_names=("y",), body=_TOKENS_BODY, header=_HEADER, checks=_tokens_checks())
+                              output_names=("y",), body=_TOKENS_BODY, header=_HEADER + _SEGMENT_HEADER,
+                              checks=_tokens_checks())
 
 
-def tokens_rows(n: int) -> int:
-    """Rows a SIMD group makes in the multi-token launch."""
-    return 2 if n >= TOKENS_ROWS2_MIN else 1
+def tokens_rows(n: int, lanes: int = 32) -> int:
+    """Rows a lane group of `lanes` makes in the multi-token launch (a SIMD group has 32 / lanes)."""
+    return 2 if n >= TOKENS_ROWS2_MIN and lanes == 32 else 1
 
 
-def tokens_applies(q, tokens: int, groups: int = 1) -> bool:
-    """Whether `quantized_matvec` takes the multi-token launch: DSV4_KERNEL_MATVEC_TOKENS, MLX's
-    packs, 2..MAX_TOKS tokens."""
-    return (bool(flags.get("kernel_matvec_tokens")) and groups == 1 and isinstance(q, QuantizedMatrix)
-            and 2 <= tokens <= MAX_TOKS)
+def tokens_lanes(q, integer: bool = False) -> int:
+    """Lanes a row takes in the multi-token launch: a lane a unit of the segment (MLX's packs: 32)."""
+    return TOKENS_SEGMENT * 32 // q.unit_values(integer) if isinstance(q, GGUFMatrix) else 32
 
 
-# The same body over rows of GGUF blocks (gguf_dot.py's rows_dot).
+def tokens_applies(q, tokens: int, groups: int = 1, integer: bool = False) -> bool:
+    """Whether `quantized_matvec` takes the multi-token launch: DSV4_KERNEL_MATVEC_TOKENS, 2..MAX_TOKS
+    tokens, MLX's packs, or GGUF blocks (`integer`: as the integer units, over x's limbs) whose
+    segment of x fits the threadgroup memory and, grouped, whose threadgroups each lie in a group."""
+    if not (flags.get("kernel_matvec_tokens") and 2 <= tokens <= MAX_TOKS):
+        return False
+    if isinstance(q, QuantizedMatrix):
+        return groups == 1
+    lanes, n = tokens_lanes(q, integer), q.out_features
+    return (tokens * TOKENS_SEGMENT * (X_INTS if integer else X_STRIDE) * 16 <= shared_memory_limit(backend())
+            and grouped_fits(n, groups, 1, tokens_rows(n, lanes) * 32 // lanes))
+
+
+# The multi-token launch over rows of GGUF blocks: in each segment, each of a row's LANES lanes
+# decodes its unit once and multiplies it by every token's x (gguf_dot.py's TokensDot).
+_GGUF_TOKENS_BODY = r"""
+  // grid (32 * warps, ceil(N / (warps * RW)), 1) with RW = ROWS * 32 / LANES rows a SIMD group; y
+  // is [TOKS, N], x [TOKS, K] or [TOKS, GROUPS, K] (a grouped projection: a threadgroup's rows lie
+  // in one group, whose x it copies).
+  constexpr int SEG = TOKENS_SEGMENT;
+  constexpr int PACKS = K / 32;
+  static_assert(LANES * GgufUnit<MODE>::VALUES == SEG * 32, "a lane a unit of the segment");
+  const int N = (int)w_shape[0];
+  const int tg_rows = (int)(group_threads / 32) * ROWS * (32 / LANES);
+  const int rows0 = (int)group_y * tg_rows + ((int)warp * (32 / LANES) + (int)lane / LANES) * ROWS;
+  const size_t group = GROUPS == 1 ? 0 : (size_t)((int)group_y * tg_rows / (N / GROUPS));
+  SHARED uint4 xs[TOKS * SEG * XS];
+  float acc[ROWS * TOKS];
+  for (int i = 0; i < ROWS * TOKS; ++i) acc[i] = 0.0f;
+  for (int seg = 0; seg < PACKS; seg += SEG) {
+    BARRIER();   // the last segment read by every SIMD group
+    stage_segment<XS, TOKS, SEG, K, ACTQ>(xs, x, seg, GROUPS, group, tid, group_threads);   // XS == X_INTS: limbs
+    BARRIER();
+    TokensDot<XS == X_INTS>::template run<MODE, ROWS, SEG, K, XS, TOKS>(xs, w, s, seg, rows0, N, (int)lane % LANES, acc);
+  }
+  for (int i = 0; i < ROWS * TOKS; ++i) acc[i] = lanes_sum<LANES>(acc[i]);
+  if ((int)lane % LANES == 0)
+    for (int r = 0; r < ROWS && rows0 + r < N; ++r)
+      for (int t = 0; t < TOKS; ++t) y[(size_t)t * N + rows0 + r] = static_cast<T>(acc[r * TOKS + t]);
+""".replace("TOKENS_SEGMENT", str(TOKENS_SEGMENT))
+
+
+def _gguf_tokens_checks():
+    """The GGUF multi-token launch: ds4's Q8_0 projections (wide, by int8s2, and in the integer
+    units, 6 tokens as CUDA allows and 4 as Metal does), V4.1's grouped wo_a, Q4_K and Q2_K units
+    over 16 and 8 lanes a row, and IQ2_XXS; IQ2_XXS and Q4_K in the integer units too."""
+    out = []
+    ids, halves, ints = gguf_dot.GGUF_MODE_IDS, gguf_dot.HALVES_MODE_IDS, gguf_dot.INT_MODE_IDS
+    for qtype, mode, rows, k, toks, groups in (
+            ("Q8_0", ids["Q8_0"], 1, 5120, 4, 1), ("Q8_0", gguf_dot.Q8_0_HSUB, 2, 4096, MAX_TOKS, 1),
+            ("Q8_0", gguf_dot.Q8_0_HSUB, 2, 4096, 4, 8), ("Q4_K", ids["Q4_K"], 1, 4096, 3, 1),
+            ("Q2_K", halves["Q2_K"], 1, 2304, 2, 1), ("IQ2_XXS", halves["IQ2_XXS"], 1, 5120, 5, 1),
+            ("Q8_0", ints["Q8_0"], 2, 4096, 4, 8), ("IQ2_XXS", ints["IQ2_XXS"], 1, 5120, 4, 1),
+            ("Q4_K", ints["Q4_K"], 1, 4096, 3, 1)):
+        template = (("T", mx.bfloat16), ("MODE", mode), ("BITS", 0), ("GS", 0), ("ROWS", rows),
+                    ("LANES", TOKENS_SEGMENT * 32 // gguf_dot.UNIT_VALUES[qtype]), ("K", k),
+                    ("XS", X_INTS if mode in ints.values() else X_STRIDE), ("ACTQ", True), ("TOKS", toks),
+                    ("GROUPS", groups))
+        out.append(((mx.bfloat16, mx.uint8, mx.uint32, mx.uint32), (mx.bfloat16,), template))
+    return tuple(out)
+
+
+GGUF_TOKENS_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec_tokens", input_names=("x", "w", "s", "b"),
+                                   output_names=("y",), body=_GGUF_TOKENS_BODY,
+                                   header=X_HEADER + _SEGMENT_HEADER + gguf_dot.HEADER + gguf_dot.TOKENS,
+                                   checks=_gguf_tokens_checks())
+
+
+# The one-token body over rows of GGUF blocks (gguf_dot.py's rows_dot).
 GGUF_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec", input_names=("x", "w", "s", "b"),
                             output_names=("y",), body=_BODY, header=X_HEADER + gguf_dot.HEADER,
                             checks=_gguf_checks())
@@ -317,13 +396,21 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
     K, N = x.shape[-1], q.out_features
     tokens = x.size // (K * groups)
     lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
-    if tokens_applies(q, tokens, groups):
-        rows = tokens_rows(N)
-        (y,) = TOKENS_MATVEC_KERNEL(
+    gguf = isinstance(q, GGUFMatrix)
+    integer = gguf and bool(act_quant) and q.integer   # gguf_dot's integer units over x's limbs
+    xs = X_INTS if integer else X_STRIDE
+    layout = q.template(integer=True) if integer else q.template()
+    if tokens_applies(q, tokens, groups, integer):
+        lanes = tokens_lanes(q, integer)
+        rows = tokens_rows(N, lanes)
+        template = [("T", x.dtype)] + layout + [
+            ("ROWS", rows), ("K", K), ("XS", xs), ("ACTQ", bool(act_quant)), ("TOKS", tokens)]
+        if gguf:
+            template += [("LANES", lanes), ("GROUPS", groups)]
+        (y,) = (GGUF_TOKENS_MATVEC_KERNEL if gguf else TOKENS_MATVEC_KERNEL)(
             inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
-            grid=(32 * WARPS, math.ceil(N / (WARPS * rows)), 1), threadgroup=(32 * WARPS, 1, 1),
-            template=[("T", x.dtype)] + q.template() + [("ROWS", rows), ("K", K), ("XS", X_STRIDE),
-                                                        ("ACTQ", bool(act_quant)), ("TOKS", tokens)])
+            grid=(32 * WARPS, math.ceil(N / (WARPS * rows * 32 // lanes)), 1), threadgroup=(32 * WARPS, 1, 1),
+            template=template)
         return y
     if groups == 1 and experts_mma.matvec_applies(x, q):
         split = experts_mma.matvec_split(N)
@@ -334,12 +421,10 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
             template=[("T", x.dtype)] + q.template() + [("MKSPLIT", split), ("K", K), ("ACTQ", bool(act_quant))])
         return y
     split, rows = work_split(N, K, q.block_values, groups)
-    gguf = isinstance(q, GGUFMatrix)
-    integer = gguf and bool(act_quant) and q.integer   # gguf_dot's integer units over x's limbs
     (y,) = (GGUF_MATVEC_KERNEL if gguf else MATVEC_KERNEL)(
         inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
         grid=(32 * WARPS, math.ceil(N * split / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
-        template=[("T", x.dtype)] + (q.template(integer=True) if integer else q.template()) + [
-            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", X_INTS if integer else X_STRIDE),
+        template=[("T", x.dtype)] + layout + [
+            ("SPLIT", split), ("ROWS", rows), ("K", K), ("XS", xs),
             ("ACTQ", bool(act_quant)), ("GROUPS", groups)])
     return y
