@@ -40,6 +40,8 @@ inline int host_dp4a(int a, int b, int c) {
 #define FMIN(a, b) std::fmin(a, b)
 #define RINT(x) std::nearbyint(x)
 #define EXP(x) std::exp(x)
+#define LOG(x) std::log(x)
+#define SQRT(x) std::sqrt(x)
 #define LOAD_U4(p, i) (reinterpret_cast<const uint4*>(p)[i])
 using std::min;
 struct uint4 { uint32_t x, y, z, w; };

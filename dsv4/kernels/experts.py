@@ -533,7 +533,7 @@ _GIVEN = {"ROUTE_TOKEN": "", "SELECT_EXPERT": r"""
 _ROUTED = {"ROUTE_TOKEN": r"""
   SHARED int picked_ids[K];
   SHARED float picked_w[K];
-  if (warp == 0)
+  if (warp == 0 && slot < K)   // the shared expert's threadgroups need no route
     route_token<E, K, NORM>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
                             picked_ids, picked_w);""", "SELECT_EXPERT": r"""
   const int expert = slot < K ? picked_ids[slot] : 0;
