@@ -30,7 +30,7 @@ from .kernels import rows
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
 from .linear import (GGUFLinear, Linear, QuantizedLinear, dequant_matmul, dequant_prefill, dequantize,
-                     fp8_linear, fp8_linears)
+                     fp8_linear, fp8_linears, matrix_operand)
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
 
 
@@ -469,6 +469,10 @@ class Attention(nn.Module):
                 out = mx.quantized_matmul(per_group, *arrays, transpose=True, group_size=w.group_size,
                                           bits=w.bits, mode=w.mode)
             out = out.swapaxes(0, 1).astype(o.dtype)
+        elif quantized and matvec_kernel_supports(x.reshape(b * s, g, -1), matrix_operand(w), groups=g):
+            # 2-6 tokens (a verify) under DSV4_KERNEL_MATVEC_TOKENS: every group in one launch that
+            # decodes each weight once for all the tokens, where gather_qmm decodes it once a token.
+            out = quantized_matvec(x.reshape(b * s, g, -1), matrix_operand(w), act_quant=False, groups=g)
         elif quantized:
             # Both index arrays given (left out, MLX makes the left one with an Arange per call),
             # as uint32 (other index types cost a cast per call).

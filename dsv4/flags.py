@@ -362,7 +362,7 @@ define("kernel_matvec_tokens", False,
        "x, staged 1024 values at a time for all the tokens, where the one-token launch decodes every "
        "weight once a token (at eight tokens ~4x one token's time on the H200, the GGUF Q8_0 ones "
        "4-5x: benchmarks/results/2026-12-04-1903-gguf-native.md). MLX's packs: the same sums in the "
-       "same order; GGUF rows (ds4's dense Q8_0, the grouped wo_a too, and the integer units of "
+       "same order, and the grouped wo_a too, in place of gather_qmm; GGUF rows (ds4's dense Q8_0, the grouped wo_a too, and the integer units of "
        "DSV4_KERNEL_GGUF_DP4A): the same where a unit is 32 values, else within the fp32 bound "
        "(dsv4/kernels/matvec.py, gguf_dot.py's TokensDot; statically 2.5-3x fewer instructions a "
        "weight a token at 4 tokens: benchmarks/results/2026-12-05-0150-gguf-tokens-static.md). Off "

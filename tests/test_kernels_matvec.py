@@ -156,16 +156,37 @@ def test_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, mode, bits, 
     assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
 
 
+@pytest.mark.parametrize("n,k,groups,tokens", [
+    (64, 256, 4, 3),      # 4 groups of 16 rows: 2 threadgroups a group
+    (8192, 64, 8, 5),     # V4.1's wo_a rows (8 groups of 1024) at 2 rows a SIMD group
+])
+def test_grouped_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, groups, tokens):
+    """A grouped projection of MLX's packs (V4.1's wo_a, without the input's rounding) through the
+    multi-token body: each threadgroup copies its group's x, and the outputs equal the grouped
+    one-token body's at SPLIT 1 bit for bit, within the fp32 bound of the float64 product."""
+    rng = np.random.default_rng()
+    q = quantized(rng, (n, k), "mxfp8", 8, 32, mx.float32)
+    x = np.stack([inputs(rng, groups, k) for _ in range(tokens)])                 # [tokens, G, K]
+    rows = mv.tokens_rows(n)
+    assert mv.grouped_fits(n, groups, 1, rows) and mv.grouped_fits(n, groups, 1, 1)
+    got = emulated_kernel(tmp_path, q, x, False, 1, rows, tokens_launch=True, groups=groups)
+    np.testing.assert_array_equal(got, emulated_kernel(tmp_path, q, x, False, 1, 1, groups=groups))
+    w = dequantize_np(q).reshape(groups, n // groups, k)
+    want = np.einsum("tgk,gnk->tgn", x.astype(np.float64), w).reshape(tokens, n)
+    mag = np.einsum("tgk,gnk->tgn", np.abs(x.astype(np.float64)), np.abs(w)).reshape(tokens, n)
+    assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
+
+
 def test_tokens_launch_only_where_it_applies():
     """The multi-token launch over MLX's packs: with its switch, 2..MAX_TOKS tokens; never one
-    token, more than MAX_TOKS or a grouped projection (gather_qmm's; GGUF blocks:
-    test_kernels_gguf_host.test_gguf_tokens_launch_only_where_it_applies)."""
+    token or more than MAX_TOKS; grouped, only where each threadgroup's rows lie in one group
+    (GGUF blocks: test_kernels_gguf_host.test_gguf_tokens_launch_only_where_it_applies)."""
     rng = np.random.default_rng()
     q = quantized(rng, (64, 128), "mxfp8", 8, 32)
     with flags.override(kernel_matvec_tokens=True):
         assert mv.tokens_applies(q, 2) and mv.tokens_applies(q, mv.MAX_TOKS)
         assert not mv.tokens_applies(q, 1) and not mv.tokens_applies(q, mv.MAX_TOKS + 1)
-        assert not mv.tokens_applies(q, 4, groups=2)
+        assert mv.tokens_applies(q, 4, groups=2) and not mv.tokens_applies(q, 4, groups=16), "4 rows a group"
     assert not mv.tokens_applies(q, 4), "off by default"
 
 
@@ -251,7 +272,7 @@ void body(const float* x, const uint32_t* w, Shape2 w_shape, const SCALE* s, con
 }
 int main() {
   const int n = read_int(), tokens = read_int();
-  std::vector<float> x(tokens * K), y(tokens * n, NAN);
+  std::vector<float> x(tokens * GROUPS * K), y(tokens * n, NAN);
   std::vector<uint32_t> w((size_t)n * K * BITS / 32);
   std::vector<SCALE> s((size_t)n * K / GS), b((size_t)n * K / GS);
   read(x); read(w); read(s);
@@ -265,13 +286,14 @@ int main() {
 """
 
 
-def emulated_kernel(tmp_path, q, x, act_quant, split, rows, tokens_launch=False):
-    """quantized_matvec's body run on the host for fp32 x [tokens, K] with the given work split, or
-    (`tokens_launch`) the multi-token body (DSV4_KERNEL_MATVEC_TOKENS: one launch for every token)."""
-    tokens, K = x.shape
+def emulated_kernel(tmp_path, q, x, act_quant, split, rows, tokens_launch=False, groups=1):
+    """quantized_matvec's body run on the host for fp32 x [tokens, K] (or [tokens, groups, K]: row r
+    of q takes group r // (N / groups)) with the given work split, or (`tokens_launch`) the
+    multi-token body (DSV4_KERNEL_MATVEC_TOKENS: one launch for every token)."""
+    tokens, K = x.shape[0], x.shape[-1]
     N = q.out_features
     consts = dict(WARPS=mv.WARPS, MODE=MODE_IDS[q.mode], BITS=q.bits, GS=q.group_size, SPLIT=split,
-                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)), GROUPS=1, TOKS=tokens)
+                  ROWS=rows, K=K, XS=X_STRIDE, ACTQ=int(bool(act_quant)), GROUPS=groups, TOKS=tokens)
     scale = "uint8_t" if q.mode != "affine" else "float"
     main, kernel = EMULATOR_MAIN, mv.MATVEC_KERNEL
     if tokens_launch:   # one threadgroup row for all the tokens

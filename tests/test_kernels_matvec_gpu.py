@@ -142,3 +142,22 @@ def test_tokens_matvec_matches_reference(shape, layout, dtype, act_quant, tokens
         with flags.override(kernel_matvec_tokens=True):
             both = mv.quantized_matvec(x, q, act_quant)
         assert mx.array_equal(both, mv.quantized_matvec(x, q, act_quant)).item()
+
+
+@pytest.mark.parametrize("tokens", [2, 4, mv.MAX_TOKS])
+def test_grouped_tokens_matvec_matches_gather_qmm(tokens):
+    """V4.1's grouped wo_a in MLX's mxfp8 (8 groups of 1024 rows over 4096 inputs, no input
+    rounding) through the multi-token launch: within the reference's bounds, as gather_qmm's
+    per-token products are (attention.py's route without the switch)."""
+    q = quantized((8 * 1024, 4096), "mxfp8", 8, 32, mx.bfloat16)
+    x = activations(tokens * 8, 4096, mx.bfloat16).reshape(tokens, 8, 4096)
+    with flags.override(kernel_matvec_tokens=True):
+        assert mv.kernel_supports(x, q, groups=8)
+        got = f64(mv.quantized_matvec(x, q, False, groups=8))
+    assert not mv.kernel_supports(x, q, groups=8), "MLX's packs take gather_qmm without the switch"
+    want = f64(mv.matvec_reference(x, q, False, groups=8))
+    w = dense(q).reshape(8, 1024, 4096)
+    mag = np.einsum("tgk,gnk->tgn", np.abs(f64(x)), np.abs(w)).reshape(tokens, -1)
+    err = np.abs(got - want)
+    assert np.all(err <= 2.0 ** -7 * np.abs(want) + 2 * 4096 * 2.0 ** -24 * mag), float(err.max())
+    assert np.mean(err <= 2.0 ** -7 * np.abs(want) + 1e-30) > 0.9

@@ -11,7 +11,7 @@ import pytest
 from dsv4 import attention, flags
 from dsv4.attention import Attention
 from dsv4.config import ModelArgs
-from dsv4.kernels.dialect import backend
+from dsv4.kernels.dialect import backend, pretend_gpu
 from dsv4.linear import PREFILL_DEQUANT_MIN_ROWS, Linear, dequant_prefill
 from dsv4.testing import tiny_config
 
@@ -90,3 +90,25 @@ def test_grouped_wo_a_per_group_product(tokens, dtype, dequant):
     for j in range(g):
         assert_rounded_product(got[0, :, j * rows:(j + 1) * rows], x[:, j] @ w[j].T, x[:, j], w[j])
 
+
+
+def test_grouped_wo_a_of_a_verify_takes_the_multi_token_launch():
+    """On a GPU, 2-6 tokens (a DSpark verify) of an MLX-quantized grouped wo_a go through one
+    multi-token matvec launch over every group (DSV4_KERNEL_MATVEC_TOKENS) instead of gather_qmm,
+    which decodes each weight once a token; one token, or the switch off, keeps gather_qmm."""
+    rng = np.random.default_rng(6)
+    args, attn = grouped_attention(rng)
+    launches = []
+
+    def launch(kernel, *, output_shapes, output_dtypes, template, **_):
+        launches.append((kernel.name, dict(template)))
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    for tokens, switch, want in ((3, True, 1), (1, True, 0), (3, False, 0)):
+        launches.clear()
+        o = mx.zeros((1, tokens, attn.n_heads, attn.head_dim), mx.bfloat16)
+        with pretend_gpu("cuda", launch), flags.override(dequant_matmul=False, kernel_matvec_tokens=switch):
+            got = attn._grouped_wo_a(o, 1, tokens)
+        assert got.shape == (1, tokens, attn.groups * args.o_lora_rank)
+        assert [(name, t["GROUPS"], t["TOKS"], t["ACTQ"]) for name, t in launches] == \
+            [("dsv4_quantized_matvec_tokens", attn.groups, tokens, False)] * want

@@ -229,12 +229,13 @@ def v41_calls():
                         # dp4a: GGUF rows in the integer units (x's limbs)
                         with flags.override(kernel_matvec_mma=mma, kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
                             matvec.quantized_matvec(_zeros(t, d), q, True)
-            # ds4's grouped wo_a (GGUF blocks): every group of heads through its rows, one launch
+            # The grouped wo_a: every group of heads through its rows in one launch (GGUF blocks;
+            # MLX's packs through the multi-token launch only)
             g, q = a.o_groups, dense((a.o_groups * a.o_lora_rank, H * Dh // a.o_groups))
-            if matvec.kernel_supports(_zeros(t, g, H * Dh // g), q, groups=g):
-                for tokens, dp4a in ((False, False), (True, False), (True, True)):
-                    with flags.override(kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
-                        matvec.quantized_matvec(_zeros(t, g, H * Dh // g), q, True, groups=g)
+            for tokens in (False, True):   # as attention.py calls it: no input rounding
+                with flags.override(kernel_matvec_tokens=tokens):
+                    if matvec.kernel_supports(_zeros(t, g, H * Dh // g), q, groups=g):
+                        matvec.quantized_matvec(_zeros(t, g, H * Dh // g), q, False, groups=g)
 
         for n, d in projections:   # the head product of a bf16 weight (the head, the gate, ...)
             for dtype in (mx.float32, mx.bfloat16):

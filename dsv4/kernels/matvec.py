@@ -19,7 +19,8 @@ memory. A large N instead gives each SIMD group ROWS rows (fewer, longer threadg
 
 A grouped projection (GGUF blocks: V4.1's wo_a, 8 groups of heads each through its own block of
 1024 rows) is one launch too: x [tokens, G, K], each threadgroup's rows in one group, whose x it
-copies; with MLX's packs, gather_qmm does the same in one launch (attention.py).
+copies; with MLX's packs, gather_qmm does the same in one launch (attention.py), except for the
+multi-token launch's 2-6 tokens.
 
 With DSV4_KERNEL_MATVEC_TOKENS, 2-6 tokens take another launch, whose threadgroups hold every
 token's x (a segment of K at a time) and decode each weight once for all of them: MLX's packs,
@@ -162,7 +163,8 @@ TOKENS_SEGMENT = 32   # packs of x a segment (one a lane)
 TOKENS_ROWS2_MIN = 4096   # rows from which a SIMD group makes 2 rows (fewer threadgroups), else 1
 
 _TOKENS_BODY = r"""
-  // grid (32 * warps, ceil(N / (warps * ROWS)), 1); y is [TOKS, N], x [TOKS, K]. A lane decodes
+  // grid (32 * warps, ceil(N / (warps * ROWS)), 1); y is [TOKS, N], x [TOKS, K] or [TOKS, GROUPS, K]
+  // (a grouped projection: a threadgroup's rows lie in one group, whose x it copies). A lane decodes
   // the pack of each of its SIMD group's ROWS rows once and multiplies it by every token's x: packs
   // p = lane + 32 i of a row, in order, the one-token body's sums at SPLIT 1. x comes into
   // threadgroup memory SEG packs at a time for all the tokens, fp8-rounded per pack when ACTQ.
@@ -172,13 +174,14 @@ _TOKENS_BODY = r"""
   constexpr int SCALES_PER_ROW = K / GS;
   const int N = (int)w_shape[0];
   const int row0 = ((int)group_y * (int)(group_threads / 32) + (int)warp) * ROWS;
+  const size_t group = GROUPS == 1 ? 0 : (size_t)((int)group_y * (int)(group_threads / 32) * ROWS / (N / GROUPS));
   SHARED uint4 xs[TOKS * SEG * XS];
   float acc[ROWS][TOKS];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TOKS; ++t) acc[r][t] = 0.0f;
   for (int seg = 0; seg < PACKS; seg += SEG) {
     BARRIER();   // the last segment read by every SIMD group
-    stage_segment<XS, TOKS, SEG, K, ACTQ>(xs, x, seg, 1, 0, tid, group_threads);
+    stage_segment<XS, TOKS, SEG, K, ACTQ>(xs, x, seg, GROUPS, group, tid, group_threads);
     BARRIER();
     const int p = seg + (int)lane;
     if (p >= PACKS) continue;
@@ -220,14 +223,16 @@ _TOKENS_BODY = r"""
 
 def _tokens_checks():
     """The multi-token launch at V4.1's dense shapes: mxfp8 over 5120 and 1280 inputs, mxfp4 (the
-    draft stages' experts' layout family) and 3-bit affine (words straddling packs)."""
+    draft stages' experts' layout family), 3-bit affine (words straddling packs), and the grouped
+    wo_a (8 groups of 1024 rows over 4096 inputs, without the input's rounding)."""
     u32, u8, bf16, f32 = mx.uint32, mx.uint8, mx.bfloat16, mx.float32
     out = []
-    for xt, (mode, bits, gs, st, bt), rows, k, toks in [
-            (bf16, ("mxfp8", 8, 32, u8, u32), 2, 5120, MAX_TOKS), (bf16, ("mxfp8", 8, 32, u8, u32), 1, 1280, 4),
-            (f32, ("mxfp4", 4, 32, u8, u32), 2, 8192, 2), (bf16, ("affine", 3, 64, bf16, bf16), 1, 512, 3)]:
+    for xt, (mode, bits, gs, st, bt), rows, k, toks, groups in [
+            (bf16, ("mxfp8", 8, 32, u8, u32), 2, 5120, MAX_TOKS, 1), (bf16, ("mxfp8", 8, 32, u8, u32), 1, 1280, 4, 1),
+            (f32, ("mxfp4", 4, 32, u8, u32), 2, 8192, 2, 1), (bf16, ("affine", 3, 64, bf16, bf16), 1, 512, 3, 1),
+            (bf16, ("mxfp8", 8, 32, u8, u32), 2, 4096, 4, 8)]:
         template = (("T", xt), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("GS", gs), ("ROWS", rows), ("K", k),
-                    ("XS", X_STRIDE), ("ACTQ", True), ("TOKS", toks))
+                    ("XS", X_STRIDE), ("ACTQ", groups == 1), ("TOKS", toks), ("GROUPS", groups))
         out.append(((xt, u32, st, bt), (xt,), template))
     return tuple(out)
 
@@ -249,12 +254,10 @@ def tokens_lanes(q, integer: bool = False) -> int:
 
 def tokens_applies(q, tokens: int, groups: int = 1, integer: bool = False) -> bool:
     """Whether `quantized_matvec` takes the multi-token launch: DSV4_KERNEL_MATVEC_TOKENS, 2..MAX_TOKS
-    tokens, MLX's packs, or GGUF blocks (`integer`: as the integer units, over x's limbs) whose
-    segment of x fits the threadgroup memory and, grouped, whose threadgroups each lie in a group."""
+    tokens whose segment of x fits the threadgroup memory (GGUF blocks' `integer` units: as limbs)
+    and, grouped, whose threadgroups each lie in a group."""
     if not (flags.get("kernel_matvec_tokens") and 2 <= tokens <= MAX_TOKS):
         return False
-    if isinstance(q, QuantizedMatrix):
-        return groups == 1
     lanes, n = tokens_lanes(q, integer), q.out_features
     return (tokens * TOKENS_SEGMENT * (X_INTS if integer else X_STRIDE) * 16 <= shared_memory_limit(backend())
             and grouped_fits(n, groups, 1, tokens_rows(n, lanes) * 32 // lanes))
@@ -358,16 +361,18 @@ def grouped_fits(n: int, groups: int, split: int, rows: int) -> bool:
 def kernel_supports(x: mx.array, q: QuantizedMatrix, groups: int = 1) -> bool:
     """Whether `quantized_matvec` handles (x, q, groups) on this device: a GPU backend, 1-8 tokens
     of a float dtype, a single [N, K] matrix in a layout the decoder knows (grouped: GGUF blocks,
-    N in `groups` groups that whole threadgroups fill), x's copy within the threadgroup memory."""
+    N in `groups` groups that whole threadgroups fill; MLX's packs only through the multi-token
+    launch), x's copy within the threadgroup memory."""
     if backend() is None or x.ndim < (2 if groups > 1 else 1) or x.dtype not in DTYPES:
         return False
     K = x.shape[-1]
     tokens = x.size // (K * groups) if K else 0
     N = q.out_features
+    grouped = x.shape[-2] == groups and (
+        grouped_fits(N, groups, *work_split(N, K, q.block_values, groups)) if isinstance(q, GGUFMatrix)
+        else tokens_applies(q, tokens, groups))
     return (1 <= tokens <= MAX_TOKENS and K % 32 == 0 and q.weight.ndim == 2
-            and q.in_features == K and matrix_supported(q)
-            and (groups == 1 or (isinstance(q, GGUFMatrix) and x.shape[-2] == groups
-                                 and grouped_fits(N, groups, *work_split(N, K, q.block_values, groups))))
+            and q.in_features == K and matrix_supported(q) and (groups == 1 or grouped)
             and K // 32 * (X_INTS if isinstance(q, GGUFMatrix) and q.integer else X_STRIDE) * 16 + 4 * 32
             <= shared_memory_limit(backend()))   # x's copy + partial sums
 
@@ -379,7 +384,8 @@ def matvec_reference(x: mx.array, q, act_quant: bool, groups: int = 1) -> mx.arr
     [..., G, K] and group j meets W's rows j N/G .. (j+1) N/G - 1: y [..., N] (a grouped projection)."""
     xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
     if groups > 1:
-        w = q.dequantized()
+        w = q.dequantized() if isinstance(q, GGUFMatrix) else mx.dequantize(
+            q.weight, q.scales, q.biases, dtype=mx.float32, **q.kwargs())
         y = xin[..., None, :] @ w.reshape(groups, -1, w.shape[-1]).swapaxes(-1, -2)   # [..., G, 1, N/G]
         return y.reshape(*x.shape[:-2], -1).astype(x.dtype)
     if isinstance(q, GGUFMatrix):
@@ -404,9 +410,9 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
         lanes = tokens_lanes(q, integer)
         rows = tokens_rows(N, lanes)
         template = [("T", x.dtype)] + layout + [
-            ("ROWS", rows), ("K", K), ("XS", xs), ("ACTQ", bool(act_quant)), ("TOKS", tokens)]
+            ("ROWS", rows), ("K", K), ("XS", xs), ("ACTQ", bool(act_quant)), ("TOKS", tokens), ("GROUPS", groups)]
         if gguf:
-            template += [("LANES", lanes), ("GROUPS", groups)]
+            template.append(("LANES", lanes))
         (y,) = (GGUF_TOKENS_MATVEC_KERNEL if gguf else TOKENS_MATVEC_KERNEL)(
             inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
             grid=(32 * WARPS, math.ceil(N / (WARPS * rows * 32 // lanes)), 1), threadgroup=(32 * WARPS, 1, 1),
