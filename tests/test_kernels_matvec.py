@@ -108,7 +108,12 @@ def test_kernel_supports_refuses_what_the_kernel_cannot_do():
     assert not mv.kernel_supports(x, q), "the CPU has no kernel backend"
     with mock.patch.object(mv, "backend", return_value="cuda"):
         assert mv.kernel_supports(x, q)
+        assert mv.kernel_supports(mx.ones((128,), mx.bfloat16), q), "one token, no leading dims"
         assert mv.kernel_supports(mx.ones((2, 4, 128), mx.float32), q)
+        grouped = mx.ones((3, 2, 128), mx.bfloat16)   # MLX's packs: grouped only in the multi-token launch
+        assert not mv.kernel_supports(grouped, q, groups=2)
+        with flags.override(kernel_matvec_tokens=True):
+            assert mv.kernel_supports(grouped, q, groups=2) and not mv.kernel_supports(grouped[:1], q, groups=2)
         assert not mv.kernel_supports(mx.ones((9, 128), mx.bfloat16), q), "more than 8 tokens"
         assert not mv.kernel_supports(mx.ones((3, 3, 128), mx.bfloat16), q), "more than 8 tokens"
         assert not mv.kernel_supports(mx.ones((2, 96), mx.bfloat16), q), "K differs from the matrix's"

@@ -368,11 +368,11 @@ def kernel_supports(x: mx.array, q: QuantizedMatrix, groups: int = 1) -> bool:
     K = x.shape[-1]
     tokens = x.size // (K * groups) if K else 0
     N = q.out_features
-    grouped = x.shape[-2] == groups and (
+    grouped = groups == 1 or x.shape[-2] == groups and (
         grouped_fits(N, groups, *work_split(N, K, q.block_values, groups)) if isinstance(q, GGUFMatrix)
         else tokens_applies(q, tokens, groups))
     return (1 <= tokens <= MAX_TOKENS and K % 32 == 0 and q.weight.ndim == 2
-            and q.in_features == K and matrix_supported(q) and (groups == 1 or grouped)
+            and q.in_features == K and matrix_supported(q) and grouped
             and K // 32 * (X_INTS if isinstance(q, GGUFMatrix) and q.integer else X_STRIDE) * 16 + 4 * 32
             <= shared_memory_limit(backend()))   # x's copy + partial sums
 
