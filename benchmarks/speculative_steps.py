@@ -3,9 +3,11 @@ one plain decode step: the verify of k+1 = 2..6 positions, the propose of k draf
 from those the break-even acceptance and the speedup to expect at given acceptance rates.
 
     python -m benchmarks.speculative_steps [--context 512] [--repeats 20] [--small | --model DIR]
+                                           [--experts q2|q4] [--dense q8_0]
 
 The slice is benchmarks/slice_decode.py's (real widths, 7 layers with every role, random
-quantized weights as the official checkpoint stores them) plus three draft stages at V4.1's
+quantized weights as the official checkpoint stores them, or with --experts / --dense the
+backbone's routed experts and dense projections as ds4's GGUF blocks) plus three draft stages at V4.1's
 shapes (128 routed experts of 2304 in mxfp4, top-3, Markov rank 256, main_proj 15360 -> 5120
 in mxfp8) reading the slice's last three layers. At `--context` positions:
   * plain: ms per token of plain decode as generation runs it (decode_tokens: the fixed-shape
@@ -46,7 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
-from benchmarks.slice_decode import REAL, ROLES, SMALL, build, decode_dsv4, quantize_randomly  # noqa: E402
+from benchmarks.slice_decode import (GGUF_EXPERTS, REAL, ROLES, SMALL, build, decode_dsv4,  # noqa: E402
+                                     quantize_randomly)
 
 DRAFT = dict(num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=128799,
              dspark_target_layer_ids=[4, 5, 6], dspark_markov_rank=256, dspark_n_routed_experts=128,
@@ -228,6 +231,10 @@ def main(argv=None) -> int:
     p.add_argument("--cycle-tokens", type=int, default=16, help="tokens of each timed run of the loop")
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
     p.add_argument("--model", help="a checkpoint with draft stages instead of the slice ('demo': the bundled one)")
+    p.add_argument("--experts", choices=("mxfp4", *GGUF_EXPERTS), default="mxfp4",
+                   help="the slice's routed experts: the official mxfp4, or ds4's q2/q4 GGUF blocks (its shared expert Q8_0)")
+    p.add_argument("--dense", choices=("mxfp8", "q8_0"), default="mxfp8",
+                   help="the slice's dense projections: the official mxfp8 or ds4's GGUF Q8_0")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
@@ -243,9 +250,11 @@ def main(argv=None) -> int:
         what = f"the checkpoint {a.model} with its DSpark draft stages"
     else:
         config = {**(SMALL if a.small else REAL), **ROLES}
-        model, _, _ = build(config)
+        model, _, _ = build(config, a.experts, a.dense)
         with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
         what = f"a {'toy-width' if a.small else 'shape-true'} V4.1 slice with DSpark draft stages"
+        if (a.experts, a.dense) != ("mxfp4", "mxfp8"):
+            what += f" (backbone: routed experts {a.experts}, dense {a.dense}; the stages' in mxfp4/mxfp8)"
     print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     times = measure(model, a.context, a.repeats, a.cycle_tokens)
     from dsv4 import flags
@@ -287,6 +296,7 @@ def main(argv=None) -> int:
                  "grows about 40/7-fold while the propose stays the same, so the speedups here are lower "
                  "bounds for the same acceptance.", ""]), to_markdown(describe())]
     tag = "-demo" if a.model == "demo" else "-model" if a.model else "-small" if a.small else ""
+    tag += "".join(f"-{v}" for v in (a.experts, a.dense) if v not in ("mxfp4", "mxfp8") and not a.model)
     write_dated(a.out, when, f"speculative-steps{tag}", lines, data={"context": a.context, "ms": times}, shown=-1)
     return 0
 
