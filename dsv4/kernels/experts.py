@@ -40,6 +40,7 @@ from dsv4.kernels.mhc import hc_expand
 from dsv4.kernels.router import HEADER as ROUTER_HEADER
 from dsv4.kernels.router import kernel_applies as route_kernel_applies
 from dsv4.kernels.router import route
+from dsv4.kernels.router import selection_template as router_selection
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
@@ -534,7 +535,7 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   SHARED int picked_ids[K];
   SHARED float picked_w[K];
   if (warp == 0 && slot < K)   // the shared expert's threadgroups need no route
-    route_token<E, K, NORM>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
+    route_token<E, K, NORM, BUTTERFLY>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
                             picked_ids, picked_w);""", "SELECT_EXPERT": r"""
   const int expert = slot < K ? picked_ids[slot] : 0;
   const float route = slot < K ? picked_w[slot] : 1.0f;
@@ -581,7 +582,7 @@ def _check_instances(stage):
             out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
         elif stage == "routed_gate_up":
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True)])))
+            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True), ("BUTTERFLY", False)])))
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
@@ -606,7 +607,7 @@ def _mma_checks(routed: bool, mats: tuple = (mx.uint32, mx.uint8, mx.uint8) * 4,
     tmpl = experts_mma.template(common or experts_mma.check_template(), True, 2304, 5120)
     if routed:
         ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-        return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + [("E", 384), ("NORM", True)])),)
+        return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + [("E", 384), ("NORM", True), ("BUTTERFLY", False)])),)
     return (((mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats, (mx.bfloat16,), tuple(tmpl)),)
 
 
@@ -664,7 +665,7 @@ def _gguf_checks(stage):
             out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
         elif stage == "routed_gate_up":
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True)])))
+            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True), ("BUTTERFLY", False)])))
         else:
             rows, lanes = GGUF_DOWN_SHAPES[routed]
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
@@ -835,7 +836,7 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     return tuple(routed_kernel(
         inputs=[x, logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32),
                 constant((float(temp), float(scale))), constant((float(swiglu_limit),))] + matrices,
-        template=template + [("E", logits.shape[-1]), ("NORM", bool(norm))], **launch))
+        template=template + [("E", logits.shape[-1]), ("NORM", bool(norm))] + router_selection(), **launch))
 
 
 def down_kernel(h, indices, down, s_down=None, expand=None):
