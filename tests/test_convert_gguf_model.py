@@ -190,3 +190,30 @@ def test_float16_tensors_load_in_the_official_dtypes(files):
     with flags.override(fixed_decode="off", dequant_matmul="off"), dialect.pretend_gpu("cuda", stand_in):
         mx.eval(model(mx.array([TOKENS[:3]]), cache=model.make_cache()))
     assert launched.count("dsv4_experts_routed_gate_up_gguf") == launched.count("dsv4_experts_down_gguf") > 0
+
+
+@pytest.mark.parametrize("recipe", ["q2", "q4"])
+def test_dp4a_takes_both_recipes_gate_up(files, recipe):
+    """Under DSV4_KERNEL_GGUF_DP4A a converted ds4 file's MoE layers run their gate/up in the
+    integer units on a GPU backend: q2's IQ2_XXS and q4's Q4_K routed experts with the Q8_0 shared
+    expert, over x's limbs; the down launch keeps the float units (its h is read as bf16)."""
+    from dsv4.kernels import dialect, gguf_dot
+    from dsv4.kernels.experts import X_INTS
+
+    model, _ = dsv4.load(files[recipe, "native"][0])
+    launched = []
+
+    def stand_in(kernel, *, output_shapes, output_dtypes, template, **_):
+        launched.append((kernel.name, dict(template)))
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with flags.override(fixed_decode="off", dequant_matmul="off", kernel_gguf_dp4a=True), \
+            dialect.pretend_gpu("cuda", stand_in):
+        mx.eval(model(mx.array([TOKENS[:2]]), cache=model.make_cache()))
+    ints = set(gguf_dot.INT_MODE_IDS.values())
+    gate_up = [t for name, t in launched if name == "dsv4_experts_routed_gate_up_gguf"]
+    down = [t for name, t in launched if name == "dsv4_experts_down_gguf"]
+    assert gate_up and len(gate_up) == len(down)
+    assert all(t["MODE"] in ints and t["SMODE"] == gguf_dot.INT_MODE_IDS["Q8_0"] and t["XS"] == X_INTS for t in gate_up)
+    assert {t["MODE"] for t in gate_up} == {gguf_dot.INT_MODE_IDS["IQ2_XXS" if recipe == "q2" else "Q4_K"]}
+    assert not any(t["MODE"] in ints for t in down)

@@ -200,7 +200,7 @@ def test_mma_matvec_body_on_the_host(tmp_path, n, k, mode, bits, act_quant, spli
     assert experts_mma.matvec_split(40) == 8 and experts_mma.matvec_split(4100) == 4
     rows_per_group = 16 * (8 // split)
     consts = dict(WARPS=8, MODE=ex.MODE_IDS[mode], BITS=bits, GS=32, SPLIT=1, ROWS=rows_per_group // 8, K=k,
-                  ACTQ=int(act_quant), MKSPLIT=split)   # EMULATOR_MAIN's grid: ceil(n / (WARPS * ROWS))
+                  ACTQ=int(act_quant), MKSPLIT=split, GROUPS=1)   # EMULATOR_MAIN's grid: ceil(n / (WARPS * ROWS))
     exe = build_host(tmp_path, "matvec", EMULATOR + MMA_EMULATOR
                      + "".join(f"constexpr int {key} = {v};\n" for key, v in consts.items())
                      + ex._HEADER + experts_mma.HEADER
