@@ -373,7 +373,7 @@ define("kernel_matvec_tokens", False,
        "4-5x: benchmarks/results/2026-12-04-1903-gguf-native.md). MLX's packs: the same sums in the "
        "same order, and the grouped wo_a too, in place of gather_qmm; GGUF rows (ds4's dense Q8_0, the grouped wo_a too, and the integer units of "
        "DSV4_KERNEL_GGUF_DP4A): the same where a unit is 32 values, else within the fp32 bound "
-       "(dsv4/kernels/matvec.py, gguf_dot.py's TokensDot; statically 2.5-3x fewer instructions a "
+       "(dsv4/kernels/matvec.py, gguf_dot.py's TokensDot; statically 1.8-2.7x fewer instructions a "
        "weight a token at 4 tokens: benchmarks/results/2026-12-05-0150-gguf-tokens-static.md). Off "
        "(default) until the H200 measures it")
 define("kernel_matvec_mma", False,
