@@ -17,7 +17,7 @@ from dsv4.kernels import gguf_mma
 from dsv4.kernels import matvec as mv
 from dsv4.kernels import mhc
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
-from tests.test_kernels_gguf_host import gguf_matrix
+from tests.test_kernels_gguf_host import gguf_matrix, variant_flags
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
@@ -125,9 +125,7 @@ def test_gguf_matvec(qtype, n, k, tokens):
     q = gguf_matrix(RNG, (n, k), qtype.split()[0])
     x = arr(RNG.standard_normal((tokens, k)) * 2, mx.bfloat16)
     assert mv.kernel_supports(x, q)
-    with flags.override(kernel_gguf_q8_pairs=qtype.endswith("pairs"), kernel_gguf_wide=qtype.endswith(("wide", "halves", "hsub")),
-                        kernel_gguf_halves=qtype.endswith("halves"), kernel_gguf_q8_hsub=qtype.endswith("hsub"),
-                        kernel_gguf_dp4a=qtype.endswith("dp4a")):
+    with flags.override(**variant_flags(qtype)):
         got = f32(mv.quantized_matvec(x, q, True))
     want = f32(mv.matvec_reference(x, q, True))
     # both round an fp32 sum to bf16: one bf16 step apart at most, a few ulps of cancellation

@@ -536,7 +536,7 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   SHARED float picked_w[K];
   if (warp == 0 && slot < K)   // the shared expert's threadgroups need no route
     route_token<E, K, NORM, BUTTERFLY>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
-                            picked_ids, picked_w);""", "SELECT_EXPERT": r"""
+                                       picked_ids, picked_w);""", "SELECT_EXPERT": r"""
   const int expert = slot < K ? picked_ids[slot] : 0;
   const float route = slot < K ? picked_w[slot] : 1.0f;
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
@@ -564,6 +564,10 @@ def _down_shape():
     return [("ROWS", ROWS_DOWN), ("LANES", LANES_DOWN)]
 
 
+# The routed launches' router template values in the compile gates' instances (V4.1's 384 experts).
+_ROUTING_CHECK = [("E", 384), ("NORM", True), ("BUTTERFLY", False)]
+
+
 def _check_instances(stage):
     """(mode, bits, group_size, scale dtype) pairs the offline compile gates instantiate."""
     variants = [(("mxfp4", 4, 32, mx.uint8), ("mxfp8", 8, 32, mx.uint8)),
@@ -582,7 +586,7 @@ def _check_instances(stage):
             out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
         elif stage == "routed_gate_up":
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True), ("BUTTERFLY", False)])))
+            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + _ROUTING_CHECK)))
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
@@ -607,7 +611,7 @@ def _mma_checks(routed: bool, mats: tuple = (mx.uint32, mx.uint8, mx.uint8) * 4,
     tmpl = experts_mma.template(common or experts_mma.check_template(), True, 2304, 5120)
     if routed:
         ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-        return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + [("E", 384), ("NORM", True), ("BUTTERFLY", False)])),)
+        return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + _ROUTING_CHECK)),)
     return (((mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats, (mx.bfloat16,), tuple(tmpl)),)
 
 
@@ -665,7 +669,7 @@ def _gguf_checks(stage):
             out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
         elif stage == "routed_gate_up":
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + [("E", 384), ("NORM", True), ("BUTTERFLY", False)])))
+            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + _ROUTING_CHECK)))
         else:
             rows, lanes = GGUF_DOWN_SHAPES[routed]
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):

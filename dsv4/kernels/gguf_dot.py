@@ -247,7 +247,8 @@ template <> struct GgufUnit<11> {   // Q4_K
   template <bool SMALL> KFN float codes_dot8(int c, LOCAL const float* x, float x_sum) const {
     float v[8];
     codes8<SMALL>(c, v);
-    return scale[c / 4] * chunk_dot8(v, x) - low[c / 4] * x_sum;
+    const float2 m = scales8(c);
+    return m.x * chunk_dot8(v, x) - m.y * x_sum;
   }
   template <typename PT> KFN void values8(int c, LOCAL float* v, PT tables) const { codes8<false>(c, v); }
   template <typename PT> KFN float dot8(int c, LOCAL const float* x, float x_sum, PT tables) const {
@@ -471,8 +472,8 @@ KFN float pack_part(const LOCAL U& a, int h, float sx, LOCAL const int* l, PX x,
                  : a.int_scale(h) * sx * (float)XInts::join(l);
 }
 
-// rows_dot's two loops: over x as floats (XChunk<XS>, a unit's dot8), or as X_INTS limbs (a unit of
-// one pack, its idot8 sums converted once a unit).
+// rows_dot's two loops: over x as floats (XChunk<XS>, a unit's dot8), or as X_INTS limbs (a unit a
+// pack at a time, its limbs_dot8 sums converted once a pack by pack_part).
 template <bool INTS> struct RowsDot;
 
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
