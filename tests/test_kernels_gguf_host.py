@@ -316,23 +316,25 @@ def matvec_body(tmp_path, rng, q, n, k, groups=1):
     check_product(run_matvec(tmp_path, q, x, *mv.work_split(n, k, q.block_values, groups)), x, q)
 
 
-@pytest.mark.parametrize("variant,n,k,tokens,groups", [
-    ("Q8_0", 40, 1280, 2, 1),           # 40 packs: a segment of 32, then 8 (lanes 8.. idle)
-    ("Q8_0 hsub", 4100, 64, 4, 1),      # 2 rows a lane group; the last threadgroup clamps
-    ("Q8_0 pairs", 40, 512, 3, 1),      # units of two blocks: 16 lanes a row
-    ("Q4_K", 37, 1024, 3, 1),           # 16 lanes a row
-    ("Q4_K halves", 37, 1024, 6, 1),
-    ("Q2_K wide", 45, 2304, 6, 1),      # 8 lanes a row; V4.1's down width: segments of 8, 8 and 2 units
-    ("Q2_K halves", 45, 2304, 2, 1),
-    ("IQ2_XXS", 64, 768, 5, 1),
-    ("IQ2_XXS halves", 33, 256, 4, 1),  # rows of one block, at every 2-byte phase
-    ("Q8_0 dp4a", 40, 512, 6, 1),       # the integer units over every token's limbs
-    ("IQ2_XXS dp4a", 33, 256, 3, 1),
-    ("Q4_K dp4a", 37, 1024, 5, 1),      # 16 lanes a row, two packs a unit
-    ("Q8_0 hsub", 4096, 64, 3, 8),      # V4.1's grouped wo_a: 8 groups, here of 512 rows
-    ("Q8_0 dp4a", 64, 512, 2, 4),
+# rows: a lane group's, as mv.tokens_rows gives them (2 from TOKENS_ROWS2_MIN rows, here on fewer
+# rows: the emulator's time grows with n).
+@pytest.mark.parametrize("variant,n,k,tokens,groups,rows", [
+    ("Q8_0", 40, 1280, 2, 1, 1),           # 40 packs: a segment of 32, then 8 (lanes 8.. idle)
+    ("Q8_0 hsub", 68, 64, 4, 1, 2),        # 2 rows a lane group; the last threadgroup clamps
+    ("Q8_0 pairs", 40, 512, 3, 1, 1),      # units of two blocks: 16 lanes a row
+    ("Q4_K", 37, 1024, 3, 1, 1),           # 16 lanes a row
+    ("Q4_K halves", 37, 1024, 6, 1, 1),
+    ("Q2_K wide", 45, 2304, 6, 1, 1),      # 8 lanes a row; V4.1's down width: segments of 8, 8 and 2 units
+    ("Q2_K halves", 45, 2304, 2, 1, 1),
+    ("IQ2_XXS", 64, 768, 5, 1, 1),
+    ("IQ2_XXS halves", 33, 256, 4, 1, 1),  # rows of one block, at every 2-byte phase
+    ("Q8_0 dp4a", 40, 512, 6, 1, 1),       # the integer units over every token's limbs
+    ("IQ2_XXS dp4a", 33, 256, 3, 1, 1),
+    ("Q4_K dp4a", 37, 1024, 5, 1, 1),      # 16 lanes a row, two packs a unit
+    ("Q8_0 hsub", 256, 64, 3, 8, 2),       # V4.1's grouped wo_a: 8 groups, here of 32 rows
+    ("Q8_0 dp4a", 64, 512, 2, 4, 1),
 ])
-def test_gguf_tokens_matvec_body_on_the_host(tmp_path, variant, n, k, tokens, groups):
+def test_gguf_tokens_matvec_body_on_the_host(tmp_path, variant, n, k, tokens, groups, rows):
     """DSV4_KERNEL_MATVEC_TOKENS over GGUF rows, each unit decoded once for every token: within the
     fp32 bound of the float64 product, and where a unit is one pack of x (a lane a unit of the
     segment, as the one-token body's lanes at SPLIT 1), equal to that body's outputs bit for bit."""
@@ -343,7 +345,8 @@ def test_gguf_tokens_matvec_body_on_the_host(tmp_path, variant, n, k, tokens, gr
             assert mv.tokens_applies(q, tokens, groups, q.integer)
         x = (rng.standard_normal((tokens, groups, k)) * 2).astype(np.float32)
         lanes = mv.tokens_lanes(q, q.integer)
-        got = run_matvec(tmp_path, q, x, 1, mv.tokens_rows(n, lanes), tokens_launch=True)
+        assert rows == 1 or mv.tokens_rows(mv.TOKENS_ROWS2_MIN, lanes) == rows
+        got = run_matvec(tmp_path, q, x, 1, rows, tokens_launch=True)
         check_product(got, x, q)
         assert (lanes == 32) == (q.unit_values(q.integer) == 32)
         if lanes == 32:

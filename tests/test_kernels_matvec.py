@@ -141,38 +141,39 @@ def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
         assert n >= mv.IN_FLIGHT_ROWS / 2, "small n with K divisible should split"
 
 
-@pytest.mark.parametrize("n,k,mode,bits,gs,act_quant,tokens", [
-    (37, 1280, "mxfp8", 8, 32, True, 2),      # 40 packs: a segment of 32, then 8 (lanes 8.. idle)
-    (40, 512, "mxfp4", 4, 32, False, mv.MAX_TOKS),
-    (33, 128, "affine", 3, 64, True, 3),      # 3-bit words straddling packs, x's sums per pack
-    (4100, 64, "mxfp8", 8, 32, True, 4),      # 2 rows a SIMD group; the last threadgroup clamps
+# rows: a SIMD group's, as mv.tokens_rows gives them (2 from TOKENS_ROWS2_MIN rows, here on fewer
+# rows: the emulator's time grows with n).
+@pytest.mark.parametrize("n,k,mode,bits,gs,act_quant,tokens,rows", [
+    (37, 1280, "mxfp8", 8, 32, True, 2, 1),      # 40 packs: a segment of 32, then 8 (lanes 8.. idle)
+    (40, 512, "mxfp4", 4, 32, False, mv.MAX_TOKS, 1),
+    (33, 128, "affine", 3, 64, True, 3, 1),      # 3-bit words straddling packs, x's sums per pack
+    (68, 64, "mxfp8", 8, 32, True, 4, 2),        # 2 rows a SIMD group; the last threadgroup clamps
 ])
-def test_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, mode, bits, gs, act_quant, tokens):
+def test_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, mode, bits, gs, act_quant, tokens, rows):
     """DSV4_KERNEL_MATVEC_TOKENS' body on the host: every token's outputs equal, bit for bit, the
     one-token body's at SPLIT 1 (each row's packs in the same order per lane, each weight decoded
     once for all the tokens), and lie within the fp32 bound of the float64 product."""
     rng = np.random.default_rng()
     q = quantized(rng, (n, k), mode, bits, gs, mx.float32)
     x = inputs(rng, tokens, k)
-    got = emulated_kernel(tmp_path, q, x, act_quant, 1, mv.tokens_rows(n), tokens_launch=True)
+    got = emulated_kernel(tmp_path, q, x, act_quant, 1, rows, tokens_launch=True)
     np.testing.assert_array_equal(got, emulated_kernel(tmp_path, q, x, act_quant, 1, 1))
     xin = (ref_qdq_fp8(x) if act_quant else x).astype(np.float64)
     want, mag = xin @ dequantize_np(q).T, np.abs(xin) @ np.abs(dequantize_np(q)).T
     assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
 
 
-@pytest.mark.parametrize("n,k,groups,tokens", [
-    (64, 256, 4, 3),      # 4 groups of 16 rows: 2 threadgroups a group
-    (8192, 64, 8, 5),     # V4.1's wo_a rows (8 groups of 1024) at 2 rows a SIMD group
+@pytest.mark.parametrize("n,k,groups,tokens,rows", [
+    (64, 256, 4, 3, 1),      # 4 groups of 16 rows: 2 threadgroups a group
+    (256, 64, 8, 5, 2),      # V4.1's wo_a's 8 groups (of 1024 rows there) at 2 rows a SIMD group
 ])
-def test_grouped_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, groups, tokens):
+def test_grouped_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, groups, tokens, rows):
     """A grouped projection of MLX's packs (V4.1's wo_a, without the input's rounding) through the
     multi-token body: each threadgroup copies its group's x, and the outputs equal the grouped
     one-token body's at SPLIT 1 bit for bit, within the fp32 bound of the float64 product."""
     rng = np.random.default_rng()
     q = quantized(rng, (n, k), "mxfp8", 8, 32, mx.float32)
     x = np.stack([inputs(rng, groups, k) for _ in range(tokens)])                 # [tokens, G, K]
-    rows = mv.tokens_rows(n)
     assert mv.grouped_fits(n, groups, 1, rows) and mv.grouped_fits(n, groups, 1, 1)
     got = emulated_kernel(tmp_path, q, x, False, 1, rows, tokens_launch=True, groups=groups)
     np.testing.assert_array_equal(got, emulated_kernel(tmp_path, q, x, False, 1, 1, groups=groups))
