@@ -305,15 +305,6 @@ define("kernel_router", True,
        "MoE router for 1-8 tokens: the gate product from the bf16 input and weight in one GPU "
        "launch (the head kernel's; no fp32 cast or copy), then sqrt-softplus scores, biased top-k "
        "and the normalized weights in one more (~8 launches otherwise); off runs the plain-MLX ops")
-define("kernel_router_butterfly", False,
-       "the router's top-k (its own launch, and inside the experts kernel with DSV4_KERNEL_MOE_ROUTE) "
-       "picks each expert by one SIMD butterfly over (key, id, score), five steps of three independent "
-       "shuffles, where the max of the keys, then the min of the ids holding it, then a shuffle of the "
-       "winner's score make eleven dependent steps: the same experts (dsv4/kernels/router.py; its "
-       "host test runs both). The fused router tail cost 12-18 us a call at one token on the H200 "
-       "(benchmarks/results/2026-12-04-2000-decode-tokens-cost.md), run ahead of every threadgroup's "
-       "work; statically 2279 against 2004 SASS instructions, 90 against 66 shuffles, for ~half the "
-       "dependent latency a round. Off (default) until the H200 measures it")
 define("kernel_moe_route", True,
        "the router's tail (scores, biased top-k, weights) inside the fused experts kernel's "
        "gate/up launch instead of a launch of its own (needs kernel_moe and kernel_router); "

@@ -41,14 +41,13 @@ def by_id(ids, weights):
     (256, 512, 8, 3, True, 0.7, 1.0),      # the bias decides the selection
     (13, 64, 1, 5, False, 1.0, 0.0),       # odd expert count, k = 1, no normalisation
 ])
-@pytest.mark.parametrize("butterfly", [False, True])   # DSV4_KERNEL_ROUTER_BUTTERFLY
-def test_router_kernel_matches_the_plain_ops(experts, hidden, k, tokens, norm, temp, bias_scale, butterfly):
+def test_router_kernel_matches_the_plain_ops(experts, hidden, k, tokens, norm, temp, bias_scale):
     assert backend() is not None, "needs MLX's CUDA or Metal backend"
     rng = np.random.default_rng()
     r = make_router(rng, experts, hidden, k, norm, temp, bias_scale)
     x = mx.array(rng.standard_normal((tokens, hidden)).astype(np.float32) * 3).astype(mx.bfloat16)
     assert router.kernel_applies(mx.zeros((tokens, experts)), k)
-    with poisoned_outputs(), flags.override(kernel_router_butterfly=butterfly):
+    with poisoned_outputs():
         got = by_id(*r(x))
     with flags.override(kernel_router=False):
         want = by_id(*r(x))

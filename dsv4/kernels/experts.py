@@ -40,7 +40,6 @@ from dsv4.kernels.mhc import hc_expand
 from dsv4.kernels.router import HEADER as ROUTER_HEADER
 from dsv4.kernels.router import kernel_applies as route_kernel_applies
 from dsv4.kernels.router import route
-from dsv4.kernels.router import selection_template as router_selection
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
@@ -535,8 +534,8 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   SHARED int picked_ids[K];
   SHARED float picked_w[K];
   if (warp == 0 && slot < K)   // the shared expert's threadgroups need no route
-    route_token<E, K, NORM, BUTTERFLY>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
-                                       picked_ids, picked_w);""", "SELECT_EXPERT": r"""
+    route_token<E, K, NORM>(logits + (size_t)t * E, bias, rparams[0], rparams[1], lane,
+                            picked_ids, picked_w);""", "SELECT_EXPERT": r"""
   const int expert = slot < K ? picked_ids[slot] : 0;
   const float route = slot < K ? picked_w[slot] : 1.0f;
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
@@ -565,7 +564,7 @@ def _down_shape():
 
 
 # The routed launches' router template values in the compile gates' instances (V4.1's 384 experts).
-_ROUTING_CHECK = [("E", 384), ("NORM", True), ("BUTTERFLY", False)]
+_ROUTING_CHECK = [("E", 384), ("NORM", True)]
 
 
 def _check_instances(stage):
@@ -840,7 +839,7 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     return tuple(routed_kernel(
         inputs=[x, logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32),
                 constant((float(temp), float(scale))), constant((float(swiglu_limit),))] + matrices,
-        template=template + [("E", logits.shape[-1]), ("NORM", bool(norm))] + router_selection(), **launch))
+        template=template + [("E", logits.shape[-1]), ("NORM", bool(norm))], **launch))
 
 
 def down_kernel(h, indices, down, s_down=None, expand=None):

@@ -36,11 +36,8 @@ KFN float log1p_small(float e) {
 
 // The router's tail for one token, by one SIMD group (every lane calls it): lane l holds
 // experts l + 32 j; each of the K rounds is a SIMD argmax. Lane 0 writes ids[r] and
-// weights[r] in pick order. `row` holds the token's E fp32 logits. BUTTERFLY
-// (DSV4_KERNEL_ROUTER_BUTTERFLY): each argmax is one butterfly of (key, id, score) triples, five
-// steps of three independent shuffles, where the max of the keys, the min of the ids holding it
-// and the winner's score take eleven dependent ones; the same winner.
-template <int E, int K, bool NORM, bool BUTTERFLY, typename PL, typename PB, typename PI, typename PW>
+// weights[r] in pick order. `row` holds the token's E fp32 logits.
+template <int E, int K, bool NORM, typename PL, typename PB, typename PI, typename PW>
 KFN void route_token(PL row, PB bias, float temp, float scale, uint32_t lane, PI ids, PW weights) {
   constexpr int PER = (E + 31) / 32;
   float score[PER], key[PER];
@@ -63,27 +60,12 @@ KFN void route_token(PL row, PB bias, float temp, float scale, uint32_t lane, PI
     int best_j = 0;
     for (int j = 0; j < PER; ++j)
       if (key[j] > best) { best = key[j]; best_j = j; best_score = score[j]; }
-    // ids as floats (exact below 2^24)
-    int winner;
-    if (BUTTERFLY) {   // the largest key, the smallest id among equal keys, in every lane
-      float best_id = (float)((int)lane + 32 * best_j);
-      for (int o = 16; o > 0; o >>= 1) {
-        const float other = simd_xor_f(best, o), other_id = simd_xor_f(best_id, o), other_score = simd_xor_f(best_score, o);
-        if (other > best || (other == best && other_id < best_id)) {
-          best = other;
-          best_id = other_id;
-          best_score = other_score;
-        }
-      }
-      winner = (int)best_id;
-      picked[r] = best_score;
-    } else {           // the top key, then the smallest id among the lanes holding it, then its score
-      const float top = simd_max_f(best);
-      const float mine = best == top ? (float)((int)lane + 32 * best_j) : 1.0e9f;
-      winner = (int)(-simd_max_f(-mine));
-      picked[r] = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(best_score), winner % 32));
-    }
+    const float top = simd_max_f(best);
+    // Smallest id among the lanes holding the top key (ids < 2^24 are exact in fp32).
+    const float mine = best == top ? (float)((int)lane + 32 * best_j) : 1.0e9f;
+    const int winner = (int)(-simd_max_f(-mine));
     const int owner = winner % 32;
+    picked[r] = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(best_score), owner));
     if ((int)lane == owner) key[winner / 32] = -INFINITY;
     if (lane == 0) ids[r] = winner;
     total += picked[r];
@@ -98,23 +80,19 @@ KFN void route_token(PL row, PB bias, float temp, float scale, uint32_t lane, PI
 _BODY = r"""
   // grid (32, tokens, 1), threadgroup 32: one SIMD group per token.
   const int t = group_y;
-  route_token<E, K, NORM, BUTTERFLY>(logits + (size_t)t * E, bias, params[0], params[1], lane, ids + t * K,
-                                     weights + t * K);
+  route_token<E, K, NORM>(logits + (size_t)t * E, bias, params[0], params[1], lane, ids + t * K,
+                          weights + t * K);
 """
 
 ROUTER_KERNEL = Kernel(
     name="dsv4_router_topk", input_names=("logits", "bias", "params"), output_names=("ids", "weights"),
     body=_BODY, header=HEADER,
-    checks=tuple(((mx.float32, mx.float32, mx.float32), (mx.int32, mx.float32),
-                  (("E", e), ("K", k), ("NORM", norm), ("BUTTERFLY", butterfly)))
-                 for e, k, norm in ((384, 6, True), (13, 1, False)) for butterfly in (False, True)))
+    checks=(((mx.float32, mx.float32, mx.float32), (mx.int32, mx.float32),
+             (("E", 384), ("K", 6), ("NORM", True))),
+            ((mx.float32, mx.float32, mx.float32), (mx.int32, mx.float32),
+             (("E", 13), ("K", 1), ("NORM", False)))))
 
 MAX_EXPERTS = 32 * 64   # registers per lane: E/32 scores and keys
-
-
-def selection_template() -> list:
-    """The template value of every launch that runs route_token: its SIMD argmax."""
-    return [("BUTTERFLY", bool(flags.get("kernel_router_butterfly")))]
 
 
 def kernel_applies(logits: mx.array, k: int) -> bool:
@@ -142,8 +120,7 @@ def route_kernel(logits: mx.array, bias: mx.array, k: int, temp: float, scale: f
     ids, weights = ROUTER_KERNEL(
         inputs=[logits, bias if bias.dtype == mx.float32 else bias.astype(mx.float32), constant((float(temp), float(scale)))],
         output_shapes=[(n, k), (n, k)], output_dtypes=[mx.int32, mx.float32],
-        grid=(32, n, 1), threadgroup=(32, 1, 1),
-        template=[("E", e), ("K", k), ("NORM", bool(norm))] + selection_template())
+        grid=(32, n, 1), threadgroup=(32, 1, 1), template=[("E", e), ("K", k), ("NORM", bool(norm))])
     return ids, weights
 
 
