@@ -1,6 +1,7 @@
 """Where one fixed-shape decode step's time goes: host encode vs GPU, and GPU time per kernel.
 
-    python -m benchmarks.step_profile [--small] [--context 512] [--kernels] [--verify N] [--out DIR]
+    python -m benchmarks.step_profile [--small] [--context 512] [--kernels] [--verify N | --propose K]
+                                      [--out DIR]
 
 On the shape-true slice of benchmarks/slice_decode.py (or `--small`), after a prefill and a
 warm-up, with the decode loop's run-ahead (one step in flight):
@@ -18,6 +19,9 @@ warm-up, with the decode loop's run-ahead (one step in flight):
   slice with draft stages (benchmarks/speculative_steps.py), FixedDecoder.feed of N tokens with
   the draft stages' inputs, as speculative.Target runs it, rewound after each; the split then
   has no run-ahead (a verify's rows are read before the next is built): encode, then the GPU.
+- `--propose K`: the same for DSpark's fixed-shape propose of K drafts (dsv4/draft_step.py
+  FixedDraft.propose, greedy: the draft block through the three stages, the head, the Markov
+  head between the K picks) over the draft window a prefill seeded; encode, then the GPU.
 
 Writes a dated Markdown report under --out (default benchmarks/results/).
 """
@@ -39,6 +43,7 @@ from datetime import datetime
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
@@ -112,6 +117,41 @@ def verify_split(model, context: int, n: int, steps: int) -> dict:
     return {"encode": encode, "run": run, "verify": encode + run}
 
 
+def proposer_after_prefill(model, context: int):
+    """(FixedDraft over the draft window a prefilled context seeded, greedy propose(token, k))."""
+    from dsv4.draft_step import FixedDraft
+    from dsv4.generation import prefill
+    from dsv4.sampling import LogitAdjustment, Sampling
+
+    ids = np.random.default_rng(context).integers(7, model.args.vocab_size, (1, context))
+    cache, window = model.make_cache(), model.draft.make_cache()
+    token = int(mx.argmax(prefill(model, ids, cache, draft_cache=window), axis=-1).item())
+    greedy = Sampling()
+    fixed, adjust = FixedDraft(model, window), LogitAdjustment(greedy, model.args.vocab_size)
+    return fixed, lambda k: fixed.propose(token, k, adjust, greedy)
+
+
+def proposal_arrays(proposal) -> list:
+    return [a for a in (proposal.drafts, proposal.q_logits, proposal.confidence) if a is not None]
+
+
+def propose_split(model, context: int, k: int, steps: int) -> dict:
+    """Median ms of one fixed-shape propose of k drafts: encode (host), then the GPU's run."""
+    fixed, propose = proposer_after_prefill(model, context)
+    alone = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = proposal_arrays(propose(k))
+        mx.async_eval(out)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        alone.append((t1 - t0, time.perf_counter() - t1))
+    fixed.close()
+    ms = lambda v: 1e3 * statistics.median(v)
+    encode, run = ms([a for a, _ in alone]), ms([b for _, b in alone])
+    return {"propose": encode + run, "encode": encode, "run": run}
+
+
 def kernel_family(name: str) -> str:
     """A readable family name: dsv4 kernels without their template suffix, MLX kernels
     without their arguments."""
@@ -147,18 +187,23 @@ def ncu_path() -> str | None:
     return shutil.which("ncu") or (cuda_ncu if os.path.exists(cuda_ncu) else None)
 
 
-def profiled_step(model, context: int, verify: int = 0) -> None:
-    """One step (or one verify of `verify` positions) between cuProfilerStart/Stop (what
-    `ncu --profile-from-start off` records)."""
+def profiled_step(model, context: int, verify: int = 0, propose: int = 0) -> None:
+    """One step (or one verify of `verify` positions, or one propose of `propose` drafts) between
+    cuProfilerStart/Stop (what `ncu --profile-from-start off` records)."""
     import ctypes
 
     cuda = ctypes.CDLL("libcuda.so.1")
-    cache, step, y = decoder_after_prefill(model, context)
-    if verify:
-        tokens = mx.broadcast_to(y.astype(mx.int32).reshape(1, 1), (1, verify))
-        run = lambda: (mx.eval(step.feed(tokens, hidden=True)), step.rewind(verify))
+    if propose:
+        fixed, make = proposer_after_prefill(model, context)
+        run, done = lambda: mx.eval(proposal_arrays(make(propose))), fixed.close
     else:
-        run = lambda: mx.eval(mx.argmax(step(y), axis=-1))
+        cache, step, y = decoder_after_prefill(model, context)
+        done = lambda: step.close(cache.offset)
+        if verify:
+            tokens = mx.broadcast_to(y.astype(mx.int32).reshape(1, 1), (1, verify))
+            run = lambda: (mx.eval(step.feed(tokens, hidden=True)), step.rewind(verify))
+        else:
+            run = lambda: mx.eval(mx.argmax(step(y), axis=-1))
     for _ in range(6):                       # kernels built, graphs traced and cached
         run()
     mx.synchronize()
@@ -166,7 +211,12 @@ def profiled_step(model, context: int, verify: int = 0) -> None:
     run()
     mx.synchronize()
     cuda.cuProfilerStop()
-    step.close(cache.offset)
+    done()
+
+
+def profiled_what(a) -> str:
+    return (f"a propose of {a.propose} drafts" if a.propose else f"a verify of {a.verify} positions"
+            if a.verify else "one step")
 
 
 def kernel_table(a) -> list[str]:
@@ -177,7 +227,7 @@ def kernel_table(a) -> list[str]:
         return ["", "--kernels: no ncu found; kernel table skipped."]
     cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable,
            "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context),
-           "--verify", str(a.verify)]
+           "--verify", str(a.verify), "--propose", str(a.propose)]
     out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
     rows = summarize_ncu(out.stdout)
     if not rows:
@@ -185,7 +235,7 @@ def kernel_table(a) -> list[str]:
         print((out.stdout + out.stderr)[-3000:], file=sys.stderr)
         return ["", f"--kernels: ncu recorded no kernels (exit status {out.returncode}): {tail[0]}"]
     total = sum(t for _, _, t, _ in rows)
-    return ["", f"Kernels of {'one verify' if a.verify else 'one step'} under ncu: "
+    return ["", f"Kernels of {profiled_what(a)} under ncu: "
             f"{sum(c for _, c, _, _ in rows)} launches, {total:.0f} µs of GPU time at ncu's locked clocks.", "",
             "| kernel | launches | µs | share | DRAM MB read | TB/s |", "|---|---|---|---|---|---|",
             *[f"| `{n}` | {c} | {t:.1f} | {100 * t / total:.1f}% | {b / 1e6:.2f} | "
@@ -199,6 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kernels", action="store_true", help="also profile one step's kernels under ncu")
     p.add_argument("--verify", type=int, default=0, help="profile a verify of N positions instead")
+    p.add_argument("--propose", type=int, default=0, help="profile a fixed propose of K drafts instead")
     p.add_argument("--profiled-step", action="store_true", help=argparse.SUPPRESS)   # the run under ncu
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
@@ -212,32 +263,41 @@ def main(argv=None) -> int:
     kernel_lines = kernel_table(a) if a.kernels and not a.profiled_step else []
     config = {**(SMALL if a.small else REAL), **ROLES}
     model, _, _ = build(config)
-    if a.verify:
+    if a.verify and a.propose:
+        p.error("--verify and --propose: one at a time")
+    if a.verify or a.propose:
         from benchmarks.speculative_steps import DRAFT, DRAFT_SMALL, with_draft
 
         with_draft(model, {**config, **(DRAFT_SMALL if a.small else DRAFT)})
-    with flags.override(fixed_decode="on"):
+    with flags.override(fixed_decode="on", fixed_propose="on"):
         if a.profiled_step:
-            profiled_step(model, a.context, a.verify)
+            profiled_step(model, a.context, a.verify, a.propose)
             return 0
-        measure = (lambda c, s: verify_split(model, c, a.verify, s)) if a.verify else (lambda c, s: split(model, c, s))
+        if a.propose:
+            measure = lambda c, s: propose_split(model, c, a.propose, s)
+        elif a.verify:
+            measure = lambda c, s: verify_split(model, c, a.verify, s)
+        else:
+            measure = lambda c, s: split(model, c, s)
         measure(64, 4)                       # warm-up: kernel builds, traces
         runs = [measure(a.context, a.steps) for _ in range(3)]
     when = datetime.now()
-    what = f"a verify of {a.verify} positions" if a.verify else "Decode step"
-    lines = [f"# {what.capitalize()} profile: {'toy-width' if a.small else 'shape-true'} V4.1 slice", "",
+    what = profiled_what(a) if a.verify or a.propose else "decode step"
+    lines = [f"# {what[0].upper() + what[1:]} profile: {'toy-width' if a.small else 'shape-true'} V4.1 slice", "",
              f"{when:%Y-%m-%d %H:%M}; context {a.context}, {a.steps} steps per run, 3 runs "
              "(medians per step, ms).", ""]
-    columns = (("verify", "encode", "run") if a.verify else
+    first = "propose" if a.propose else "verify" if a.verify else None
+    columns = ((first, "encode", "run") if first else
                ("loop", "encode", "wait", "chained", "alone encode", "alone run"))
-    lines += (["| run | verify | encode (host) | GPU after encode |", "|---|---|---|---|"] if a.verify else
+    lines += ([f"| run | {first} | encode (host) | GPU after encode |", "|---|---|---|---|"] if first else
               ["| run | loop step | encode (host) | wait for token | chained | alone: encode | alone: GPU after encode |",
                "|---|---|---|---|---|---|---|"])
     for i, r in enumerate(runs):
         lines.append(f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}" for k in columns) + " |")
     lines += kernel_lines
     lines += ["", to_markdown(describe())]
-    tag = (f"-verify{a.verify}" if a.verify else "") + ("-small" if a.small else "")
+    tag = (f"-verify{a.verify}" if a.verify else "") + (f"-propose{a.propose}" if a.propose else "") + \
+        ("-small" if a.small else "")
     write_dated(a.out, when, f"step-profile{tag}", lines)
     return 0
 

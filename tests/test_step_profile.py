@@ -33,3 +33,30 @@ def test_summary_sums_launches_time_and_bytes_per_family():
 
 def test_summary_of_output_without_a_table_is_empty():
     assert summarize_ncu("==PROF== no kernels were profiled") == []
+
+
+def test_the_profiled_propose_drafts_what_the_reference_propose_drafts():
+    """--propose K times FixedDraft.propose over the window a prefill seeded: its drafts are those
+    of the op-by-op propose from the same window (the toy-width slice, greedy)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from benchmarks.slice_decode import ROLES, SMALL, build
+    from benchmarks.speculative_steps import DRAFT_SMALL, with_draft
+    from benchmarks.step_profile import proposal_arrays, proposer_after_prefill
+    from dsv4.generation import prefill
+    from dsv4.sampling import LogitAdjustment, Sampling
+    from dsv4.speculative import propose
+
+    config = {**SMALL, **ROLES}
+    model, _, _ = build(config)
+    with_draft(model, {**config, **DRAFT_SMALL})
+    fixed, make = proposer_after_prefill(model, 48)
+    got = proposal_arrays(make(3))[0]
+    fixed.close()
+    ids = np.random.default_rng(48).integers(7, model.args.vocab_size, (1, 48))
+    cache, window = model.make_cache(), model.draft.make_cache()
+    token = int(mx.argmax(prefill(model, ids, cache, draft_cache=window), axis=-1).item())
+    greedy = Sampling()
+    want = propose(model, window, token, 3, LogitAdjustment(greedy, model.args.vocab_size), greedy).drafts
+    assert got.shape == (3,) and np.array_equal(np.array(got), np.array(want))
