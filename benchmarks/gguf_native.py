@@ -300,9 +300,10 @@ def main(argv=None) -> int:
         flags_same = ", ".join(f"{v}: {'yes' if ok else 'no'}" for v, ok in same.items())
         lines.append(f"| {shape} | {t_count} | {nbytes / 1e6:.1f} | {cells} | {flags_same} |")
         print(lines[-1], flush=True)
-    lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
-              "| recipe | path | tokens/s |", "|---|---|---|"]
-    lines += [f"| {n} | {label} | {tps:.0f} |" for n, label, tps in prefill]
+    if prefill:   # none with --no-prefill
+        lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
+                  "| recipe | path | tokens/s |", "|---|---|---|"]
+        lines += [f"| {n} | {label} | {tps:.0f} |" for n, label, tps in prefill]
     by = {(n, label): tps for n, label, tps in prefill}
     for n in ("q2", "q4"):
         if (n, "gguf kernels") in by:
