@@ -51,14 +51,15 @@ def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
     subnormals (DSV4_KERNEL_GGUF_HALVES); "mma": q2's gate/up on tensor cores (DSV4_KERNEL_GGUF_MMA);
     "hsub": halves and the Q8_0 shared expert's int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); "dp4a":
-    hsub and q2's gate/up in the integer units where act_quant rounds x (DSV4_KERNEL_GGUF_DP4A)."""
+    hsub and the gate/up (q2's IQ2_XXS, q4's Q4_K) in the integer units where act_quant rounds x
+    (DSV4_KERNEL_GGUF_DP4A)."""
     with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "mma", "hsub", "dp4a"),
                         kernel_gguf_mma=wide == "mma", kernel_gguf_q8_hsub=wide in ("hsub", "dp4a"),
                         kernel_gguf_dp4a=wide == "dp4a"):
         gate, _, _, shared = experts
         x = mx.zeros((tokens, gate.in_features), mx.bfloat16)
         assert gguf_mma.applies(x, gate, shared[0]) == (wide == "mma" and gate.qtype == "IQ2_XXS")
-        assert ex.integer_units(gate, shared[0], act_quant) == (wide == "dp4a" and act_quant and gate.qtype == "IQ2_XXS")
+        assert ex.integer_units(gate, shared[0], act_quant) == (wide == "dp4a" and act_quant)
         experts_against_their_stages(experts, tokens, act_quant)
 
 

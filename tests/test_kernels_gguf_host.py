@@ -370,6 +370,19 @@ def test_gguf_tokens_launch_only_where_it_applies():
                 assert mv.tokens_applies(q8, 5, integer=True)
 
 
+def test_integer_units_by_default_only_where_the_h200_measured_them_faster():
+    """DSV4_KERNEL_GGUF_DP4A auto: under CUDA Q4_K and Q8_0 take the integer units, IQ2_XXS keeps
+    its halves unit (so ds4's q2 gate/up launch, IQ2_XXS with a Q8_0 shared expert, is not integer
+    and q4's is); Metal none; on: every type that has one; and never without act_quant."""
+    rng = np.random.default_rng()
+    q2, q4, q8 = (gguf_matrix(rng, (256, 256), t) for t in ("IQ2_XXS", "Q4_K", "Q8_0"))
+    for dialect, value, want in (("cuda", "auto", (False, True, True)), ("metal", "auto", (False, False, False)),
+                                 ("cuda", "on", (True, True, True)), ("cuda", "off", (False, False, False))):
+        with mock.patch.object(gguf_dot, "backend", return_value=dialect), flags.override(kernel_gguf_dp4a=value):
+            assert (q2.integer, q4.integer, q8.integer) == want, (dialect, value)
+            assert ex.integer_units(q2, q8, True) == want[0] and ex.integer_units(q4, q8, True) == want[1]
+            assert not ex.integer_units(q4, q8, False)
+
 def test_grouped_matvec_takes_whole_threadgroups_per_group():
     """A grouped launch only where each threadgroup's rows lie in one group: V4.1's wo_a (8 groups of
     1024 rows) takes it; groups of 3 rows (no split fits) and MLX's packs (gather_qmm's) do not."""

@@ -48,6 +48,8 @@ HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
 # The integer units (DSV4_KERNEL_GGUF_DP4A): with x fp8-rounded (act_quant) and copied as integer
 # limbs (experts.py's XStore<X_INTS>), exact integer dot products, DP4A four values at a time.
 INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29, "Q4_K": 30}
+# Those that take them by default under CUDA (the H200 measured IQ2_XXS's slower than its halves unit).
+DP4A_AUTO_TYPES = ("Q8_0", "Q4_K")
 # IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
 # grid's 256 x 8 bytes and the 128 sign bytes), where the integer unit's sign masks start (after
 # the pairs' 256 x 16 bytes), and the whole length (the masks: 128 x 16 bytes).
@@ -697,7 +699,8 @@ class GGUFMatrix:
     def integer(self) -> bool:
         """A type with an integer unit (DSV4_KERNEL_GGUF_DP4A); the launch decides whether it
         takes it (x must be fp8-rounded, and its other matrix integer too)."""
-        return self.qtype in INT_MODE_IDS and bool(flags.get("kernel_gguf_dp4a"))
+        return self.qtype in INT_MODE_IDS and flags.switch(
+            "kernel_gguf_dp4a", backend() == "cuda" and self.qtype in DP4A_AUTO_TYPES)
 
     def template(self, prefix: str = "", integer: bool = False) -> list:
         """MODE (the unit the switches pick; with `integer`, the integer unit), BITS, GS."""
