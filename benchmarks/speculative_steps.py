@@ -142,8 +142,8 @@ def measure(model, context: int, repeats: int, cycle_tokens: int) -> dict[str, l
     fixed = FixedDraft(model, copied(window))
     for k in range(1, args.dspark_block_size + 1):
         times.update(interleaved({
-            f"propose({k}) reference": lambda: mx.eval(_outputs(propose(model, window, token, k, adjust, greedy))),
-            f"propose({k}) fixed": lambda: mx.eval(_outputs(fixed.propose(token, k, adjust, greedy)))}, repeats))
+            f"propose({k}) reference": lambda: mx.eval(proposal_arrays(propose(model, window, token, k, adjust, greedy))),
+            f"propose({k}) fixed": lambda: mx.eval(proposal_arrays(fixed.propose(token, k, adjust, greedy)))}, repeats))
     for n in range(1, args.dspark_block_size + 2):
         hidden = verified[n]
 
@@ -186,7 +186,8 @@ def copied(window):
     return twin
 
 
-def _outputs(proposal) -> list:
+def proposal_arrays(proposal) -> list:
+    """What a propose computes on the device (the drafts, their q logits, the confidence)."""
     return [a for a in (proposal.drafts, proposal.q_logits, proposal.confidence) if a is not None]
 
 

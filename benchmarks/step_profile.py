@@ -97,24 +97,30 @@ def split(model, context: int, steps: int) -> dict:
             "alone encode": ms([a for a, _ in alone]), "alone run": ms([b for _, b in alone])}
 
 
+def encode_then_run(queue, steps: int, after=lambda: None) -> dict:
+    """Median ms of `steps` calls, one at a time: encode (host, up to queue() returning the
+    arrays it queued), then the GPU's remaining run; `after` follows each call."""
+    alone = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = queue()
+        mx.async_eval(out)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        alone.append((t1 - t0, time.perf_counter() - t1))
+        after()
+    ms = lambda v: 1e3 * statistics.median(v)
+    return {"encode": ms([a for a, _ in alone]), "run": ms([b for _, b in alone])}
+
+
 def verify_split(model, context: int, n: int, steps: int) -> dict:
     """Median ms of one n-position verify (feed with the draft stages' inputs, rewound after):
     encode (host, up to the queued step), then the GPU's remaining run."""
     cache, dec, y = decoder_after_prefill(model, context)
     tokens = mx.broadcast_to(y.astype(mx.int32).reshape(1, 1), (1, n))
-    alone = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        logits, hidden = dec.feed(tokens, hidden=True)
-        mx.async_eval(logits, hidden)
-        t1 = time.perf_counter()
-        mx.eval(logits, hidden)
-        alone.append((t1 - t0, time.perf_counter() - t1))
-        dec.rewind(n)
+    times = encode_then_run(lambda: list(dec.feed(tokens, hidden=True)), steps, lambda: dec.rewind(n))
     dec.close(cache.offset)
-    ms = lambda v: 1e3 * statistics.median(v)
-    encode, run = ms([a for a, _ in alone]), ms([b for _, b in alone])
-    return {"encode": encode, "run": run, "verify": encode + run}
+    return {"verify": times["encode"] + times["run"], **times}
 
 
 def proposer_after_prefill(model, context: int):
@@ -131,25 +137,14 @@ def proposer_after_prefill(model, context: int):
     return fixed, lambda k: fixed.propose(token, k, adjust, greedy)
 
 
-def proposal_arrays(proposal) -> list:
-    return [a for a in (proposal.drafts, proposal.q_logits, proposal.confidence) if a is not None]
-
-
 def propose_split(model, context: int, k: int, steps: int) -> dict:
     """Median ms of one fixed-shape propose of k drafts: encode (host), then the GPU's run."""
+    from benchmarks.speculative_steps import proposal_arrays
+
     fixed, propose = proposer_after_prefill(model, context)
-    alone = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = proposal_arrays(propose(k))
-        mx.async_eval(out)
-        t1 = time.perf_counter()
-        mx.eval(out)
-        alone.append((t1 - t0, time.perf_counter() - t1))
+    times = encode_then_run(lambda: proposal_arrays(propose(k)), steps)
     fixed.close()
-    ms = lambda v: 1e3 * statistics.median(v)
-    encode, run = ms([a for a, _ in alone]), ms([b for _, b in alone])
-    return {"propose": encode + run, "encode": encode, "run": run}
+    return {"propose": times["encode"] + times["run"], **times}
 
 
 def kernel_family(name: str) -> str:
@@ -194,6 +189,8 @@ def profiled_step(model, context: int, verify: int = 0, propose: int = 0) -> Non
 
     cuda = ctypes.CDLL("libcuda.so.1")
     if propose:
+        from benchmarks.speculative_steps import proposal_arrays
+
         fixed, make = proposer_after_prefill(model, context)
         run, done = lambda: mx.eval(proposal_arrays(make(propose))), fixed.close
     else:
@@ -253,6 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--profiled-step", action="store_true", help=argparse.SUPPRESS)   # the run under ncu
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
+    if a.verify and a.propose:
+        p.error("--verify and --propose: one at a time")
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build
@@ -263,8 +262,6 @@ def main(argv=None) -> int:
     kernel_lines = kernel_table(a) if a.kernels and not a.profiled_step else []
     config = {**(SMALL if a.small else REAL), **ROLES}
     model, _, _ = build(config)
-    if a.verify and a.propose:
-        p.error("--verify and --propose: one at a time")
     if a.verify or a.propose:
         from benchmarks.speculative_steps import DRAFT, DRAFT_SMALL, with_draft
 

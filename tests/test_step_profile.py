@@ -42,8 +42,8 @@ def test_the_profiled_propose_drafts_what_the_reference_propose_drafts():
     import numpy as np
 
     from benchmarks.slice_decode import ROLES, SMALL, build
-    from benchmarks.speculative_steps import DRAFT_SMALL, with_draft
-    from benchmarks.step_profile import proposal_arrays, proposer_after_prefill
+    from benchmarks.speculative_steps import DRAFT_SMALL, proposal_arrays, with_draft
+    from benchmarks.step_profile import proposer_after_prefill
     from dsv4.generation import prefill
     from dsv4.sampling import LogitAdjustment, Sampling
     from dsv4.speculative import propose
