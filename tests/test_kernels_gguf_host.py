@@ -383,6 +383,7 @@ def test_integer_units_by_default_only_where_the_h200_measured_them_faster():
             assert ex.integer_units(q2, q8, True) == want[0] and ex.integer_units(q4, q8, True) == want[1]
             assert not ex.integer_units(q4, q8, False)
 
+
 def test_grouped_matvec_takes_whole_threadgroups_per_group():
     """A grouped launch only where each threadgroup's rows lie in one group: V4.1's wo_a (8 groups of
     1024 rows) takes it; groups of 3 rows (no split fits) and MLX's packs (gather_qmm's) do not."""

@@ -156,6 +156,7 @@ def test_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, mode, bits, 
     rng = np.random.default_rng()
     q = quantized(rng, (n, k), mode, bits, gs, mx.float32)
     x = inputs(rng, tokens, k)
+    assert rows == 1 or mv.tokens_rows(mv.TOKENS_ROWS2_MIN) == rows
     got = emulated_kernel(tmp_path, q, x, act_quant, 1, rows, tokens_launch=True)
     np.testing.assert_array_equal(got, emulated_kernel(tmp_path, q, x, act_quant, 1, 1))
     xin = (ref_qdq_fp8(x) if act_quant else x).astype(np.float64)
@@ -174,6 +175,7 @@ def test_grouped_tokens_body_gives_the_one_token_bodys_sums(tmp_path, n, k, grou
     rng = np.random.default_rng()
     q = quantized(rng, (n, k), "mxfp8", 8, 32, mx.float32)
     x = np.stack([inputs(rng, groups, k) for _ in range(tokens)])                 # [tokens, G, K]
+    assert rows == 1 or mv.tokens_rows(mv.TOKENS_ROWS2_MIN) == rows
     assert mv.grouped_fits(n, groups, 1, rows) and mv.grouped_fits(n, groups, 1, 1)
     got = emulated_kernel(tmp_path, q, x, False, 1, rows, tokens_launch=True, groups=groups)
     np.testing.assert_array_equal(got, emulated_kernel(tmp_path, q, x, False, 1, 1, groups=groups))
