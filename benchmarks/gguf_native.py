@@ -94,7 +94,7 @@ def expert_bytes(m) -> float:
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
 _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
-                 kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False)
+                 kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
@@ -106,6 +106,8 @@ _HALVES = dict(VARIANTS["wide"], kernel_gguf_halves=True)
 EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES, mma=dict(_HALVES, kernel_gguf_mma=True),
                        **{"Q8_0 hsub": dict(_HALVES, kernel_gguf_q8_hsub=True),   # the experts' on the halves units
                           "dp4a": dict(_HALVES, kernel_gguf_q8_hsub=True, kernel_gguf_dp4a=True)})
+# dp4a with h handed to the down launch as limbs, which it reads in the integer units.
+EXPERT_VARIANTS["dp4a, down"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_dp4a_down=True)
 
 
 def under(switches: dict, fn):
@@ -126,13 +128,16 @@ def decode_rows(name, weights, tokens_list):
         perm = mx.random.permutation(E)[: tokens * K].reshape(tokens, K).astype(mx.int32)   # distinct experts
         w = mx.random.uniform(0.1, 1.0, (tokens, K))
         mx.eval(x, perm, w)
-        h, _ = ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)
-        mx.eval(h)
         runs, outputs = {}, {}
         for label, switches in variants.items():
+            with flags.override(**switches):   # h as this variant's down launch reads it (limbs or bf16)
+                limbs = ex.limbs_between(x, gate, shared[0], down, shared[2], True)
+                h = ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True, limbs=limbs)[0]
+            mx.eval(h)
             runs[f"{label} both"] = under(switches, lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True))
-            runs[f"{label} gate/up"] = under(switches, lambda: ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True)[0])
-            runs[f"{label} down"] = under(switches, lambda: ex.down_kernel(h, perm, down, shared[2]))
+            runs[f"{label} gate/up"] = under(switches, lambda limbs=limbs: ex.gate_up_kernel(
+                x, perm, w, gate, up, shared, 10.0, True, limbs=limbs)[0])
+            runs[f"{label} down"] = under(switches, lambda h=h: ex.down_kernel(h, perm, down, shared[2]))
             outputs[label] = runs[f"{label} both"]()
         t = compare(runs)
         first = next(iter(outputs.values()))
@@ -264,7 +269,9 @@ def main(argv=None) -> int:
              "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves), Q8_0 hsub "
              "(DSV4_KERNEL_GGUF_Q8_HSUB: Q8_0's int8 bias off two at a time in fp16; the experts' on the "
              "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's and q4's gate/up and the Q8_0 matvec in "
-             "integer units over x's fp8 values as limbs; the down launches run hsub). 'same' = "
+             "integer units over x's fp8 values as limbs; the down launches run hsub), dp4a, down "
+             "(DSV4_KERNEL_GGUF_DP4A_DOWN: and h handed over as limbs, the down launch in the integer "
+             "units). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

@@ -31,7 +31,9 @@ PAIRS = [("experts gate/up", "GATE_UP_KERNEL", "MMA_GATE_UP_KERNEL"),
 
 
 GGUF = [("experts gate/up", "GGUF_GATE_UP_KERNEL"), ("experts gate/up with the router's tail", "GGUF_ROUTED_GATE_UP_KERNEL"),
-        ("experts down", "GGUF_DOWN_KERNEL"), ("projection matvec", "GGUF_MATVEC_KERNEL")]
+        ("experts down", "GGUF_DOWN_KERNEL"), ("projection matvec", "GGUF_MATVEC_KERNEL"),
+        ("experts gate/up writing h as limbs", "GGUF_LIMBS_GATE_UP_KERNEL"),
+        ("experts down over h as limbs", "GGUF_LIMBS_DOWN_KERNEL")]
 
 
 # One GGUF unit alone (gguf_dot.py's GgufUnit<MODE>: its load and every chunk's dot8), for counting
@@ -91,20 +93,47 @@ def resources(kernel, paths, check: int = 0) -> dict:
     name, text = cuda_source(kernel, kernel.checks[check])
     log: list = []
     start = time.perf_counter()
-    nvrtc.build(text, name, "sm_90a", str(paths[0]), paths[1], options=("--ptxas-options=-v",), log=log)
+    cubin, _ = nvrtc.build(text, name, "sm_90a", str(paths[0]), paths[1], options=("--ptxas-options=-v",), log=log)
     seconds = time.perf_counter() - start
     info = "".join(log)
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
     smem = re.search(r"(\d+) bytes smem", info)
     return dict(registers=regs, spill=spill, smem=int(smem.group(1)) if smem else 0, seconds=seconds,
-                template=", ".join(f"{n}={v}" for n, v in kernel.checks[check][2] if isinstance(v, int)))
+                template=", ".join(f"{n}={v}" for n, v in kernel.checks[check][2] if isinstance(v, int)),
+                cubin=cubin)
+
+
+def innermost_loops(cubin: bytes, nvdisasm: str) -> list:
+    """SASS instructions in each innermost loop of a cubin (a backward branch's span holding no
+    other), in code order: where a launch spends its issue slots (the lanes' unit loops)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    count, labels, spans = 0, {}, []
+    for line in text.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = count
+        elif re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line):
+            target = re.search(r"BRA\s.*?(L_x_\d+)", line)
+            if target and labels.get(target.group(1), count) < count:   # backward (not the final self-branch)
+                spans.append((labels[target.group(1)], count))
+            count += 1
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return [b - a + 1 for a, b in inner]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", action="store_true", help="the GGUF-block launches, every instantiation")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--nvdisasm", help="nvdisasm's path (the nvidia-cuda-nvdisasm wheel's, not in the test extra): "
+                                      "with --gguf, each instance's innermost loops in SASS instructions too")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
@@ -114,7 +143,8 @@ def main(argv=None) -> int:
     paths = required_nvrtc_paths()
     when = datetime.now()
     template = ["template"] if a.gguf else []   # GGUF: every instantiation, so each row names its own
-    columns = ["launch", "kernel", *template, "registers / thread", "spill bytes", "static smem bytes", "NVRTC s"]
+    loops = ["innermost loops, SASS instructions"] if a.gguf and a.nvdisasm else []
+    columns = ["launch", "kernel", *template, "registers / thread", "spill bytes", "static smem bytes", "NVRTC s", *loops]
     lines = [f"# CUDA kernel resources at V4.1's widths (ptxas, sm_90a){': GGUF blocks' if a.gguf else ''}", "",
              f"{when:%Y-%m-%d %H:%M}.", "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     if a.gguf:
@@ -122,8 +152,9 @@ def main(argv=None) -> int:
             kernel = getattr(experts, attr, None) or getattr(matvec, attr)
             for i in range(len(kernel.checks)):
                 r = resources(kernel, paths, i)
-                lines.append(f"| {what} | `{kernel.name}` | {r['template']} | {r['registers']} | {r['spill']} | "
-                             f"{r['smem']} | {r['seconds']:.1f} |")
+                sizes = [", ".join(map(str, innermost_loops(r["cubin"], a.nvdisasm)))] if loops else []
+                lines.append("| " + " | ".join([what, f"`{kernel.name}`", r["template"], str(r["registers"]), str(r["spill"]),
+                                                 str(r["smem"]), f"{r['seconds']:.1f}", *sizes]) + " |")
                 print(lines[-1], flush=True)
     if a.gguf:
         lines += ["", "## One unit's PTX per 32 weights (before ptxas)", "",

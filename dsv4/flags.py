@@ -372,19 +372,26 @@ define("kernel_matvec_mma", False,
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
        "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
 define("kernel_gguf_dp4a", "auto",
-       "GPU: the fused experts' gate/up launch over IQ2_XXS, Q4_K or Q8_0 routed experts with a Q8_0 "
-       "(or no) shared expert (ds4's q2 and q4 recipes), and the GGUF matvec over Q8_0, IQ2_XXS or "
-       "Q4_K projections (ds4's dense ones are Q8_0), under act_quant: x's fp8-rounded values copied as "
-       "integers (e4m3 * 2^9, three signed bytes each, and each 32's sum for Q4_K's mins) and each "
-       "unit's dot product made exactly in integers, four values a DP4A (IQ2_XXS's signs put on its "
-       "grid bytes by byte masks from a table), converted to fp32 once a 32-value sub-block: within "
-       "the fp32 summation bound of the reference. auto (default): under CUDA for Q4_K and Q8_0, "
+       "GPU: the fused experts' gate/up launch over IQ2_XXS, Q4_K, Q2_K or Q8_0 routed experts with a "
+       "Q8_0 (or no) shared expert (ds4's q2 and q4 recipes), and the GGUF matvec over Q8_0, IQ2_XXS, "
+       "Q4_K or Q2_K projections (ds4's dense ones are Q8_0), under act_quant: x's fp8-rounded values "
+       "copied as integers (e4m3 * 2^9, three signed bytes each, and the sums of each 8 and 32 for the "
+       "K-quants' mins) and each unit's dot product made exactly in integers, four values a DP4A "
+       "(IQ2_XXS's signs put on its grid bytes by byte masks from a table), converted to fp32 once a "
+       "sub-block (32 values; Q2_K's 16): within the fp32 summation bound of the reference. auto (default): under CUDA for Q4_K and Q8_0, "
        "where the H200 measured ds4's q4 gate/up at 64.7 against 95.3 µs at one token and 292 "
        "against 555 at eight, and the dense Q8_0 matvec as fast or faster at every shape (5120 x 8192: "
        "27.0 against 31.2 µs at one token, 102 against 131 at eight; benchmarks/results/"
        "2026-12-05-0503-gguf-native.md); not IQ2_XXS, whose gate/up it made slower (88.7 against "
        "82.8 µs at one token, 461 against 386 at eight), so ds4's q2 gate/up keeps the halves units; "
        "on: every type with an integer unit; off", choices=AUTO_ON_OFF)
+define("kernel_gguf_dp4a_down", False,
+       "GPU: the fused experts' down launch over GGUF Q2_K, Q4_K or Q8_0 routed experts with a Q8_0 (or "
+       "no) shared expert (ds4's q2 and q4 recipes) in the integer units of DSV4_KERNEL_GGUF_DP4A, under "
+       "act_quant: the gate/up launch writes each fp8 block of h as the integer limbs the units read "
+       "(dsv4/kernels/experts.py's STORE_LIMBS; 176 bytes a block for bf16's 64), where the down "
+       "launch read bf16 h and the float units; within the fp32 summation bound of the reference. "
+       "Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_gguf_mma", False,
        "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "
        "(ds4's q2 recipe) on tensor cores (mma.sync m16n8k16: the codes as exact fp16 pairs, IQ2_XXS's "

@@ -17,7 +17,7 @@ from dsv4.kernels import gguf_mma
 from dsv4.kernels import matvec as mv
 from dsv4.kernels import mhc
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
-from tests.test_kernels_gguf_host import gguf_matrix, variant_flags
+from tests.test_kernels_gguf_host import gguf_matrix, limbs_values, variant_flags
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 
@@ -46,20 +46,23 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True, "halves", "mma", "hsub", "dp4a"])
+@pytest.mark.parametrize("wide", [False, True, "halves", "mma", "hsub", "dp4a", "limbs"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
     subnormals (DSV4_KERNEL_GGUF_HALVES); "mma": q2's gate/up on tensor cores (DSV4_KERNEL_GGUF_MMA);
     "hsub": halves and the Q8_0 shared expert's int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); "dp4a":
     hsub and the gate/up (q2's IQ2_XXS, q4's Q4_K) in the integer units where act_quant rounds x
-    (DSV4_KERNEL_GGUF_DP4A)."""
-    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "mma", "hsub", "dp4a"),
-                        kernel_gguf_mma=wide == "mma", kernel_gguf_q8_hsub=wide in ("hsub", "dp4a"),
-                        kernel_gguf_dp4a=wide == "dp4a"):
-        gate, _, _, shared = experts
+    (DSV4_KERNEL_GGUF_DP4A); "limbs": dp4a and h handed over as limbs, the down launch (q2's Q2_K,
+    q4's Q4_K, the Q8_0 shared expert's) in the integer units (DSV4_KERNEL_GGUF_DP4A_DOWN)."""
+    integer = wide in ("dp4a", "limbs")
+    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "mma", "hsub", "dp4a", "limbs"),
+                        kernel_gguf_mma=wide == "mma", kernel_gguf_q8_hsub=wide in ("hsub", "dp4a", "limbs"),
+                        kernel_gguf_dp4a=integer, kernel_gguf_dp4a_down=wide == "limbs"):
+        gate, _, down, shared = experts
         x = mx.zeros((tokens, gate.in_features), mx.bfloat16)
         assert gguf_mma.applies(x, gate, shared[0]) == (wide == "mma" and gate.qtype == "IQ2_XXS")
-        assert ex.integer_units(gate, shared[0], act_quant) == (wide == "dp4a" and act_quant)
+        assert ex.integer_units(gate, shared[0], act_quant) == (integer and act_quant)
+        assert ex.limbs_between(x, gate, shared[0], down, shared[2], act_quant) == (wide == "limbs" and act_quant)
         experts_against_their_stages(experts, tokens, act_quant)
 
 
@@ -71,10 +74,14 @@ def experts_against_their_stages(experts, tokens, act_quant):
     rw = arr(RNG.uniform(0.05, 1.0, (tokens, 6)))
     limit = 10.0
     assert ex.kernel_supports(x, gate, up, down, shared)
-    h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant)
+    limbs = ex.limbs_between(x, gate, shared[0], down, shared[2], act_quant)
+    h_given, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant, limbs=limbs)
+    h = limbs_values(np.array(h_given).tobytes(), (tokens, 7, gate.out_features)) if limbs else h_given
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
-    y = ex.down_kernel(h, idx, down, shared[2])
+    y = ex.down_kernel(h_given, idx, down, shared[2])
     check_down(y, h, idx, down, shared[2])
+    if limbs:   # the fused call hands h over the same way
+        np.testing.assert_array_equal(f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared, limit, act_quant)), f32(y))
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from dsv4 import flags, gguf_blocks
 from dsv4.kernels import experts as ex
-from dsv4.kernels import gguf_dot
+from dsv4.kernels import gguf_dot, gguf_mma
 from dsv4.kernels import matvec as mv
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
@@ -67,10 +67,10 @@ inline uint4 checked_u4(const void* p, size_t i) {
 
 # A matrix on stdin: its row bytes (qtype a GGUF_MODE_IDS value), tables and bias placeholder.
 READ_MATRIX = f"constexpr size_t IQ2_TABLE_WORDS = {gguf_dot.IQ2_TABLE_WORDS};\n" + r"""
-inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves, 28-30 integer)
+inline size_t row_bytes(int qtype, int n_in) {   // (mode ids: 14 Q8_0 pairs, 20-23 wide, 21 Q8_0 hsub, 24-27 halves, 28-31 integer)
   return qtype == 10 || qtype == 14 || qtype == 20 || qtype == 21 || qtype == 29 ? n_in / 32 * 34
        : qtype == 11 || qtype == 27 || qtype == 30 ? n_in / 256 * 144
-       : qtype == 12 || qtype == 22 || qtype == 26 ? n_in / 256 * 84 : n_in / 256 * 66;
+       : qtype == 12 || qtype == 22 || qtype == 26 || qtype == 31 ? n_in / 256 * 84 : n_in / 256 * 66;
 }
 struct Matrix {
   std::vector<uint8_t> w; std::vector<uint32_t> tables, bias;
@@ -87,14 +87,15 @@ void body(const T* x, const int* idx, const float* route_w, const float* params,
           const uint8_t* gate_w, const uint32_t* gate_s, const uint32_t* gate_b,
           const uint8_t* up_w, const uint32_t* up_s, const uint32_t* up_b,
           const uint8_t* sgate_w, const uint32_t* sgate_s, const uint32_t* sgate_b,
-          const uint8_t* sup_w, const uint32_t* sup_s, const uint32_t* sup_b, T* h,
+          const uint8_t* sup_w, const uint32_t* sup_s, const uint32_t* sup_b, HT* h,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
   EMULATED_IDS(tid)
   BODY
 }
 int main() {
   const int tokens = read_int(), experts = read_int();
-  std::vector<T> x(tokens * D), h((size_t)tokens * (K + HS) * I, T(NAN));
+  std::vector<T> x(tokens * D);
+  std::vector<HT> h((size_t)tokens * (K + HS) * H_ROW, H_UNSET);
   std::vector<int> idx(tokens * K);
   std::vector<float> route_w(tokens * K), params(1);
   read(x); read(idx); read(route_w); read(params);
@@ -105,13 +106,13 @@ int main() {
          u.w.data(), u.tables.data(), u.bias.data(), sg.w.data(), sg.tables.data(), sg.bias.data(),
          su.w.data(), su.tables.data(), su.bias.data(), h.data(), t, gy, z, threads);
   });
-  std::fwrite(h.data(), 2, h.size(), stdout);
+  std::fwrite(h.data(), sizeof(HT), h.size(), stdout);
   return 0;
 }
 """
 
 DOWN_MAIN = r"""
-void body(const T* h, const int* idx, const uint8_t* down_w, const uint32_t* down_s, const uint32_t* down_b,
+void body(const HT* h, const int* idx, const uint8_t* down_w, const uint32_t* down_s, const uint32_t* down_b,
           const uint8_t* sdown_w, const uint32_t* sdown_s, const uint32_t* sdown_b, const T* residual,
           const float* post, const float* comb, T* y,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
@@ -120,7 +121,8 @@ void body(const T* h, const int* idx, const uint8_t* down_w, const uint32_t* dow
 }
 int main() {
   const int tokens = read_int(), experts = read_int();
-  std::vector<T> h((size_t)tokens * (K + HS) * I), y((size_t)tokens * DO, T(NAN));
+  std::vector<HT> h((size_t)tokens * (K + HS) * H_ROW);
+  std::vector<T> y((size_t)tokens * DO, T(NAN));
   std::vector<int> idx(tokens * K);
   read(h); read(idx);
   Matrix d((size_t)experts * DO, MODE, I), sd(DO, SMODE, I);
@@ -155,9 +157,18 @@ int main() {
 """
 
 
-def build(tmp_path, name, kernel, main, consts):
+def h_type(limbs: bool = False) -> str:
+    """The experts mains' h (after the constant I): T, I values a row, or with `limbs` X_INTS limbs
+    (uint32, I / 32 packs a row; the words a pack leaves unwritten start as ~0)."""
+    if limbs:
+        return f"using HT = uint32_t;\nconstexpr size_t H_ROW = I / 32 * 4 * {ex.X_INTS};\n#define H_UNSET 0xffffffffu\n"
+    return "using HT = T;\nconstexpr size_t H_ROW = I;\n#define H_UNSET T(NAN)\n"
+
+
+def build(tmp_path, name, kernel, main, consts, limbs=False):
     source = (EMULATOR + BF16 + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
-              + HOST_TYPES + READ_MATRIX + kernel.header + main.replace("BODY", kernel.body))
+              + (h_type(limbs) if "I" in consts else "") + HOST_TYPES + READ_MATRIX + kernel.header
+              + main.replace("BODY", kernel.body))
     return build_host(tmp_path, name, source)
 
 
@@ -180,16 +191,21 @@ def mode(m: GGUFMatrix, integer: bool = False) -> int:
                                                           (2, True, True, False), (1, True, False, True),
                                                           (2, False, True, True), (1, True, False, "halves"),
                                                           (2, True, False, "halves"), (2, True, False, "hsub"),
-                                                          (1, True, False, "dp4a"), (3, True, False, "dp4a")])
+                                                          (1, True, False, "dp4a"), (3, True, False, "dp4a"),
+                                                          (1, True, False, "limbs"), (3, True, False, "limbs"),
+                                                          (2, False, False, "limbs")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
     fp16 subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": those and Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB);
     "dp4a": those and the gate/up in the integer units over x's limbs (DSV4_KERNEL_GGUF_DP4A:
-    IQ2_XXS, Q4_K and Q8_0 have them)."""
+    IQ2_XXS, Q4_K and Q8_0 have them); "limbs": those and h handed over as limbs to the down launch
+    in the integer units (DSV4_KERNEL_GGUF_DP4A_DOWN: Q2_K, Q4_K and Q8_0 have them; not without
+    act_quant)."""
     with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide),
-                        kernel_gguf_halves=wide in ("halves", "hsub", "dp4a"),
-                        kernel_gguf_q8_hsub=wide in ("hsub", "dp4a"), kernel_gguf_dp4a=wide == "dp4a"):
+                        kernel_gguf_halves=wide in ("halves", "hsub", "dp4a", "limbs"),
+                        kernel_gguf_q8_hsub=wide in ("hsub", "dp4a", "limbs"),
+                        kernel_gguf_dp4a=wide in ("dp4a", "limbs"), kernel_gguf_dp4a_down=wide == "limbs"):
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
@@ -209,25 +225,48 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
     integer = ex.integer_units(gate, s_gate, act_quant)
     assert integer == (flags.get("kernel_gguf_dp4a") and act_quant)
+    limbs = ex.limbs_between(x, gate, s_gate, down, s_down, act_quant)
+    assert limbs == (flags.get("kernel_gguf_dp4a_down") and act_quant)
     consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, integer), SMODE=mode(s_gate or gate, integer), BITS=0, GS=0,
                   SBITS=0, SGS=0)
-    exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNEL, GATE_UP_MAIN,
-                dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_INTS if integer else ex.X_STRIDE, ACTQ=act_quant))
+    exe = build(tmp_path, "gate_up", ex.GGUF_LIMBS_GATE_UP_KERNEL if limbs else ex.GGUF_GATE_UP_KERNEL, GATE_UP_MAIN,
+                dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_INTS if integer else ex.X_STRIDE, ACTQ=act_quant), limbs)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
             + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
             + matrix_bytes(gate, gate, E * I) + matrix_bytes(up, gate, E * I)
             + matrix_bytes(s_gate, gate, I) + matrix_bytes(s_up, gate, I))
-    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
-    h = from_bf16_bits(out, (tokens, K + hs, I))
+    h_bytes = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    h = limbs_values(h_bytes, (tokens, K + hs, I)) if limbs else from_bf16_bits(h_bytes, (tokens, K + hs, I))
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared_m, limit, act_quant), act_quant)
 
     rows, lanes = ex.GGUF_DOWN_SHAPES[down.qtype]
-    consts.update(MODE=mode(down), SMODE=mode(s_down or down))
-    exe = build(tmp_path, "down", ex.GGUF_DOWN_KERNEL, DOWN_MAIN, dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0))
-    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
+    consts.update(MODE=mode(down, limbs), SMODE=mode(s_down or down, limbs))
+    exe = build(tmp_path, "down", ex.GGUF_LIMBS_DOWN_KERNEL if limbs else ex.GGUF_DOWN_KERNEL, DOWN_MAIN,
+                dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0), limbs)
+    data = (np.array([tokens, E], np.int32).tobytes() + h_bytes + np.array(idx).tobytes()
             + matrix_bytes(down, down, E * D) + matrix_bytes(s_down, down, D))
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
     check_down(from_bf16_bits(out, (tokens, D)), h, idx, down, s_down)
+
+
+def limbs_values(data: bytes, shape) -> mx.array:
+    """h [..., I] (bf16) from the gate/up launch's limbs (experts.py's X_INTS layout, read here
+    from its description): value 8c + 4j + k of a pack is q = l0 + 2^7 l1 + 2^14 l2 (byte k of
+    words 8c + j, 8c + 2 + j, 8c + 4 + j; l2 signed) times word 32's float; words 8c + 6 and 33
+    hold the sums of q over chunk c and over the pack."""
+    words = np.frombuffer(data, np.uint32).reshape(-1, 4 * ex.X_INTS)   # a pack a row
+    limbs = words.view(np.uint8).reshape(len(words), -1, 4).astype(np.int64)   # [pack, word, byte]
+    q = np.zeros((len(words), 4, 2, 4), np.int64)
+    for c in range(4):
+        for j in range(2):
+            l2 = limbs[:, 8 * c + 4 + j]
+            q[:, c, j] = limbs[:, 8 * c + j] + 128 * limbs[:, 8 * c + 2 + j] + 16384 * np.where(l2 > 127, l2 - 256, l2)
+    assert (q.reshape(-1, 4, 8).sum(-1) == words[:, 6:32:8].view(np.int32)).all(), "chunk sums"
+    assert (q.reshape(-1, 32).sum(-1) == words[:, 33].view(np.int32)).all(), "pack sums"
+    values = (q.reshape(-1, 32) * words[:, 32].view(np.float32)[:, None].astype(np.float64)).reshape(shape)
+    h = mx.array(values.astype(np.float32)).astype(mx.bfloat16)
+    np.testing.assert_array_equal(np.array(h.astype(mx.float32)), values)   # fp8 values: exact in bf16
+    return h
 
 
 @pytest.mark.parametrize("qtype,n,k", [
@@ -254,6 +293,7 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     ("Q8_0 dp4a", 30, 96),        # rows at every 2-byte phase,
     ("IQ2_XXS dp4a", 33, 256),    # and IQ2_XXS's 66-byte rows;
     ("Q4_K dp4a", 37, 1024),      # Q4_K's two sub-blocks a unit, each with its min, in 4 slices
+    ("Q2_K dp4a", 45, 2304),      # Q2_K's 16-value groups, each with its scale and min; rows at each 4-byte phase
 ])
 def test_gguf_matvec_body_on_the_host(tmp_path, qtype, n, k):
     rng = np.random.default_rng()
@@ -331,6 +371,7 @@ def matvec_body(tmp_path, rng, q, n, k, groups=1):
     ("Q8_0 dp4a", 40, 512, 6, 1, 1),       # the integer units over every token's limbs
     ("IQ2_XXS dp4a", 33, 256, 3, 1, 1),
     ("Q4_K dp4a", 37, 1024, 5, 1, 1),      # 16 lanes a row, two packs a unit
+    ("Q2_K dp4a", 45, 2304, 3, 1, 1),      # 8 lanes a row, four packs of two 16-value groups a unit
     ("Q8_0 hsub", 256, 64, 3, 8, 2),       # V4.1's grouped wo_a: 8 groups, here of 32 rows
     ("Q8_0 dp4a", 64, 512, 2, 4, 1),
 ])
@@ -382,6 +423,24 @@ def test_integer_units_by_default_only_where_the_h200_measured_them_faster():
             assert (q2.integer, q4.integer, q8.integer) == want, (dialect, value)
             assert ex.integer_units(q2, q8, True) == want[0] and ex.integer_units(q4, q8, True) == want[1]
             assert not ex.integer_units(q4, q8, False)
+
+
+def test_limbs_between_the_launches_only_with_their_switch_act_quant_and_integer_downs():
+    """DSV4_KERNEL_GGUF_DP4A_DOWN (off by default): h goes to the down launch as limbs where both
+    down matrices have integer units (Q2_K, Q4_K, Q8_0, IQ2_XXS; not MLX's packs), under act_quant,
+    and not beside the tensor-core gate/up (DSV4_KERNEL_GGUF_MMA), whose h is bf16."""
+    rng = np.random.default_rng()
+    gate, q2k, q4k, q8 = (gguf_matrix(rng, (256, 256), t) for t in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"))
+    mx4 = quantized(rng, (256, 256), "mxfp4", 4, 32, mx.bfloat16)
+    x = mx.zeros((1, 256), mx.bfloat16)
+    assert not ex.limbs_between(x, gate, q8, q2k, q8, True), "off by default"
+    with flags.override(kernel_gguf_dp4a_down=True):
+        assert ex.limbs_between(x, gate, q8, q2k, q8, True) and ex.limbs_between(x, q4k, q8, q4k, q8, True)
+        assert ex.limbs_between(x, q4k, None, q4k, None, True)
+        assert not ex.limbs_between(x, gate, q8, q2k, q8, False)
+        assert not ex.limbs_between(x, gate, mx4, q2k, mx4, True)
+        with flags.override(kernel_gguf_mma=True), mock.patch.object(gguf_mma, "backend", return_value="cuda"):
+            assert gguf_mma.applies(x, gate, q8) and not ex.limbs_between(x, gate, q8, q2k, q8, True)
 
 
 def test_grouped_matvec_takes_whole_threadgroups_per_group():

@@ -20,8 +20,8 @@ from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import check_hidden, hidden_expected
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_experts_mma_host import MMA_EMULATOR, MUTATIONS
-from tests.test_kernels_gguf_host import (GATE_UP_MAIN, HOST_TYPES, READ_MATRIX, gguf_matrix, iq2_xxs_every_entry,
-                                          matrix_bytes)
+from tests.test_kernels_gguf_host import (GATE_UP_MAIN, HOST_TYPES, READ_MATRIX, gguf_matrix, h_type,
+                                          iq2_xxs_every_entry, matrix_bytes)
 from tests.test_kernels_matvec import EMULATOR
 
 E, K = 4, 3
@@ -36,7 +36,7 @@ def run_body(tmp_path, x, idx, rw, gate, up, shared, limit, act_quant, mutation=
     assert 32 * 32 // 4 == experts_mma.THREADS
     source = (EMULATOR + BF16 + mutation + MMA_EMULATOR
               + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
-              + HOST_TYPES + READ_MATRIX + ex._HEADER + gguf_dot.BLOCK_LOADS + experts_mma.HEADER + gguf_mma.HEADER
+              + h_type() + HOST_TYPES + READ_MATRIX + ex._HEADER + gguf_dot.BLOCK_LOADS + experts_mma.HEADER + gguf_mma.HEADER
               + GATE_UP_MAIN.replace("BODY", ex.GGUF_MMA_GATE_UP_KERNEL.body))
     exe = build_host(tmp_path, "gguf_mma", source)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()

@@ -28,6 +28,7 @@ scale.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -244,43 +245,50 @@ template <int XS> struct XStore {
 // X_INTS: fp8-rounded values (v = e4m3 * s) as the integers q = v 2^9 / s (|q| < 2^18: e4m3's
 // values are multiples of 2^-9 up to 448), each split into three signed bytes q = l0 + 2^7 l1 +
 // 2^14 l2 (l0, l1 in 0..127), four values a word: chunk c (values 8c..8c+7) in uint4s 2c (l0 of
-// values 0-3 and 4-7, then l1's) and 2c + 1 (l2's), s / 2^9 in uint4 8's x and the pack's sum of
-// q (|sum| < 2^23, for the K-quants' mins) in its y; 11 uint4s a pack (odd: a quarter-warp's
-// 16-byte reads of 8 packs hit distinct banks).
+// values 0-3 and 4-7, then l1's) and 2c + 1 (l2's, then the chunk's sum of q, for Q2_K's mins), s /
+// 2^9 in uint4 8's x and the pack's sum of q (|sum| < 2^23, for the K-quants' mins) in its y; 11
+// uint4s a pack (odd: a quarter-warp's 16-byte reads of 8 packs hit distinct banks). limb_words
+// makes a pack's first 9 uint4s as 36 words (the threadgroup copy here; the GGUF gate/up launch's
+// h for the down launch's integer units, experts.py's STORE_LIMBS).
+KFN void limb_words(LOCAL const float* v, float s, LOCAL uint32_t* w) {
+  const float up = 512.0f / s;   // exact: s is a power of two
+  int sum = 0;
+  for (int c = 0; c < 4; ++c) {
+    int chunk_sum = 0;
+    for (int h = 0; h < 2; ++h) {
+      uint32_t b0 = 0u, b1 = 0u, b2 = 0u;
+      for (int k = 0; k < 4; ++k) {
+        const int q = (int)RINT(v[8 * c + 4 * h + k] * up);
+        chunk_sum += q;
+        b0 |= (uint32_t)(q & 127) << (8 * k);
+        b1 |= (uint32_t)((q >> 7) & 127) << (8 * k);
+        b2 |= ((uint32_t)(q >> 14) & 255u) << (8 * k);
+      }
+      w[8 * c + h] = b0; w[8 * c + 2 + h] = b1; w[8 * c + 4 + h] = b2;
+    }
+    w[8 * c + 6] = (uint32_t)chunk_sum;
+    w[8 * c + 7] = 0u;
+    sum += chunk_sum;
+  }
+  w[32] = AS_UINT(s * (1.0f / 512.0f)); w[33] = (uint32_t)sum; w[34] = 0u; w[35] = 0u;
+}
 template <> struct XStore<X_INTS> {
   template <typename P> static KFN void pack(P xs, int p, LOCAL const float* v, float s) {
-    const float up = 512.0f / s;   // exact: s is a power of two
-    int sum = 0;
-    for (int c = 0; c < 4; ++c) {
-      uint32_t w[6];
-      for (int h = 0; h < 2; ++h) {
-        uint32_t b0 = 0u, b1 = 0u, b2 = 0u;
-        for (int k = 0; k < 4; ++k) {
-          const int q = (int)RINT(v[8 * c + 4 * h + k] * up);
-          sum += q;
-          b0 |= (uint32_t)(q & 127) << (8 * k);
-          b1 |= (uint32_t)((q >> 7) & 127) << (8 * k);
-          b2 |= ((uint32_t)(q >> 14) & 255u) << (8 * k);
-        }
-        w[h] = b0; w[2 + h] = b1; w[4 + h] = b2;
-      }
-      uint4 a, b;
-      a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
-      b.x = w[4]; b.y = w[5]; b.z = 0u; b.w = 0u;
-      xs[p * X_INTS + 2 * c] = a;
-      xs[p * X_INTS + 2 * c + 1] = b;
+    uint32_t w[36];
+    limb_words(v, s, w);
+    for (int k = 0; k < 9; ++k) {
+      uint4 q;
+      q.x = w[4 * k]; q.y = w[4 * k + 1]; q.z = w[4 * k + 2]; q.w = w[4 * k + 3];
+      xs[p * X_INTS + k] = q;
     }
-    uint4 t;
-    t.x = AS_UINT(s * (1.0f / 512.0f)); t.y = (uint32_t)sum; t.z = 0u; t.w = 0u;
-    xs[p * X_INTS + 8] = t;
   }
 };
 template <int XS, typename P>
 KFN void store_x_pack(P xs, int p, LOCAL const float* v, float s = 1.0f) { XStore<XS>::pack(xs, p, v, s); }
 
 // Chunk c of pack p of an X_INTS copy: its six limb words (l0, l1, l2 of values 0-3 and 4-7),
-// the pack's scale s / 2^9 and its sum of q (exact as a float); join: a dot product with the
-// limbs' three (l0, l1, l2) as one.
+// the pack's scale s / 2^9 and the sum of q over group j of its chunks in groups of GC (the pack's
+// at GC = 4; exact as a float); join: a dot product with the limbs' three (l0, l1, l2) as one.
 struct XInts {
   static KFN int join(LOCAL const int* l) { return l[0] + (l[1] << 7) + (l[2] << 14); }
   template <typename P> static KFN void load(P x4, int p, int c, LOCAL int* q) {
@@ -288,8 +296,15 @@ struct XInts {
     q[0] = (int)a.x; q[1] = (int)a.y; q[2] = (int)a.z; q[3] = (int)a.w; q[4] = (int)b.x; q[5] = (int)b.y;
   }
   template <typename P> static KFN float scale(P x4, int p) { return AS_FLOAT(x4[p * X_INTS + 8].x); }
-  template <typename P> static KFN float sum(P x4, int p) { return (float)(int)x4[p * X_INTS + 8].y; }
+  template <int GC, typename P> static KFN float sum(P x4, int p, int j) {
+    if (GC == 4) return (float)(int)x4[p * X_INTS + 8].y;
+    int total = 0;
+    for (int c = j * GC; c < (j + 1) * GC; ++c) total += (int)x4[p * X_INTS + 2 * c + 1].z;
+    return (float)total;
+  }
 };
+
+KFN float simd_shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
 
 // Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
 // lane of the group.
@@ -466,14 +481,26 @@ _GATE_UP_BODY = r"""
   }
   BARRIER();
   if (warp == 0) {
-    float v = block_h[lane];
+    float v = block_h[lane], s = 1.0f;
     if (ACTQ) {
-      const float s = pow2_ceil(FMAX(simd_max_f(FABS(v)), 1e-4f) * (1.0f / 448.0f));
+      s = pow2_ceil(FMAX(simd_max_f(FABS(v)), 1e-4f) * (1.0f / 448.0f));
       v = e4m3_round(FMIN(FMAX(v * (1.0f / s), -448.0f), 448.0f)) * s;
     }
-    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);
+    STORE_H
   }
 """
+# Where the gate/up launch puts its block of h: as T, or (the GGUF down launch's integer units,
+# DSV4_KERNEL_GGUF_DP4A_DOWN; ACTQ) as that pack's X_INTS limbs, h then uint32 with X_INTS uint4s a
+# pack (words 36.. of each left unwritten: never read), made by lane 0 from the SIMD group's values.
+_STORE_T = {"STORE_H": "    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);"}
+_STORE_LIMBS = {"STORE_H": r"""
+    float hv[32];
+    for (int i = 0; i < 32; ++i) hv[i] = simd_shuffle_f(v, i);
+    if (lane == 0) {
+      uint32_t w[36];
+      limb_words(hv, s, w);
+      for (int k = 0; k < 36; ++k) h[((size_t)pair * (I / 32) + group_y) * (4 * X_INTS) + k] = w[k];
+    }"""}
 
 _DOWN_DOTS = r"""
   // grid (32*(K+HS), ceil(DO / RW), tokens) with RW = ROWS*32/LANES: SIMD group s makes slot s's
@@ -522,6 +549,10 @@ _DOWN_SUM = r"""
 """
 
 _DOWN_BODY = _DOWN_DOTS + _DOWN_SUM
+# The down launch over h as X_INTS limbs (_STORE_LIMBS): rows_dot's integer units read them.
+_DOWN_LIMBS_BODY = (_DOWN_DOTS.replace("GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;",
+                                       "GLOBAL uint4* hrow = (GLOBAL uint4*)h + ((size_t)t * (K + HS) + slot) * (I / 32) * X_INTS;")
+                    .replace("I, 0, false>", "I, X_INTS, false>") + _DOWN_SUM)
 
 # Where the gate/up kernel gets slot `slot`'s expert and router weight: from the router's
 # outputs, or (the routed variant) by running the router's tail itself, SIMD group 0 of every
@@ -541,9 +572,9 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
 
 
-def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY) -> str:
-    for name, code in parts.items():
-        body = body.replace(f"  {name}\n", code.lstrip("\n") + "\n")
+def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY, store: dict = _STORE_T) -> str:
+    for name, code in dict(store, **parts).items():
+        body = re.sub(rf"^ *{name}\n", lambda _: code.lstrip("\n") + "\n", body, flags=re.M)
     return body
 
 
@@ -678,6 +709,36 @@ def _gguf_checks(stage):
     return tuple(out)
 
 
+def _gguf_limbs_checks(stage):
+    """The launches around h as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN) in ds4's recipes at V4.1's
+    widths: q4's gate/up in the integer units and q2's in the halves ones (each writing limbs),
+    then q4's (Q4_K) and q2's (Q2_K) down with the Q8_0 shared expert's, in the integer units."""
+    out = []
+    ints = gguf_dot.INT_MODE_IDS
+    mats = (mx.uint8, mx.uint32, mx.uint32) * 4
+    recipes = (("Q4_K", "Q4_K", ints["Q4_K"], ints["Q8_0"], X_INTS),
+               ("IQ2_XXS", "Q2_K", gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], gguf_dot.Q8_0_HSUB, X_STRIDE))
+    for gate, down, mode, smode, xs in recipes:
+        common = [("T", mx.bfloat16), ("BITS", 0), ("GS", 0), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
+        if stage == "down":
+            rows, lanes = GGUF_DOWN_SHAPES[down]
+            tmpl = common + [("MODE", ints[down]), ("SMODE", ints["Q8_0"]), ("ROWS", rows), ("LANES", lanes),
+                             ("I", 2304), ("DO", 5120)]
+            for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
+                ins = (mx.uint32, mx.int32) + (mx.uint8, mx.uint32, mx.uint32) * 2 + extra
+                out.append((ins, (mx.bfloat16,), tuple(tmpl + [("HC", hc)])))
+            continue
+        rows, lanes = GGUF_GATE_UP_SHAPES[gate]
+        tmpl = common + [("MODE", mode), ("SMODE", smode), ("ROWS", rows), ("LANES", lanes), ("XS", xs),
+                         ("ACTQ", True), ("I", 2304), ("D", 5120)]
+        if stage == "gate_up":
+            out.append(((mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats, (mx.uint32,), tuple(tmpl)))
+        else:
+            ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
+            out.append((ins, (mx.uint32, mx.int32), tuple(tmpl + _ROUTING_CHECK)))
+    return tuple(out)
+
+
 GGUF_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf", input_names=_GATE_UP_INPUTS,
                              output_names=("h",), body=_gate_up_body(_GIVEN), header=_GGUF_HEADER,
                              checks=_gguf_checks("gate_up"))
@@ -686,6 +747,18 @@ GGUF_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf", inp
                                     header=_GGUF_HEADER + ROUTER_HEADER, checks=_gguf_checks("routed_gate_up"))
 GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUTS, output_names=("y",),
                           body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
+# h as limbs between the two (DSV4_KERNEL_GGUF_DP4A_DOWN): the gate/up launches writing them, the
+# down launch reading them in the integer units.
+GGUF_LIMBS_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf_limbs", input_names=_GATE_UP_INPUTS,
+                                   output_names=("h",), body=_gate_up_body(_GIVEN, store=_STORE_LIMBS),
+                                   header=_GGUF_HEADER, checks=_gguf_limbs_checks("gate_up"))
+GGUF_LIMBS_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf_limbs",
+                                          input_names=_ROUTED_GATE_UP_INPUTS, output_names=("h", "ids"),
+                                          body=_gate_up_body(_ROUTED, store=_STORE_LIMBS),
+                                          header=_GGUF_HEADER + ROUTER_HEADER,
+                                          checks=_gguf_limbs_checks("routed_gate_up"))
+GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names=_DOWN_INPUTS, output_names=("y",),
+                                body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
 
 
 # The gate/up launch over GGUF blocks on CUDA tensor cores (gguf_mma.py), checked at ds4's q2
@@ -761,6 +834,16 @@ def integer_units(gate, s_gate, act_quant: bool) -> bool:
             and (s_gate is None or (isinstance(s_gate, GGUFMatrix) and s_gate.integer)))
 
 
+def limbs_between(x, gate, s_gate, down, s_down, act_quant: bool) -> bool:
+    """Whether the GGUF gate/up launch hands h to the down launch as X_INTS limbs, which the down
+    reads in gguf_dot's integer units (DSV4_KERNEL_GGUF_DP4A_DOWN): h fp8-rounded (act_quant), the
+    portable gate/up launch (not DSV4_KERNEL_GGUF_MMA's), and both down matrices of types that have
+    integer units."""
+    integer = lambda m: isinstance(m, GGUFMatrix) and m.qtype in gguf_dot.INT_MODE_IDS
+    return (bool(act_quant) and bool(flags.get("kernel_gguf_dp4a_down")) and integer(down)
+            and (s_down is None or integer(s_down)) and not gguf_mma.applies(x, gate, s_gate))
+
+
 def _placeholder():
     """An 8-word input standing for an absent matrix/bias (8+ elements keep Metal's device space)."""
     return constant((0,) * 8, mx.uint32)
@@ -787,8 +870,10 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     """The fused GPU path; same contract as `experts` (call that instead). With `routing` =
     (logits, bias, k, temp, scale, norm) in place of indices and weights, the gate/up kernel
     runs the router's tail itself (`routed_experts`)."""
-    h, indices = gate_up_kernel(x, indices, weights, gate, up, shared, swiglu_limit, act_quant, routing)
-    return down_kernel(h, indices, down, shared[2] if shared is not None else None, expand)
+    s_gate, s_down = (shared[0], shared[2]) if shared is not None else (None, None)
+    limbs = limbs_between(x, gate, s_gate, down, s_down, act_quant)
+    h, indices = gate_up_kernel(x, indices, weights, gate, up, shared, swiglu_limit, act_quant, routing, limbs)
+    return down_kernel(h, indices, down, s_down, expand)
 
 
 def _common_template(dtype, K, routed: QuantizedMatrix, shared: QuantizedMatrix | None, layouts: list = None):
@@ -799,9 +884,10 @@ def _common_template(dtype, K, routed: QuantizedMatrix, shared: QuantizedMatrix 
 
 
 def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0, act_quant=False,
-                   routing=None):
+                   routing=None, limbs=False):
     """The first launch of `experts_kernel`: h [T, K+HS, I] (the routed slots, then the shared
-    expert's) and the indices [T, K] the down kernel reads (routing's choice, or `indices`)."""
+    expert's) and the indices [T, K] the down kernel reads (routing's choice, or `indices`). With
+    `limbs` (limbs_between), h is each pack's X_INTS limbs: uint32 [T, K+HS, I / 32 * 4 X_INTS]."""
     T, D = x.shape
     K = indices.shape[-1] if routing is None else routing[2]
     I = gate.out_features
@@ -817,6 +903,8 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
         threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
     else:
         given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
+        if limbs:
+            given_kernel, routed_kernel = GGUF_LIMBS_GATE_UP_KERNEL, GGUF_LIMBS_ROUTED_GATE_UP_KERNEL
         threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
         integer = integer_units(gate, s_gate, act_quant)
         if integer:
@@ -825,8 +913,9 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
         template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if integer else X_STRIDE),
                      ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
+    h_shape, h_dtype = ((T, slots, I // 32 * 4 * X_INTS), mx.uint32) if limbs else ((T, slots, I), x.dtype)
     launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),
-                  output_shapes=[(T, slots, I)], output_dtypes=[x.dtype])
+                  output_shapes=[h_shape], output_dtypes=[h_dtype])
     if routing is None:
         indices = indices if indices.dtype == mx.int32 else indices.astype(mx.int32)
         weights = weights if weights.dtype == mx.float32 else weights.astype(mx.float32)
@@ -844,8 +933,12 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
 
 def down_kernel(h, indices, down, s_down=None, expand=None):
     """The second launch of `experts_kernel`: the down matvecs of h's slots (the routed ones,
-    then the shared expert's when s_down is given) summed, and mHC-expanded with `expand`."""
-    T, slots, I = h.shape
+    then the shared expert's when s_down is given) summed, and mHC-expanded with `expand`. h as
+    limbs (uint32, gate_up_kernel's `limbs`) takes the integer units."""
+    limbs = h.dtype == mx.uint32
+    T, slots = h.shape[:2]
+    I = down.in_features
+    dtype = mx.bfloat16 if limbs else h.dtype   # the kernels' activations are bf16 (kernel_supports)
     K = indices.shape[-1]
     DO = down.out_features
     if expand is None:
@@ -855,16 +948,20 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
         hc = residual.shape[-2]
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
-    template = _common_template(h.dtype, K, down, s_down)
-    if experts_mma.down_applies(h, down, s_down):
+    template = _common_template(dtype, K, down, s_down)
+    if limbs:
+        template = _common_template(dtype, K, down, s_down, down.template(integer=True) +
+                                    (s_down or down).template("S", integer=True))
+    if not limbs and experts_mma.down_applies(h, down, s_down):
         kernel, per_group = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS
     else:
         *_, kernel, _, (rows, lanes) = _kernels(down)
+        kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
         per_group = rows * 32 // lanes
         template += [("ROWS", rows), ("LANES", lanes)]
     (y,) = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
-        output_shapes=[out_shape], output_dtypes=[h.dtype],
+        output_shapes=[out_shape], output_dtypes=[dtype],
         grid=(32 * slots, math.ceil(DO / per_group), T), threadgroup=(32 * slots, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
         template=template + [("I", I), ("DO", DO), ("HC", hc)])

@@ -47,7 +47,7 @@ WIDE_MODE_IDS = {"Q8_0": 20, "Q2_K": 22, "IQ2_XXS": 23}
 HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
 # The integer units (DSV4_KERNEL_GGUF_DP4A): with x fp8-rounded (act_quant) and copied as integer
 # limbs (experts.py's XStore<X_INTS>), exact integer dot products, DP4A four values at a time.
-INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29, "Q4_K": 30}
+INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29, "Q4_K": 30, "Q2_K": 31}
 # Those that take them by default under CUDA (the H200 measured IQ2_XXS's slower than its halves unit).
 DP4A_AUTO_TYPES = ("Q8_0", "Q4_K")
 # IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
@@ -427,14 +427,16 @@ template <> struct GgufUnit<26> : GgufUnit<22> {
 };
 
 // The integer units (DSV4_KERNEL_GGUF_DP4A), over x as experts.py's X_INTS limbs: ints8 gives a
-// chunk's 8 codes as signed bytes in two words, which limbs_dot8 multiplies by x's limbs. Each pack
-// h of a unit (one sub-block) then adds (with x's s / 2^9) int_scale(h) times its integer sum
-// codes . q, less (MINS) int_low(h) times the pack's sum of q.
+// chunk's 8 codes as signed bytes in two words, which limbs_dot8 multiplies by x's limbs. Each
+// scale group g of a unit (GROUP_CHUNKS chunks: a 32-value sub-block, Q2_K's 16) then adds (with
+// x's s / 2^9) int_scale(g) times its integer sum codes . q, less (MINS) int_low(g) times the
+// group's sum of q.
 // IQ2_XXS: the grid bytes (8, 25, 43) made signed four at a time, (g ^ m) + (m & 1) with m the
 // byte masks of the 7 stored sign bits (and their parity) from the tables' masks.
 template <> struct GgufUnit<28> : GgufUnit<24> {
-  KFN float int_scale(int h) const { return db * (1.0f / 16777216.0f); }   // <24>'s db carries 2^24
-  KFN float int_low(int h) const { return 0.0f; }
+  static constexpr int GROUP_CHUNKS = 4;
+  KFN float int_scale(int g) const { return db * (1.0f / 16777216.0f); }   // <24>'s db carries 2^24
+  KFN float int_low(int g) const { return 0.0f; }
   template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
     const uint2 g = ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
     const uint4 m = LOAD_U4(tables + IQ2_MASKS_AT, (aux >> (7 * c)) & 127u);
@@ -444,8 +446,9 @@ template <> struct GgufUnit<28> : GgufUnit<24> {
 };
 // Q8_0: the int8s as they are stored, on the wide unit's loads.
 template <> struct GgufUnit<29> : GgufUnit<20> {
-  KFN float int_scale(int h) const { return d; }
-  KFN float int_low(int h) const { return 0.0f; }
+  static constexpr int GROUP_CHUNKS = 4;
+  KFN float int_scale(int g) const { return d; }
+  KFN float int_low(int g) const { return 0.0f; }
   template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
     w[0] = (int)q[2 * c];
     w[1] = (int)q[2 * c + 1];
@@ -453,12 +456,26 @@ template <> struct GgufUnit<29> : GgufUnit<20> {
 };
 // Q4_K: the nibbles of chunk c (sub-block c / 4) four at a time, unsigned codes below 16.
 template <> struct GgufUnit<30> : GgufUnit<11> {
-  KFN float int_scale(int h) const { return scale[h]; }
-  KFN float int_low(int h) const { return low[h]; }
+  static constexpr int GROUP_CHUNKS = 4;
+  KFN float int_scale(int g) const { return scale[g]; }
+  KFN float int_low(int g) const { return low[g]; }
   template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
     const int shift = 4 * (c / 4);
     w[0] = (int)((q[2 * (c % 4)] >> shift) & 0x0f0f0f0fu);
     w[1] = (int)((q[2 * (c % 4) + 1] >> shift) & 0x0f0f0f0fu);
+  }
+};
+// Q2_K, on the wide unit's loads: chunk c's 2-bit codes (bit plane c / 4 of bytes 8 (c % 4)..) four
+// at a time; a scale group is a 16-value sub-block (two chunks), each with its scale and min.
+template <> struct GgufUnit<31> : GgufUnit<22> {
+  static constexpr int GROUP_CHUNKS = 2;
+  KFN uint32_t sub_scales(int g) const { return (sc[g / 4] >> (8 * (g % 4))) & 255u; }
+  KFN float int_scale(int g) const { return d * (float)(sub_scales(g) & 15u); }
+  KFN float int_low(int g) const { return dmin * (float)(sub_scales(g) >> 4); }
+  template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
+    const int shift = 2 * (c / 4);
+    w[0] = (int)((q[2 * (c % 4)] >> shift) & 0x03030303u);
+    w[1] = (int)((q[2 * (c % 4) + 1] >> shift) & 0x03030303u);
   }
 };
 // A chunk's signed bytes w (ints8) times x's limbs xq (XInts::load), added to acc[0..2] (the dot
@@ -466,16 +483,16 @@ template <> struct GgufUnit<30> : GgufUnit<11> {
 KFN void limbs_dot8(LOCAL const int* w, LOCAL const int* xq, LOCAL int* acc) {
   for (int k = 0; k < 3; ++k) acc[k] = DP4A(w[1], xq[2 * k + 1], DP4A(w[0], xq[2 * k], acc[k]));
 }
-// What pack p of x (scale sx) adds through pack h of unit a, given the limbs' dot products l: its
-// integer sum converted once (|sum| < 2^31: 32 codes of |w| <= 128 times |q| < 2^18).
+// What scale group g of unit a adds with group j of pack p of x (scale sx), given the limbs' dot
+// products l: its integer sum converted once (|sum| < 2^31: 32 codes of |w| <= 128 times |q| < 2^18).
 template <typename U, typename PX>
-KFN float pack_part(const LOCAL U& a, int h, float sx, LOCAL const int* l, PX x, int p) {
-  return U::MINS ? sx * (a.int_scale(h) * (float)XInts::join(l) - a.int_low(h) * XInts::sum(x, p))
-                 : a.int_scale(h) * sx * (float)XInts::join(l);
+KFN float group_part(const LOCAL U& a, int g, float sx, LOCAL const int* l, PX x, int p, int j) {
+  return U::MINS ? sx * (a.int_scale(g) * (float)XInts::join(l) - a.int_low(g) * XInts::sum<U::GROUP_CHUNKS>(x, p, j))
+                 : a.int_scale(g) * sx * (float)XInts::join(l);
 }
 
 // rows_dot's two loops: over x as floats (XChunk<XS>, a unit's dot8), or as X_INTS limbs (a unit a
-// pack at a time, its limbs_dot8 sums converted once a pack by pack_part).
+// scale group at a time, its limbs_dot8 sums converted once a group by group_part).
 template <bool INTS> struct RowsDot;
 
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
@@ -498,7 +515,8 @@ template <> struct RowsDot<true> {
   static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int rows0, int rows_out,
                       LOCAL float* acc0, LOCAL float* acc1) {
     typedef GgufUnit<MODE> U;
-    constexpr int PER = U::VALUES / 32;   // packs of x a unit, a sub-block each
+    constexpr int PER = U::VALUES / 32;   // packs of x a unit
+    constexpr int GC = U::GROUP_CHUNKS, GROUPS = 4 / GC;   // a pack's scale groups, of GC chunks
     constexpr int UNITS = K_IN / U::VALUES;
     constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
     for (int u = sub; u < UNITS; u += LANES) {
@@ -508,28 +526,28 @@ template <> struct RowsDot<true> {
         a[r].load(w0, row * ROW_BYTES, u);
         if (TWO) b[r].load(w1, row * ROW_BYTES, u);
       }
-      for (int h = 0; h < PER; ++h) {
-        const int p = u * PER + h;
+      for (int i = 0; i < PER * GROUPS; ++i) {   // the unit's scale groups: group j of pack p
+        const int p = u * PER + i / GROUPS, j = i % GROUPS;
         int la[ROWS][3], lb[TWO ? ROWS : 1][3];
         for (int r = 0; r < ROWS; ++r)
           for (int k = 0; k < 3; ++k) { la[r][k] = 0; lb[TWO ? r : 0][k] = 0; }
-        for (int c = 0; c < 4; ++c) {
+        for (int c = j * GC; c < (j + 1) * GC; ++c) {
           int q[6];
           XInts::load(x, p, c, q);
           for (int r = 0; r < ROWS; ++r) {
             int w[2];
-            a[r].ints8(4 * h + c, w, s0);
+            a[r].ints8(4 * (i / GROUPS) + c, w, s0);
             limbs_dot8(w, q, la[r]);
             if (TWO) {
-              b[TWO ? r : 0].ints8(4 * h + c, w, s1);
+              b[TWO ? r : 0].ints8(4 * (i / GROUPS) + c, w, s1);
               limbs_dot8(w, q, lb[TWO ? r : 0]);
             }
           }
         }
         const float sx = XInts::scale(x, p);
         for (int r = 0; r < ROWS; ++r) {
-          acc0[r] += pack_part(a[r], h, sx, la[r], x, p);
-          if (TWO) acc1[r] += pack_part(b[TWO ? r : 0], h, sx, lb[TWO ? r : 0], x, p);
+          acc0[r] += group_part(a[r], i, sx, la[r], x, p, j);
+          if (TWO) acc1[r] += group_part(b[TWO ? r : 0], i, sx, lb[TWO ? r : 0], x, p, j);
         }
       }
     }
@@ -619,22 +637,24 @@ template <> struct TokensDot<true> {
     constexpr int PER = U::VALUES / 32;
     U a[ROWS];
     if (!segment_units<ROWS, K_IN>(a, w, seg, rows0, rows_out, sub)) return;
-    for (int h = 0; h < PER; ++h) {
-      const int p = sub * PER + h;   // the pack within the segment
+    constexpr int GC = U::GROUP_CHUNKS, GROUPS = 4 / GC;
+    for (int i = 0; i < PER * GROUPS; ++i) {   // the unit's scale groups: group j of pack p
+      const int p = sub * PER + i / GROUPS, j = i % GROUPS;   // p: the pack within the segment
       int l[ROWS * TOKS][3];
-      for (int i = 0; i < ROWS * TOKS; ++i) l[i][0] = l[i][1] = l[i][2] = 0;
-      for (int c = 0; c < 4; ++c) {
+      for (int n = 0; n < ROWS * TOKS; ++n) l[n][0] = l[n][1] = l[n][2] = 0;
+      for (int c = j * GC; c < (j + 1) * GC; ++c) {
         int wq[ROWS][2];
-        for (int r = 0; r < ROWS; ++r) a[r].ints8(4 * h + c, wq[r], tables);
+        for (int r = 0; r < ROWS; ++r) a[r].ints8(4 * (i / GROUPS) + c, wq[r], tables);
         for (int t = 0; t < TOKS; ++t) {
           int q[6];
           XInts::load(x, t * SEG + p, c, q);
           for (int r = 0; r < ROWS; ++r) limbs_dot8(wq[r], q, l[r * TOKS + t]);
         }
       }
-      for (int t = 0; t < TOKS; ++t) {   // as RowsDot<true>: each pack's sum converted once
+      for (int t = 0; t < TOKS; ++t) {   // as RowsDot<true>: each group's sum converted once
         const float sx = XInts::scale(x, t * SEG + p);
-        for (int r = 0; r < ROWS; ++r) acc[r * TOKS + t] += pack_part(a[r], h, sx, l[r * TOKS + t], x, t * SEG + p);
+        for (int r = 0; r < ROWS; ++r)
+          acc[r * TOKS + t] += group_part(a[r], i, sx, l[r * TOKS + t], x, t * SEG + p, j);
       }
     }
   }
