@@ -392,6 +392,11 @@ define("kernel_gguf_dp4a_down", False,
        "(dsv4/kernels/experts.py's STORE_LIMBS; 176 bytes a block for bf16's 64), where the down "
        "launch read bf16 h and the float units; within the fp32 summation bound of the reference. "
        "Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
+define("kernel_gguf_iq2_staged", False,
+       "CUDA: the fused experts' gate/up launch over IQ2_XXS routed experts (ds4's q2 recipe) copies "
+       "IQ2_XXS's tables (grid, fp16 pairs, sign masks: 8.3 KB) into threadgroup memory, where every "
+       "lane's gathers of grid entries and sign masks go, in place of L1-cached global memory; the "
+       "same values and sums. Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_gguf_mma", False,
        "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "
        "(ds4's q2 recipe) on tensor cores (mma.sync m16n8k16: the codes as exact fp16 pairs, IQ2_XXS's "

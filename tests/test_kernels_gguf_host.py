@@ -209,6 +209,17 @@ def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens,
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
+@pytest.mark.parametrize("tokens,unit", [(2, "hsub"), (1, "dp4a"), (2, "limbs")])
+def test_gguf_experts_bodies_with_iq2_tables_staged(tmp_path, tokens, unit):
+    """ds4's q2 recipe with IQ2_XXS's tables in threadgroup memory (DSV4_KERNEL_GGUF_IQ2_STAGED: the
+    gate/up launch that CUDA takes under it) over the halves units (hsub), the integer ones (dp4a),
+    and those with h handed to the down as limbs."""
+    with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
+                        kernel_gguf_dp4a=unit != "hsub", kernel_gguf_dp4a_down=unit == "limbs",
+                        kernel_gguf_iq2_staged=True):
+        experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, tokens, True)
+
+
 def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     rng = np.random.default_rng()
     E, K = 4, 3
@@ -227,9 +238,12 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     assert integer == (flags.get("kernel_gguf_dp4a") and act_quant)
     limbs = ex.limbs_between(x, gate, s_gate, down, s_down, act_quant)
     assert limbs == (flags.get("kernel_gguf_dp4a_down") and act_quant)
+    with mock.patch.object(ex, "backend", return_value="cuda"):
+        staged = ex.iq2_staged(x, gate, s_gate, act_quant)
+    assert staged == bool(flags.get("kernel_gguf_iq2_staged"))
     consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, integer), SMODE=mode(s_gate or gate, integer), BITS=0, GS=0,
                   SBITS=0, SGS=0)
-    exe = build(tmp_path, "gate_up", ex.GGUF_LIMBS_GATE_UP_KERNEL if limbs else ex.GGUF_GATE_UP_KERNEL, GATE_UP_MAIN,
+    exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNELS[limbs, staged][0], GATE_UP_MAIN,
                 dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_INTS if integer else ex.X_STRIDE, ACTQ=act_quant), limbs)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
             + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()

@@ -304,8 +304,6 @@ struct XInts {
   }
 };
 
-KFN float simd_shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
-
 // Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
 // lane of the group.
 template <int LANES>
@@ -461,6 +459,7 @@ _GATE_UP_BODY = r"""
     const float x_scale = ACTQ ? qdq_fp8_32(v) : 1.0f;
     store_x_pack<XS>(xs, p, v, x_scale);   // XS == X_INTS (GGUF integer units): as limbs
   }
+  STAGE_TABLES
   BARRIER();
   SELECT_EXPERT
   float g[ROWS], u[ROWS];
@@ -492,10 +491,11 @@ _GATE_UP_BODY = r"""
 # Where the gate/up launch puts its block of h: as T, or (the GGUF down launch's integer units,
 # DSV4_KERNEL_GGUF_DP4A_DOWN; ACTQ) as that pack's X_INTS limbs, h then uint32 with X_INTS uint4s a
 # pack (words 36.. of each left unwritten: never read), made by lane 0 from the SIMD group's values.
-_STORE_T = {"STORE_H": "    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);"}
-_STORE_LIMBS = {"STORE_H": r"""
+_STORE_T = {"STORE_H": "    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);",
+            "STAGE_TABLES": ""}
+_STORE_LIMBS = {"STAGE_TABLES": "", "STORE_H": r"""
     float hv[32];
-    for (int i = 0; i < 32; ++i) hv[i] = simd_shuffle_f(v, i);
+    for (int i = 0; i < 32; ++i) hv[i] = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), i));
     if (lane == 0) {
       uint32_t w[36];
       limb_words(hv, s, w);
@@ -570,6 +570,15 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   const int expert = slot < K ? picked_ids[slot] : 0;
   const float route = slot < K ? picked_w[slot] : 1.0f;
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
+
+
+# IQ2_XXS routed experts' tables (gguf_dot.iq2_xxs_tables: grid, signs, fp16 pairs, sign masks; 8.3 KB)
+# copied into threadgroup memory, where the gate and up units then gather their grid entries and
+# sign masks (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA: a generic pointer reaches either memory).
+_IQ2_STAGED = {"STAGE_TABLES": f"""
+  SHARED uint4 iq2_tab4[{gguf_dot.IQ2_TABLE_WORDS // 4}];
+  for (int i = (int)tid; i < {gguf_dot.IQ2_TABLE_WORDS // 4}; i += (int)group_threads) iq2_tab4[i] = LOAD_U4(gate_s, i);
+  const uint32_t* iq2_tab = (const uint32_t*)iq2_tab4;"""}
 
 
 def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY, store: dict = _STORE_T) -> str:
@@ -739,24 +748,49 @@ def _gguf_limbs_checks(stage):
     return tuple(out)
 
 
-GGUF_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf", input_names=_GATE_UP_INPUTS,
-                             output_names=("h",), body=_gate_up_body(_GIVEN), header=_GGUF_HEADER,
-                             checks=_gguf_checks("gate_up"))
-GGUF_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf", input_names=_ROUTED_GATE_UP_INPUTS,
-                                    output_names=("h", "ids"), body=_gate_up_body(_ROUTED),
-                                    header=_GGUF_HEADER + ROUTER_HEADER, checks=_gguf_checks("routed_gate_up"))
 GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUTS, output_names=("y",),
                           body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
-# h as limbs between the two (DSV4_KERNEL_GGUF_DP4A_DOWN): the gate/up launches writing them, the
-# down launch reading them in the integer units.
-GGUF_LIMBS_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf_limbs", input_names=_GATE_UP_INPUTS,
-                                   output_names=("h",), body=_gate_up_body(_GIVEN, store=_STORE_LIMBS),
-                                   header=_GGUF_HEADER, checks=_gguf_limbs_checks("gate_up"))
-GGUF_LIMBS_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf_limbs",
-                                          input_names=_ROUTED_GATE_UP_INPUTS, output_names=("h", "ids"),
-                                          body=_gate_up_body(_ROUTED, store=_STORE_LIMBS),
-                                          header=_GGUF_HEADER + ROUTER_HEADER,
-                                          checks=_gguf_limbs_checks("routed_gate_up"))
+
+
+def _iq2_routed(checks: tuple) -> tuple:
+    """The instances whose routed experts are IQ2_XXS (any of its units)."""
+    iq2 = {gguf_dot.GGUF_MODE_IDS["IQ2_XXS"], gguf_dot.WIDE_MODE_IDS["IQ2_XXS"],
+           gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], gguf_dot.INT_MODE_IDS["IQ2_XXS"]}
+    return tuple(c for c in checks if dict(c[2])["MODE"] in iq2)
+
+
+def _gguf_gate_up_kernels(limbs: bool, staged: bool) -> tuple:
+    """The GGUF gate/up launches (given the route, routing themselves) writing h as T or, with
+    `limbs`, as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN); with `staged`, IQ2_XXS's tables in threadgroup
+    memory (DSV4_KERNEL_GGUF_IQ2_STAGED, CUDA)."""
+    suffix = ("_limbs" if limbs else "") + ("_staged" if staged else "")
+    store = _STORE_LIMBS if limbs else _STORE_T
+    extra = {}
+    if staged:
+        extra = dict(_IQ2_STAGED, dialects=("cuda",))
+    checks = _gguf_limbs_checks if limbs else _gguf_checks
+    pick = _iq2_routed if staged else (lambda c: c)
+    out = []
+    for routed, inputs, outputs, header in ((False, _GATE_UP_INPUTS, ("h",), _GGUF_HEADER),
+                                            (True, _ROUTED_GATE_UP_INPUTS, ("h", "ids"), _GGUF_HEADER + ROUTER_HEADER)):
+        parts = dict(_ROUTED if routed else _GIVEN, **{k: v for k, v in extra.items() if k != "dialects"})
+        body = _gate_up_body(parts, store=store)
+        if staged:   # the routed experts' gate and up read the staged tables
+            body = body.replace("gate_w, gate_s, gate_b, up_w, up_s, up_b", "gate_w, iq2_tab, gate_b, up_w, iq2_tab, up_b")
+        out.append(Kernel(name=f"dsv4_experts{'_routed' if routed else ''}_gate_up_gguf{suffix}", input_names=inputs,
+                          output_names=outputs, body=body, header=header,
+                          checks=pick(checks("routed_gate_up" if routed else "gate_up")),
+                          dialects=extra.get("dialects", ("metal", "cuda"))))
+    return tuple(out)
+
+
+# (h as limbs, IQ2_XXS's tables staged) -> (gate/up, routed gate/up) launches.
+GGUF_GATE_UP_KERNELS = {(limbs, staged): _gguf_gate_up_kernels(limbs, staged)
+                        for limbs in (False, True) for staged in (False, True)}
+GGUF_GATE_UP_KERNEL, GGUF_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[False, False]
+GGUF_LIMBS_GATE_UP_KERNEL, GGUF_LIMBS_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[True, False]
+GGUF_STAGED_GATE_UP_KERNEL, GGUF_STAGED_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[False, True]
+# The down launch over h as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN): rows_dot's integer units read them.
 GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names=_DOWN_INPUTS, output_names=("y",),
                                 body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
 
@@ -844,6 +878,16 @@ def limbs_between(x, gate, s_gate, down, s_down, act_quant: bool) -> bool:
             and (s_down is None or integer(s_down)) and not gguf_mma.applies(x, gate, s_gate))
 
 
+def iq2_staged(x, gate, s_gate, act_quant: bool) -> bool:
+    """Whether the GGUF gate/up launch copies IQ2_XXS routed experts' tables into threadgroup
+    memory (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA), where they fit beside x's copy."""
+    stride = X_INTS if integer_units(gate, s_gate, act_quant) else X_STRIDE
+    tables = 4 * gguf_dot.IQ2_TABLE_WORDS
+    return (isinstance(gate, GGUFMatrix) and gate.qtype == "IQ2_XXS" and backend() == "cuda"
+            and bool(flags.get("kernel_gguf_iq2_staged"))
+            and x.shape[-1] // 32 * stride * 16 + 128 + tables <= shared_memory_limit("cuda"))
+
+
 def _placeholder():
     """An 8-word input standing for an absent matrix/bias (8+ elements keep Metal's device space)."""
     return constant((0,) * 8, mx.uint32)
@@ -903,8 +947,8 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
         threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
     else:
         given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
-        if limbs:
-            given_kernel, routed_kernel = GGUF_LIMBS_GATE_UP_KERNEL, GGUF_LIMBS_ROUTED_GATE_UP_KERNEL
+        if isinstance(gate, GGUFMatrix):
+            given_kernel, routed_kernel = GGUF_GATE_UP_KERNELS[limbs, iq2_staged(x, gate, s_gate, act_quant)]
         threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
         integer = integer_units(gate, s_gate, act_quant)
         if integer:

@@ -94,6 +94,8 @@ template <int MODE> struct MmaCodes {   // MODE 1 mxfp4, 2 mxfp8
   }
 };
 
+KFN float simd_shuffle_f(float v, int src) { return AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), src)); }
+
 // Sums of an input (fp16 planes xh, xscale as store_x_halves<LO> left them, the low plane K_IN
 // values after the high one) with the 16 rows row0.. (clamped to rows_out) of the matrix at
 // w0/s0 (and w1/s1 if TWO), codes MmaCodes<MODE>, from row `first`, over the chunks split,
