@@ -3,14 +3,16 @@
 the portable experts/matvec kernels against their tensor-core launches (DSV4_KERNEL_MOE_MMA,
 DSV4_KERNEL_MATVEC_MMA). Needs no GPU, only the test extra's NVRTC wheels.
 
-    python -m benchmarks.kernel_registers [--gguf] [--out DIR]
+    python -m benchmarks.kernel_registers [--gguf] [--nvdisasm PATH] [--out DIR]
 
 Each kernel's first compile-gate instantiation (Kernel.checks: V4.1's mxfp4 experts with the
 mxfp8 shared expert, top-6, I = 2304, D = 5120; the matvec at K = 5120 mxfp8) is compiled once.
 Registers per thread bound the warps an SM keeps resident (65536 registers per SM): fewer
 registers, more loads in flight to hide DRAM latency in these bandwidth-bound launches.
-`--gguf`: the GGUF-block launches instead (gguf_dot.py's rows_dot), every compile-gate
-instantiation: ds4's q2 and q4 recipes and a Q2_K/Q4_K mix, the matvec per GGUF type.
+The prefill's routed-experts launches (experts_prefill.py) follow. `--nvdisasm PATH` adds each
+kernel's innermost loops in SASS instructions (nvdisasm of the cubin). `--gguf`: the GGUF-block
+launches instead (gguf_dot.py's rows_dot), every compile-gate instantiation: ds4's q2 and q4
+recipes and a Q2_K/Q4_K mix, the matvec per GGUF type.
 """
 
 from __future__ import annotations
@@ -133,17 +135,17 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", action="store_true", help="the GGUF-block launches, every instantiation")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--nvdisasm", help="nvdisasm's path (the nvidia-cuda-nvdisasm wheel's, not in the test extra): "
-                                      "with --gguf, each instance's innermost loops in SASS instructions too")
+                                      "each kernel's innermost loops in SASS instructions too")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
-    from dsv4.kernels import experts, matvec
+    from dsv4.kernels import experts, experts_prefill, matvec
     from tools.metal_syntax_check import required_nvrtc_paths
 
     paths = required_nvrtc_paths()
     when = datetime.now()
     template = ["template"] if a.gguf else []   # GGUF: every instantiation, so each row names its own
-    loops = ["innermost loops, SASS instructions"] if a.gguf and a.nvdisasm else []
+    loops = ["innermost loops, SASS instructions"] if a.nvdisasm else []
     columns = ["launch", "kernel", *template, "registers / thread", "spill bytes", "static smem bytes", "NVRTC s", *loops]
     lines = [f"# CUDA kernel resources at V4.1's widths (ptxas, sm_90a){': GGUF blocks' if a.gguf else ''}", "",
              f"{when:%Y-%m-%d %H:%M}.", "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
@@ -167,12 +169,15 @@ def main(argv=None) -> int:
             widths = ", ".join(f"{n:g} x {w} B" for w, n in sorted(c["loads"].items()))
             lines.append(f"| {label} | {mode} | {sum(c['loads'].values()):g} | {widths} | {c['cvt']:g} | {c['total']:g} |")
             print(lines[-1], flush=True)
-    for what, portable, mma in [] if a.gguf else PAIRS:
-        for attr in (portable, mma):
-            kernel = getattr(experts, attr, None) or getattr(matvec, attr)
-            r = resources(kernel, paths)
-            lines.append(f"| {what} | `{kernel.name}` | {r['registers']} | {r['spill']} | {r['smem']} | {r['seconds']:.1f} |")
-            print(lines[-1], flush=True)
+    kernels = [(what, getattr(experts, attr, None) or getattr(matvec, attr)) for what, *pair in PAIRS for attr in pair]
+    kernels += [("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
+                ("prefill routed experts (x made once, DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)", experts_prefill.KERNEL_PAIRS)]
+    for what, kernel in [] if a.gguf else kernels:
+        r = resources(kernel, paths)
+        sizes = [", ".join(map(str, innermost_loops(r["cubin"], a.nvdisasm)))] if loops else []
+        lines.append("| " + " | ".join([what, f"`{kernel.name}`", str(r["registers"]), str(r["spill"]), str(r["smem"]),
+                                         f"{r['seconds']:.1f}", *sizes]) + " |")
+        print(lines[-1], flush=True)
     lines += ["", to_markdown(describe())]
     write_dated(a.out, when, f"kernel-registers{'-gguf' if a.gguf else ''}", lines, shown=0)   # rows printed as made
     return 0

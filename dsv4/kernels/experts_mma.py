@@ -45,13 +45,17 @@ HEADER = r"""
 // of a word gives (unpack8's tricks: MODE 1 nibbles j and j+4 of word p/4, MODE 2 bytes j and
 // j+2 of word p/2), scaled by 2^-14 (2^-8). pair_k: the low weight's place in the group; the
 // high one is PAIR_GAP further.
-template <int MODE> KFN uint32_t pair_bits(LOCAL const uint32_t* w, int p) {
+// word_pair_bits: the same from the word holding pair p (MODE 1's word p/4, MODE 2's p/2).
+template <int MODE> KFN uint32_t word_pair_bits(uint32_t word, int p) {
   if (MODE == 1) {
-    const uint32_t q = w[p >> 2] >> (4 * (p & 3));
+    const uint32_t q = word >> (4 * (p & 3));
     return ((q & 0x00070007u) << 9) | ((q & 0x00080008u) << 12);
   }
-  const uint32_t q = w[p >> 1] >> (8 * (p & 1));
+  const uint32_t q = word >> (8 * (p & 1));
   return ((q & 0x007f007fu) << 7) | ((q & 0x00800080u) << 8);
+}
+template <int MODE> KFN uint32_t pair_bits(LOCAL const uint32_t* w, int p) {
+  return word_pair_bits<MODE>(w[MODE == 1 ? p >> 2 : p >> 1], p);
 }
 template <int MODE> KFN int pair_k(int p) { return MODE == 1 ? 8 * (p >> 2) + (p & 3) : 4 * (p >> 1) + (p & 1); }
 

@@ -68,8 +68,9 @@ STAGE
       uint32_t a[2][4];
       for (int st = 0; st < 2; ++st) {
         const int p = 8 * st + 2 * t;
-        a[st][0] = pair_bits<MODE>(wa, p); a[st][1] = pair_bits<MODE>(wb, p);
-        a[st][2] = pair_bits<MODE>(wa, p + 1); a[st][3] = pair_bits<MODE>(wb, p + 1);
+        const uint32_t ua = step_word<MODE>(wa, st, t), ub = step_word<MODE>(wb, st, t);
+        a[st][0] = word_pair_bits<MODE>(ua, p); a[st][1] = word_pair_bits<MODE>(ub, p);
+        a[st][2] = word_pair_bits<MODE>(ua, p + 1); a[st][3] = word_pair_bits<MODE>(ub, p + 1);
       }
       for (int j = 0; j < 4; ++j) {
         const int row = (8 * j + q) * XSTRIDE + 16 * gl + 2 * t;
@@ -138,8 +139,17 @@ X_BODY = r"""
   x_scales[i] = pack_x_pairs<MODE>(x_pairs + 16 * i, v);
 """
 
-# What both stagings share: a pack's fp16 pairs in the A fragments' order and its power of two.
+# What both stagings share: a pack's fp16 pairs in the A fragments' order and its power of two;
+# and the word of a group's codes a lane's A fragments take.
 _PACK_HEADER = r"""
+// The word of a group's codes (w) holding this lane's pairs 8 st + 2t and 8 st + 2t + 1 in mma
+// step st: MODE 1's word 2 st + t / 2, MODE 2's 4 st + t, picked by selects on t's bits (indexing
+// the words by t compiles to a predicated move a word and pair).
+template <int MODE> KFN uint32_t step_word(LOCAL const uint32_t* w, int st, int t) {
+  if (MODE == 1) return (t & 2) ? w[2 * st + 1] : w[2 * st];
+  const uint32_t lo = (t & 1) ? w[4 * st + 1] : w[4 * st], hi = (t & 1) ? w[4 * st + 3] : w[4 * st + 2];
+  return (t & 2) ? hi : lo;
+}
 // Pack (32 values v) of an input row as the tiles' B side reads it: its 16 fp16 pairs at dst in
 // the order pair_bits holds the weights (pair_k; the high one PAIR_GAP further), and, returned,
 // the pack's power of two (store_x_halves) times the 2^14 (2^8) pair_bits takes out.
