@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_path [--real] [--context 64] [--report]
     python -m benchmarks.gpu_path --positions 1,2,4,6 [--model DIR] [--report]
+    python -m benchmarks.gpu_path --propose 1,3,5 [--model DIR] [--report]
 
 Without Metal or CUDA every kernel dispatcher takes its plain-MLX reference, so counting the
 step here (benchmarks/graph_ops.py) shows a graph no GPU runs. This tells every dispatcher
@@ -11,6 +12,9 @@ to its inputs by `mx.depends`), then counts the compiled fixed-shape step of the
 slice (benchmarks/slice_decode.py; toy widths by default, `--real` for V4.1's). Each stand-in
 is one launch; the other primitives are what MLX launches itself (graph_ops.VIEWS launch
 nothing). The count depends on the step's regimes: at `--context` c the step decodes position c.
+
+`--propose`: DSpark's compiled greedy propose of k drafts (dsv4/draft_step.py) after a 64-token
+prefill, on the same model as `--positions`: its launches and the dsv4 kernels among them.
 
 `--positions`: steps of n positions (n = 1 the decode step; n > 1 DSpark's verify,
 FixedDecoder.feed with the draft stages' inputs), each from the same position after a 64-token
@@ -134,6 +138,49 @@ def count_positions(model, positions: list[int], prompt_tokens: int = 64) -> dic
     return out
 
 
+def count_propose(model, ks: list[int], context: int = 64) -> dict[int, tuple[int, collections.Counter]]:
+    """k -> (launches, the stand-in calls by kernel name) of one compiled fixed-shape greedy propose
+    of k drafts (dsv4/draft_step.py FixedDraft.propose) after a `context`-token prefill, GPU path."""
+    from benchmarks.graph_ops import launches, primitive_counts
+    from benchmarks.step_profile import proposer_after_prefill
+    from dsv4 import flags
+
+    def proposes(counted: dict) -> None:
+        fixed, propose = proposer_after_prefill(model, context)   # FixedDraft reads `compile` when made
+        mx.eval(fixed.buffers)                           # its window, out of the counted graphs
+        for k in ks:
+            calls.clear()
+            p = propose(k)
+            outputs = [a for a in (p.drafts, p.confidence, p.q_logits) if a is not None]
+            counts = primitive_counts(outputs)
+            counted[k] = (counts[STAND_IN] + sum(launches(counts).values()), collections.Counter(calls))
+            mx.eval(outputs)
+        fixed.close()
+
+    out = {}
+    with as_gpu_backend(rope=True) as (late, building, calls), \
+            flags.override(fixed_decode="on", fixed_propose="on", dequant_matmul="off"):
+        with flags.override(compile=False):
+            proposes({})                                 # warm-up: every stand-in's zeros
+        building[0] = True
+        with flags.override(compile=True):
+            proposes(out)
+    if late:
+        raise RuntimeError(f"stand-in outputs made while counting (they would be counted): {late}")
+    return out
+
+
+def propose_table(model, ks: list[int]) -> list[str]:
+    """Report lines: count_propose's launches and the dsv4 kernels among them, by name."""
+    counted = count_propose(model, ks)
+    names = sorted({name for _, calls in counted.values() for name in calls})
+    lines = ["| drafts k | launches | of them kernels (dsv4's, RoPE) |", "|---|---|---|"]
+    lines += [f"| {k} | {total} | {sum(calls.values())} |" for k, (total, calls) in counted.items()]
+    lines += ["", "| kernel | " + " | ".join(f"k = {k}" for k in counted) + " |", "|---" * (len(counted) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(str(calls[name]) for _, calls in counted.values()) + " |" for name in names]
+    return lines
+
+
 def positions_table(model, positions: list[int]) -> list[str]:
     """Report lines: count_positions with DSV4_KERNEL_ROWS_POSITIONS off and on."""
     from dsv4 import flags
@@ -168,14 +215,22 @@ def main(argv=None) -> int:
     p.add_argument("--real", action="store_true", help="V4.1's widths (more than 24 GB of memory: the run was OOM-killed on a 24 GB machine)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--positions", help="count steps of these numbers of positions (e.g. 1,2,4,6) instead")
-    p.add_argument("--model", help="with --positions: a checkpoint with draft stages (default: the toy-width slice)")
+    p.add_argument("--propose", help="count DSpark proposes of these numbers of drafts (e.g. 1,3,5) instead")
+    p.add_argument("--model", help="with --positions or --propose: a checkpoint with draft stages (default: the "
+                                    "toy-width slice)")
     p.add_argument("--report", action="store_true", help="write a dated report to benchmarks/results/")
     a = p.parse_args(argv)
     from benchmarks.graph_ops import write_report
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build
 
     when = datetime.now()
-    if a.positions:
+    if a.propose:
+        lines = propose_table(positions_model(a.model), [int(k) for k in a.propose.split(",")])
+        name = f"{when:%Y-%m-%d-%H%M}-propose-launches.md"
+        heading = (f"# Launches of a DSpark propose of k drafts (GPU path, counted on the CPU)\n\n"
+                   f"{when:%Y-%m-%d %H:%M}; model `{a.model or 'toy-width slice with draft stages'}`, "
+                   f"64-token prefill, compiled greedy propose (DSV4_FIXED_PROPOSE).")
+    elif a.positions:
         lines = positions_table(positions_model(a.model), [int(n) for n in a.positions.split(",")])
         name = f"{when:%Y-%m-%d-%H%M}-step-launches.md"
         heading = (f"# Launches of a fixed-shape step of n positions (GPU path, counted on the CPU)\n\n"
