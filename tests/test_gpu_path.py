@@ -46,3 +46,15 @@ def test_a_verify_runs_its_tails_as_kernels_with_each_positions_angles(draft_mod
     assert on[4][1]["mx.fast.rope"] == 0 and on[4][1]["dsv4_rope_angles"] >= 1
     assert on[4][0] <= 1.25 * on[1][0], (on[4][0], on[1][0])
     assert off[4][1]["mx.fast.rope"] > 0 and off[4][0] > 1.8 * off[1][0]
+
+
+def test_a_propose_runs_the_block_through_kernels_and_each_draft_adds_only_its_pick(draft_model):
+    """DSpark's compiled propose: every stage's attention, experts and mHC as kernels (no plain
+    RoPE), the same kernels whatever k (the block always has its rows), and each further draft only
+    the Markov chain's few MLX launches."""
+    counted = gpu_path.count_propose(draft_model, [1, 3])
+    (one, calls_one), (three, calls_three) = counted[1], counted[3]
+    stages = len(draft_model.draft.mtp)
+    assert calls_one == calls_three and calls_one["mx.fast.rope"] == 0
+    assert calls_one["dsv4_experts_down"] == stages and calls_one["dsv4_sparse_attention_partial"] == stages
+    assert one < three <= one + 2 * 12, (one, three)

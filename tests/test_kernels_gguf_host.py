@@ -192,16 +192,14 @@ def mode(m: GGUFMatrix, integer: bool = False) -> int:
                                                           (2, False, True, True), (1, True, False, "halves"),
                                                           (2, True, False, "halves"), (2, True, False, "hsub"),
                                                           (1, True, False, "dp4a"), (3, True, False, "dp4a"),
-                                                          (1, True, False, "limbs"), (3, True, False, "limbs"),
-                                                          (2, False, False, "limbs")])
+                                                          (1, True, False, "limbs"), (3, True, False, "limbs")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
     fp16 subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": those and Q8_0 by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB);
     "dp4a": those and the gate/up in the integer units over x's limbs (DSV4_KERNEL_GGUF_DP4A:
     IQ2_XXS, Q4_K and Q8_0 have them); "limbs": those and h handed over as limbs to the down launch
-    in the integer units (DSV4_KERNEL_GGUF_DP4A_DOWN: Q2_K, Q4_K and Q8_0 have them; not without
-    act_quant)."""
+    in the integer units (DSV4_KERNEL_GGUF_DP4A_DOWN: Q2_K, Q4_K and Q8_0 have them)."""
     with flags.override(kernel_gguf_q8_pairs=pairs, kernel_gguf_wide=bool(wide),
                         kernel_gguf_halves=wide in ("halves", "hsub", "dp4a", "limbs"),
                         kernel_gguf_q8_hsub=wide in ("hsub", "dp4a", "limbs"),
