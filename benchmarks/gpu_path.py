@@ -224,18 +224,18 @@ def main(argv=None) -> int:
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build
 
     when = datetime.now()
-    if a.propose:
-        lines = propose_table(positions_model(a.model), [int(k) for k in a.propose.split(",")])
-        name = f"{when:%Y-%m-%d-%H%M}-propose-launches.md"
-        heading = (f"# Launches of a DSpark propose of k drafts (GPU path, counted on the CPU)\n\n"
+    # The modes over a model with draft stages: report slug, what is counted, how.
+    draft_modes = {"propose": ("propose-launches", "a DSpark propose of k drafts",
+                               "compiled greedy propose (DSV4_FIXED_PROPOSE)", propose_table),
+                   "positions": ("step-launches", "a fixed-shape step of n positions", "compiled step", positions_table)}
+    mode = "propose" if a.propose else "positions" if a.positions else None
+    if mode:
+        slug, title, how, table = draft_modes[mode]
+        lines = table(positions_model(a.model), [int(n) for n in getattr(a, mode).split(",")])
+        name = f"{when:%Y-%m-%d-%H%M}-{slug}.md"
+        heading = (f"# Launches of {title} (GPU path, counted on the CPU)\n\n"
                    f"{when:%Y-%m-%d %H:%M}; model `{a.model or 'toy-width slice with draft stages'}`, "
-                   f"64-token prefill, compiled greedy propose (DSV4_FIXED_PROPOSE).")
-    elif a.positions:
-        lines = positions_table(positions_model(a.model), [int(n) for n in a.positions.split(",")])
-        name = f"{when:%Y-%m-%d-%H%M}-step-launches.md"
-        heading = (f"# Launches of a fixed-shape step of n positions (GPU path, counted on the CPU)\n\n"
-                   f"{when:%Y-%m-%d %H:%M}; model `{a.model or 'toy-width slice with draft stages'}`, "
-                   f"64-token prefill, compiled step.")
+                   f"64-token prefill, {how}.")
     else:
         model, _, _ = build({**(REAL if a.real else SMALL), **ROLES})
         lines = summary(count(model, a.context), model.args.num_hidden_layers)
