@@ -95,7 +95,7 @@ def expert_bytes(m) -> float:
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
 _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
                  kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False,
-                 kernel_gguf_iq2_staged=False)
+                 kernel_gguf_iq2_staged=False, kernel_gguf_dp4a_mixed=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
@@ -112,6 +112,10 @@ EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES, mma=dict(_HALVES, kernel_gguf_m
 EXPERT_VARIANTS["dp4a, down"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_dp4a_down=True)
 EXPERT_VARIANTS["hsub, staged"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_iq2_staged=True)
 EXPERT_VARIANTS["dp4a, staged"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_iq2_staged=True)
+# The units CUDA's auto picks, each kind by its type (q2: IQ2_XXS halves, its Q8_0 shared expert integer),
+# and those with the down over limbs too.
+EXPERT_VARIANTS["mixed"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_dp4a="auto", kernel_gguf_dp4a_mixed=True)
+EXPERT_VARIANTS["mixed, down"] = dict(EXPERT_VARIANTS["mixed"], kernel_gguf_dp4a_down=True)
 
 
 def under(switches: dict, fn):
@@ -276,7 +280,8 @@ def main(argv=None) -> int:
              "integer units over x's fp8 values as limbs; the down launches run hsub), dp4a, down "
              "(DSV4_KERNEL_GGUF_DP4A_DOWN: and h handed over as limbs, the down launch in the integer "
              "units), hsub / dp4a, staged (DSV4_KERNEL_GGUF_IQ2_STAGED: q2's IQ2_XXS tables in threadgroup "
-             "memory). 'same' = "
+             "memory), mixed (DSV4_KERNEL_GGUF_DP4A_MIXED: auto's units each kind by its type, q2's Q8_0 "
+             "shared expert integer) and mixed, down (with DSV4_KERNEL_GGUF_DP4A_DOWN). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

@@ -385,6 +385,13 @@ define("kernel_gguf_dp4a", "auto",
        "2026-12-05-0503-gguf-native.md); not IQ2_XXS, whose gate/up it made slower (88.7 against "
        "82.8 µs at one token, 461 against 386 at eight), so ds4's q2 gate/up keeps the halves units; "
        "on: every type with an integer unit; off", choices=AUTO_ON_OFF)
+define("kernel_gguf_dp4a_mixed", False,
+       "GPU: the fused experts' GGUF gate/up launch takes the integer units of DSV4_KERNEL_GGUF_DP4A "
+       "for the routed experts and the shared expert each by its own type, where without it both or "
+       "neither take them: ds4's q2 recipe then runs its Q8_0 shared expert in the integer units "
+       "(1.5 SASS instructions a weight against hsub's 5.1) beside IQ2_XXS's halves ones, x copied as "
+       "limbs for the shared expert's threadgroups and as floats for the routed ones; within the fp32 "
+       "summation bound. Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
 define("kernel_gguf_dp4a_down", False,
        "GPU: the fused experts' down launch over GGUF Q2_K, Q4_K or Q8_0 routed experts with a Q8_0 (or "
        "no) shared expert (ds4's q2 and q4 recipes) in the integer units of DSV4_KERNEL_GGUF_DP4A, under "

@@ -204,7 +204,22 @@ def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens,
                         kernel_gguf_halves=wide in ("halves", "hsub", "dp4a", "limbs"),
                         kernel_gguf_q8_hsub=wide in ("hsub", "dp4a", "limbs"),
                         kernel_gguf_dp4a=wide in ("dp4a", "limbs"), kernel_gguf_dp4a_down=wide == "limbs"):
+        gate = gguf_matrix(np.random.default_rng(), (1, 32, D), routed[0])
+        assert ex.integer_kinds(gate, None, act_quant) == (wide in ("dp4a", "limbs") and act_quant,) * 2
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gguf_experts_bodies_with_mixed_units(tmp_path, tokens):
+    """ds4's q2 recipe under DSV4_KERNEL_GGUF_DP4A_MIXED, as CUDA's auto picks the units: IQ2_XXS's
+    halves units for the routed experts, the integer ones for the Q8_0 shared expert (x copied as
+    floats or as limbs by slot)."""
+    with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
+                        kernel_gguf_dp4a="auto", kernel_gguf_dp4a_mixed=True), \
+            mock.patch.object(gguf_dot, "backend", return_value="cuda"):
+        q2, q8 = gguf_matrix(np.random.default_rng(), (32, 768), "IQ2_XXS"), gguf_matrix(np.random.default_rng(), (32, 768), "Q8_0")
+        assert ex.integer_kinds(q2, q8, True) == (False, True) and ex.integer_kinds(q2, q8, False) == (False, False)
+        experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, tokens, True)
 
 
 @pytest.mark.parametrize("tokens,unit", [(2, "hsub"), (1, "dp4a"), (2, "limbs")])
@@ -232,17 +247,18 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     s_gate, s_up, s_down = shared_m if shared_m else (None, None, None)
 
     rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
-    integer = ex.integer_units(gate, s_gate, act_quant)
-    assert integer == (flags.get("kernel_gguf_dp4a") and act_quant)
+    routed_ints, shared_ints = ex.integer_kinds(gate, s_gate, act_quant)
+    assert routed_ints == shared_ints or flags.get("kernel_gguf_dp4a_mixed")
     limbs = ex.limbs_between(x, gate, s_gate, down, s_down, act_quant)
     assert limbs == (flags.get("kernel_gguf_dp4a_down") and act_quant)
     with mock.patch.object(ex, "backend", return_value="cuda"):
         staged = ex.iq2_staged(x, gate, s_gate, act_quant)
     assert staged == bool(flags.get("kernel_gguf_iq2_staged"))
-    consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, integer), SMODE=mode(s_gate or gate, integer), BITS=0, GS=0,
-                  SBITS=0, SGS=0)
+    consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, routed_ints), SMODE=mode(s_gate or gate, shared_ints), BITS=0,
+                  GS=0, SBITS=0, SGS=0)
+    xs = ex.X_INTS if routed_ints or shared_ints else ex.X_STRIDE
     exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNELS[limbs, staged][0], GATE_UP_MAIN,
-                dict(consts, ROWS=rows, LANES=lanes, XS=ex.X_INTS if integer else ex.X_STRIDE, ACTQ=act_quant), limbs)
+                dict(consts, ROWS=rows, LANES=lanes, XS=xs, ACTQ=act_quant), limbs)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
             + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
             + matrix_bytes(gate, gate, E * I) + matrix_bytes(up, gate, E * I)

@@ -213,13 +213,13 @@ def v41_calls():
         for routed, dense in layouts:
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
-            # mma: the CUDA tensor-core gate/up; limbs: h handed to the GGUF down as limbs; staged: the
-            # IQ2_XXS tables in threadgroup memory (CUDA)
-            for e, mma, limbs, staged in ((None, False, False, False), (expand, False, False, False),
-                                          (expand, True, False, False), (expand, False, True, False),
-                                          (expand, False, False, True), (expand, False, True, True)):
-                with flags.override(kernel_moe_mma=mma, kernel_gguf_mma=mma, kernel_gguf_dp4a_down=limbs,
-                                    kernel_gguf_iq2_staged=staged):
+            # the CUDA tensor-core gate/up; h handed to the GGUF down as limbs; the IQ2_XXS tables in
+            # threadgroup memory (CUDA); the shared expert's units by its own type
+            for e, switches in ((None, {}), (expand, {}), (expand, dict(kernel_moe_mma=True, kernel_gguf_mma=True)),
+                                (expand, dict(kernel_gguf_dp4a_down=True)), (expand, dict(kernel_gguf_iq2_staged=True)),
+                                (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_iq2_staged=True,
+                                              kernel_gguf_dp4a_mixed=True))):
+                with flags.override(**switches):
                     experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up,
                                     down, shared, a.swiglu_limit, True, e)
                     experts.routed_experts(x, logits, _zeros(E, dtype=mx.float32), k, 1.0,

@@ -175,7 +175,7 @@ def down_reference(h, indices, down, s_down=None):
 # What every decode kernel of a few tokens shares: the official fp8 rounding, bf16 loads, the
 # threadgroup copy of x (XChunk) and lane-group sums. The matrix decoders come on top: MLX's
 # packs here (PACKS_HEADER), GGUF blocks in gguf_dot.py; each defines rows_dot.
-X_HEADER = f"constexpr int X_INTS = {X_INTS};\n" + r"""
+X_HEADER = f"constexpr int X_INTS = {X_INTS};\nconstexpr int X_STRIDE = {X_STRIDE};\n" + r"""
 KFN float e4m3_round(float x) {
   const float a = FABS(x);
   float r;
@@ -315,6 +315,8 @@ KFN float lanes_sum(float v) {
 """
 
 PACKS_HEADER = r"""
+// The stride of x's threadgroup copy that MODE's units read (the GGUF header's differs by unit).
+template <int MODE, int XS> constexpr int x_stride() { return XS; }
 // A pack = 32 consecutive values of one row = BITS uint32 words. MODE 0 affine, 1 mxfp4, 2 mxfp8.
 KFN float e8m0_scale(uint32_t s) { return s == 0 ? AS_FLOAT(0x00400000u) : AS_FLOAT(s << 23); }
 
@@ -450,24 +452,29 @@ _GATE_UP_BODY = r"""
   const int row0 = (int)group_y * 32 + (int)warp * RW;
   const float limit = params[0];
   ROUTE_TOKEN
-  // The token's x, fp8-rounded when ACTQ, once per threadgroup in fp32 (XS uint4s per pack),
-  // read by every SIMD group from there.
+  // The token's x, fp8-rounded when ACTQ, once per threadgroup (up to XS uint4s per pack), read
+  // by every SIMD group from there: in fp32, or as limbs where the slot's units are GGUF integer
+  // ones (x_stride: the routed experts' and the shared expert's may differ).
+  constexpr int RXS = x_stride<MODE, XS>();
+  constexpr int SXS = x_stride<SMODE, XS>();
+  static_assert(RXS <= XS && SXS <= XS, "x's copy is XS uint4s a pack");
   SHARED uint4 xs[D / 32 * XS];
   for (int p = (int)tid; p < D / 32; p += (int)group_threads) {
     float v[32];
     for (int c = 0; c < 4; ++c) load_bf16_8(x + (size_t)t * D, p, c, v + 8 * c);
     const float x_scale = ACTQ ? qdq_fp8_32(v) : 1.0f;
-    store_x_pack<XS>(xs, p, v, x_scale);   // XS == X_INTS (GGUF integer units): as limbs
+    if (slot < K) store_x_pack<RXS>(xs, p, v, x_scale);
+    else store_x_pack<SXS>(xs, p, v, x_scale);
   }
   STAGE_TABLES
   BARRIER();
   SELECT_EXPERT
   float g[ROWS], u[ROWS];
   if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, LANES, D, XS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
-                                                       (size_t)expert * I, row0, I, g, u, lane);
+    rows_dot<MODE, BITS, GS, ROWS, LANES, D, RXS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
+                                                        (size_t)expert * I, row0, I, g, u, lane);
   } else {
-    rows_dot<SMODE, SBITS, SGS, ROWS, LANES, D, XS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
+    rows_dot<SMODE, SBITS, SGS, ROWS, LANES, D, SXS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
                                                           sup_b, 0, row0, I, g, u, lane);
   }
   SHARED float block_h[32];
@@ -691,17 +698,18 @@ def _gguf_checks(stage):
     halves = dict(wide, **gguf_dot.HALVES_MODE_IDS)
     hsub = dict(halves, Q8_0=gguf_dot.Q8_0_HSUB)
     integer = dict(hsub, **gguf_dot.INT_MODE_IDS)   # their gate/up only (the down launch: hsub's)
+    mixed = dict(hsub, Q8_0=gguf_dot.INT_MODE_IDS["Q8_0"])   # q2's halves gate/up, the shared expert integer
     for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
                                 ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide), ("IQ2_XXS", "Q8_0", halves),
                                 ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", hsub),
-                                ("IQ2_XXS", "Q8_0", integer), ("Q4_K", "Q8_0", integer)):
-        if ids is integer and stage == "down":
+                                ("IQ2_XXS", "Q8_0", integer), ("Q4_K", "Q8_0", integer), ("IQ2_XXS", "Q8_0", mixed)):
+        if ids in (integer, mixed) and stage == "down":
             continue
         tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),
                 ("SMODE", ids[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         mats = (mx.uint8, mx.uint32, mx.uint32) * 4
         rows, lanes = GGUF_GATE_UP_SHAPES[routed]
-        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if ids is integer else X_STRIDE),
+        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if ids in (integer, mixed) else X_STRIDE),
                                ("ACTQ", True), ("I", 2304), ("D", 5120)]
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
@@ -720,14 +728,16 @@ def _gguf_checks(stage):
 
 def _gguf_limbs_checks(stage):
     """The launches around h as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN) in ds4's recipes at V4.1's
-    widths: q4's gate/up in the integer units and q2's in the halves ones (each writing limbs),
-    then q4's (Q4_K) and q2's (Q2_K) down with the Q8_0 shared expert's, in the integer units."""
+    widths: q4's gate/up in the integer units and q2's in the halves ones (its shared expert's also
+    in the integer ones: DSV4_KERNEL_GGUF_DP4A_MIXED), each writing limbs, then q4's (Q4_K) and
+    q2's (Q2_K) down with the Q8_0 shared expert's, in the integer units."""
     out = []
     ints = gguf_dot.INT_MODE_IDS
     mats = (mx.uint8, mx.uint32, mx.uint32) * 4
     recipes = (("Q4_K", "Q4_K", ints["Q4_K"], ints["Q8_0"], X_INTS),
-               ("IQ2_XXS", "Q2_K", gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], gguf_dot.Q8_0_HSUB, X_STRIDE))
-    for gate, down, mode, smode, xs in recipes:
+               ("IQ2_XXS", "Q2_K", gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], gguf_dot.Q8_0_HSUB, X_STRIDE),
+               ("IQ2_XXS", "Q2_K", gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], ints["Q8_0"], X_INTS))   # _MIXED
+    for gate, down, mode, smode, xs in recipes if stage != "down" else recipes[:2]:   # one down a recipe
         common = [("T", mx.bfloat16), ("BITS", 0), ("GS", 0), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         if stage == "down":
             rows, lanes = GGUF_DOWN_SHAPES[down]
@@ -843,7 +853,9 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     # per expert are a decode's), where MLX's packs take gather_qmm beyond a decode's tokens.
     if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
-    stride = X_INTS if gguf(gate) and gate.integer else X_STRIDE   # the integer units' limbs (if act_quant)
+    # the integer units' limbs (if act_quant; the shared expert's alone under DSV4_KERNEL_GGUF_DP4A_MIXED)
+    ints = gguf(gate) and (gate.integer or (shared is not None and gguf(shared[0]) and shared[0].integer))
+    stride = X_INTS if ints else X_STRIDE
     if x.shape[-1] // 32 * stride * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
         return False
     if not all(matrix_supported(m) for m in mats):
@@ -868,6 +880,18 @@ def integer_units(gate, s_gate, act_quant: bool) -> bool:
             and (s_gate is None or (isinstance(s_gate, GGUFMatrix) and s_gate.integer)))
 
 
+def integer_kinds(gate, s_gate, act_quant: bool) -> tuple[bool, bool]:
+    """(routed, shared): whether the GGUF gate/up launch's routed experts and its shared expert
+    (routed's again without one) take the integer units: both as integer_units says or, with
+    DSV4_KERNEL_GGUF_DP4A_MIXED, each by its own type (ds4's q2 recipe: IQ2_XXS's halves units
+    beside the Q8_0 shared expert's integer ones; x's copy is then floats or limbs by slot)."""
+    if integer_units(gate, s_gate, act_quant) or not (act_quant and flags.get("kernel_gguf_dp4a_mixed")):
+        both = integer_units(gate, s_gate, act_quant)
+        return both, both
+    routed = isinstance(gate, GGUFMatrix) and gate.integer
+    return routed, routed if s_gate is None else isinstance(s_gate, GGUFMatrix) and s_gate.integer
+
+
 def limbs_between(x, gate, s_gate, down, s_down, act_quant: bool) -> bool:
     """Whether the GGUF gate/up launch hands h to the down launch as X_INTS limbs, which the down
     reads in gguf_dot's integer units (DSV4_KERNEL_GGUF_DP4A_DOWN): h fp8-rounded (act_quant), the
@@ -881,7 +905,7 @@ def limbs_between(x, gate, s_gate, down, s_down, act_quant: bool) -> bool:
 def iq2_staged(x, gate, s_gate, act_quant: bool) -> bool:
     """Whether the GGUF gate/up launch copies IQ2_XXS routed experts' tables into threadgroup
     memory (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA), where they fit beside x's copy."""
-    stride = X_INTS if integer_units(gate, s_gate, act_quant) else X_STRIDE
+    stride = X_INTS if any(integer_kinds(gate, s_gate, act_quant)) else X_STRIDE
     tables = 4 * gguf_dot.IQ2_TABLE_WORDS
     return (isinstance(gate, GGUFMatrix) and gate.qtype == "IQ2_XXS" and backend() == "cuda"
             and bool(flags.get("kernel_gguf_iq2_staged"))
@@ -950,11 +974,11 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
         if isinstance(gate, GGUFMatrix):
             given_kernel, routed_kernel = GGUF_GATE_UP_KERNELS[limbs, iq2_staged(x, gate, s_gate, act_quant)]
         threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
-        integer = integer_units(gate, s_gate, act_quant)
-        if integer:
-            template = _common_template(x.dtype, K, gate, s_gate, gate.template(integer=True) +
-                                        (s_gate or gate).template("S", integer=True))
-        template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if integer else X_STRIDE),
+        routed_ints, shared_ints = integer_kinds(gate, s_gate, act_quant)
+        if routed_ints or shared_ints:
+            template = _common_template(x.dtype, K, gate, s_gate, gate.template(integer=routed_ints) +
+                                        (s_gate or gate).template("S", integer=shared_ints))
+        template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if routed_ints or shared_ints else X_STRIDE),
                      ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
     h_shape, h_dtype = ((T, slots, I // 32 * 4 * X_INTS), mx.uint32) if limbs else ((T, slots, I), x.dtype)

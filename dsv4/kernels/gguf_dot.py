@@ -141,6 +141,10 @@ UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\nconstexpr int IQ2_MASKS_
 // pair (m, l) that makes dot8 = m chunk_dot8(v, x) - l x_sum (l is 0 unless MINS: the K-quants'
 // mins), so that TokensDot decodes a chunk once for several tokens.
 template <int MODE> struct GgufUnit;
+// The stride of x's threadgroup copy that unit MODE reads: the integer units' limbs (X_INTS), the
+// others' floats (X_STRIDE; XS, the launch's widest, may differ: a shared expert's units may not be
+// the routed experts' kind).
+template <int MODE, int XS> constexpr int x_stride() { return INT_UNIT ? X_INTS : X_STRIDE; }
 
 template <> struct GgufUnit<10> {   // Q8_0
   static constexpr int VALUES = 32, BLOCK_VALUES = 32, BLOCK_BYTES = 34;
@@ -661,6 +665,8 @@ template <> struct TokensDot<true> {
 };
 """
 
+# x_stride's integer units: those of INT_MODE_IDS.
+UNITS = UNITS.replace("INT_UNIT", "(" + " || ".join(f"MODE == {m}" for m in INT_MODE_IDS.values()) + ")")
 HEADER = BLOCK_LOADS + UNITS
 
 
