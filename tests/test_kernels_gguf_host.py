@@ -192,7 +192,7 @@ def mode(m: GGUFMatrix, integer: bool = False) -> int:
                                                           (2, False, True, True), (1, True, False, "halves"),
                                                           (2, True, False, "halves"), (2, True, False, "hsub"),
                                                           (1, True, False, "dp4a"), (3, True, False, "dp4a"),
-                                                          (1, True, False, "limbs"), (3, True, False, "limbs")])
+                                                          (3, True, False, "limbs")])
 def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens, act_quant, pairs, wide):
     """`pairs`: Q8_0 matrices read two blocks at a time (DSV4_KERNEL_GGUF_Q8_PAIRS); `wide`: the
     16-byte-load units (DSV4_KERNEL_GGUF_WIDE, which takes precedence); "halves": with the codes as
@@ -222,11 +222,11 @@ def test_gguf_experts_bodies_with_mixed_units(tmp_path, tokens):
         experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, tokens, True)
 
 
-@pytest.mark.parametrize("tokens,unit", [(2, "hsub"), (1, "dp4a"), (2, "limbs")])
+@pytest.mark.parametrize("tokens,unit", [(2, "hsub"), (1, "limbs")])
 def test_gguf_experts_bodies_with_iq2_tables_staged(tmp_path, tokens, unit):
     """ds4's q2 recipe with IQ2_XXS's tables in threadgroup memory (DSV4_KERNEL_GGUF_IQ2_STAGED: the
-    gate/up launch that CUDA takes under it) over the halves units (hsub), the integer ones (dp4a),
-    and those with h handed to the down as limbs."""
+    gate/up launch that CUDA takes under it) over the halves units (hsub), and over the integer ones
+    with h handed to the down as limbs."""
     with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
                         kernel_gguf_dp4a=unit != "hsub", kernel_gguf_dp4a_down=unit == "limbs",
                         kernel_gguf_iq2_staged=True):
