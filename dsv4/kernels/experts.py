@@ -498,9 +498,8 @@ _GATE_UP_BODY = r"""
 # Where the gate/up launch puts its block of h: as T, or (the GGUF down launch's integer units,
 # DSV4_KERNEL_GGUF_DP4A_DOWN; ACTQ) as that pack's X_INTS limbs, h then uint32 with X_INTS uint4s a
 # pack (words 36.. of each left unwritten: never read), made by lane 0 from the SIMD group's values.
-_STORE_T = {"STORE_H": "    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);",
-            "STAGE_TABLES": ""}
-_STORE_LIMBS = {"STAGE_TABLES": "", "STORE_H": r"""
+_STORE_T = {"STORE_H": "    h[(size_t)pair * I + (int)group_y * 32 + (int)lane] = static_cast<T>(v);"}
+_STORE_LIMBS = {"STORE_H": r"""
     float hv[32];
     for (int i = 0; i < 32; ++i) hv[i] = AS_FLOAT((uint32_t)simd_shuffle_i((int)AS_UINT(v), i));
     if (lane == 0) {
@@ -589,7 +588,7 @@ _IQ2_STAGED = {"STAGE_TABLES": f"""
 
 
 def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY, store: dict = _STORE_T) -> str:
-    for name, code in dict(store, **parts).items():
+    for name, code in dict({"STAGE_TABLES": ""}, **store, **parts).items():
         body = re.sub(rf"^ *{name}\n", lambda _: code.lstrip("\n") + "\n", body, flags=re.M)
     return body
 
@@ -775,22 +774,19 @@ def _gguf_gate_up_kernels(limbs: bool, staged: bool) -> tuple:
     memory (DSV4_KERNEL_GGUF_IQ2_STAGED, CUDA)."""
     suffix = ("_limbs" if limbs else "") + ("_staged" if staged else "")
     store = _STORE_LIMBS if limbs else _STORE_T
-    extra = {}
-    if staged:
-        extra = dict(_IQ2_STAGED, dialects=("cuda",))
     checks = _gguf_limbs_checks if limbs else _gguf_checks
-    pick = _iq2_routed if staged else (lambda c: c)
     out = []
     for routed, inputs, outputs, header in ((False, _GATE_UP_INPUTS, ("h",), _GGUF_HEADER),
                                             (True, _ROUTED_GATE_UP_INPUTS, ("h", "ids"), _GGUF_HEADER + ROUTER_HEADER)):
-        parts = dict(_ROUTED if routed else _GIVEN, **{k: v for k, v in extra.items() if k != "dialects"})
+        parts = dict(_ROUTED if routed else _GIVEN, **(_IQ2_STAGED if staged else {}))
         body = _gate_up_body(parts, store=store)
+        launch_checks = checks("routed_gate_up" if routed else "gate_up")
         if staged:   # the routed experts' gate and up read the staged tables
             body = body.replace("gate_w, gate_s, gate_b, up_w, up_s, up_b", "gate_w, iq2_tab, gate_b, up_w, iq2_tab, up_b")
+            launch_checks = _iq2_routed(launch_checks)
         out.append(Kernel(name=f"dsv4_experts{'_routed' if routed else ''}_gate_up_gguf{suffix}", input_names=inputs,
-                          output_names=outputs, body=body, header=header,
-                          checks=pick(checks("routed_gate_up" if routed else "gate_up")),
-                          dialects=extra.get("dialects", ("metal", "cuda"))))
+                          output_names=outputs, body=body, header=header, checks=launch_checks,
+                          dialects=("cuda",) if staged else ("metal", "cuda")))
     return tuple(out)
 
 
@@ -846,6 +842,11 @@ def matrix_supported(m) -> bool:
     return ok_bits and m.in_features % 32 == 0 and m.weight.dtype == mx.uint32
 
 
+def gate_up_shared_bytes(D: int, stride: int) -> int:
+    """The gate/up launch's threadgroup memory: x's copy (`stride` uint4s a 32-wide block) and block_h."""
+    return D // 32 * stride * 16 + 128
+
+
 def kernel_supports(x, gate, up, down, shared) -> bool:
     mats = [gate, up, down] + (list(shared) if shared is not None else [])
     gguf = lambda m: isinstance(m, GGUFMatrix)   # one rows_dot per kernel: GGUF or MLX packs
@@ -856,7 +857,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     # the integer units' limbs (if act_quant; the shared expert's alone under DSV4_KERNEL_GGUF_DP4A_MIXED)
     ints = gguf(gate) and (gate.integer or (shared is not None and gguf(shared[0]) and shared[0].integer))
     stride = X_INTS if ints else X_STRIDE
-    if x.shape[-1] // 32 * stride * 16 + 128 > shared_memory_limit(backend()):   # x's copy + block_h
+    if gate_up_shared_bytes(x.shape[-1], stride) > shared_memory_limit(backend()):
         return False
     if not all(matrix_supported(m) for m in mats):
         return False
@@ -885,8 +886,8 @@ def integer_kinds(gate, s_gate, act_quant: bool) -> tuple[bool, bool]:
     (routed's again without one) take the integer units: both as integer_units says or, with
     DSV4_KERNEL_GGUF_DP4A_MIXED, each by its own type (ds4's q2 recipe: IQ2_XXS's halves units
     beside the Q8_0 shared expert's integer ones; x's copy is then floats or limbs by slot)."""
-    if integer_units(gate, s_gate, act_quant) or not (act_quant and flags.get("kernel_gguf_dp4a_mixed")):
-        both = integer_units(gate, s_gate, act_quant)
+    both = integer_units(gate, s_gate, act_quant)
+    if both or not (act_quant and flags.get("kernel_gguf_dp4a_mixed")):
         return both, both
     routed = isinstance(gate, GGUFMatrix) and gate.integer
     return routed, routed if s_gate is None else isinstance(s_gate, GGUFMatrix) and s_gate.integer
@@ -909,7 +910,7 @@ def iq2_staged(x, gate, s_gate, act_quant: bool) -> bool:
     tables = 4 * gguf_dot.IQ2_TABLE_WORDS
     return (isinstance(gate, GGUFMatrix) and gate.qtype == "IQ2_XXS" and backend() == "cuda"
             and bool(flags.get("kernel_gguf_iq2_staged"))
-            and x.shape[-1] // 32 * stride * 16 + 128 + tables <= shared_memory_limit("cuda"))
+            and gate_up_shared_bytes(x.shape[-1], stride) + tables <= shared_memory_limit("cuda"))
 
 
 def _placeholder():
@@ -1016,10 +1017,8 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
         hc = residual.shape[-2]
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
-    template = _common_template(dtype, K, down, s_down)
-    if limbs:
-        template = _common_template(dtype, K, down, s_down, down.template(integer=True) +
-                                    (s_down or down).template("S", integer=True))
+    layouts = down.template(integer=True) + (s_down or down).template("S", integer=True) if limbs else None
+    template = _common_template(dtype, K, down, s_down, layouts)
     if not limbs and experts_mma.down_applies(h, down, s_down):
         kernel, per_group = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS
     else:
