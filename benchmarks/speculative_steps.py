@@ -25,7 +25,8 @@ in mxfp8) reading the slice's last three layers. At `--context` positions:
     both ways (the fixed seed writes all n rows; the reference, as the loop does, the kept ones:
     here all n);
   * cycle(k): dsv4/speculative.py's loop itself (drafted_tokens, k drafts a cycle, greedy) over
-    --cycle-tokens tokens, ms per cycle, with each propose path (the verify the switches pick);
+    --cycle-tokens tokens, ms per cycle, with each propose path (the verify the switches pick;
+    `pipelined`: the fixed propose queued from the device's acceptance, DSV4_DRAFT_PIPELINE);
     with the slice's random draft stages nearly every draft is rejected, so a cycle makes one
     token and its time is the propose, the verify and the loop's own host work.
 A cycle verifying k drafts at acceptance a yields (1 - a^(k+1)) / (1 - a) tokens in
@@ -95,7 +96,10 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
-PROPOSE_PATHS = ("reference", "fixed")
+# The loop's propose paths: op by op, the fixed-shape graph waiting for each acceptance, and the
+# fixed-shape graph queued from the device's acceptance (DSV4_DRAFT_PIPELINE).
+PROPOSE_PATHS = {"reference": dict(fixed_propose=False), "fixed": dict(fixed_propose=True, draft_pipeline=False),
+                 "pipelined": dict(fixed_propose=True, draft_pipeline=True)}
 PLAIN_STEPS = 16   # the fewest steps a plain decode run times
 
 
@@ -165,7 +169,7 @@ def measure(model, context: int, repeats: int, cycle_tokens: int) -> dict[str, l
         for path in PROPOSE_PATHS:
             def run(k=k, path=path):
                 nonlocal token
-                with flags.override(fixed_propose=path == "fixed"):
+                with flags.override(**PROPOSE_PATHS[path]):
                     ms, token = cycle_times(model, cache, window, token, k, cycle_tokens)
                 return [ms]
             runs[f"cycle({k}) {path}"] = run
@@ -276,7 +280,8 @@ def main(argv=None) -> int:
     cycle = lambda k, path: f"{med[f'cycle({k}) {path}']:.2f}" if f"cycle({k}) {path}" in med else "-"
     paths = [f"| {k} | {med[f'propose({k}) reference']:.2f} | {med[f'propose({k}) fixed']:.2f} | "
              f"{med[f'propose({k}) reference'] / med[f'propose({k}) fixed']:.2f} | "
-             f"{med[f'propose({k}) fixed'] / med['plain']:.2f} | {cycle(k, 'reference')} | {cycle(k, 'fixed')} |"
+             f"{med[f'propose({k}) fixed'] / med['plain']:.2f} | {cycle(k, 'reference')} | {cycle(k, 'fixed')} | "
+             f"{cycle(k, 'pipelined')} |"
              for k in range(1, k_max + 1)]
     lines = [f"# Speculative decoding step costs on {what}", "",
              f"{when:%Y-%m-%d %H:%M}; {model.args.num_hidden_layers} layers + "
@@ -287,9 +292,9 @@ def main(argv=None) -> int:
              "| step | ms | / plain step |", "|---|---|---|", *rows, "",
              f"A 4-position verify costs {ratio4:.2f}x a plain decode step (target: <= 1.4x).", "",
              "The propose both ways (ms, medians of interleaved calls) and the loop's cycle with each "
-             "(ms per cycle: propose, verify, seed and the host's bookkeeping):", "",
+             "(ms per cycle: propose, verify, seed and the host's bookkeeping; pipelined: the fixed propose queued from the device's acceptance, DSV4_DRAFT_PIPELINE):", "",
              "| k | propose reference | propose fixed | reference / fixed | fixed / plain step | "
-             "cycle reference | cycle fixed |", "|---|---|---|---|---|---|---|", *paths, "",
+             "cycle reference | cycle fixed | cycle pipelined |", "|---|---|---|---|---|---|---|---|", *paths, "",
              "Speedup over plain decode by drafts per cycle k and acceptance a (per draft, given the "
              "ones before it accepted), with the fixed propose; break-even: the acceptance where "
              "drafting k pays nothing.", "",

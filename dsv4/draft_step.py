@@ -140,9 +140,13 @@ class FixedDraft:
     # --- drafts ---------------------------------------------------------------------------------
 
     @cuda_cache.builds_in_parallel("draft")
-    def propose(self, token: int, k: int, adjust: LogitAdjustment, sampling: Sampling) -> Proposal:
-        """k <= block drafts after `token`, the pending token at position `end` (see
-        dsv4/speculative.py `propose`), from one graph; nothing is evaluated."""
+    def propose(self, token, k: int, adjust: LogitAdjustment, sampling: Sampling,
+                advance: Optional[mx.array] = None) -> Proposal:
+        """k <= block drafts after `token` (an int, or an int32 device scalar), the pending token
+        at position `end` (see dsv4/speculative.py `propose`), from one graph; nothing is
+        evaluated. `advance` (an int32 device scalar) puts the block that many positions past
+        `end`: the rows a verify's acceptance keeps, before the host knows how many (`keep`
+        then moves `end` by the same)."""
         penalized = sampling.penalized
 
         def make():
@@ -165,8 +169,9 @@ class FixedDraft:
 
         graph = self._function(("propose", k, _sampling_key(sampling)), make)
         counts = adjust.counts if penalized else mx.zeros((0,), mx.float32)
-        out = graph(mx.array([token], mx.int32), self._end(), mx.array([self.held_from], mx.int32),
-                    self.buffers, counts)
+        token = token.reshape(1).astype(mx.int32) if isinstance(token, mx.array) else mx.array([token], mx.int32)
+        end = self._end() if advance is None else self._end() + advance.astype(mx.int32)
+        out = graph(token, end, mx.array([self.held_from], mx.int32), self.buffers, counts)
         return Proposal(out[0], out[2] if len(out) > 2 else None, out[1])
 
     # --- back to the cache ------------------------------------------------------------------------

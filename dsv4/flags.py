@@ -496,6 +496,13 @@ define("fixed_propose", "auto",
        "3.2-3.45 ms against 6.2-6.5 (benchmarks/results/2026-12-03-1500-speculative-steps.md), "
        "1.6-1.7x cheaper on the CPU (2026-12-03-1244-speculative-steps-demo.md): auto (default: "
        "wherever DSV4_FIXED_DECODE is on), on, off (op by op over the DraftCache)", choices=AUTO_ON_OFF)
+define("draft_pipeline", True,
+       "speculative decoding over the fixed-shape propose (DSV4_FIXED_PROPOSE) queues the next "
+       "cycle's propose behind the verify, from the acceptance on the device (the window's end "
+       "and the pending token as device arrays), before the host waits for that acceptance: the "
+       "device runs the propose while the host reads the acceptance and queues the next verify, "
+       "where the propose's encoding waited for the acceptance. The same tokens (sampled: the "
+       "same draws); off waits first")
 define("batch_fixed_decode", "auto",
        "sessions decoded together (the server's batch) at fixed shapes, one compiled graph for "
        "the batch (dsv4/batch_step.py): auto (wherever DSV4_FIXED_DECODE is on), on, off (one "

@@ -109,6 +109,13 @@ class LogitAdjustment:
         before = mx.concatenate([mx.zeros((1, vocab), mx.float32), mx.cumsum(seen, axis=0)])
         return self(logits, self.counts + before)
 
+    def count_first(self, tokens: mx.array, n: mx.array) -> None:
+        """Count the first n of the tokens [k] (n an int32 device scalar: no host sync)."""
+        if self.sampling.penalized:
+            vocab = self.counts.shape[0]
+            kept = (ramp(tokens.shape[0]) < n)[:, None]
+            self.counts = self.counts + ((ramp(vocab)[None] == tokens[:, None]) & kept).astype(mx.float32).sum(0)
+
     def count(self, tokens: mx.array) -> None:
         """Count the tokens [n] the generation produced (in order)."""
         if self.sampling.penalized:

@@ -101,7 +101,10 @@ class ReferenceDraft:
     def __init__(self, model, cache: DraftCache):
         self.model, self.cache, self.hidden = model, cache, None
 
-    def propose(self, token: int, k: int, adjust: LogitAdjustment, sampling: Sampling) -> Proposal:
+    def propose(self, token: int, k: int, adjust: LogitAdjustment, sampling: Sampling,
+                advance: None = None) -> Proposal:
+        """FixedDraft.propose's, from a host token (no `advance`: the window is seeded once the
+        acceptance is known)."""
         return propose(self.model, self.cache, token, k, adjust, sampling)
 
     def seed(self, hidden: list[mx.array]) -> None:
@@ -145,9 +148,10 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     # A cycle syncs once, at the acceptance: propose_s is the host's time to queue the propose
-    # (started before the previous cycle's tokens are handed out) and to cut the block (which
-    # waits for the confidence where Adaptive's fit reads it); the draft stages' own compute on
-    # an asynchronous device falls in verify_s, the rest of the cycle.
+    # (started before the previous cycle's tokens are handed out, or with DSV4_DRAFT_PIPELINE
+    # before its acceptance reached the host) and to cut the block (which waits for the
+    # confidence where Adaptive's fit reads it); the draft stages' own compute on an
+    # asynchronous device falls in verify_s, the rest of the cycle.
     propose_s: float = 0.0
     verify_s: float = 0.0
     plain_s: float = 0.0
@@ -337,31 +341,40 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
     target = Target(model, cache)
     drafter = FixedDraft(model, draft_cache) if use_fixed_propose(model) else ReferenceDraft(model, draft_cache)
 
-    def queue(remaining: int, token: int) -> tuple[int, Optional[Proposal], float]:
+    # DSV4_DRAFT_PIPELINE: the next cycle's propose is queued behind the verify, from the device's
+    # acceptance, before the host waits for it; so the device runs the propose while the host
+    # reads the acceptance, hands the tokens out and queues the next verify.
+    pipelined = isinstance(drafter, FixedDraft) and flags.get("draft_pipeline")
+
+    def queue(remaining: int, token, advance: Optional[mx.array] = None) -> tuple[int, Optional[Proposal], float]:
         """(k, the propose of the cycle after `token` started on the device, the seconds that
-        took): k from the policy for `remaining` tokens, 0 meaning a plain step."""
+        took): k from the policy for `remaining` tokens, 0 meaning a plain step; `advance`: the
+        positions the window's end moves by once the host knows the acceptance."""
         t0 = time.perf_counter()
         k = policy.k(remaining)
-        proposal = drafter.propose(token, k, adjust, sampling) if k else None
+        proposal = drafter.propose(token, k, adjust, sampling, advance) if k else None
         if proposal is not None:
             mx.async_eval(*[a for a in (proposal.drafts, proposal.q_logits, proposal.confidence) if a is not None])
         return k, proposal, time.perf_counter() - t0
 
     start, handed = target.offset, 0
     out, y = [], first        # tokens to hand out, then the pending one
+    queued = None             # the next cycle's (k, proposal, seconds), where already queued
     try:
         while True:
             # The next cycle's propose runs on the device while these tokens are handed out.
             after = handed + len(out) + 1
-            queued = queue(limit - after, y) if after < limit else None
+            if queued is None and after < limit:
+                queued = queue(limit - after, y)
             for token in out + [y]:
                 handed += 1      # counted before the yield: a close there has handed it out
                 yield token
                 if handed == limit:
                     return
-            k, proposal, queued_s = queued
+            (k, proposal, queued_s), queued = queued, None
+            k = min(k, limit - handed - 1)   # a pipelined queue knew only the most tokens left
             t0 = time.perf_counter()
-            if k == 0:
+            if k <= 0:
                 logits, hidden = target.feed(mx.array([y], mx.int32))
                 drafter.seed(hidden)
                 out, y = [], int(pick(adjust(logits)).item())
@@ -380,14 +393,20 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             logits, hidden = target.feed(mx.concatenate([mx.array([y], mx.int32), proposal.drafts]))
             drafter.seed(hidden)
             j, nxt = accept(adjust.rows(logits, proposal.drafts), proposal, sampling)
-            mx.eval(j, nxt, proposal.drafts, proposal.confidence)     # the cycle's one sync
-            j, nxt, drafts = j.item(), nxt.item(), proposal.drafts.tolist()
+            adjust.count_first(proposal.drafts, j)
+            adjust.count(nxt.reshape(1))
+            mx.async_eval(j, nxt, proposal.drafts, proposal.confidence)
+            next_s = 0.0
+            if pipelined and handed + 1 < limit:
+                queued = queue(limit - handed - 1, nxt, j + 1)
+                next_s = queued[2]
+            j, nxt, drafts = j.item(), nxt.item(), proposal.drafts.tolist()     # the cycle's one sync
             confidence = np.array(proposal.confidence)
             target.rewind(k - j)
             drafter.keep(j + 1)
-            adjust.count(mx.array([*drafts[:j], nxt]))
             t2 = time.perf_counter()
             propose_s = queued_s + t1 - t0
+            verify_s = t2 - t1 - next_s
             stats.verifies += 1
             stats.drafted += k
             stats.accepted += j
@@ -395,8 +414,8 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             for row in range(j):
                 stats.accepted_at[row] += 1
             stats.propose_s += propose_s
-            stats.verify_s += t2 - t1
-            policy.record_verify(k, j, confidence[:k], propose_s, t2 - t1)
+            stats.verify_s += verify_s
+            policy.record_verify(k, j, confidence[:k], propose_s, verify_s)
             out, y = drafts[:j], nxt
     finally:
         excess = target.offset - (start + handed - 1)

@@ -434,6 +434,30 @@ def test_demo_greedy_speculation_gives_plain_decodes_tokens(demo, demo_plain, k,
     np.testing.assert_array_equal(cache.tokens, want_cache.tokens)
 
 
+@pytest.mark.parametrize("sampling", [Sampling(presence_penalty=0.8, frequency_penalty=0.5, logit_bias={7: 3.0}),
+                                      Sampling(temp=0.8, top_p=0.9, presence_penalty=0.5)],
+                         ids=["greedy", "sampled"])
+def test_demo_pipelined_cycles_give_the_waiting_loops_tokens(demo, demo_plain, sampling):
+    """DSV4_DRAFT_PIPELINE queues each propose from the acceptance on the device (the pending
+    token, the window's end and the penalties' counts there): the waiting loop's tokens and
+    acceptance, the same draws when sampled. Only a cycle near the end may differ, where the
+    pipelined propose drafted for the most tokens left and its block was cut; greedy, both are
+    plain decode's."""
+    model, _ = demo
+    prompt = demo_plain[0]
+    runs = {}
+    for pipeline in (False, True):
+        stats = Stats()
+        mx.random.seed(3)
+        with flags.override(**PATHS["fixed"], draft_pipeline=pipeline):
+            runs[pipeline] = speculate(model, prompt, 96, Policy(4), sampling, stats)[0], stats
+    (waited, waited_stats), (pipelined, pipelined_stats) = runs[False], runs[True]
+    assert pipelined[:-5] == waited[:-5] and len(pipelined) == len(waited) == 96
+    assert pipelined_stats.accepted >= 0.9 * waited_stats.accepted and pipelined_stats.tokens_per_verify > 1.2
+    if sampling.temp == 0:
+        assert pipelined == waited == plain(model, prompt, 96, sampling)[0]
+
+
 def test_demo_draft_stages_are_trained(demo, tmp_path):
     """Greedy acceptance on a text the demo never saw, against the same backbone with
     dsv4.testing's random draft stages."""
