@@ -391,19 +391,23 @@ define("kernel_gguf_dp4a_mixed", False,
        "neither take them: ds4's q2 recipe then runs its Q8_0 shared expert in the integer units "
        "(1.5 SASS instructions a weight against hsub's 5.1) beside IQ2_XXS's halves ones, x copied as "
        "limbs for the shared expert's threadgroups and as floats for the routed ones; within the fp32 "
-       "summation bound. Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
+       "summation bound. Off (default): no faster on the H200, q2's gate/up 80.1 against 79.0 µs at one "
+       "token, 376.5 against 385.6 at eight (benchmarks/results/2026-12-05-1229-gguf-native.md)")
 define("kernel_gguf_dp4a_down", False,
        "GPU: the fused experts' down launch over GGUF Q2_K, Q4_K or Q8_0 routed experts with a Q8_0 (or "
        "no) shared expert (ds4's q2 and q4 recipes) in the integer units of DSV4_KERNEL_GGUF_DP4A, under "
        "act_quant: the gate/up launch writes each fp8 block of h as the integer limbs the units read "
        "(dsv4/kernels/experts.py's STORE_LIMBS; 176 bytes a block for bf16's 64), where the down "
        "launch read bf16 h and the float units; within the fp32 summation bound of the reference. "
-       "Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
+       "Off (default): the H200 measured Q4_K's down 36.8 against 43.9 µs at one token (202 against "
+       "220 at eight) but Q2_K's 42.4 against 41.7 (245 against 219), and the q4 slice's A/B within "
+       "its noise (benchmarks/results/2026-12-05-1229-gguf-native.md, 2026-12-05-1232-slice-decode-q4-q8_0.md)")
 define("kernel_gguf_iq2_staged", False,
        "CUDA: the fused experts' gate/up launch over IQ2_XXS routed experts (ds4's q2 recipe) copies "
        "IQ2_XXS's tables (grid, fp16 pairs, sign masks: 8.3 KB) into threadgroup memory, where every "
        "lane's gathers of grid entries and sign masks go, in place of L1-cached global memory; the "
-       "same values and sums. Off (default) until the H200 measures it (benchmarks/gguf_native.py)")
+       "same values and sums. Off (default): slower on the H200, q2's gate/up 84.3 against 79.0 µs at "
+       "one token, 398 against 386 at eight (benchmarks/results/2026-12-05-1229-gguf-native.md)")
 define("kernel_gguf_mma", False,
        "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "
        "(ds4's q2 recipe) on tensor cores (mma.sync m16n8k16: the codes as exact fp16 pairs, IQ2_XXS's "
@@ -502,7 +506,9 @@ define("draft_pipeline", True,
        "and the pending token as device arrays), before the host waits for that acceptance: the "
        "device runs the propose while the host reads the acceptance and queues the next verify, "
        "where the propose's encoding waited for the acceptance. The same tokens (sampled: the "
-       "same draws); off waits first")
+       "same draws). On (default): the H200 slice's cycle 7.44 -> 6.20 ms at k = 1, 9.22 -> 8.13 at "
+       "k = 3, 12.01 -> 9.59 at k = 5 (benchmarks/results/2026-12-05-1236-speculative-steps.md); "
+       "off waits first")
 define("batch_fixed_decode", "auto",
        "sessions decoded together (the server's batch) at fixed shapes, one compiled graph for "
        "the batch (dsv4/batch_step.py): auto (wherever DSV4_FIXED_DECODE is on), on, off (one "
