@@ -104,24 +104,22 @@ class LogitAdjustment:
         tokens[:i] ([n]): each row as the sampler would see it there."""
         if not self.sampling.penalized:
             return self(logits)
-        vocab = logits.shape[-1]
-        seen = (ramp(vocab)[None] == tokens[:, None]).astype(mx.float32)               # [n, V]
-        before = mx.concatenate([mx.zeros((1, vocab), mx.float32), mx.cumsum(seen, axis=0)])
+        seen = self._seen(tokens).astype(mx.float32)
+        before = mx.concatenate([mx.zeros((1, logits.shape[-1]), mx.float32), mx.cumsum(seen, axis=0)])
         return self(logits, self.counts + before)
 
-    def count_first(self, tokens: mx.array, n: mx.array) -> None:
-        """Count the first n of the tokens [k] (n an int32 device scalar: no host sync)."""
+    def count(self, tokens: mx.array, first: Optional[mx.array] = None) -> None:
+        """Count the tokens [n] the generation produced, or only the first `first` of them (an
+        int32 device scalar: no host sync)."""
         if self.sampling.penalized:
-            vocab = self.counts.shape[0]
-            kept = (ramp(tokens.shape[0]) < n)[:, None]
-            self.counts = self.counts + ((ramp(vocab)[None] == tokens[:, None]) & kept).astype(mx.float32).sum(0)
+            seen = self._seen(tokens.reshape(-1))
+            if first is not None:
+                seen = seen & (ramp(seen.shape[0]) < first)[:, None]
+            self.counts = self.counts + seen.astype(mx.float32).sum(0)
 
-    def count(self, tokens: mx.array) -> None:
-        """Count the tokens [n] the generation produced (in order)."""
-        if self.sampling.penalized:
-            vocab = self.counts.shape[0]
-            for token in tokens.reshape(-1, 1):
-                self.counts = self.counts + (ramp(vocab) == token).astype(mx.float32)
+    def _seen(self, tokens: mx.array) -> mx.array:
+        """[n, V] bool: row i marks tokens[i]."""
+        return ramp(self.counts.shape[0])[None] == tokens[:, None]
 
 
 def make_sampler(sampling: Sampling = Sampling()) -> Callable[[mx.array], mx.array]:

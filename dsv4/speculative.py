@@ -393,7 +393,7 @@ def drafted_tokens(model, cache: Cache, draft_cache: DraftCache, first: int, sam
             logits, hidden = target.feed(mx.concatenate([mx.array([y], mx.int32), proposal.drafts]))
             drafter.seed(hidden)
             j, nxt = accept(adjust.rows(logits, proposal.drafts), proposal, sampling)
-            adjust.count_first(proposal.drafts, j)
+            adjust.count(proposal.drafts, j)
             adjust.count(nxt.reshape(1))
             mx.async_eval(j, nxt, proposal.drafts, proposal.confidence)
             next_s = 0.0
