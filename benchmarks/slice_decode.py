@@ -6,9 +6,12 @@ The slice has the real widths (hidden 5120, 64 heads x 512, q-LoRA 1280, 384 exp
 2304 in mxfp4, top-6 + shared, window 128, indexer 32 x 128 top-512, vocab 129280, bf16
 head) and 7 layers covering every role: window-only (0, 1), ratio-2 kv+index source (2),
 ratio-2 reuse (3), ratio-1 kv+index+candidate source (4), re-index inside the candidates
-(5), ratio-1 reuse (6). No Engram (mlx-lm has none). Random weights, built in memory on the
-device: dense projections mxfp8 (quantized from random normals), experts random mxfp4
-codes with e8m0 scales 2^-7..2^-4. Both models get the same arrays.
+(5), ratio-1 reuse (6). No Engram (mlx-lm has none) unless `--engram`: then Engram before
+layers 1 and 2 (the real model's 1 and 14: a window-only and a ratio-2 source layer), its
+tables sparse files of the real row counts (holes read as zeros: the reads cost the page
+cache's time, not an SSD's), and no mlx-lm. Random weights, built in memory on the device:
+dense projections mxfp8 (quantized from random normals), experts random mxfp4 codes with
+e8m0 scales 2^-7..2^-4. Both models get the same arrays.
 
 Each variant prefills the context, then decodes `--steps` greedy tokens (one host sync per
 token, as a chat loop does); variants are interleaved within one process and repeated.
@@ -20,8 +23,10 @@ toy widths (for the CPU).
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -45,6 +50,7 @@ SMALL = dict(REAL, vocab_size=4096, hidden_size=512, num_attention_heads=8, head
              q_lora_rank=256, o_groups=4, o_lora_rank=128, moe_intermediate_size=256,
              n_routed_experts=32, index_n_heads=8, index_head_dim=64, index_topk=64,
              candidate_topk_blocks=16)
+ENGRAM = dict(engram_layer_ids=[1, 2], engram_compressed_vocab_size=99092)
 FP32 = ("hc_attn_", "hc_ffn_", "attn_sink", "gate.bias")
 DENSE_FP8 = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "main_proj")
 
@@ -126,9 +132,26 @@ def quantize_randomly(module: nn.Module) -> dict:
     return params
 
 
+def sparse_engram_tables(model, where: Path) -> None:
+    """Give the model Engram tables of the real row counts as sparse files in `where` (every
+    row zeros), and a hasher whose token map folds the vocabulary onto the compressed ids."""
+    from dsv4.engram import NgramHasher
+    from dsv4.engram_store import Fp8Rows, InterleavedTable
+
+    args = model.args
+    hasher = NgramHasher(args, np.arange(args.vocab_size) % args.engram_compressed_vocab_size)
+    tables = {}
+    for layer in args.engram_layer_ids:
+        path, rows = where / f"engram-{layer}.bin", hasher.table_rows[layer]
+        with path.open("wb") as f:
+            f.truncate(rows * Fp8Rows(args.engram_head_dim).row_bytes)
+        tables[layer] = InterleavedTable(path, 0, rows, f"layers.{layer}.engram", args.engram_head_dim)
+    model.set_engram(hasher, tables)
+
+
 def build(config: dict, experts: str = "mxfp4", dense: str = "mxfp8"):
     """dsv4 and mlx-lm models sharing the same random quantized weights (no mlx-lm model when
-    dsv4's keeps GGUF blocks: mlx-lm has no such layers)."""
+    dsv4's keeps GGUF blocks or has Engram: mlx-lm has no such layers)."""
     from mlx_lm.models import deepseek_v41 as ref
 
     from dsv4.config import ModelArgs
@@ -140,6 +163,8 @@ def build(config: dict, experts: str = "mxfp4", dense: str = "mxfp8"):
     if experts != "mxfp4" or dense != "mxfp8":
         keep_gguf(model, experts, dense)
         return model, None, dict(tree_flatten(model.parameters()))
+    if args.engram_layer_ids:
+        return model, None, params
 
     rargs = ref.ModelArgs.from_dict({**config, "model_type": "deepseek_v41"})
     rmodel = ref.Model(rargs)
@@ -232,6 +257,8 @@ def main(argv=None) -> int:
                         "Q2_K down; q4: Q4_K), the shared expert then Q8_0")
     p.add_argument("--dense", choices=("mxfp8", "q8_0"), default="mxfp8",
                    help="dense projections in mxfp8 (official) or GGUF Q8_0 (ds4)")
+    p.add_argument("--engram", action="store_true",
+                   help="Engram before layers 1 and 2, tables as sparse files of the real sizes (no mlx-lm)")
     p.add_argument("--variants", default="mlx-lm,dsv4 reference path,dsv4",
                    help="comma-separated, from: mlx-lm, dsv4 reference path, dsv4 fixed not compiled, dsv4")
     p.add_argument("--ab", action="append", default=[], metavar="SWITCH=VALUE[+SWITCH=VALUE]",
@@ -242,6 +269,23 @@ def main(argv=None) -> int:
                         "step, a sync at every stage) and add the stage table to the report")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
+    config = {**(SMALL if a.small else REAL), **ROLES}
+    if a.engram:
+        config.update(ENGRAM, engram_compressed_vocab_size=min(ENGRAM["engram_compressed_vocab_size"],
+                                                               config["vocab_size"]))
+    t0 = time.perf_counter()
+    model, rmodel, params = build(config, a.experts, a.dense)
+    tables = Path(tempfile.mkdtemp(prefix="slice-engram-"))
+    if a.engram:
+        sparse_engram_tables(model, tables)
+    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        return measure(a, model, rmodel, params)
+    finally:
+        shutil.rmtree(tables)
+
+
+def measure(a, model, rmodel, params) -> int:
     from benchmarks.graph_ops import count_graph, launches
     from dsv4 import profiler
     from benchmarks.hardware import describe, to_markdown
@@ -249,13 +293,9 @@ def main(argv=None) -> int:
     from benchmarks.roofline import copy_roofline
     from dsv4 import flags
 
-    config = {**(SMALL if a.small else REAL), **ROLES}
-    t0 = time.perf_counter()
-    model, rmodel, params = build(config, a.experts, a.dense)
     if rmodel is None:
         a.variants = ",".join(v for v in a.variants.split(",") if v != "mlx-lm")
     args = model.args
-    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     nbytes = step_bytes(params, args)
     roof = copy_roofline()   # TB/s, this process, this card; None on the CPU
     if roof:
@@ -314,7 +354,7 @@ def main(argv=None) -> int:
     work = {path: sum(launches(c).values()) / args.num_hidden_layers for path, c in counts.items()}
     top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
     when = datetime.now()
-    weights = f"experts {a.experts}, dense {a.dense}"
+    weights = f"experts {a.experts}, dense {a.dense}" + (", Engram before layers 1 and 2" if a.engram else "")
     lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice ({weights}): dsv4 vs mlx-lm", "",
              f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}), "
              f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats "
@@ -330,7 +370,8 @@ def main(argv=None) -> int:
               "`benchmarks/roofline.py`)." if roof else "No CUDA torch: no copy roofline."), "",
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
              "tokens/s).", "", to_markdown(describe())]
-    tag = "" if (a.experts, a.dense) == ("mxfp4", "mxfp8") else f"-{a.experts}-{a.dense}"
+    tag = ("" if (a.experts, a.dense) == ("mxfp4", "mxfp8") else f"-{a.experts}-{a.dense}") + \
+        ("-engram" if a.engram else "")
     out = write_dated(a.out, when, f"slice-decode{tag}{'-small' if a.small else ''}", lines, data=results,
                       shown=12 + len(rows))
     if a.stage_profile:   # after the report is written: a profile cut short costs nothing else

@@ -23,19 +23,22 @@ tokens agree until a near tie (top-2 margin 0.03 at step 32).
 `decoder(model, cache)` gives the decoder the switches ask for; `stream_generate` drives it
 with one step in flight (DSV4_ASYNC_DECODE). A model whose experts stream from disk needs each
 layer's routing on the host mid-step: its step runs as compiled segments with the expert lookups
-between them (dsv4/step_segments.py, DSV4_EXPERT_STEP_SEGMENTS), or op by op.
+between them (dsv4/step_segments.py, DSV4_EXPERT_STEP_SEGMENTS), or op by op. A model with
+Engram hashes each step's tokens on the host: its step runs as compiled pieces, the layers before
+the first Engram layer queued before that sync (dsv4/step_pieces.py, DSV4_ENGRAM_PIECES).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from . import flags, step_segments
+from . import flags, step_pieces, step_segments
 from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
@@ -43,6 +46,7 @@ from .kernels import cuda_cache
 from .kernels.dialect import backend
 from .kernels.rows import rope_angles
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
+from .model import Model
 
 MIN_CAPACITY = 256
 
@@ -198,6 +202,9 @@ class FixedDecoder:
         self.batch = cache.tokens.shape[0]
         self.fed: list[mx.array] = []              # tokens fed, [B] each, not yet on the host
         self.host_tokens = cache.tokens            # kept current only when Engram needs them
+        self._reads: Optional[step_pieces.PendingRows] = None   # the last step's Engram reads
+        # A pipeline's stage runs its own forward: only a whole model's step comes in pieces.
+        self.pieceable = isinstance(model, Model) and any("engram" in block for block in model.layers)
         dtype = model.activation_dtype
         self.buffers: dict[str, mx.array] = {}
         self.valid_from: dict[str, int] = {}       # first position a ring holds correctly
@@ -319,6 +326,8 @@ class FixedDecoder:
         # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
         # mid-step: such a model's step runs as compiled segments, or op by op.
         how = step_segments.mode(self.model, self.batch * length)
+        if how == "compiled" and self.pieceable and flags.get("engram_pieces"):
+            how = "pieces"
         key += (how,)
         if key not in steps:
             model, args = self.model, self.args
@@ -385,6 +394,7 @@ class FixedDecoder:
             self.pos -= n
             del self.fed[len(self.fed) - n:]
             if self.args.engram_layer_ids:
+                self._reads.resolve()
                 self.host_tokens = self.host_tokens[:, :self.host_tokens.shape[1] - n]
 
     def _advance(self, tokens: mx.array) -> None:
@@ -392,14 +402,20 @@ class FixedDecoder:
         self.pos += tokens.shape[1]
         self.high = max(self.high, self.pos)
 
-    def _engram_rows(self, tokens: mx.array) -> dict:
+    def _engram_rows(self, tokens: mx.array) -> Mapping:
+        """The Engram rows of the step feeding tokens [B, n], read when the step first asks
+        for them (dsv4/step_pieces.py); the decoder's host tokens grow by them then."""
         if not self.args.engram_layer_ids:
             return {}
-        ids = np.array(tokens, dtype=np.int64)          # the one host sync Engram needs
-        requests = self.model.start_engram_reads(ids, self.host_tokens, self.pos)
-        self.host_tokens = np.concatenate([self.host_tokens, ids], axis=1)
-        shape = (self.batch, ids.shape[1], -1, self.args.engram_head_dim)
-        return {str(layer): req.wait().reshape(shape) for layer, req in requests.items()}
+        if self._reads is not None:   # every step reads its rows; the next hashes after them
+            self._reads.resolve()
+
+        def fed(ids: np.ndarray) -> None:
+            self.host_tokens = np.concatenate([self.host_tokens, ids], axis=1)
+
+        shape = (self.batch, tokens.shape[1], -1, self.args.engram_head_dim)
+        self._reads = step_pieces.PendingRows(self.model, tokens, self.host_tokens, self.pos, shape, fed)
+        return self._reads
 
     # --- back to the cache --------------------------------------------------------------------
 

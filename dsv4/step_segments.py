@@ -49,6 +49,7 @@ import mlx.core as mx
 
 from . import flags
 from .constants import keeping
+from .step_pieces import EngramPieces
 
 
 def mode(model, tokens: int) -> str:
@@ -64,11 +65,18 @@ def mode(model, tokens: int) -> str:
 
 
 def runner(how: str, model, step: Callable, state: Callable, every: bool, hidden: bool) -> Callable:
-    """The step as `mode` says it runs: `step` (tokens, pos, Engram rows, buffers) -> (out,
-    buffers), traced whole, as SegmentedStep over `state`, or as it is."""
+    """The step as `mode` (or the lone decoder, "pieces") says it runs: `step` (tokens, pos,
+    Engram rows, buffers) -> (out, buffers), traced whole, as SegmentedStep or EngramPieces over
+    `state`, or as it is. The rows are a mapping by layer, maybe read only when first asked for
+    (dsv4/step_pieces.py PendingRows): a traced graph takes them all as a dict."""
     if how == "segments":
         return SegmentedStep(model, state, every, hidden)
-    return mx.compile(step) if how == "compiled" else step
+    if how == "pieces":
+        return EngramPieces(model, state, every, hidden)
+    if how == "compiled":
+        traced = mx.compile(step)
+        return lambda tokens, pos, engram, buffers: traced(tokens, pos, dict(engram), buffers)
+    return step
 
 
 def fits(model, tokens: int) -> bool:
@@ -123,6 +131,7 @@ class SegmentedStep:
 
     def __call__(self, tokens: mx.array, pos: mx.array, engram: dict, buffers: dict):
         width = tokens.size * self.model.args.num_experts_per_tok   # the dense path's gathered slots
+        engram = dict(engram)
         carried, fetched, hidden = {}, None, []
         for j, segment in enumerate(self.segments):
             out = segment(tokens, pos, engram, buffers, carried, fetched)

@@ -1,0 +1,107 @@
+"""The Engram model's decode step in pieces (dsv4/step_pieces.py) against the one traced graph.
+
+Oracle: the one compiled graph of the same step (itself checked against the reference path in
+test_step.py). The pieces run the same operations with the same inputs, so the logits, the draft
+stages' inputs and the buffers must be bit-identical; what the pieces change is only when the host
+queues what, which the last test checks through the order of the events.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dsv4
+from dsv4 import flags, step, step_pieces
+from dsv4.testing import write_tiny_checkpoint
+
+FP32 = dict(kv_qdq=False, act_quant=False)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("pieces") / "ckpt", seed=4, draft=True)
+    with flags.override(draft="on"):
+        return dsv4.load(path, dtype=mx.float32)[0]
+
+
+def fresh_decoder(model, prompt):
+    cache = model.make_cache(reserve=8)
+    model(prompt, cache)
+    return step.FixedDecoder(model, cache)
+
+
+def run(model, prompt, schedule, pieces: bool):
+    """Every output of the schedule's steps: (n, taken back) feeds with the draft inputs, n = 0
+    a one-token decode step; then the buffers after the last."""
+    rng = np.random.default_rng(5)
+    out = []
+    with flags.override(compile=True, engram_pieces=pieces, **FP32):
+        dec = fresh_decoder(model, prompt)
+        for n, back in schedule:
+            if n == 0:
+                out.append(dec(mx.array([int(rng.integers(7, 500))])))
+                continue
+            logits, hidden = dec.feed(mx.array(rng.integers(7, 500, (1, n))), hidden=True)
+            out += [logits, *hidden]
+            dec.rewind(back)
+        mx.eval(out, dec.buffers)
+        return out, dict(dec.buffers), dec.host_tokens.copy()
+
+
+def test_pieces_equal_the_one_graph(model, monkeypatch):
+    """Decode steps and verifies of 1..6 positions with rewinds, across ring wraps and buffer
+    doublings: every logit, draft input and buffer row bit-identical, the same host tokens."""
+    monkeypatch.setattr(step, "MIN_CAPACITY", 4)
+    rng = np.random.default_rng(3)
+    schedule = [(0, 0)] * 6 + [(int(n), int(rng.integers(0, n))) for n in rng.integers(1, 7, 12)] + [(0, 0)] * 20
+    prompt = np.random.default_rng(0).integers(7, 500, (1, 5))
+    pieces = run(model, prompt, schedule, pieces=True)
+    whole = run(model, prompt, schedule, pieces=False)
+    assert len(pieces[0]) == len(whole[0]) > len(schedule)
+    for got, want in zip(pieces[0], whole[0]):
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+    assert pieces[1].keys() == whole[1].keys()
+    for name in whole[1]:
+        assert mx.array_equal(pieces[1][name], whole[1][name]).item(), name
+    assert np.array_equal(pieces[2], whole[2])
+    assert pieces[2].shape[1] == 5 + sum(1 if n == 0 else n - back for n, back in schedule)
+
+
+@pytest.mark.parametrize("layers,first", [(7, 1), (8, 0), (43, 1), (43, 14), (3, 2)])
+def test_spans_cover_the_layers_once_and_double(layers, first):
+    spans = step_pieces.spans(layers, first)
+    assert spans[0] == (0, first) and spans[1] == (first, first + 1) and spans[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    sizes = [hi - lo for lo, hi in spans[1:]]
+    assert all(size == 2 ** i for i, size in enumerate(sizes[:-1])) and 0 < sizes[-1] <= 2 ** (len(sizes) - 1)
+
+
+@pytest.mark.parametrize("pieces", [True, False])
+def test_the_layers_before_engram_are_queued_before_the_tokens_reach_the_host(model, monkeypatch, pieces):
+    """Per step: a piece is queued (mx.async_eval of the first piece's outputs) before the step
+    reads its tokens for Engram's hashing; as one graph, nothing is queued before."""
+    events = []
+    queue, reads = mx.async_eval, model.start_engram_reads
+
+    def logged_queue(*arrays):
+        events.append("piece" if isinstance(arrays[0], list) else "tokens")
+        return queue(*arrays)
+
+    def logged_reads(*a):
+        events.append("reads")
+        return reads(*a)
+
+    monkeypatch.setattr(step_pieces.mx, "async_eval", logged_queue)
+    monkeypatch.setattr(model, "start_engram_reads", logged_reads)
+    with flags.override(compile=True, engram_pieces=pieces, **FP32):
+        dec = fresh_decoder(model, np.random.default_rng(0).integers(7, 500, (1, 5)))
+        token = mx.array([9])
+        for _ in range(3):
+            events.append("step")
+            token = mx.argmax(dec(token), axis=-1)
+            mx.eval(token)
+    steps = " ".join(events).split("step")[1:]
+    assert len(steps) == 3
+    for logged in steps:
+        before = logged.split("reads")[0].split()
+        assert ("piece" in before) == pieces, logged
