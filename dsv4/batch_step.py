@@ -29,7 +29,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from . import flags, step_segments
+from . import flags, step_pieces, step_segments
 from .batch_decode import RaggedState
 from .constants import keeping
 from .kernels import cuda_cache
@@ -116,8 +116,9 @@ class SessionsDecoder:
     def __call__(self, tokens: mx.array) -> mx.array:
         """Feed tokens [B] (any integer dtype) at each session's next position; -> logits [B, V] fp32."""
         tokens = tokens.reshape(len(self.sessions), 1)
-        rows = [d._engram_rows(tokens[i:i + 1]) for i, d in enumerate(self.sessions)]
-        engram = {layer: mx.concatenate([r[layer] for r in rows]) for layer in rows[0]}
+        parts = [tokens[i:i + 1] for i in range(len(self.sessions))]
+        mx.async_eval(parts)   # their own evaluation: waiting for them never waits for a queued piece
+        engram = step_pieces.JoinedRows([d._engram_rows(t) for d, t in zip(self.sessions, parts)])
         for d in self.sessions:
             d._grow()
         step = self._function()

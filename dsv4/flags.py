@@ -517,12 +517,12 @@ define("async_decode", True,
        "build and queue the next decode step before the current token reaches the host "
        "(one step in flight, as mlx-lm does); off waits for each token first")
 define("engram_pieces", True,
-       "with Engram, run the lone decoder's compiled step (decode and a speculative verify) as "
-       "pieces queued one by one (dsv4/step_pieces.py): the layers before the first Engram layer "
-       "are queued before the step's tokens reach the host for hashing, the rest in runs built "
-       "while the device runs the one before, so the device no longer idles through the hashing, "
-       "the reads and the whole graph's replay every token; the same logits. Off: one graph, "
-       "queued after the reads")
+       "with Engram, run the compiled fixed-shape step (decode, a speculative verify, the server's "
+       "batch) as pieces queued one by one (dsv4/step_pieces.py): the layers before the first "
+       "Engram layer are queued before the step's tokens reach the host for hashing, the rest in "
+       "runs built while the device runs the one before, so the device no longer idles through "
+       "the hashing, the reads and the whole graph's replay every token; the same logits. Off: "
+       "one graph, queued after the reads")
 define("compile", True,
        "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
        "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")

@@ -46,7 +46,6 @@ from .kernels import cuda_cache
 from .kernels.dialect import backend
 from .kernels.rows import rope_angles
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
-from .model import Model
 
 MIN_CAPACITY = 256
 
@@ -203,8 +202,6 @@ class FixedDecoder:
         self.fed: list[mx.array] = []              # tokens fed, [B] each, not yet on the host
         self.host_tokens = cache.tokens            # kept current only when Engram needs them
         self._reads: Optional[step_pieces.PendingRows] = None   # the last step's Engram reads
-        # A pipeline's stage runs its own forward: only a whole model's step comes in pieces.
-        self.pieceable = isinstance(model, Model) and any("engram" in block for block in model.layers)
         dtype = model.activation_dtype
         self.buffers: dict[str, mx.array] = {}
         self.valid_from: dict[str, int] = {}       # first position a ring holds correctly
@@ -326,8 +323,6 @@ class FixedDecoder:
         # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
         # mid-step: such a model's step runs as compiled segments, or op by op.
         how = step_segments.mode(self.model, self.batch * length)
-        if how == "compiled" and self.pieceable and flags.get("engram_pieces"):
-            how = "pieces"
         key += (how,)
         if key not in steps:
             model, args = self.model, self.args

@@ -6,8 +6,9 @@ the step takes the rows as inputs, so the decoder waited for the previous step's
 queued anything of the next: the device idled through the hashing, the reads, the replay of the
 whole graph and the encoding of its first launches, every token.
 
-With DSV4_ENGRAM_PIECES the lone decoder's step (dsv4/step.py FixedDecoder: decode and a
-speculative verify) runs as compiled pieces, each queued (mx.async_eval) as soon as it is built:
+With DSV4_ENGRAM_PIECES the fixed-shape step (dsv4/step.py FixedDecoder: decode and a
+speculative verify; dsv4/batch_step.py: the server's batch) runs as compiled pieces, each queued
+(mx.async_eval) as soon as it is built:
 
     piece 0   embed, the layers before the first Engram layer   queued before the sync
     piece 1   the first Engram layer                            after the sync and its reads
@@ -29,8 +30,11 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
+from . import flags
 from .constants import keeping
+from .model import Model
 
 
 class PendingRows(Mapping):
@@ -67,6 +71,30 @@ class PendingRows(Mapping):
     def __len__(self) -> int:
         self.resolve()
         return len(self.requests)
+
+
+class JoinedRows(Mapping):
+    """The server's batch's rows by layer: its sessions' (maybe pending) rows joined along the
+    batch when a layer's are asked for."""
+
+    def __init__(self, sessions: list[Mapping]):
+        self.sessions = sessions
+
+    def __getitem__(self, layer: str) -> mx.array:
+        return mx.concatenate([rows[layer] for rows in self.sessions])
+
+    def __iter__(self):
+        return iter(self.sessions[0])
+
+    def __len__(self) -> int:
+        return len(self.sessions[0])
+
+
+def applies(model) -> bool:
+    """Whether DSV4_ENGRAM_PIECES takes this model's compiled step: a whole model with Engram
+    layers (a pipeline's stage runs its own forward, dsv4/distributed/pipeline.py)."""
+    return (bool(flags.get("engram_pieces")) and isinstance(model, Model)
+            and any("engram" in block for block in model.layers))
 
 
 def spans(layers: int, first_engram: int) -> list[tuple[int, int]]:
@@ -111,7 +139,7 @@ class EngramPieces:
 
         return piece
 
-    def __call__(self, tokens: mx.array, pos: mx.array, engram: Mapping, buffers: dict):
+    def __call__(self, tokens: mx.array, pos, engram: Mapping, buffers):
         mx.async_eval(tokens)   # its own evaluation: the sync below waits for it, not for piece 0
         carried, hidden = {}, []
         for j, piece in enumerate(self.pieces):
@@ -120,6 +148,6 @@ class EngramPieces:
             hidden += out["hidden"] or []
             carried = {name: out.get(name) for name in ("streams", "pre", "topk", "candidates")}
             if j < len(self.pieces) - 1:   # the last one the caller queues with what it samples
-                mx.async_eval([a for a in (*carried.values(), *buffers.values(), *hidden) if a is not None])
+                mx.async_eval([a for _, a in tree_flatten([carried, buffers, hidden]) if a is not None])
         logits = out["logits"]
         return ((logits, hidden) if self.every else logits[:, -1]), buffers

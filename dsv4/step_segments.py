@@ -47,32 +47,32 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import flags
+from . import flags, step_pieces
 from .constants import keeping
-from .step_pieces import EngramPieces
 
 
 def mode(model, tokens: int) -> str:
     """How a fixed-shape step over `tokens` tokens runs: "compiled" (one traced graph),
+    "pieces" (compiled pieces queued one by one around Engram's sync, dsv4/step_pieces.py),
     "segments" (compiled segments around the streamed experts' lookups) or "ops" (op by op:
     DSV4_COMPILE=0, the stage profile, or streamed experts without segments or whose pools
     could not hold the step's picks)."""
     if not flags.get("compile") or flags.get("stage_profile"):
         return "ops"
     if getattr(model, "expert_store", None) is None:
-        return "compiled"
+        return "pieces" if step_pieces.applies(model) else "compiled"
     return "segments" if flags.get("expert_step_segments") and fits(model, tokens) else "ops"
 
 
 def runner(how: str, model, step: Callable, state: Callable, every: bool, hidden: bool) -> Callable:
-    """The step as `mode` (or the lone decoder, "pieces") says it runs: `step` (tokens, pos,
+    """The step as `mode` says it runs: `step` (tokens, pos,
     Engram rows, buffers) -> (out, buffers), traced whole, as SegmentedStep or EngramPieces over
     `state`, or as it is. The rows are a mapping by layer, maybe read only when first asked for
     (dsv4/step_pieces.py PendingRows): a traced graph takes them all as a dict."""
     if how == "segments":
         return SegmentedStep(model, state, every, hidden)
     if how == "pieces":
-        return EngramPieces(model, state, every, hidden)
+        return step_pieces.EngramPieces(model, state, every, hidden)
     if how == "compiled":
         traced = mx.compile(step)
         return lambda tokens, pos, engram, buffers: traced(tokens, pos, dict(engram), buffers)

@@ -12,6 +12,7 @@ import pytest
 
 import dsv4
 from dsv4 import flags, step, step_pieces
+from dsv4.batch_step import SessionsDecoder
 from dsv4.testing import write_tiny_checkpoint
 
 FP32 = dict(kv_qdq=False, act_quant=False)
@@ -67,6 +68,29 @@ def test_pieces_equal_the_one_graph(model, monkeypatch):
     assert pieces[2].shape[1] == 5 + sum(1 if n == 0 else n - back for n, back in schedule)
 
 
+def test_the_batch_in_pieces_equals_the_one_graph(model, monkeypatch):
+    """The server's batch (dsv4/batch_step.py) of sessions at different positions: the same."""
+    monkeypatch.setattr(step, "MIN_CAPACITY", 4)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(7, 500, (1, n)) for n in (1, 9, 30)]
+    fed = rng.integers(7, 500, (16, len(prompts)))
+
+    def run(pieces):
+        with flags.override(compile=True, engram_pieces=pieces, **FP32):
+            caches = [model.make_cache(reserve=4) for _ in prompts]
+            for prompt, cache in zip(prompts, caches):
+                model(prompt, cache)
+            dec = SessionsDecoder(model, caches)
+            out = [dec(mx.array(tokens)) for tokens in fed]
+            mx.eval(out)
+            return out, [d.host_tokens.copy() for d in dec.sessions]
+
+    (got, got_tokens), (want, want_tokens) = run(True), run(False)
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+    assert all(np.array_equal(g, w) for g, w in zip(got_tokens, want_tokens))
+    assert [t.shape[1] for t in got_tokens] == [p.shape[1] + len(fed) for p in prompts]
+
+
 @pytest.mark.parametrize("layers,first", [(7, 1), (8, 0), (43, 1), (43, 14), (3, 2)])
 def test_spans_cover_the_layers_once_and_double(layers, first):
     spans = step_pieces.spans(layers, first)
@@ -77,25 +101,40 @@ def test_spans_cover_the_layers_once_and_double(layers, first):
 
 
 @pytest.mark.parametrize("pieces", [True, False])
-def test_the_layers_before_engram_are_queued_before_the_tokens_reach_the_host(model, monkeypatch, pieces):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_layers_before_engram_are_queued_before_the_tokens_reach_the_host(model, monkeypatch, pieces, batch):
     """Per step: a piece is queued (mx.async_eval of the first piece's outputs) before the step
-    reads its tokens for Engram's hashing; as one graph, nothing is queued before."""
+    reads its tokens for Engram's hashing; as one graph, nothing is. The lone decoder and the
+    server's batch of two sessions."""
     events = []
-    queue, reads = mx.async_eval, model.start_engram_reads
 
-    def logged_queue(*arrays):
-        events.append("piece" if isinstance(arrays[0], list) else "tokens")
-        return queue(*arrays)
+    class Logged:   # mlx.core as step_pieces sees it, its queueing logged
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        @staticmethod
+        def async_eval(*arrays):
+            events.append("piece" if isinstance(arrays[0], list) else "tokens")
+            return mx.async_eval(*arrays)
+
+    reads = model.start_engram_reads
 
     def logged_reads(*a):
         events.append("reads")
         return reads(*a)
 
-    monkeypatch.setattr(step_pieces.mx, "async_eval", logged_queue)
+    monkeypatch.setattr(step_pieces, "mx", Logged())
     monkeypatch.setattr(model, "start_engram_reads", logged_reads)
     with flags.override(compile=True, engram_pieces=pieces, **FP32):
-        dec = fresh_decoder(model, np.random.default_rng(0).integers(7, 500, (1, 5)))
-        token = mx.array([9])
+        prompt = np.random.default_rng(0).integers(7, 500, (1, 5))
+        if batch == 1:
+            dec = fresh_decoder(model, prompt)
+        else:
+            caches = [model.make_cache(reserve=8) for _ in range(batch)]
+            for cache in caches:
+                model(prompt, cache)
+            dec = SessionsDecoder(model, caches)
+        token = mx.array([9] * batch)
         for _ in range(3):
             events.append("step")
             token = mx.argmax(dec(token), axis=-1)
