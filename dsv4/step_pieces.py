@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 
 from . import flags
 from .constants import keeping
+from .kernels import cuda_cache
 from .model import Model
 
 
@@ -147,7 +148,9 @@ class EngramPieces:
             buffers = out["buffers"]
             hidden += out["hidden"] or []
             carried = {name: out.get(name) for name in ("streams", "pre", "topk", "candidates")}
-            if j < len(self.pieces) - 1:   # the last one the caller queues with what it samples
+            # The last piece the caller queues with what it samples. While a first call's kernels
+            # build, nothing is queued early: the step's own end joins the builds first.
+            if j < len(self.pieces) - 1 and not cuda_cache.building():
                 mx.async_eval([a for _, a in tree_flatten([carried, buffers, hidden]) if a is not None])
         logits = out["logits"]
         return ((logits, hidden) if self.every else logits[:, -1]), buffers

@@ -39,6 +39,12 @@ def tiny_no_engram_dir(tmp_path_factory):
                                  config_overrides={"engram_layer_ids": []})
 
 
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory):
+    """A tiny checkpoint (two Engram layers) with DSpark draft stages `mtp.*`."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("draft") / "ckpt", seed=4, draft=True)
+
+
 @pytest.fixture
 def kernels_poisoned():
     """GPU kernel tests: skip without a Metal/CUDA backend; every kernel output starts as NaN."""

@@ -9,12 +9,6 @@ import dsv4
 from convert.official import convert
 from dsv4 import flags
 from dsv4.safetensors_file import CheckpointError
-from dsv4.testing import write_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("draft") / "ckpt", seed=4, draft=True)
 
 
 def block_logits(model, prompt: np.ndarray, chunks: list[int]) -> np.ndarray:

@@ -14,16 +14,14 @@ from dsv4.draft import DraftCache
 from dsv4.draft_step import FixedDraft
 from dsv4.sampling import LogitAdjustment, Sampling
 from dsv4.speculative import propose
-from dsv4.testing import write_tiny_checkpoint
 
 FP32 = dict(kv_qdq=False, act_quant=False)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("draft_step") / "ckpt", seed=4, draft=True)
+def tiny(draft_dir):
     with flags.override(draft="on"):
-        return dsv4.load(path, dtype=mx.float32)[0]
+        return dsv4.load(draft_dir, dtype=mx.float32)[0]
 
 
 def copied(cache: DraftCache) -> DraftCache:

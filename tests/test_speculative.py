@@ -15,7 +15,6 @@ from dsv4 import flags, speculative
 from dsv4.generation import decode_tokens, prefill
 from dsv4.sampling import Sampling, make_sampler, picker, sampled_logits
 from dsv4.speculative import Policy, Proposal, Stats, accept, speculative_tokens
-from dsv4.testing import write_tiny_checkpoint
 
 TOKENS = 256
 # The propose and verify paths: the reference (op by op over the DraftCache and the Cache), the
@@ -23,11 +22,6 @@ TOKENS = 256
 PATHS = {"reference": dict(fixed_propose=False, fixed_verify=False),
          "fixed-propose": dict(fixed_propose=True, fixed_verify=False),
          "fixed": dict(fixed_propose=True, fixed_verify=True)}
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "ckpt", seed=4, draft=True)
 
 
 @pytest.fixture(scope="module")

@@ -207,11 +207,9 @@ def test_batch_rows_equal_the_reference_batch(model):
 
 
 @pytest.fixture(scope="module")
-def draft_model(tmp_path_factory):
-    from dsv4.testing import write_tiny_checkpoint
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("fixed_verify") / "ckpt", seed=4, draft=True)
+def draft_model(draft_dir):
     with flags.override(draft="on"):
-        return dsv4.load(path, dtype=mx.float32)[0]
+        return dsv4.load(draft_dir, dtype=mx.float32)[0]
 
 
 @pytest.mark.parametrize("compiled,tails", [(False, False), (True, False), (True, True)])

@@ -13,16 +13,14 @@ import pytest
 import dsv4
 from dsv4 import flags, step, step_pieces
 from dsv4.batch_step import SessionsDecoder
-from dsv4.testing import write_tiny_checkpoint
 
 FP32 = dict(kv_qdq=False, act_quant=False)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("pieces") / "ckpt", seed=4, draft=True)
+def model(draft_dir):
     with flags.override(draft="on"):
-        return dsv4.load(path, dtype=mx.float32)[0]
+        return dsv4.load(draft_dir, dtype=mx.float32)[0]
 
 
 def fresh_decoder(model, prompt):

@@ -302,6 +302,12 @@ def ensure(kernel, inputs, output_dtypes, template) -> None:
         wait()
 
 
+def building() -> bool:
+    """Whether builds started inside `progress` are not joined yet (evaluating what launches
+    them now would have MLX compile them too)."""
+    return bool(builds.pending)
+
+
 def wait() -> None:
     """Join the builds started so far (before evaluating what launches them)."""
     while builds.pending:
