@@ -54,9 +54,12 @@ def write_report(filename: str, heading: str, lines: list[str]) -> Path:
 def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.Counter:
     """Primitive counts of one decode step after a prompt of `prompt_tokens`: the reference
     forward, or (`fixed`) the fixed-shape step of dsv4.step as the switches have it
-    (compiled: fused element-wise runs count once). The cache writes are counted too."""
+    (compiled: fused element-wise runs count once; one graph, not DSV4_ENGRAM_PIECES' pieces,
+    of which all but the last are queued before the step returns). The cache writes are counted
+    too."""
     import mlx.core as mx
 
+    from dsv4 import flags
     from dsv4.step import FixedDecoder
 
     ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
@@ -65,7 +68,8 @@ def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.C
     if fixed:
         dec = FixedDecoder(model, cache)
         mx.eval(dec.buffers)
-        outputs = [dec(mx.array(ids[:, -1])), *dec.buffers.values()]
+        with flags.override(engram_pieces=False):
+            outputs = [dec(mx.array(ids[:, -1])), *dec.buffers.values()]
     else:
         outputs = [model(ids[:, -1:], cache)] + [a for lc in cache.layers for a in
                                                 (lc.window, lc.compressed, lc.index_keys) if a is not None]
