@@ -224,7 +224,10 @@ define("head_quant", "off",
 # benchmarks.engram_reads: 2 x 2.95 GiB tables, page cache dropped before every pass).
 define("engram_parallel_decode", True,
        "split each decode read (24 rows per table) over engram_decode_workers pread workers "
-       "(13.4 -> 2.3 ms/token for two tables with engram_readahead); off: one serial reader thread")
+       "(13.4 -> 2.3 ms/token for two tables with engram_readahead, rows on an SSD); off: one "
+       "serial reader thread, faster where the rows are in the page cache (the workers wait for "
+       "the GIL the step's encoding holds: the H100 slice 6.94 vs 5.09 ms/token, "
+       "benchmarks/results/2026-12-05-1514-slice-decode-engram.md)")
 define("engram_decode_workers", 4,
        "pread workers for one decode read of one table (two tables read at once); 4 beat 2 and 8", minimum=1)
 define("engram_prefill_workers", 16,
@@ -521,8 +524,10 @@ define("engram_pieces", True,
        "batch) as pieces queued one by one (dsv4/step_pieces.py): the layers before the first "
        "Engram layer are queued before the step's tokens reach the host for hashing, the rest in "
        "runs built while the device runs the one before, so the device no longer idles through "
-       "the hashing, the reads and the whole graph's replay every token; the same logits. Off: "
-       "one graph, queued after the reads")
+       "the hashing, the reads and the whole graph's replay every token; the same logits. On "
+       "(default): the H100 slice with Engram 8.81 -> 7.94 ms/token at 512, 7.65 -> 7.05 at 8K "
+       "(benchmarks/results/2026-12-05-1513-slice-decode-engram.md). Off: one graph, queued after "
+       "the reads")
 define("compile", True,
        "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
        "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")
