@@ -23,7 +23,6 @@ toy widths (for the CPU).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import tempfile
@@ -275,14 +274,11 @@ def main(argv=None) -> int:
                                                                config["vocab_size"]))
     t0 = time.perf_counter()
     model, rmodel, params = build(config, a.experts, a.dense)
-    tables = Path(tempfile.mkdtemp(prefix="slice-engram-"))
-    if a.engram:
-        sparse_engram_tables(model, tables)
-    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-    try:
+    with tempfile.TemporaryDirectory(prefix="slice-engram-") as tables:
+        if a.engram:
+            sparse_engram_tables(model, Path(tables))
+        print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
         return measure(a, model, rmodel, params)
-    finally:
-        shutil.rmtree(tables)
 
 
 def measure(a, model, rmodel, params) -> int:

@@ -94,8 +94,7 @@ class JoinedRows(Mapping):
 def applies(model) -> bool:
     """Whether DSV4_ENGRAM_PIECES takes this model's compiled step: a whole model with Engram
     layers (a pipeline's stage runs its own forward, dsv4/distributed/pipeline.py)."""
-    return (bool(flags.get("engram_pieces")) and isinstance(model, Model)
-            and any("engram" in block for block in model.layers))
+    return bool(flags.get("engram_pieces")) and isinstance(model, Model) and bool(model.args.engram_layer_ids)
 
 
 def spans(layers: int, first_engram: int) -> list[tuple[int, int]]:
@@ -117,10 +116,9 @@ class EngramPieces:
 
     def __init__(self, model, state: Callable, every: bool, hidden: bool):
         self.model, self.state, self.every, self.hidden = model, state, every, hidden
-        blocks = model.layers
-        first = min(i for i, block in enumerate(blocks) if "engram" in block)
-        self.spans = spans(len(blocks), first)
-        self.engram = [[str(i) for i in range(lo, hi) if "engram" in blocks[i]] for lo, hi in self.spans]
+        layers = model.args.engram_layer_ids
+        self.spans = spans(len(model.layers), min(layers))
+        self.engram = [[str(layer) for layer in layers if lo <= layer < hi] for lo, hi in self.spans]
         self.pieces = [mx.compile(self._piece(j, lo, hi)) for j, (lo, hi) in enumerate(self.spans)]
 
     def _piece(self, j: int, lo: int, hi: int) -> Callable:

@@ -43,6 +43,7 @@ as segments, 19.0 op by op, 4.6 resident: ~0.50 ms a streamed layer against ~1.8
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import mlx.core as mx
@@ -65,10 +66,10 @@ def mode(model, tokens: int) -> str:
 
 
 def runner(how: str, model, step: Callable, state: Callable, every: bool, hidden: bool) -> Callable:
-    """The step as `mode` says it runs: `step` (tokens, pos,
-    Engram rows, buffers) -> (out, buffers), traced whole, as SegmentedStep or EngramPieces over
-    `state`, or as it is. The rows are a mapping by layer, maybe read only when first asked for
-    (dsv4/step_pieces.py PendingRows): a traced graph takes them all as a dict."""
+    """The step as `mode` says it runs: `step` (tokens, pos, Engram rows, buffers) -> (out,
+    buffers), traced whole, as SegmentedStep or EngramPieces over `state`, or as it is. The rows
+    are a mapping by layer, maybe read only when first asked for (dsv4/step_pieces.py
+    PendingRows): a traced graph takes them all as a dict."""
     if how == "segments":
         return SegmentedStep(model, state, every, hidden)
     if how == "pieces":
@@ -129,7 +130,7 @@ class SegmentedStep:
 
         return segment
 
-    def __call__(self, tokens: mx.array, pos: mx.array, engram: dict, buffers: dict):
+    def __call__(self, tokens: mx.array, pos: mx.array, engram: Mapping, buffers: dict):
         width = tokens.size * self.model.args.num_experts_per_tok   # the dense path's gathered slots
         engram = dict(engram)
         carried, fetched, hidden = {}, None, []
