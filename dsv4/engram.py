@@ -111,33 +111,61 @@ class NgramHasher:
         self.offsets = {l: np.concatenate([[0], np.cumsum(p.reshape(-1))[:-1]]).astype(np.int64)
                         for l, p in self.primes.items()}
         self.table_rows = {l: int(p.sum()) for l, p in self.primes.items()}
+        self._device: Optional[dict] = None
 
-    def compress(self, ids: np.ndarray) -> np.ndarray:
+    def compress(self, ids):
+        """Compressed ids of token ids: numpy, or MLX arrays (gathered on the device)."""
+        if isinstance(ids, mx.array):
+            return self._on_device()["token_map"][ids]
         return self.token_map[ids]
 
-    def hash(self, compressed: np.ndarray, history: np.ndarray, start: int) -> dict[int, np.ndarray]:
+    def _on_device(self) -> dict:
+        """The hash's constants as MLX arrays, made once."""
+        if self._device is None:
+            self._device = {"token_map": mx.array(self.token_map)}
+            for layer in self.args.engram_layer_ids:
+                self._device[layer] = tuple(mx.array(c) for c in (
+                    self.multipliers[layer], self.primes[layer], self.offsets[layer]))
+        return self._device
+
+    def hash(self, compressed, history, start: int) -> dict:
         """compressed [B, S] ids of positions start..start+S-1, history [B, n-1] of the
-        positions before (any value where start - k < 0) -> {layer: row ids [B, S, rows]}."""
+        positions before (any value where start - k < 0) -> {layer: row ids [B, S, rows]}.
+        Exact int64 in numpy, or lazily in MLX when given MLX arrays (the same operations)."""
+        xp = mx if isinstance(compressed, mx.array) else np
+        constants = self._on_device() if xp is mx else \
+            {l: (self.multipliers[l], self.primes[l], self.offsets[l]) for l in self.args.engram_layer_ids}
         n = self.args.engram_max_ngram_size
         batch, length = compressed.shape
-        seq = np.concatenate([history, compressed], axis=1)  # position start-(n-1) .. end-1
-        pos = start + np.arange(length)
+        seq = xp.concatenate([history, compressed], axis=1)  # position start-(n-1) .. end-1
+        pos = start + xp.arange(length)
         toks = []
-        blocked = np.zeros((batch, length), bool)
+        blocked = xp.zeros((batch, length), dtype=xp.bool_)
         for k in range(n):
             src = seq[:, n - 1 - k: n - 1 - k + length]
             blocked = blocked | (pos < k)[None, :] | (src == DEAD)
-            toks.append(np.where(blocked, self.pad, src))
+            toks.append(xp.where(blocked, self.pad, src))
         out = {}
         for layer in self.args.engram_layer_ids:
-            mult = self.multipliers[layer]
+            mult, primes, offsets = constants[layer]
             rolling = toks[0] * mult[0]
             cols = []
             for order in range(1, n):
                 rolling = rolling ^ (toks[order] * mult[order])
-                cols.append(rolling[..., None] % self.primes[layer][order - 1])
-            out[layer] = np.concatenate(cols, axis=-1) + self.offsets[layer]
+                cols.append(rolling[..., None] % primes[order - 1])
+            out[layer] = xp.concatenate(cols, axis=-1) + offsets
         return out
+
+    def row_ids(self, ids, past, offset: int) -> dict:
+        """{layer: row ids [B, S, rows]} of the new tokens ids [B, S] after the tokens `past`
+        [B, >= 0], the last of which sits at position offset - 1; numpy or MLX arrays."""
+        xp = mx if isinstance(ids, mx.array) else np
+        width = self.args.engram_max_ngram_size - 1
+        batch = ids.shape[0]
+        past = past[:, max(0, past.shape[1] - width):] if offset else past[:, :0]
+        dead = xp.full((batch, width - past.shape[1]), DEAD, dtype=xp.int64)
+        history = xp.concatenate([dead, self.compress(past).astype(xp.int64)], axis=1)
+        return self.hash(self.compress(ids), history, offset)
 
 
 class Engram(nn.Module):

@@ -141,12 +141,17 @@ class Fp8Rows:
         """The name of the interleaved layout of these rows."""
         return f"interleaved{self.row_bytes}"
 
-    def decode(self, raw: np.ndarray, shape: tuple[int, ...]) -> mx.array:
-        """Raw rows [n, row_bytes] uint8 -> bf16 [*shape, width], exactly e4m3 * 2**(e8m0 - 127)."""
+    def decode(self, raw, shape: tuple[int, ...]) -> mx.array:
+        """Raw rows [n, row_bytes] uint8 (numpy, or MLX: decoded in the graph) -> bf16
+        [*shape, width], exactly e4m3 * 2**(e8m0 - 127)."""
         if raw.shape[0] == 0:
             return mx.zeros((*shape, self.width), dtype=mx.bfloat16)
-        weight = mx.array(np.ascontiguousarray(raw[:, :self.width]).view(np.uint32))
-        scales = mx.array(np.ascontiguousarray(raw[:, self.width:]))
+        if isinstance(raw, mx.array):
+            weight = mx.contiguous(raw[:, :self.width]).view(mx.uint32)
+            scales = mx.contiguous(raw[:, self.width:])
+        else:
+            weight = mx.array(np.ascontiguousarray(raw[:, :self.width]).view(np.uint32))
+            scales = mx.array(np.ascontiguousarray(raw[:, self.width:]))
         out = mx.dequantize(weight, scales, group_size=GROUP, bits=8, mode="mxfp8",
                             dtype=mx.bfloat16)
         return out.reshape(*shape, self.width)
@@ -191,8 +196,12 @@ class FloatRows:
     def _values(self, raw: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(raw).view(FLOAT_STORAGE[self.dtype]).reshape(-1, self.width)
 
-    def decode(self, raw: np.ndarray, shape: tuple[int, ...]) -> mx.array:
-        values = mx.array(self._values(raw))
+    def decode(self, raw, shape: tuple[int, ...]) -> mx.array:
+        """Raw rows [n, row_bytes] uint8 (numpy, or MLX: decoded in the graph) -> bf16 [*shape, width]."""
+        if isinstance(raw, mx.array):
+            values = raw.view(mx.uint16 if self.dtype == "BF16" else mx.float32)
+        else:
+            values = mx.array(self._values(raw))
         values = values.view(mx.bfloat16) if self.dtype == "BF16" else values.astype(mx.bfloat16)
         return values.reshape(*shape, self.width)
 

@@ -528,6 +528,13 @@ define("engram_pieces", True,
        "(default): the H100 slice with Engram 8.81 -> 7.94 ms/token at 512, 7.65 -> 7.05 at 8K "
        "(benchmarks/results/2026-12-05-1513-slice-decode-engram.md). Off: one graph, queued after "
        "the reads")
+define("engram_queued", False,
+       "read a decode step's Engram rows inside its graph (dsv4/engram_queued.py): the row ids "
+       "hashed on the device, the rows read by a native MLX primitive (pread on a CPU stream, "
+       "C++ threads, no GIL; dsv4/native builds it on first use with the C++ compiler), so the "
+       "whole step is queued before its token is known and the device, not the host, waits for "
+       "the reads; the same rows and logits. Without a compiler, or with engram_resident or "
+       "engram_row_cache, the rows are read on the host (engram_pieces)")
 define("compile", True,
        "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
        "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")

@@ -17,7 +17,7 @@ from . import distributed, flags, profiler
 from .attention import Attention, ForwardState, RMSNorm, window_indices
 from .cache import Cache
 from .config import ModelArgs
-from .engram import DEAD, Engram, NgramHasher
+from .engram import Engram, NgramHasher
 from .linear import Linear
 from .kernels import cuda_cache, head as head_kernel
 from .kernels.dialect import backend
@@ -137,13 +137,7 @@ class Model(nn.Module):
             return {}
         if self._hasher is None:
             raise RuntimeError("the model has Engram layers but no tables: load it with dsv4.load")
-        h = self._hasher
-        width = self.args.engram_max_ngram_size - 1
-        past = past[:, -width:] if offset else np.zeros((ids.shape[0], 0), np.int64)
-        history = np.full((ids.shape[0], width), DEAD, np.int64)
-        if past.shape[1]:
-            history[:, width - past.shape[1]:] = h.compress(past)
-        rows = h.hash(h.compress(ids), history, offset)
+        rows = self._hasher.row_ids(ids, past, offset)
         return {layer: table.start(rows[layer]) for layer, table in self._engram_tables.items()}
 
     @cuda_cache.builds_in_parallel("forward")

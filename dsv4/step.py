@@ -38,7 +38,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import flags, step_pieces, step_segments
+from . import engram_queued, flags, step_pieces, step_segments
 from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
@@ -200,8 +200,9 @@ class FixedDecoder:
         self.start = self.pos = self.high = cache.offset   # high: past the last position written
         self.batch = cache.tokens.shape[0]
         self.fed: list[mx.array] = []              # tokens fed, [B] each, not yet on the host
-        self.host_tokens = cache.tokens            # kept current only when Engram needs them
-        self._reads: Optional[step_pieces.PendingRows] = None   # the last step's Engram reads
+        self.host_tokens = cache.tokens            # kept current only when Engram reads on the host
+        self._reads: Optional[step_pieces.PendingRows] = None   # the last step's host reads
+        self._checks = engram_queued.Checks()      # the queued reads (DSV4_ENGRAM_QUEUED) to check
         dtype = model.activation_dtype
         self.buffers: dict[str, mx.array] = {}
         self.valid_from: dict[str, int] = {}       # first position a ring holds correctly
@@ -386,11 +387,11 @@ class FixedDecoder:
             raise ValueError(f"rewinding {n} positions would need window rows the ring "
                              f"({self.ring}) no longer holds")
         if n:
+            self._settle_reads()
+            self._checks.all()
             self.pos -= n
             del self.fed[len(self.fed) - n:]
-            if self.args.engram_layer_ids:
-                self._reads.resolve()
-                self.host_tokens = self.host_tokens[:, :self.host_tokens.shape[1] - n]
+            self.host_tokens = self.host_tokens[:, :self.pos]
 
     def _advance(self, tokens: mx.array) -> None:
         self.fed.extend(tokens[:, i] for i in range(tokens.shape[1]))
@@ -398,12 +399,24 @@ class FixedDecoder:
         self.high = max(self.high, self.pos)
 
     def _engram_rows(self, tokens: mx.array) -> Mapping:
-        """The Engram rows of the step feeding tokens [B, n], read when the step first asks
-        for them (dsv4/step_pieces.py); the decoder's host tokens grow by them then."""
+        """The Engram rows of the step feeding tokens [B, n]: read in the step's graph
+        (dsv4/engram_queued.py), else on the host when the step first asks for them
+        (dsv4/step_pieces.py), the decoder's host tokens growing by them then."""
         if not self.args.engram_layer_ids:
             return {}
-        if self._reads is not None:   # every step reads its rows; the next hashes after them
-            self._reads.resolve()
+        self._settle_reads()
+        if engram_queued.applies(self.model):
+            width = self.args.engram_max_ngram_size - 1
+            recent = self.fed[max(0, len(self.fed) - width):]   # the positions from start on
+            before = self.host_tokens[:, max(0, self.start - width + len(recent)):self.start]
+            past = mx.concatenate([mx.array(before)] + [t.reshape(self.batch, 1) for t in recent], axis=1)
+            reads = engram_queued.QueuedRows(self.model, tokens, past, self.pos)
+            self._checks.add(reads)
+            return reads
+        missing = self.pos - self.host_tokens.shape[1]   # steps whose rows were read in the graph
+        if missing:
+            self.host_tokens = np.concatenate(
+                [self.host_tokens, np.array(mx.stack(self.fed[-missing:], axis=1), dtype=np.int64)], axis=1)
 
         def fed(ids: np.ndarray) -> None:
             self.host_tokens = np.concatenate([self.host_tokens, ids], axis=1)
@@ -412,12 +425,20 @@ class FixedDecoder:
         self._reads = step_pieces.PendingRows(self.model, tokens, self.host_tokens, self.pos, shape, fed)
         return self._reads
 
+    def _settle_reads(self) -> None:
+        """Finish the last step's host reads (its tokens join the host tokens) and check the
+        queued reads due."""
+        if self._reads is not None:
+            self._reads.resolve()
+            self._reads = None
+
     # --- back to the cache --------------------------------------------------------------------
 
     def close(self, keep: int) -> None:
         """Write the state of positions < keep (start <= keep <= pos) back into the cache."""
         if not self.start <= keep <= self.pos:
             raise ValueError(f"can keep {self.start}..{self.pos} positions, not {keep}")
+        self._checks.all()
         cache = self.cache
         cache.checked_out = False
         for i, lc in enumerate(cache.layers):

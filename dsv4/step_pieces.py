@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import flags
+from . import engram_queued, flags
 from .constants import keeping
 from .kernels import cuda_cache
 from .model import Model
@@ -93,8 +93,10 @@ class JoinedRows(Mapping):
 
 def applies(model) -> bool:
     """Whether DSV4_ENGRAM_PIECES takes this model's compiled step: a whole model with Engram
-    layers (a pipeline's stage runs its own forward, dsv4/distributed/pipeline.py)."""
-    return bool(flags.get("engram_pieces")) and isinstance(model, Model) and bool(model.args.engram_layer_ids)
+    layers (a pipeline's stage runs its own forward, dsv4/distributed/pipeline.py) whose rows are
+    read on the host (not dsv4/engram_queued.py's)."""
+    return (bool(flags.get("engram_pieces")) and isinstance(model, Model) and bool(model.args.engram_layer_ids)
+            and not engram_queued.applies(model))
 
 
 def spans(layers: int, first_engram: int) -> list[tuple[int, int]]:

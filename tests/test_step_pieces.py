@@ -66,27 +66,28 @@ def test_pieces_equal_the_one_graph(model, monkeypatch):
     assert pieces[2].shape[1] == 5 + sum(1 if n == 0 else n - back for n, back in schedule)
 
 
-def test_the_batch_in_pieces_equals_the_one_graph(model, monkeypatch):
-    """The server's batch (dsv4/batch_step.py) of sessions at different positions: the same."""
-    monkeypatch.setattr(step, "MIN_CAPACITY", 4)
+def batch_outputs(model, **switches):
+    """The server's batch (dsv4/batch_step.py) of three sessions at different positions, 16
+    steps with the switches: (every step's logits, each session's host tokens)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(7, 500, (1, n)) for n in (1, 9, 30)]
-    fed = rng.integers(7, 500, (16, len(prompts)))
+    with flags.override(compile=True, **FP32, **switches):
+        caches = [model.make_cache(reserve=4) for _ in prompts]
+        for prompt, cache in zip(prompts, caches):
+            model(prompt, cache)
+        dec = SessionsDecoder(model, caches)
+        out = [dec(mx.array(tokens)) for tokens in rng.integers(7, 500, (16, len(prompts)))]
+        mx.eval(out)
+        return out, [d.host_tokens.copy() for d in dec.sessions]
 
-    def run(pieces):
-        with flags.override(compile=True, engram_pieces=pieces, **FP32):
-            caches = [model.make_cache(reserve=4) for _ in prompts]
-            for prompt, cache in zip(prompts, caches):
-                model(prompt, cache)
-            dec = SessionsDecoder(model, caches)
-            out = [dec(mx.array(tokens)) for tokens in fed]
-            mx.eval(out)
-            return out, [d.host_tokens.copy() for d in dec.sessions]
 
-    (got, got_tokens), (want, want_tokens) = run(True), run(False)
+def test_the_batch_in_pieces_equals_the_one_graph(model, monkeypatch):
+    """The server's batch of sessions at different positions: the same."""
+    monkeypatch.setattr(step, "MIN_CAPACITY", 4)
+    (got, got_tokens), (want, want_tokens) = batch_outputs(model, engram_pieces=True), batch_outputs(model, engram_pieces=False)
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
     assert all(np.array_equal(g, w) for g, w in zip(got_tokens, want_tokens))
-    assert [t.shape[1] for t in got_tokens] == [p.shape[1] + len(fed) for p in prompts]
+    assert [t.shape[1] for t in got_tokens] == [n + 16 for n in (1, 9, 30)]
 
 
 @pytest.mark.parametrize("layers,first", [(7, 1), (8, 0), (43, 1), (43, 14), (3, 2)])

@@ -1,0 +1,314 @@
+// EngramRows: an MLX primitive that reads a step's Engram rows from their files with pread, on
+// a CPU stream, once the row ids (hashed from the step's tokens on the device) are ready.
+//
+// Because the read is a node of the graph, a decoder can queue a whole step with Engram before
+// its token is known: the device waits for the rows, not the host (dsv4/engram_queued.py). The
+// reads run with no Python in the way (the GIL is what made host-side reads slow mid-step), on
+// the CPU stream's thread and a few threads of this module's own, so that rows on an SSD are
+// read in parallel.
+//
+// Outputs: the raw rows [n, row_bytes] uint8 and a status [3] int64: (0, 0, 0) when every row
+// was read and checked, else (what, index of the row in the call, errno) for the first failure
+// in call order. what: 1 an I/O error, 2 a short read (truncated file), 3 a NaN or infinite
+// value. A failed call never throws: the caller reads the status and names the row
+// (dsv4/engram_queued.py), and the device never waits on a task that died.
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace {
+
+enum Status : int64_t { kRead = 0, kIoError = 1, kShortRead = 2, kNotFinite = 3 };
+enum Check : int { kFp8 = 0, kBf16 = 1, kF32 = 2 };
+
+// One part of a file that may be split into parts: its descriptor and where it starts in the
+// whole.
+struct Part {
+  int fd;
+  int64_t start;
+  int64_t size;
+};
+
+// `width` bytes of row r at `offset + stride * r` of a (parted) file, stored at `dest` in the row.
+struct Segment {
+  std::vector<Part> parts;
+  int64_t offset, stride, width, dest;
+};
+
+struct Failure {
+  int64_t what = kRead, index = 0, error = 0;
+};
+
+// Reads `length` bytes at `offset` of the whole file into dst; the failure, if any.
+Failure read_span(const Segment& seg, uint8_t* dst, int64_t offset, int64_t length) {
+  for (const Part& part : seg.parts) {
+    if (length == 0) break;
+    int64_t inner = offset - part.start;
+    if (inner < 0 || inner >= part.size) continue;
+    int64_t n = std::min(length, part.size - inner);
+    int64_t done = 0;
+    while (done < n) {
+      ssize_t got = ::pread(part.fd, dst + done, n - done, inner + done);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) return {kIoError, 0, errno};
+      if (got == 0) return {kShortRead, 0, 0};
+      done += got;
+    }
+    dst += n;
+    offset += n;
+    length -= n;
+  }
+  return length ? Failure{kShortRead, 0, 0} : Failure{};
+}
+
+void will_need(const Segment& seg, int64_t offset, int64_t length) {
+  for (const Part& part : seg.parts) {
+    int64_t inner = offset - part.start;
+    if (length == 0 || inner < 0 || inner >= part.size) continue;
+    int64_t n = std::min(length, part.size - inner);
+#if defined(__APPLE__)
+    radvisory advice{static_cast<off_t>(inner), static_cast<int>(n)};
+    fcntl(part.fd, F_RDADVISE, &advice);
+#elif defined(POSIX_FADV_WILLNEED)
+    posix_fadvise(part.fd, inner, n, POSIX_FADV_WILLNEED);
+#endif
+    offset += n;
+    length -= n;
+  }
+}
+
+// Whether a row holds a NaN (fp8: e4m3 0x7F/0xFF, e8m0 0xFF) or a float NaN or infinity.
+bool finite(const uint8_t* row, int check, int64_t width) {
+  if (check == kFp8) {
+    for (int64_t j = 0; j < width; ++j)
+      if ((row[j] & 0x7F) == 0x7F) return false;
+    for (int64_t j = width; j < width + width / 32; ++j)
+      if (row[j] == 0xFF) return false;
+    return true;
+  }
+  if (check == kBf16) {
+    for (int64_t j = 0; j < width; ++j) {
+      uint16_t v;
+      std::memcpy(&v, row + 2 * j, 2);
+      if ((v & 0x7F80) == 0x7F80) return false;
+    }
+    return true;
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    uint32_t v;
+    std::memcpy(&v, row + 4 * j, 4);
+    if ((v & 0x7F800000u) == 0x7F800000u) return false;
+  }
+  return true;
+}
+
+// Threads that take the partitions of a call past its first (the stream's thread reads that).
+class Workers {
+ public:
+  static Workers& shared() {
+    static Workers* pool = new Workers();  // never destroyed: threads outlive static teardown
+    return *pool;
+  }
+
+  // Runs job(0..parts-1), job(0) on the calling thread, and returns when all are done.
+  void run(int parts, const std::function<void(int)>& job) {
+    if (parts <= 1) {
+      job(0);
+      return;
+    }
+    grow(parts - 1);
+    std::mutex done_mutex;
+    std::condition_variable done_cv;
+    int left = parts - 1;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (int k = 1; k < parts; ++k)
+        queue_.push_back([&, k] {
+          job(k);
+          std::lock_guard<std::mutex> done_lock(done_mutex);
+          if (--left == 0) done_cv.notify_one();
+        });
+    }
+    cv_.notify_all();
+    job(0);
+    std::unique_lock<std::mutex> done_lock(done_mutex);
+    done_cv.wait(done_lock, [&] { return left == 0; });
+  }
+
+ private:
+  void grow(int wanted) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (static_cast<int>(threads_.size()) < wanted)
+      threads_.emplace_back([this] { loop(); }).detach();
+  }
+
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return !queue_.empty(); });
+        task = std::move(queue_.front());
+        queue_.erase(queue_.begin());
+      }
+      task();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<std::function<void()>> queue_;
+  std::vector<std::thread> threads_;
+};
+
+// What a call reads: shared with the queued task, which may outlive the primitive.
+struct Table {
+  std::vector<Segment> segments;
+  int64_t row_bytes;
+  int check;
+  int64_t width;
+  int workers;
+  bool readahead;
+
+  void read(const int64_t* ids, int64_t n, uint8_t* out, int64_t* state) const {
+    state[0] = state[1] = state[2] = 0;
+    if (n == 0) return;
+    int parts = static_cast<int>(std::min<int64_t>(workers, n));
+    std::vector<Failure> failures(std::max(parts, 1));
+    Workers::shared().run(parts, [&](int k) {
+      int64_t lo = n * k / parts, hi = n * (k + 1) / parts;
+      if (readahead && hi - lo > 1)  // every page read in flight before the first pread waits
+        for (int64_t i = lo; i < hi; ++i)
+          for (const Segment& seg : segments) will_need(seg, seg.offset + seg.stride * ids[i], seg.width);
+      for (int64_t i = lo; i < hi; ++i) {
+        uint8_t* row = out + i * row_bytes;
+        for (const Segment& seg : segments) {
+          Failure f = read_span(seg, row + seg.dest, seg.offset + seg.stride * ids[i], seg.width);
+          if (f.what != kRead) {
+            failures[k] = {f.what, i, f.error};
+            return;
+          }
+        }
+        if (!finite(row, check, width)) {
+          failures[k] = {kNotFinite, i, 0};
+          return;
+        }
+      }
+    });
+    for (const Failure& f : failures)
+      if (f.what != kRead) {  // partitions run in call order: the first failed one holds the first
+        state[0] = f.what;
+        state[1] = f.index;
+        state[2] = f.error;
+        break;
+      }
+  }
+
+  bool operator==(const Table& o) const {
+    if (row_bytes != o.row_bytes || check != o.check || width != o.width || segments.size() != o.segments.size())
+      return false;
+    for (size_t s = 0; s < segments.size(); ++s) {
+      const Segment &a = segments[s], &b = o.segments[s];
+      if (a.offset != b.offset || a.stride != b.stride || a.width != b.width || a.dest != b.dest ||
+          a.parts.size() != b.parts.size())
+        return false;
+      for (size_t p = 0; p < a.parts.size(); ++p)
+        if (a.parts[p].fd != b.parts[p].fd || a.parts[p].start != b.parts[p].start) return false;
+    }
+    return true;
+  }
+};
+
+class EngramRows : public mx::Primitive {
+ public:
+  EngramRows(mx::Stream stream, std::shared_ptr<const Table> table)
+      : mx::Primitive(stream), table_(std::move(table)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array& ids = inputs[0];
+    mx::array& rows = outputs[0];
+    mx::array& status = outputs[1];
+    rows.set_data(mx::allocator::malloc(rows.nbytes()));
+    status.set_data(mx::allocator::malloc(status.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(ids);
+    encoder.set_output_array(rows);
+    encoder.set_output_array(status);
+    encoder.dispatch([table = table_, ids_ptr = ids.data<int64_t>(), out = rows.data<uint8_t>(),
+                      state = status.data<int64_t>(), n = static_cast<int64_t>(ids.size())]() {
+      table->read(ids_ptr, n, out, state);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[EngramRows] runs on a CPU stream only");
+  }
+
+  const char* name() const override { return "EngramRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return *table_ == *static_cast<const EngramRows&>(other).table_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {mx::Shape{inputs[0].shape(0), static_cast<int>(table_->row_bytes)}, mx::Shape{3}};
+  }
+
+ private:
+  std::shared_ptr<const Table> table_;
+};
+
+// segments: per region of the row [offset, stride, width, dest, fd, start, size, fd, start,
+// size, ...] (one fd/start/size triple per part of the file).
+std::vector<mx::array> engram_rows(const mx::array& ids, const std::vector<std::vector<int64_t>>& segments,
+                                   int64_t row_bytes, int check, int64_t width, int workers,
+                                   bool readahead, mx::Stream stream) {
+  if (ids.ndim() != 1) throw std::invalid_argument("[engram_rows] ids must be 1-D");
+  if (check < kFp8 || check > kF32) throw std::invalid_argument("[engram_rows] unknown check");
+  std::vector<Segment> parsed;
+  for (const auto& s : segments) {
+    if (s.size() < 7 || (s.size() - 4) % 3)
+      throw std::invalid_argument("[engram_rows] a segment is [offset, stride, width, dest, (fd, start, size)+]");
+    Segment seg{{}, s[0], s[1], s[2], s[3]};
+    if (seg.dest < 0 || seg.width <= 0 || seg.dest + seg.width > row_bytes)
+      throw std::invalid_argument("[engram_rows] a segment falls outside the row");
+    for (size_t p = 4; p < s.size(); p += 3) seg.parts.push_back({static_cast<int>(s[p]), s[p + 1], s[p + 2]});
+    parsed.push_back(std::move(seg));
+  }
+  auto table = std::make_shared<const Table>(
+      Table{std::move(parsed), row_bytes, check, width, std::max(1, workers), readahead});
+  auto flat = mx::contiguous(mx::astype(ids, mx::int64, stream), false, stream);
+  return mx::array::make_arrays({mx::Shape{ids.shape(0), static_cast<int>(row_bytes)}, mx::Shape{3}},
+                                {mx::uint8, mx::int64}, std::make_shared<EngramRows>(stream, table), {flat});
+}
+
+}  // namespace
+
+NB_MODULE(_engram_rows, m) {
+  m.def("engram_rows", &engram_rows, nb::arg("ids"), nb::arg("segments"), nb::arg("row_bytes"),
+        nb::arg("check"), nb::arg("width"), nb::arg("workers"), nb::arg("readahead"), nb::arg("stream"),
+        "Rows [n, row_bytes] uint8 and a status [3] int64 of the rows `ids` [n] of a file table, "
+        "read with pread on `stream` (a CPU stream) when the ids are ready.");
+}
