@@ -107,6 +107,11 @@ class QueuedRows(Mapping):
             rows, status = read(table, flat)
             self.rows[str(layer)] = rows.reshape(*ids[layer].shape[:2], -1, model.args.engram_head_dim)
             self.reads.append((table, flat, status))
+        # Each stream's part queued on its own: across evaluations a stream waits for another's
+        # event on the device (or the CPU stream's thread), while within one MLX waits on the
+        # host (CUDA's fences), which would hold the step's encoding until the token is known.
+        mx.async_eval([flat for _, flat, _ in self.reads])
+        mx.async_eval([status for _, _, status in self.reads])   # the reads (raw rows: siblings)
 
     def __getitem__(self, layer: str) -> mx.array:
         return self.rows[layer]

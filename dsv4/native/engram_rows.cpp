@@ -256,9 +256,12 @@ class EngramRows : public mx::Primitive {
     encoder.set_input_array(ids);
     encoder.set_output_array(rows);
     encoder.set_output_array(status);
-    encoder.dispatch([table = table_, ids_ptr = ids.data<int64_t>(), out = rows.data<uint8_t>(),
-                      state = status.data<int64_t>(), n = static_cast<int64_t>(ids.size())]() {
-      table->read(ids_ptr, n, out, state);
+    // The pointers are taken in the task, after the stream waited for the ids: on CUDA the ids
+    // may be in device memory, which data() moves to unified memory, and must be final then.
+    encoder.dispatch([table = table_, ids = mx::array::unsafe_weak_copy(ids),
+                      rows = mx::array::unsafe_weak_copy(rows), status = mx::array::unsafe_weak_copy(status)]() mutable {
+      table->read(ids.data<int64_t>(), static_cast<int64_t>(ids.size()), rows.data<uint8_t>(),
+                  status.data<int64_t>());
     });
   }
 
