@@ -9,6 +9,8 @@ checked without keeping the file's contents. Each pass is a fresh process (bench
 first drops the file from the page cache (posix_fadvise DONTNEED) and checks every output bit:
 - decode: 128 deterministic tokens, 24 rows from each of the two tables per token; both reads
   start, then both are waited for; ms per token (both tables), first pass of each variant excluded;
+- decode while busy: the same, the caller running Python for 2 ms between starting and waiting
+  (a decoder encoding its step): the native reader's threads against Python's, which need the GIL;
 - prefill: the rows of a 4096-token prompt (4096 x 24 ids per table) in one batch read per table.
 Variants alternate (A B | B A | ...). The file is deleted at the end.
 """
@@ -118,15 +120,20 @@ def one_pass(args) -> dict:
     if args.mode == "decode":
         sets = id_sets(args.rows, (TOKENS, ROWS_PER_TOKEN), seed=7)
         times = []
+        waits = []
         for token in range(TOKENS):
             for _ in range(args.repeat):
                 start = time.perf_counter()
                 requests = [t.start(ids[token]) for t, ids in zip(tables, sets)]
+                busy(args.busy_ms)
+                waited = time.perf_counter()
                 outs = [r.wait() for r in requests]
                 times.append(time.perf_counter() - start)
+                waits.append(time.perf_counter() - waited)
             mx.eval(*outs)
             mismatches += sum(check(t, ids[token], out) for t, (ids, out) in enumerate(zip(sets, outs)))
         result = {"ms_per_token": 1000 * sum(times) / TOKENS,
+                  "wait_ms_per_token": 1000 * sum(waits) / TOKENS,
                   "median_ms_per_read": 1000 * statistics.median(times),
                   "p90_ms_per_read": 1000 * float(np.percentile(times, 90))}
     else:
@@ -148,22 +155,37 @@ def one_pass(args) -> dict:
     return result
 
 
+def busy(ms: float) -> None:
+    """Run Python (holding the GIL) for `ms`, as a decoder encoding its step does."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
 # --- the experiments -------------------------------------------------------------------------
 
 def experiments(args) -> list[tuple[str, str, list[ab.Variant], list[str]]]:
     """(title, what it decides, variants, extra child arguments)."""
     env = "DSV4_ENGRAM_"
     decode = ["--mode", "decode"]
+    python = {env + "NATIVE_READS": "0"}   # the experiments of the Python threads' switches
+    threads = [("python-serial", {**python, env + "PARALLEL_DECODE": "0"}),
+               ("python-parallel-4", {**python, env + "PARALLEL_DECODE": "1", env + "DECODE_WORKERS": "4"}),
+               ("native-4", {env + "NATIVE_READS": "1", env + "PARALLEL_DECODE": "1", env + "DECODE_WORKERS": "4"})]
     return [
+        ("Decode while the caller runs Python for 2 ms after starting the reads (a step's "
+         "encoding): the native reader's threads vs Python's", "engram_native_reads",
+         [ab.Variant(name, variant_env, exact=True) for name, variant_env in threads],
+         decode + ["--busy-ms", "2"]),
         ("Decode: serial vs parallel, with and without kernel read-ahead",
          "engram_parallel_decode, engram_readahead",
-         [ab.Variant(name, {env + "PARALLEL_DECODE": parallel, env + "DECODE_WORKERS": "4",
+         [ab.Variant(name, {**python, env + "PARALLEL_DECODE": parallel, env + "DECODE_WORKERS": "4",
                             env + "READAHEAD": readahead}, exact=True)
           for name, parallel, readahead in [("serial", "0", "0"), ("parallel-4", "1", "0"),
                                             ("serial+readahead", "0", "1"),
                                             ("parallel-4+readahead", "1", "1")]], decode),
         ("Decode: workers per table", "engram_decode_workers",
-         [ab.Variant(f"workers-{n}", {env + "PARALLEL_DECODE": "1", env + "DECODE_WORKERS": str(n)},
+         [ab.Variant(f"workers-{n}", {**python, env + "PARALLEL_DECODE": "1", env + "DECODE_WORKERS": str(n)},
                      exact=True) for n in (2, 4, 8)], decode),
         ("Decode: page-cache hints", "engram_io_hints",
          [ab.Variant(f"hints-{v}", {env + "IO_HINTS": v}, exact=True) for v in ("0", "1")], decode),
@@ -245,6 +267,7 @@ def main(argv=None) -> int:
     parser.add_argument("--offsets", type=lambda s: [int(x) for x in s.split(",")], help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["decode", "prefill"], help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--busy-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.one_pass:

@@ -19,34 +19,41 @@ says which row, and `QueuedRows.check()` raises the error the host path raises f
 (naming the table, the row and the file). The decoder checks each step's reads two steps later,
 when they are long done, and all of them when it rewinds or closes.
 
-It needs the native extension (dsv4/native: a C++ compiler and nanobind); without it, or for a
-table held in memory (engram_resident) or with engram_row_cache, the decoder reads on the host.
+Each stream's part is queued by its own mx.async_eval: within one evaluation MLX waits for a
+cross-stream input on the host (CUDA's fences), which stopped the step's encoding at the reads.
+
+It needs the native extension (dsv4/native: a C++ compiler and nanobind); without it, for a
+table held in memory (engram_resident) or with engram_row_cache, and on CUDA, the decoder reads
+on the host. On CUDA each event of a CPU stream allocates and frees managed memory, which
+synchronizes the device while the device waits for the reads: the H100 slice hung
+(benchmarks/results/2026-12-05-1740-engram-queued-cuda.md). CUDA needs the reads in the step's
+own stream instead (an eval_gpu running them as a host function between async copies); Metal's
+events allocate nothing per event, but the path is unmeasured there.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping
 import mlx.core as mx
 import numpy as np
 
-from . import flags, native
-from .engram_store import EngramReadError, FileTable, Fp8Rows
+from . import flags
+from .kernels.dialect import backend
+from .engram_store import FileTable, native_reader
 
-_CHECKS = {"fp8": 0, "BF16": 1, "F32": 2}   # the NaN checks of engram_rows.cpp
-_state: dict = {}                             # the native module, or why it is unavailable
+# Why not on CUDA (measured on an H100, benchmarks/results/2026-12-05-1740-engram-queued-cuda.md).
+CUDA_HANG = ("not on CUDA: MLX's events from a CPU stream allocate and free managed memory, which "
+             "waits for the device while the device waits for the reads (the slice hung)")
+_state: dict = {}   # the reads' CPU stream, the reasons said
 
 
-def _module():
-    if "module" not in _state:
-        try:
-            _state["module"] = native.load("engram_rows")
-        except native.Unavailable as e:
-            _state["module"] = None
-            print(f"dsv4: Engram rows are read on the host (DSV4_ENGRAM_QUEUED needs the native "
-                  f"reader): {e}", file=sys.stderr)
-    return _state["module"]
+def _declined(why: str) -> bool:
+    """Say once per process why the rows are read on the host; False."""
+    if why not in _state.setdefault("said", set()):
+        _state["said"].add(why)
+        print(f"dsv4: Engram rows are read on the host (DSV4_ENGRAM_QUEUED): {why}", file=sys.stderr)
+    return False
 
 
 def _stream() -> mx.Stream:
@@ -66,21 +73,9 @@ def applies(model) -> bool:
         return False
     if not all(isinstance(t, FileTable) for t in tables.values()):
         return False
-    return _module() is not None
-
-
-def _segments(table: FileTable) -> list[list[int]]:
-    """engram_rows.cpp's segments: [offset, stride, width, dest, (fd, start, size) per part]."""
-    out = []
-    for seg in table._segments:
-        parts = [v for (_, fd, size), start in zip(seg.file.parts, seg.file.starts) for v in (fd, start, size)]
-        out.append([seg.offset, seg.stride, seg.width, seg.dest, *parts])
-    return out
-
-
-def _check(table: FileTable) -> tuple[int, int]:
-    fmt = table.row_format
-    return (_CHECKS["fp8"] if isinstance(fmt, Fp8Rows) else _CHECKS[fmt.dtype]), fmt.width
+    if backend() == "cuda":
+        return _declined(CUDA_HANG)
+    return native_reader() is not None
 
 
 def read(table: FileTable, ids: mx.array) -> tuple[mx.array, mx.array]:
@@ -88,9 +83,8 @@ def read(table: FileTable, ids: mx.array) -> tuple[mx.array, mx.array]:
     reads' status [3] int64 (engram_rows.cpp), both lazy nodes of the graph."""
     parallel = flags.get("engram_parallel_decode")
     workers = int(flags.get("engram_decode_workers")) if parallel else 1
-    check, width = _check(table)
-    raw, status = _module().engram_rows(ids, _segments(table), table.row_format.row_bytes, check, width,
-                                        workers, bool(flags.get("engram_readahead")), _stream())
+    raw, status = native_reader().engram_rows(ids, *table.native_layout(), workers,
+                                              bool(flags.get("engram_readahead")), _stream())
     return table.row_format.decode(raw, (ids.shape[0],)), status
 
 
@@ -107,9 +101,7 @@ class QueuedRows(Mapping):
             rows, status = read(table, flat)
             self.rows[str(layer)] = rows.reshape(*ids[layer].shape[:2], -1, model.args.engram_head_dim)
             self.reads.append((table, flat, status))
-        # Each stream's part queued on its own: across evaluations a stream waits for another's
-        # event on the device (or the CPU stream's thread), while within one MLX waits on the
-        # host (CUDA's fences), which would hold the step's encoding until the token is known.
+        # Each stream's part queued on its own (see the module's notes).
         mx.async_eval([flat for _, flat, _ in self.reads])
         mx.async_eval([status for _, _, status in self.reads])   # the reads (raw rows: siblings)
 
@@ -127,10 +119,7 @@ class QueuedRows(Mapping):
         for table, ids, status in self.reads:
             what, index, error = status.tolist()
             if what:
-                row = int(np.array(ids)[index])
-                table.read_raw(np.array([row]))   # raises what the host path raises for it
-                raise EngramReadError(error or None, f"{table.name}: reading row {row} at "
-                                      f"{table.locate(row)} failed: {os.strerror(error) if error else 'short read'}")
+                raise table.failure(int(np.array(ids)[index]), error)
 
 
 class Checks:

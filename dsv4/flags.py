@@ -236,6 +236,12 @@ define("engram_prefill_workers", 16,
 define("engram_readahead", True,
        "each read worker first asks the kernel for all its rows (posix_fadvise WILLNEED, Linux) "
        "so the disk serves them at once, then preads them (2.7x on parallel decode)")
+define("engram_native_reads", True,
+       "read Engram rows on the native reader's C++ threads (dsv4/native/engram_rows.cpp, built on "
+       "first use with the C++ compiler): no GIL until the rows are waited for, so the reads run "
+       "while the decoder encodes the step; the same rows and errors. Off, or without a "
+       "compiler: Python threads (engram_parallel_decode, engram_decode_workers), which wait for "
+       "the GIL the encoding holds")
 define("engram_row_cache", 0,
        "rows kept per table in a least-recently-used cache of raw rows; 0 = off "
        "(no measured gain even when every row repeats: the OS page cache serves repeats)", minimum=0)
@@ -533,8 +539,11 @@ define("engram_queued", False,
        "hashed on the device, the rows read by a native MLX primitive (pread on a CPU stream, "
        "C++ threads, no GIL; dsv4/native builds it on first use with the C++ compiler), so the "
        "whole step is queued before its token is known and the device, not the host, waits for "
-       "the reads; the same rows and logits. Without a compiler, or with engram_resident or "
-       "engram_row_cache, the rows are read on the host (engram_pieces)")
+       "the reads; the same rows and logits. Not on CUDA, where MLX's CPU-stream events "
+       "synchronize the device and the slice hung (benchmarks/results/"
+       "2026-12-05-1740-engram-queued-cuda.md); unmeasured on Metal. Without a compiler, on "
+       "CUDA, or with engram_resident or engram_row_cache, the rows are read on the host "
+       "(engram_pieces)")
 define("compile", True,
        "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
        "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")

@@ -16,6 +16,7 @@ import pytest
 import dsv4
 from dsv4 import engram_queued, flags, native, step, step_pieces
 from dsv4 import engram_store as es
+from dsv4.kernels.dialect import backend
 from tests.test_engram_store import ROW, WIDTH, random_rows, write_interleaved, write_split
 from tests.test_step_pieces import batch_outputs
 
@@ -34,6 +35,13 @@ def reader():
 def model(draft_dir):
     with flags.override(draft="on"):
         return dsv4.load(draft_dir, dtype=mx.float32)[0]
+
+
+@pytest.fixture
+def queued_decoding():
+    """The decoder-level tests: not on CUDA, where the decoder reads on the host."""
+    if backend() == "cuda":
+        pytest.skip(engram_queued.CUDA_HANG)
 
 
 def float_table(tmp_path, rng, dtype):
@@ -108,7 +116,7 @@ def run(model, prompt, schedule, queued: bool, batch: int = 1):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_decoder_with_queued_reads_equals_host_reads(model, monkeypatch, batch):
+def test_decoder_with_queued_reads_equals_host_reads(model, queued_decoding, monkeypatch, batch):
     """Decode steps and verifies of 1..6 positions with rewinds, across ring wraps and buffer
     doublings: every logit, draft input and buffer row bit-identical to the host reads', the
     same tokens in the cache; and every step's rows were read in the graph, none on the host."""
@@ -131,14 +139,14 @@ def test_decoder_with_queued_reads_equals_host_reads(model, monkeypatch, batch):
     assert np.array_equal(queued[2], host[2])
 
 
-def test_the_batch_with_queued_reads_equals_host_reads(model, monkeypatch):
+def test_the_batch_with_queued_reads_equals_host_reads(model, queued_decoding, monkeypatch):
     """The server's batch (dsv4/batch_step.py) of sessions at different positions: the same."""
     monkeypatch.setattr(step, "MIN_CAPACITY", 4)
     got, want = batch_outputs(model, engram_queued=True)[0], batch_outputs(model, engram_queued=False)[0]
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
 
 
-def test_switching_between_queued_and_host_reads_mid_decode(model, monkeypatch):
+def test_switching_between_queued_and_host_reads_mid_decode(model, queued_decoding, monkeypatch):
     """The switch read per step: steps alternating between the two paths hash the same history."""
     monkeypatch.setattr(step, "MIN_CAPACITY", 4)
     prompt = np.random.default_rng(0).integers(7, 500, (1, 6))
@@ -172,7 +180,7 @@ def damaged_model(model, tmp_path, damage):
 
 
 @pytest.mark.parametrize("damage", ["nan", "truncated"])
-def test_a_bad_row_raises_the_host_paths_error(model, monkeypatch, tmp_path, damage):
+def test_a_bad_row_raises_the_host_paths_error(model, queued_decoding, monkeypatch, tmp_path, damage):
     """A NaN code in, or a file cut short before, every row: the decoder raises what the host
     path raises for the row, naming the table, the row and the file, by the time it closes."""
     def spoil(raw, path):
@@ -204,9 +212,21 @@ def test_without_a_compiler_the_rows_are_read_on_the_host(model, monkeypatch, ca
     """No native reader: one line says why, and the decoder reads on the host."""
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(engram_queued, "_state", {})
+    monkeypatch.setattr(es, "_native", {})
     with flags.override(engram_queued=True):
         assert not engram_queued.applies(model)
         assert not engram_queued.applies(model)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "read on the host" in err and "/nonexistent/c++" in err
+    assert err.count("\n") == 1 and "read by Python threads" in err and "/nonexistent/c++" in err
+
+
+def test_not_on_cuda(model, monkeypatch, capsys):
+    """On CUDA the host reads run (the reason is said once); on the CPU the queued ones."""
+    monkeypatch.setattr(engram_queued, "_state", {})
+    with flags.override(engram_queued=True):
+        monkeypatch.setattr(engram_queued, "backend", lambda: "cuda")
+        assert not engram_queued.applies(model) and not engram_queued.applies(model)
+        monkeypatch.setattr(engram_queued, "backend", lambda: None)
+        assert engram_queued.applies(model)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and engram_queued.CUDA_HANG in err

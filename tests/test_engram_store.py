@@ -24,6 +24,19 @@ WIDTH = 256                       # values per row: the released model's engram_
 ROW = es.Fp8Rows(WIDTH).row_bytes
 
 
+@pytest.fixture(autouse=True, params=["python", "native"])
+def reader(request):
+    """Every test with the Python threads' reads and with the native reader's (the same rows and
+    errors), but those that wrap os.preadv, which only the Python threads call."""
+    native = request.param == "native"
+    if native and request.node.get_closest_marker("python_reads"):
+        pytest.skip("wraps os.preadv: the Python threads' reads only")
+    if native and es.native_reader() is None:
+        pytest.skip("the native reader cannot be built here")
+    with flags.override(engram_native_reads=native):
+        yield request.param
+
+
 def open_table(ref, base_dir, name=None):
     return es.open_table(ref, base_dir, name, head_dim=WIDTH)
 
@@ -180,6 +193,7 @@ def test_serial_equals_parallel_bit_for_bit(tables, rng, kind):
             np.testing.assert_array_equal(bits(table.read(s)), oracle_bits(raw[s]))
 
 
+@pytest.mark.python_reads
 def test_row_cache_serves_repeats_without_reads(tables, monkeypatch, rng):
     raw, by_kind = tables
     table = by_kind["interleaved"]
@@ -200,6 +214,7 @@ def test_row_cache_serves_repeats_without_reads(tables, monkeypatch, rng):
         assert counter.calls == 10
 
 
+@pytest.mark.python_reads
 @pytest.mark.parametrize("parallel", [False, True])
 def test_start_returns_while_the_reads_run(tables, monkeypatch, parallel):
     raw, by_kind = tables
@@ -221,6 +236,7 @@ def test_start_returns_while_the_reads_run(tables, monkeypatch, parallel):
             np.testing.assert_array_equal(bits(request.wait()), oracle_bits(raw[ids]))
 
 
+@pytest.mark.python_reads
 def test_reader_threads_are_persistent_and_reused(tables, monkeypatch, rng):
     raw, by_kind = tables
     readers = set()
@@ -247,6 +263,26 @@ def test_reader_threads_are_persistent_and_reused(tables, monkeypatch, rng):
     assert len(readers) <= 16 + 1                  # the pool's threads and the serial reader
 
 
+def test_native_reads_run_on_no_python_thread(tables, monkeypatch, rng, reader):
+    """The native reader's reads: no os.preadv and no new Python thread, done while the caller
+    keeps running Python; the rows the Python threads read."""
+    if reader != "native":
+        pytest.skip("the native reader's property")
+    raw, by_kind = tables
+    monkeypatch.setattr(os, "preadv", lambda *a: pytest.fail("a Python thread read"))
+    threads = threading.active_count()
+    with flags.override(engram_decode_workers=4):
+        ids = rng.integers(0, len(raw), 24)
+        request = by_kind["split"].start(ids)
+        deadline = time.perf_counter() + 10
+        while not request.done() and time.perf_counter() < deadline:
+            pass                                     # Python, holding the GIL all along
+        assert request.done()
+        np.testing.assert_array_equal(bits(request.wait()), oracle_bits(raw[ids]))
+        np.testing.assert_array_equal(by_kind["interleaved"].read_raw(np.arange(2000)), raw[:2000])
+    assert threading.active_count() == threads
+
+
 # --- bad input and bad data -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["interleaved", "split", "resident"])
@@ -258,6 +294,7 @@ def test_reader_threads_are_persistent_and_reused(tables, monkeypatch, rng):
     (np.array([2**40]), "outside"),
     (["a"], "integer"),
 ])
+@pytest.mark.python_reads
 def test_invalid_ids_rejected_before_any_read(tables, monkeypatch, kind, ids, expected):
     _, by_kind = tables
     counter = CountingPread(monkeypatch)
@@ -273,6 +310,7 @@ def test_invalid_ids_rejected_before_any_read(tables, monkeypatch, kind, ids, ex
     np.full((48, 264), 0x5A, np.uint8),               # wrong shape
     np.full((2, 24, 264), 0x5A, np.uint8)[:, :, :],   # right: the control case
 ])
+@pytest.mark.python_reads
 def test_output_guards(tables, monkeypatch, out):
     raw, by_kind = tables
     table = by_kind["interleaved"]
@@ -293,6 +331,7 @@ def test_output_guards(tables, monkeypatch, out):
         table.read_raw(ids, readonly)
 
 
+@pytest.mark.python_reads
 @pytest.mark.parametrize("workers, rows", [(4, 24), (16, 400)])
 def test_error_in_each_partition_reaches_caller(tmp_path, monkeypatch, rng, workers, rows):
     raw = random_rows(rng, 1000)

@@ -21,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
@@ -124,7 +126,9 @@ bool finite(const uint8_t* row, int check, int64_t width) {
   return true;
 }
 
-// Threads that take the partitions of a call past its first (the stream's thread reads that).
+// The threads that read: partitions of a call past its first (which its caller reads), and the
+// host path's calls themselves. A thread is added whenever a task would find none idle, so a call
+// running on one of them never waits for a partition no thread is free to take.
 class Workers {
  public:
   static Workers& shared() {
@@ -132,38 +136,35 @@ class Workers {
     return *pool;
   }
 
+  void submit(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(task));
+      if (idle_ < static_cast<int>(queue_.size())) {
+        ++idle_;  // counted idle until it takes its first task
+        std::thread([this] { loop(); }).detach();
+      }
+    }
+    cv_.notify_one();
+  }
+
   // Runs job(0..parts-1), job(0) on the calling thread, and returns when all are done.
   void run(int parts, const std::function<void(int)>& job) {
-    if (parts <= 1) {
-      job(0);
-      return;
-    }
-    grow(parts - 1);
     std::mutex done_mutex;
     std::condition_variable done_cv;
     int left = parts - 1;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (int k = 1; k < parts; ++k)
-        queue_.push_back([&, k] {
-          job(k);
-          std::lock_guard<std::mutex> done_lock(done_mutex);
-          if (--left == 0) done_cv.notify_one();
-        });
-    }
-    cv_.notify_all();
+    for (int k = 1; k < parts; ++k)
+      submit([&, k] {
+        job(k);
+        std::lock_guard<std::mutex> done_lock(done_mutex);
+        if (--left == 0) done_cv.notify_one();
+      });
     job(0);
     std::unique_lock<std::mutex> done_lock(done_mutex);
     done_cv.wait(done_lock, [&] { return left == 0; });
   }
 
  private:
-  void grow(int wanted) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    while (static_cast<int>(threads_.size()) < wanted)
-      threads_.emplace_back([this] { loop(); }).detach();
-  }
-
   void loop() {
     for (;;) {
       std::function<void()> task;
@@ -171,16 +172,19 @@ class Workers {
         std::unique_lock<std::mutex> lock(mutex_);
         cv_.wait(lock, [this] { return !queue_.empty(); });
         task = std::move(queue_.front());
-        queue_.erase(queue_.begin());
+        queue_.pop_front();
+        --idle_;
       }
       task();
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++idle_;
     }
   }
 
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::vector<std::function<void()>> queue_;
-  std::vector<std::thread> threads_;
+  std::deque<std::function<void()>> queue_;
+  int idle_ = 0;
 };
 
 // What a call reads: shared with the queued task, which may outlive the primitive.
@@ -285,10 +289,8 @@ class EngramRows : public mx::Primitive {
 
 // segments: per region of the row [offset, stride, width, dest, fd, start, size, fd, start,
 // size, ...] (one fd/start/size triple per part of the file).
-std::vector<mx::array> engram_rows(const mx::array& ids, const std::vector<std::vector<int64_t>>& segments,
-                                   int64_t row_bytes, int check, int64_t width, int workers,
-                                   bool readahead, mx::Stream stream) {
-  if (ids.ndim() != 1) throw std::invalid_argument("[engram_rows] ids must be 1-D");
+std::shared_ptr<const Table> make_table(const std::vector<std::vector<int64_t>>& segments, int64_t row_bytes,
+                                        int check, int64_t width, int workers, bool readahead) {
   if (check < kFp8 || check > kF32) throw std::invalid_argument("[engram_rows] unknown check");
   std::vector<Segment> parsed;
   for (const auto& s : segments) {
@@ -300,12 +302,68 @@ std::vector<mx::array> engram_rows(const mx::array& ids, const std::vector<std::
     for (size_t p = 4; p < s.size(); p += 3) seg.parts.push_back({static_cast<int>(s[p]), s[p + 1], s[p + 2]});
     parsed.push_back(std::move(seg));
   }
-  auto table = std::make_shared<const Table>(
-      Table{std::move(parsed), row_bytes, check, width, std::max(1, workers), readahead});
+  return std::make_shared<const Table>(Table{std::move(parsed), row_bytes, check, width, std::max(1, workers), readahead});
+}
+
+std::vector<mx::array> engram_rows(const mx::array& ids, const std::vector<std::vector<int64_t>>& segments,
+                                   int64_t row_bytes, int check, int64_t width, int workers,
+                                   bool readahead, mx::Stream stream) {
+  if (ids.ndim() != 1) throw std::invalid_argument("[engram_rows] ids must be 1-D");
+  auto table = make_table(segments, row_bytes, check, width, workers, readahead);
   auto flat = mx::contiguous(mx::astype(ids, mx::int64, stream), false, stream);
   return mx::array::make_arrays({mx::Shape{ids.shape(0), static_cast<int>(row_bytes)}, mx::Shape{3}},
                                 {mx::uint8, mx::int64}, std::make_shared<EngramRows>(stream, table), {flat});
 }
+
+// A host path's call (dsv4/engram_store.py): its rows read on the workers into a numpy array,
+// with no Python (and so no GIL) until `wait`. Dropping it waits too: the buffers are Python's.
+class HostRead {
+ public:
+  HostRead(nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> out,
+           const std::vector<std::vector<int64_t>>& segments, int64_t row_bytes, int check, int64_t width,
+           int workers, bool readahead)
+      : ids_(ids), out_(out), done_(std::make_shared<Done>()) {
+    auto table = make_table(segments, row_bytes, check, width, workers, readahead);
+    if (out.shape(0) != ids.shape(0) || static_cast<int64_t>(out.shape(1)) != table->row_bytes)
+      throw std::invalid_argument("[start_rows] out must be [len(ids), row_bytes]");
+    Workers::shared().submit([table, ids = ids.data(), n = static_cast<int64_t>(ids.shape(0)),
+                              out = out.data(), done = done_] {
+      int64_t state[3];
+      table->read(ids, n, out, state);
+      std::lock_guard<std::mutex> lock(done->mutex);
+      std::copy(state, state + 3, done->state);
+      done->finished = true;
+      done->cv.notify_all();
+    });
+  }
+
+  HostRead(const HostRead&) = delete;
+  HostRead& operator=(const HostRead&) = delete;
+  ~HostRead() { wait(); }
+
+  // (0, 0, 0), or (what, index in the call, errno) of the first failed row, as engram_rows's status.
+  std::vector<int64_t> wait() const {
+    std::unique_lock<std::mutex> lock(done_->mutex);
+    done_->cv.wait(lock, [this] { return done_->finished; });
+    return {done_->state[0], done_->state[1], done_->state[2]};
+  }
+
+  bool done() const {
+    std::lock_guard<std::mutex> lock(done_->mutex);
+    return done_->finished;
+  }
+
+ private:
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool finished = false;
+    int64_t state[3] = {0, 0, 0};
+  };
+  nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids_;  // kept alive while the read runs
+  nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> out_;
+  std::shared_ptr<Done> done_;
+};
 
 }  // namespace
 
@@ -314,4 +372,14 @@ NB_MODULE(_engram_rows, m) {
         nb::arg("check"), nb::arg("width"), nb::arg("workers"), nb::arg("readahead"), nb::arg("stream"),
         "Rows [n, row_bytes] uint8 and a status [3] int64 of the rows `ids` [n] of a file table, "
         "read with pread on `stream` (a CPU stream) when the ids are ready.");
+  nb::class_<HostRead>(m, "HostRead",
+                       "Reads the rows `ids` [n] int64 of a file table into `out` [n, row_bytes] uint8 "
+                       "on the workers; `wait()` gives the status (as engram_rows's), `done()` whether "
+                       "it is there.")
+      .def(nb::init<nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig>, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig>,
+                    const std::vector<std::vector<int64_t>>&, int64_t, int, int64_t, int, bool>(),
+           nb::arg("ids"), nb::arg("out"), nb::arg("segments"), nb::arg("row_bytes"), nb::arg("check"),
+           nb::arg("width"), nb::arg("workers"), nb::arg("readahead"))
+      .def("wait", &HostRead::wait, nb::call_guard<nb::gil_scoped_release>())
+      .def("done", &HostRead::done);
 }
