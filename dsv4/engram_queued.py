@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+
 import mlx.core as mx
 import numpy as np
 
 from . import flags
-from .kernels.dialect import backend
 from .engram_store import FileTable, native_reader
+from .kernels.dialect import backend
 
 # Why not on CUDA (measured on an H100, benchmarks/results/2026-12-05-1740-engram-queued-cuda.md).
 CUDA_HANG = ("not on CUDA: MLX's events from a CPU stream allocate and free managed memory, which "

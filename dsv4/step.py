@@ -438,7 +438,6 @@ class FixedDecoder:
         """Write the state of positions < keep (start <= keep <= pos) back into the cache."""
         if not self.start <= keep <= self.pos:
             raise ValueError(f"can keep {self.start}..{self.pos} positions, not {keep}")
-        self._checks.all()
         cache = self.cache
         cache.checked_out = False
         for i, lc in enumerate(cache.layers):
@@ -460,6 +459,7 @@ class FixedDecoder:
         mx.eval([a for lc in cache.layers for a in (lc.window, lc.compressed, lc.index_keys,
                                                    lc.comp_kv, lc.comp_gate) if a is not None])
         self.buffers = {}
+        self._checks.all()   # after the cache has its state back: a bad row leaves it usable
 
     def _unring(self, name: str, keep: int) -> tuple[mx.array, int]:
         """Rows of positions lo..keep-1 held in a ring, oldest first, and lo. The step run
