@@ -6,7 +6,7 @@ before, hashes, reads, and only then encodes the layers after the first Engram l
 device idles (dsv4/step_pieces.py narrows that gap). Here the rows are nodes of the graph:
 
     row ids    NgramHasher.row_ids on the step's tokens as MLX arrays (the same int64 hash)
-    raw rows   EngramRows (dsv4/native/engram_rows.cpp): pread on a CPU stream of its own once
+    raw rows   EngramRows (dsv4/native/reads.cpp): pread on a CPU stream of its own once
                the ids are ready, on a few C++ threads (no Python, so no GIL), with the
                engram_readahead hints, the NaN checks of the host path, and a status
     rows       the table's RowFormat.decode on the device, as the host path decodes them
@@ -40,7 +40,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import flags
-from .engram_store import FileTable, native_reader
+from .engram_store import FileTable
+from .pread_pool import native_reader
 from .kernels.dialect import backend
 
 # Why not on CUDA (measured on an H100, benchmarks/results/2026-12-05-1740-engram-queued-cuda.md).
@@ -81,7 +82,7 @@ def applies(model) -> bool:
 
 def read(table: FileTable, ids: mx.array) -> tuple[mx.array, mx.array]:
     """The rows ids [n] (MLX, maybe unevaluated) of a file table, bf16 [n, width], and the
-    reads' status [3] int64 (engram_rows.cpp), both lazy nodes of the graph."""
+    reads' status [3] int64 (reads.cpp), both lazy nodes of the graph."""
     parallel = flags.get("engram_parallel_decode")
     workers = int(flags.get("engram_decode_workers")) if parallel else 1
     raw, status = native_reader().engram_rows(ids, *table.native_layout(), workers,

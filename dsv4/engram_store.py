@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -78,11 +77,11 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from dsv4 import flags, native
+from dsv4 import flags
 from dsv4.atomic_file import atomic_file
 from dsv4.errors import InputError
 from dsv4.progress import Progress
-from dsv4.pread_pool import OpenFiles, PartedFile, Reads, executor
+from dsv4.pread_pool import NativeRead, OpenFiles, PartedFile, Reads, executor, native_reader
 from dsv4.safetensors_file import CheckpointError, TensorInfo, read_header
 from dsv4.tensor_refs import recorded_path
 
@@ -260,37 +259,6 @@ class _RowCache:
                 self._rows.popitem(last=False)
 
 
-# --- the native reader ------------------------------------------------------------------------
-
-_native: dict = {}
-
-
-def native_reader():
-    """dsv4/native/engram_rows.cpp's module, or None where it cannot be built (said once)."""
-    if "module" not in _native:
-        try:
-            _native["module"] = native.load("engram_rows")
-        except native.Unavailable as e:
-            _native["module"] = None
-            print(f"dsv4: Engram rows are read by Python threads (the native reader is unavailable: "
-                  f"{e})", file=sys.stderr)
-    return _native["module"]
-
-
-class _NativeRead:
-    """A native HostRead of a table's rows, as `Reads` takes a worker's future."""
-
-    def __init__(self, table: "FileTable", read, rows: np.ndarray):
-        self.table, self.read, self.rows = table, read, rows
-
-    def done(self) -> bool:
-        return self.read.done()
-
-    def exception(self) -> Optional[Exception]:
-        what, index, error = self.read.wait()
-        return self.table.failure(int(self.rows[index]), error) if what else None
-
-
 # --- file-backed tables ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -363,11 +331,9 @@ class FileTable:
         return " and ".join(s.file.where(s.at(row)) for s in self._segments)
 
     def native_layout(self) -> tuple:
-        """(segments, row bytes, NaN check, width) as dsv4/native/engram_rows.cpp takes a table:
+        """(segments, row bytes, NaN check, width) as dsv4/native/reads.cpp takes a table:
         a segment is [offset, stride, width, position in the row, (fd, start, size) per part]."""
-        segments = [[seg.offset, seg.stride, seg.width, seg.dest,
-                     *(v for (_, fd, size), start in zip(seg.file.parts, seg.file.starts) for v in (fd, start, size))]
-                    for seg in self._segments]
+        segments = [[seg.offset, seg.stride, seg.width, seg.dest, *seg.file.native_parts()] for seg in self._segments]
         fmt = self.row_format
         check = 0 if isinstance(fmt, Fp8Rows) else {"BF16": 1, "F32": 2}[fmt.dtype]
         return segments, fmt.row_bytes, check, fmt.width
@@ -449,8 +415,8 @@ class FileTable:
         reader = native_reader() if flags.get("engram_native_reads") and len(todo) else None
         if reader is not None:   # C++ threads: no GIL to wait for while the caller runs Python
             todo = np.ascontiguousarray(todo, dtype=np.int64)
-            futures = [_NativeRead(self, reader.HostRead(todo, target, *self.native_layout(), workers,
-                                                         bool(flags.get("engram_readahead"))), todo)]
+            read = reader.start_rows(todo, target, *self.native_layout(), workers, bool(flags.get("engram_readahead")))
+            futures = [NativeRead(read, lambda i, error: self.failure(int(todo[i]), error))]
         else:
             parts = max(1, min(workers, len(todo)))
             pool = executor(1 if parts == 1 else max(int(flags.get("engram_prefill_workers")),

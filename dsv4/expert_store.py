@@ -78,7 +78,7 @@ from mlx.utils import tree_flatten
 from . import flags, profiler
 from .errors import InputError
 from .expert_policy import Policy
-from .pread_pool import OpenFiles, PartedFile, Reads, executor
+from .pread_pool import NativeRead, OpenFiles, PartedFile, Reads, executor, native_reader
 from .safetensors_file import STORAGE
 
 # A routed expert tensor: stacked `layers.3.ffn.experts.w1.weight` (dsv4, GGUF references) or
@@ -525,17 +525,22 @@ class ExpertStore:
         # F_NOCACHE; O_DIRECT reads do not go through the cache).
         drop = bool(flags.get("expert_io_hints")) and sys.platform != "darwin" and not flags.get("expert_io_direct")
         pool.own(layer, experts, slots)
-        workers = executor(int(flags.get("expert_read_workers")))
-        futures, conversions = [], []
+        pieces, conversions = [], []   # pieces: (file, view, offset, param, expert)
         for expert, slot in zip(experts.tolist(), slots.tolist()):
             for name, p in placement.params.items():
                 target = pool.views[name][slot] if p.stored is None else np.empty(p.stored_bytes(), np.uint8)
                 file, base = p.files[expert], int(p.offsets[expert])
-                for lo in range(0, len(target), chunk):
-                    futures.append(workers.submit(_read_piece, file, target[lo:lo + chunk], base + lo,
-                                                  p, expert, drop))
+                pieces += [(file, target[lo:lo + chunk], base + lo, p, expert) for lo in range(0, len(target), chunk)]
                 if p.stored is not None:
                     conversions.append((target, pool.views[name][slot], p))
+        workers = int(flags.get("expert_read_workers"))
+        reader = native_reader() if flags.get("expert_native_reads") and not flags.get("expert_io_direct") else None
+        if reader is not None and pieces:   # C++ threads: no GIL to wait for while layers encode
+            read = reader.start_ranges([view for _, view, *_ in pieces],
+                                       [[offset, *file.native_parts()] for file, _, offset, *_ in pieces], drop, workers)
+            futures = [NativeRead(read, lambda i, error: _piece_failure(pieces[i], error))]
+        else:
+            futures = [executor(workers).submit(_read_piece, *piece, drop) for piece in pieces]
 
         def convert():
             for stored, view, p in conversions:   # here, not on a worker: MLX ops are single-threaded
@@ -590,6 +595,18 @@ def _read_piece(file: PartedFile, view: np.ndarray, offset: int, p: _Param, expe
                               f"{got} of {len(view)} bytes (file truncated?)")
     if drop:
         file.dont_need(offset, len(view))
+
+
+def _piece_failure(piece: tuple, error: int) -> Exception:
+    """The error of the Python reads for a piece the native reader found bad (errno `error`, or
+    0 for a short read): the piece read again here, so that the message names what is wrong."""
+    file, view, offset, p, expert = piece
+    try:
+        _read_piece(file, np.empty_like(view), offset, p, expert, False)
+    except ExpertReadError as e:
+        return e
+    message = f"{p.where(expert)}: reading {len(view)} bytes at {file.where(offset)} failed"
+    return ExpertReadError(error, f"{message}: {os.strerror(error)}") if error else ExpertReadError(message)
 
 
 # --- the loader's side -------------------------------------------------------------------------

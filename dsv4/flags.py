@@ -237,7 +237,7 @@ define("engram_readahead", True,
        "each read worker first asks the kernel for all its rows (posix_fadvise WILLNEED, Linux) "
        "so the disk serves them at once, then preads them (2.7x on parallel decode)")
 define("engram_native_reads", True,
-       "read Engram rows on the native reader's C++ threads (dsv4/native/engram_rows.cpp, built on "
+       "read Engram rows on the native reader's C++ threads (dsv4/native/reads.cpp, built on "
        "first use with the C++ compiler): no GIL until the rows are waited for, so the reads run "
        "while the decoder encodes the step; the same rows and errors. Off, or without a "
        "compiler: Python threads (engram_parallel_decode, engram_decode_workers), which wait for "
@@ -278,6 +278,11 @@ define("expert_step_segments", True,
        "them (dsv4/step_segments.py); off runs the step op by op (H200, demo checkpoint with 8 "
        "streamed layers, every expert cached: 8.6 vs 19.0 ms/token, resident 4.6, the same tokens: "
        "benchmarks/results/2026-12-03-1318-expert-stream.md)")
+define("expert_native_reads", True,
+       "read streamed experts on the native reader's C++ threads (dsv4/native/reads.cpp, built on "
+       "first use with the C++ compiler): no GIL until a layer waits for them, so misses and "
+       "prefetches read while the host encodes; the same bytes and errors. Off, without a "
+       "compiler, or with expert_io_direct: the Python pread workers")
 define("expert_io_direct", False,
        "Linux: read experts with O_DIRECT into each worker's aligned buffer, then copy them into "
        "their slots, instead of through the page cache")

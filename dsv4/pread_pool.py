@@ -117,6 +117,38 @@ def open_for_reading(path: Path, random_uncached: bool) -> int:
     return fd
 
 
+_native: dict = {}
+
+
+def native_reader():
+    """dsv4/native/reads.cpp's module (reads on C++ threads, no GIL), or None where it cannot be
+    built (said once; the Python threads read then)."""
+    if "module" not in _native:
+        from . import native
+        try:
+            _native["module"] = native.load("reads")
+        except native.Unavailable as e:
+            _native["module"] = None
+            print(f"dsv4: Engram rows and streamed experts are read by Python threads (the native "
+                  f"reader is unavailable: {e})", file=sys.stderr)
+    return _native["module"]
+
+
+class NativeRead:
+    """A native HostRead as `Reads` takes a worker's future; `failure(index, errno)` gives the
+    error for the row or range the read found bad."""
+
+    def __init__(self, read, failure: Callable[[int, int], Exception]):
+        self.read, self.failure = read, failure
+
+    def done(self) -> bool:
+        return self.read.done()
+
+    def exception(self) -> Optional[Exception]:
+        what, index, error = self.read.wait()
+        return self.failure(index, error) if what else None
+
+
 class PartedFile:
     """One file, or the byte concatenation of a file's parts. Offsets are into the whole."""
 
@@ -154,6 +186,10 @@ class PartedFile:
             if read < n:
                 break
         return got
+
+    def native_parts(self) -> list[int]:
+        """(fd, start in the whole, size) of each part, flat, as dsv4/native/reads.cpp takes a file."""
+        return [v for (_, fd, size), start in zip(self.parts, self.starts) for v in (fd, start, size)]
 
     def will_need(self, offset: int, length: int) -> None:
         for k, inner, _, n in self._pieces(offset, length):

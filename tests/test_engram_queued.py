@@ -1,4 +1,4 @@
-"""Engram rows read inside the step's graph (dsv4/engram_queued.py, dsv4/native/engram_rows.cpp).
+"""Engram rows read inside the step's graph (dsv4/engram_queued.py, dsv4/native/reads.cpp).
 
 Oracles: the bytes the test wrote to the table files, and the host path (FileTable.read, itself
 checked against a numpy transcription of the fp8 decode in test_engram_store.py) for the rows;
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dsv4
-from dsv4 import engram_queued, flags, native, step, step_pieces
+from dsv4 import engram_queued, flags, native, pread_pool, step, step_pieces
 from dsv4 import engram_store as es
 from dsv4.kernels.dialect import backend
 from tests.test_engram_store import ROW, WIDTH, random_rows, write_interleaved, write_split
@@ -26,7 +26,7 @@ FP32 = dict(kv_qdq=False, act_quant=False)
 @pytest.fixture(scope="module", autouse=True)
 def reader():
     try:
-        return native.load("engram_rows")
+        return native.load("reads")
     except native.Unavailable as e:
         pytest.skip(f"the native Engram reader cannot be built here: {e}")
 
@@ -212,7 +212,7 @@ def test_without_a_compiler_the_rows_are_read_on_the_host(model, monkeypatch, ca
     """No native reader: one line says why, and the decoder reads on the host."""
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(es, "_native", {})
+    monkeypatch.setattr(pread_pool, "_native", {})
     with flags.override(engram_queued=True):
         assert not engram_queued.applies(model)
         assert not engram_queued.applies(model)

@@ -18,6 +18,7 @@ import pytest
 from dsv4 import engram_store as es
 from dsv4 import flags
 from dsv4 import safetensors_file as sf
+from dsv4.pread_pool import native_reader
 from tests.formats import e4m3_value
 
 WIDTH = 256                       # values per row: the released model's engram_head_dim
@@ -31,7 +32,7 @@ def reader(request):
     native = request.param == "native"
     if native and request.node.get_closest_marker("python_reads"):
         pytest.skip("wraps os.preadv: the Python threads' reads only")
-    if native and es.native_reader() is None:
+    if native and native_reader() is None:
         pytest.skip("the native reader cannot be built here")
     with flags.override(engram_native_reads=native):
         yield request.param

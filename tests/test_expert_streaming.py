@@ -522,7 +522,7 @@ def test_prefill_reads_each_selected_expert_once(official, monkeypatch):
     want = {(layer, int(e)) for layer, chosen in enumerate(selected) for e in np.unique(chosen)}
     assert len(want) < EXPERTS * LAYERS                          # not every expert is selected
 
-    with flags.override(expert_prefetch=False, expert_read_chunk_kb=1 << 20):
+    with flags.override(expert_prefetch=False, expert_read_chunk_kb=1 << 20, expert_native_reads=False):
         model, _ = dsv4.load(official, expert_cache_gb="1")
         store = model.expert_store
         log = PreadLog(monkeypatch)
@@ -547,15 +547,17 @@ def test_truncated_before_loading_names_the_experts_tensor(official, tmp_path):
         dsv4.load(copy, expert_cache_gb="1")
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("layout, decode", [("official", "reference"), ("stacked", "reference"),
                                             ("official", "segments"), ("official", "batch")])
-def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path, layout, decode):
+def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path, layout, decode, native):
     """A shard cut short after loading: the lookup that needs a lost expert raises an
     ExpertReadError naming the tensor and the expert; every read has joined (no prefetch left
     in flight), no slot holds a lost expert it did not hold before the cut, and closing the store
     returns. Decoding through the reference forward, or the fixed-shape step's compiled
     segments (the lookup between two of them raises), alone or for a batch of sessions (the
-    one lookup of the batch's experts raises, once for the batch)."""
+    one lookup of the batch's experts raises, once for the batch). With the native reader's
+    threads and with Python's."""
     from dsv4.batch_step import SessionsDecoder
 
     copy = tmp_path / "cut"
@@ -571,7 +573,7 @@ def test_truncated_mid_generation_raises_and_joins(official, converted, tmp_path
         model(prompt()[:, :8 + 5 * i], cache)
     os.truncate(lost.file, cut)
     read_before_the_cut = filled_slots(store)
-    with flags.override(compile=True, expert_step_segments=True), \
+    with flags.override(compile=True, expert_step_segments=True, expert_native_reads=native), \
             pytest.raises(expert_store.ExpertReadError) as info:
         dec = {"reference": None, "segments": step.FixedDecoder,
                "batch": lambda model, cache: SessionsDecoder(model, caches)}[decode]
@@ -615,7 +617,7 @@ def test_io_error_names_tensor_and_expert(official, monkeypatch):
     store = model.expert_store
     p = store.pools[0].layers[4].params["w3.scales"]
     bad = int(p.offsets[5])
-    with flags.override(expert_prefetch=False):
+    with flags.override(expert_prefetch=False, expert_native_reads=False):   # os.preadv: Python's reads
         PreadLog(monkeypatch, fail=lambda fd, offset: offset == bad)
         with pytest.raises(expert_store.ExpertReadError,
                            match=r"layers\.4\.ffn\.experts\.5\.w3\.scale \(expert 5\): reading \d+ "

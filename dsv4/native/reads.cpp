@@ -1,17 +1,20 @@
-// EngramRows: an MLX primitive that reads a step's Engram rows from their files with pread, on
-// a CPU stream, once the row ids (hashed from the step's tokens on the device) are ready.
+// Reads from files with pread on C++ threads: no Python, and so no GIL, between a read's start
+// and the wait for it. Python's pread workers need the GIL the decoder holds while it encodes a
+// step, so their reads stalled until the host waited (2-4 ms a token of Engram reads on the H100,
+// benchmarks/results/2026-12-05-174731-engram-reads.md for the mechanism).
 //
-// Because the read is a node of the graph, a decoder can queue a whole step with Engram before
-// its token is known: the device waits for the rows, not the host (dsv4/engram_queued.py). The
-// reads run with no Python in the way (the GIL is what made host-side reads slow mid-step), on
-// the CPU stream's thread and a few threads of this module's own, so that rows on an SSD are
-// read in parallel.
+//   start_rows    a file table's rows (dsv4/engram_store.py): segments of a row over a file that
+//                 may be split into parts, read-ahead hints, the NaN checks of the Python path
+//   start_ranges  byte ranges of files (dsv4/expert_store.py's expert pieces), dropped from the
+//                 OS cache once read if asked
+//   engram_rows   EngramRows, an MLX primitive reading a step's rows on a CPU stream once their
+//                 ids (hashed on the device) are ready, so a decoder can queue a whole step before
+//                 its token is known (dsv4/engram_queued.py)
 //
-// Outputs: the raw rows [n, row_bytes] uint8 and a status [3] int64: (0, 0, 0) when every row
-// was read and checked, else (what, index of the row in the call, errno) for the first failure
-// in call order. what: 1 an I/O error, 2 a short read (truncated file), 3 a NaN or infinite
-// value. A failed call never throws: the caller reads the status and names the row
-// (dsv4/engram_queued.py), and the device never waits on a task that died.
+// A read's status is (0, 0, 0), or (what, index of the row or range, errno) of the first that
+// failed: what 1 an I/O error, 2 a short read (a truncated file), 3 a NaN or infinite value. A
+// read never throws: the caller names the row from the status (the device never waits on a task
+// that died).
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -85,16 +88,22 @@ Failure read_span(const Segment& seg, uint8_t* dst, int64_t offset, int64_t leng
   return length ? Failure{kShortRead, 0, 0} : Failure{};
 }
 
-void will_need(const Segment& seg, int64_t offset, int64_t length) {
+enum Advice { kWillNeed, kDontNeed };
+
+// Tells the OS about `length` bytes at `offset` of the whole file: read them ahead (WILLNEED), or
+// drop them from its cache (DONTNEED; Linux: macOS keeps such files out of it with F_NOCACHE).
+void advise(const Segment& seg, int64_t offset, int64_t length, Advice advice) {
   for (const Part& part : seg.parts) {
     int64_t inner = offset - part.start;
     if (length == 0 || inner < 0 || inner >= part.size) continue;
     int64_t n = std::min(length, part.size - inner);
 #if defined(__APPLE__)
-    radvisory advice{static_cast<off_t>(inner), static_cast<int>(n)};
-    fcntl(part.fd, F_RDADVISE, &advice);
+    if (advice == kWillNeed) {
+      radvisory ahead{static_cast<off_t>(inner), static_cast<int>(n)};
+      fcntl(part.fd, F_RDADVISE, &ahead);
+    }
 #elif defined(POSIX_FADV_WILLNEED)
-    posix_fadvise(part.fd, inner, n, POSIX_FADV_WILLNEED);
+    posix_fadvise(part.fd, inner, n, advice == kWillNeed ? POSIX_FADV_WILLNEED : POSIX_FADV_DONTNEED);
 #endif
     offset += n;
     length -= n;
@@ -205,7 +214,7 @@ struct Table {
       int64_t lo = n * k / parts, hi = n * (k + 1) / parts;
       if (readahead && hi - lo > 1)  // every page read in flight before the first pread waits
         for (int64_t i = lo; i < hi; ++i)
-          for (const Segment& seg : segments) will_need(seg, seg.offset + seg.stride * ids[i], seg.width);
+          for (const Segment& seg : segments) advise(seg, seg.offset + seg.stride * ids[i], seg.width, kWillNeed);
       for (int64_t i = lo; i < hi; ++i) {
         uint8_t* row = out + i * row_bytes;
         for (const Segment& seg : segments) {
@@ -315,21 +324,17 @@ std::vector<mx::array> engram_rows(const mx::array& ids, const std::vector<std::
                                 {mx::uint8, mx::int64}, std::make_shared<EngramRows>(stream, table), {flat});
 }
 
-// A host path's call (dsv4/engram_store.py): its rows read on the workers into a numpy array,
-// with no Python (and so no GIL) until `wait`. Dropping it waits too: the buffers are Python's.
+// A host path's read (dsv4/engram_store.py's rows, dsv4/expert_store.py's byte ranges), run on
+// the workers into numpy arrays with no Python (and so no GIL) until `wait`. It keeps the arrays
+// alive, and dropping it waits too: the buffers are Python's.
 class HostRead {
  public:
-  HostRead(nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> out,
-           const std::vector<std::vector<int64_t>>& segments, int64_t row_bytes, int check, int64_t width,
-           int workers, bool readahead)
-      : ids_(ids), out_(out), done_(std::make_shared<Done>()) {
-    auto table = make_table(segments, row_bytes, check, width, workers, readahead);
-    if (out.shape(0) != ids.shape(0) || static_cast<int64_t>(out.shape(1)) != table->row_bytes)
-      throw std::invalid_argument("[start_rows] out must be [len(ids), row_bytes]");
-    Workers::shared().submit([table, ids = ids.data(), n = static_cast<int64_t>(ids.shape(0)),
-                              out = out.data(), done = done_] {
-      int64_t state[3];
-      table->read(ids, n, out, state);
+  using Work = std::function<void(int64_t* state)>;
+
+  HostRead(std::vector<nb::ndarray<>> keep, Work work) : keep_(std::move(keep)), done_(std::make_shared<Done>()) {
+    Workers::shared().submit([work = std::move(work), done = done_] {
+      int64_t state[3] = {0, 0, 0};
+      work(state);
       std::lock_guard<std::mutex> lock(done->mutex);
       std::copy(state, state + 3, done->state);
       done->finished = true;
@@ -341,7 +346,8 @@ class HostRead {
   HostRead& operator=(const HostRead&) = delete;
   ~HostRead() { wait(); }
 
-  // (0, 0, 0), or (what, index in the call, errno) of the first failed row, as engram_rows's status.
+  // (0, 0, 0), or (what, index of the row or range, errno) of the first that failed, as
+  // engram_rows's status.
   std::vector<int64_t> wait() const {
     std::unique_lock<std::mutex> lock(done_->mutex);
     done_->cv.wait(lock, [this] { return done_->finished; });
@@ -360,26 +366,79 @@ class HostRead {
     bool finished = false;
     int64_t state[3] = {0, 0, 0};
   };
-  nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids_;  // kept alive while the read runs
-  nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> out_;
+  std::vector<nb::ndarray<>> keep_;
   std::shared_ptr<Done> done_;
 };
 
+HostRead* start_rows(nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig> ids,
+                     nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig> out,
+                     const std::vector<std::vector<int64_t>>& segments, int64_t row_bytes, int check,
+                     int64_t width, int workers, bool readahead) {
+  auto table = make_table(segments, row_bytes, check, width, workers, readahead);
+  if (out.shape(0) != ids.shape(0) || static_cast<int64_t>(out.shape(1)) != row_bytes)
+    throw std::invalid_argument("[start_rows] out must be [len(ids), row_bytes]");
+  return new HostRead({nb::ndarray<>(ids), nb::ndarray<>(out)},
+                      [table, ids = ids.data(), n = static_cast<int64_t>(ids.shape(0)), out = out.data()](int64_t* state) {
+                        table->read(ids, n, out, state);
+                      });
+}
+
+// Range i: len(outs[i]) bytes at ranges[i][0] of the file whose parts follow, [(fd, start,
+// size)+], into outs[i]; with `drop`, each range leaves the OS cache once read.
+HostRead* start_ranges(std::vector<nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>> outs,
+                       const std::vector<std::vector<int64_t>>& ranges, bool drop, int workers) {
+  if (outs.size() != ranges.size()) throw std::invalid_argument("[start_ranges] one out per range");
+  auto jobs = std::make_shared<std::vector<std::pair<Segment, uint8_t*>>>();
+  std::vector<nb::ndarray<>> keep;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const auto& r = ranges[i];
+    if (r.size() < 4 || (r.size() - 1) % 3)
+      throw std::invalid_argument("[start_ranges] a range is [offset, (fd, start, size)+]");
+    Segment seg{{}, r[0], 0, static_cast<int64_t>(outs[i].shape(0)), 0};
+    for (size_t p = 1; p < r.size(); p += 3) seg.parts.push_back({static_cast<int>(r[p]), r[p + 1], r[p + 2]});
+    jobs->emplace_back(std::move(seg), outs[i].data());
+    keep.emplace_back(outs[i]);
+  }
+  int parts = static_cast<int>(std::min<size_t>(std::max(1, workers), std::max<size_t>(1, jobs->size())));
+  return new HostRead(std::move(keep), [jobs, parts, drop](int64_t* state) {
+    int64_t n = static_cast<int64_t>(jobs->size());
+    std::vector<Failure> failures(parts);
+    Workers::shared().run(parts, [&](int k) {
+      for (int64_t i = n * k / parts; i < n * (k + 1) / parts; ++i) {
+        const auto& [seg, out] = (*jobs)[i];
+        Failure f = read_span(seg, out, seg.offset, seg.width);
+        if (f.what != kRead) {
+          failures[k] = {f.what, i, f.error};
+          return;
+        }
+        if (drop) advise(seg, seg.offset, seg.width, kDontNeed);
+      }
+    });
+    for (const Failure& f : failures)
+      if (f.what != kRead) {
+        state[0] = f.what;
+        state[1] = f.index;
+        state[2] = f.error;
+        break;
+      }
+  });
+}
+
 }  // namespace
 
-NB_MODULE(_engram_rows, m) {
+NB_MODULE(_reads, m) {
   m.def("engram_rows", &engram_rows, nb::arg("ids"), nb::arg("segments"), nb::arg("row_bytes"),
         nb::arg("check"), nb::arg("width"), nb::arg("workers"), nb::arg("readahead"), nb::arg("stream"),
         "Rows [n, row_bytes] uint8 and a status [3] int64 of the rows `ids` [n] of a file table, "
         "read with pread on `stream` (a CPU stream) when the ids are ready.");
-  nb::class_<HostRead>(m, "HostRead",
-                       "Reads the rows `ids` [n] int64 of a file table into `out` [n, row_bytes] uint8 "
-                       "on the workers; `wait()` gives the status (as engram_rows's), `done()` whether "
-                       "it is there.")
-      .def(nb::init<nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig>, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig>,
-                    const std::vector<std::vector<int64_t>>&, int64_t, int, int64_t, int, bool>(),
-           nb::arg("ids"), nb::arg("out"), nb::arg("segments"), nb::arg("row_bytes"), nb::arg("check"),
-           nb::arg("width"), nb::arg("workers"), nb::arg("readahead"))
+  nb::class_<HostRead>(m, "HostRead", "A read on the workers: wait() gives its status, done() whether it is there.")
       .def("wait", &HostRead::wait, nb::call_guard<nb::gil_scoped_release>())
       .def("done", &HostRead::done);
+  m.def("start_rows", &start_rows, nb::arg("ids"), nb::arg("out"), nb::arg("segments"), nb::arg("row_bytes"),
+        nb::arg("check"), nb::arg("width"), nb::arg("workers"), nb::arg("readahead"), nb::rv_policy::take_ownership,
+        "Read the rows `ids` [n] int64 of a file table into `out` [n, row_bytes] uint8 on the workers.");
+  m.def("start_ranges", &start_ranges, nb::arg("outs"), nb::arg("ranges"), nb::arg("drop"), nb::arg("workers"),
+        nb::rv_policy::take_ownership,
+        "Read byte ranges [offset, (fd, start, size)+] of parted files into `outs` (uint8, one each) "
+        "on the workers; with `drop` each leaves the OS cache once read.");
 }
