@@ -22,9 +22,10 @@ Kinds of table:
   copy of one.
 - `ResidentTable`: the raw rows in memory, decoded as the file tables decode them.
 
-Reads run on the persistent pread pool of dsv4/pread_pool.py, which every table shares with the
-streamed experts (dsv4/expert_store.py). A call is sorted by row and
-de-duplicated, then split into contiguous partitions, one per worker; each worker writes only
+Reads run on the native reader's C++ threads (dsv4/native/reads.cpp, `engram_native_reads`:
+no GIL until the rows are waited for), else on the persistent Python pread pool of
+dsv4/pread_pool.py; the streamed experts (dsv4/expert_store.py) share both. A call is sorted by
+row and de-duplicated, then split into contiguous partitions, one per worker; each worker writes only
 its own slice of the call's buffer, and its error stays with its own future. `wait()` joins
 every worker before it raises the first error (in partition order) or returns. A call of at
 most `BATCH_ROWS` distinct rows (a decode step) uses `engram_decode_workers` workers, or, when

@@ -19,7 +19,8 @@ module's parameters, so the kernels and gather_qmm see the same operands with sl
 expert ids: the logits are bit-identical to the resident model's (tests/test_expert_streaming.py).
 
 Reads: the misses of a lookup are split into pieces of at most `expert_read_chunk_kb` and read
-by the shared pread pool (dsv4/pread_pool.py, the Engram tables' workers) straight into the
+by the native reader's C++ threads (dsv4/native/reads.cpp, `expert_native_reads`: no GIL until
+a layer waits), else by the shared Python pread pool (dsv4/pread_pool.py), straight into the
 slots' memory: MLX arrays are host-addressable (unified memory on Apple silicon, managed memory
 on CUDA, plain memory on the CPU), so there is no copy after the read (with `expert_io_direct`
 on Linux, one copy from the worker's aligned O_DIRECT buffer). A lookup joins every
