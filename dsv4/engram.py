@@ -111,6 +111,7 @@ class NgramHasher:
         self.offsets = {l: np.concatenate([[0], np.cumsum(p.reshape(-1))[:-1]]).astype(np.int64)
                         for l, p in self.primes.items()}
         self.table_rows = {l: int(p.sum()) for l, p in self.primes.items()}
+        self._host = {l: (self.multipliers[l], self.primes[l], self.offsets[l]) for l in args.engram_layer_ids}
         self._device: Optional[dict] = None
 
     def compress(self, ids):
@@ -123,9 +124,8 @@ class NgramHasher:
         """The hash's constants as MLX arrays, made once."""
         if self._device is None:
             self._device = {"token_map": mx.array(self.token_map)}
-            for layer in self.args.engram_layer_ids:
-                self._device[layer] = tuple(mx.array(c) for c in (
-                    self.multipliers[layer], self.primes[layer], self.offsets[layer]))
+            for layer, constants in self._host.items():
+                self._device[layer] = tuple(mx.array(c) for c in constants)
         return self._device
 
     def hash(self, compressed, history, start: int) -> dict:
@@ -133,8 +133,7 @@ class NgramHasher:
         positions before (any value where start - k < 0) -> {layer: row ids [B, S, rows]}.
         Exact int64 in numpy, or lazily in MLX when given MLX arrays (the same operations)."""
         xp = mx if isinstance(compressed, mx.array) else np
-        constants = self._on_device() if xp is mx else \
-            {l: (self.multipliers[l], self.primes[l], self.offsets[l]) for l in self.args.engram_layer_ids}
+        constants = self._on_device() if xp is mx else self._host
         n = self.args.engram_max_ngram_size
         batch, length = compressed.shape
         seq = xp.concatenate([history, compressed], axis=1)  # position start-(n-1) .. end-1

@@ -426,8 +426,7 @@ class FixedDecoder:
         return self._reads
 
     def _settle_reads(self) -> None:
-        """Finish the last step's host reads (its tokens join the host tokens) and check the
-        queued reads due."""
+        """Finish the last step's host reads: its tokens join the host tokens."""
         if self._reads is not None:
             self._reads.resolve()
             self._reads = None

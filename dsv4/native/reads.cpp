@@ -196,6 +196,42 @@ class Workers {
   int idle_ = 0;
 };
 
+// Reads items 0..n-1 over `parts` partitions on the workers: prelude(lo, hi) first (read-ahead
+// hints), then item(i) in order until one fails. The first failure in call order goes to state
+// (zeros when none did): partitions run in call order, so the first failed one holds it.
+template <class Prelude, class Item>
+void read_partitioned(int64_t n, int workers, int64_t* state, Prelude prelude, Item item) {
+  state[0] = state[1] = state[2] = 0;
+  if (n == 0) return;
+  int parts = static_cast<int>(std::min<int64_t>(std::max(1, workers), n));
+  std::vector<Failure> failures(parts);
+  Workers::shared().run(parts, [&](int k) {
+    int64_t lo = n * k / parts, hi = n * (k + 1) / parts;
+    prelude(lo, hi);
+    for (int64_t i = lo; i < hi; ++i) {
+      Failure f = item(i);
+      if (f.what != kRead) {
+        failures[k] = {f.what, i, f.error};
+        return;
+      }
+    }
+  });
+  for (const Failure& f : failures)
+    if (f.what != kRead) {
+      state[0] = f.what;
+      state[1] = f.index;
+      state[2] = f.error;
+      break;
+    }
+}
+
+// The parts of a file from `from` on in a flat list: (fd, start in the whole, size) each.
+std::vector<Part> parse_parts(const std::vector<int64_t>& flat, size_t from) {
+  std::vector<Part> parts;
+  for (size_t p = from; p + 2 < flat.size(); p += 3) parts.push_back({static_cast<int>(flat[p]), flat[p + 1], flat[p + 2]});
+  return parts;
+}
+
 // What a call reads: shared with the queued task, which may outlive the primitive.
 struct Table {
   std::vector<Segment> segments;
@@ -206,37 +242,21 @@ struct Table {
   bool readahead;
 
   void read(const int64_t* ids, int64_t n, uint8_t* out, int64_t* state) const {
-    state[0] = state[1] = state[2] = 0;
-    if (n == 0) return;
-    int parts = static_cast<int>(std::min<int64_t>(workers, n));
-    std::vector<Failure> failures(std::max(parts, 1));
-    Workers::shared().run(parts, [&](int k) {
-      int64_t lo = n * k / parts, hi = n * (k + 1) / parts;
-      if (readahead && hi - lo > 1)  // every page read in flight before the first pread waits
-        for (int64_t i = lo; i < hi; ++i)
-          for (const Segment& seg : segments) advise(seg, seg.offset + seg.stride * ids[i], seg.width, kWillNeed);
-      for (int64_t i = lo; i < hi; ++i) {
-        uint8_t* row = out + i * row_bytes;
-        for (const Segment& seg : segments) {
-          Failure f = read_span(seg, row + seg.dest, seg.offset + seg.stride * ids[i], seg.width);
-          if (f.what != kRead) {
-            failures[k] = {f.what, i, f.error};
-            return;
+    read_partitioned(
+        n, workers, state,
+        [&](int64_t lo, int64_t hi) {
+          if (readahead && hi - lo > 1)  // every page read in flight before the first pread waits
+            for (int64_t i = lo; i < hi; ++i)
+              for (const Segment& seg : segments) advise(seg, seg.offset + seg.stride * ids[i], seg.width, kWillNeed);
+        },
+        [&](int64_t i) {
+          uint8_t* row = out + i * row_bytes;
+          for (const Segment& seg : segments) {
+            Failure f = read_span(seg, row + seg.dest, seg.offset + seg.stride * ids[i], seg.width);
+            if (f.what != kRead) return f;
           }
-        }
-        if (!finite(row, check, width)) {
-          failures[k] = {kNotFinite, i, 0};
-          return;
-        }
-      }
-    });
-    for (const Failure& f : failures)
-      if (f.what != kRead) {  // partitions run in call order: the first failed one holds the first
-        state[0] = f.what;
-        state[1] = f.index;
-        state[2] = f.error;
-        break;
-      }
+          return finite(row, check, width) ? Failure{} : Failure{kNotFinite, 0, 0};
+        });
   }
 
   bool operator==(const Table& o) const {
@@ -305,10 +325,9 @@ std::shared_ptr<const Table> make_table(const std::vector<std::vector<int64_t>>&
   for (const auto& s : segments) {
     if (s.size() < 7 || (s.size() - 4) % 3)
       throw std::invalid_argument("[engram_rows] a segment is [offset, stride, width, dest, (fd, start, size)+]");
-    Segment seg{{}, s[0], s[1], s[2], s[3]};
+    Segment seg{parse_parts(s, 4), s[0], s[1], s[2], s[3]};
     if (seg.dest < 0 || seg.width <= 0 || seg.dest + seg.width > row_bytes)
       throw std::invalid_argument("[engram_rows] a segment falls outside the row");
-    for (size_t p = 4; p < s.size(); p += 3) seg.parts.push_back({static_cast<int>(s[p]), s[p + 1], s[p + 2]});
     parsed.push_back(std::move(seg));
   }
   return std::make_shared<const Table>(Table{std::move(parsed), row_bytes, check, width, std::max(1, workers), readahead});
@@ -394,33 +413,18 @@ HostRead* start_ranges(std::vector<nb::ndarray<uint8_t, nb::ndim<1>, nb::c_conti
     const auto& r = ranges[i];
     if (r.size() < 4 || (r.size() - 1) % 3)
       throw std::invalid_argument("[start_ranges] a range is [offset, (fd, start, size)+]");
-    Segment seg{{}, r[0], 0, static_cast<int64_t>(outs[i].shape(0)), 0};
-    for (size_t p = 1; p < r.size(); p += 3) seg.parts.push_back({static_cast<int>(r[p]), r[p + 1], r[p + 2]});
-    jobs->emplace_back(std::move(seg), outs[i].data());
+    jobs->emplace_back(Segment{parse_parts(r, 1), r[0], 0, static_cast<int64_t>(outs[i].shape(0)), 0}, outs[i].data());
     keep.emplace_back(outs[i]);
   }
-  int parts = static_cast<int>(std::min<size_t>(std::max(1, workers), std::max<size_t>(1, jobs->size())));
-  return new HostRead(std::move(keep), [jobs, parts, drop](int64_t* state) {
-    int64_t n = static_cast<int64_t>(jobs->size());
-    std::vector<Failure> failures(parts);
-    Workers::shared().run(parts, [&](int k) {
-      for (int64_t i = n * k / parts; i < n * (k + 1) / parts; ++i) {
-        const auto& [seg, out] = (*jobs)[i];
-        Failure f = read_span(seg, out, seg.offset, seg.width);
-        if (f.what != kRead) {
-          failures[k] = {f.what, i, f.error};
-          return;
-        }
-        if (drop) advise(seg, seg.offset, seg.width, kDontNeed);
-      }
-    });
-    for (const Failure& f : failures)
-      if (f.what != kRead) {
-        state[0] = f.what;
-        state[1] = f.index;
-        state[2] = f.error;
-        break;
-      }
+  return new HostRead(std::move(keep), [jobs, drop, workers](int64_t* state) {
+    read_partitioned(
+        static_cast<int64_t>(jobs->size()), workers, state, [](int64_t, int64_t) {},
+        [&](int64_t i) {
+          const auto& [seg, out] = (*jobs)[i];
+          Failure f = read_span(seg, out, seg.offset, seg.width);
+          if (f.what == kRead && drop) advise(seg, seg.offset, seg.width, kDontNeed);
+          return f;
+        });
   });
 }
 
