@@ -6,9 +6,10 @@ before, hashes, reads, and only then encodes the layers after the first Engram l
 device idles (dsv4/step_pieces.py narrows that gap). Here the rows are nodes of the graph:
 
     row ids    NgramHasher.row_ids on the step's tokens as MLX arrays (the same int64 hash)
-    raw rows   EngramRows (dsv4/native/reads.cpp): pread on a CPU stream of its own once
-               the ids are ready, on a few C++ threads (no Python, so no GIL), with the
-               engram_readahead hints, the NaN checks of the host path, and a status
+    raw rows   EngramRows (dsv4/native/reads.cpp): pread once the ids are ready, on a few
+               C++ threads (no Python, so no GIL), with the engram_readahead hints, the NaN
+               checks of the host path, and a status; on a CPU stream of its own, or on CUDA
+               as a host function in the step's own stream (reads_cuda.h)
     rows       the table's RowFormat.decode on the device, as the host path decodes them
 
 so the step's graph holds everything, the device waits for the reads instead of the host, and
@@ -20,15 +21,17 @@ says which row, and `QueuedRows.check()` raises the error the host path raises f
 when they are long done, and all of them when it rewinds or closes.
 
 Each stream's part is queued by its own mx.async_eval: within one evaluation MLX waits for a
-cross-stream input on the host (CUDA's fences), which stopped the step's encoding at the reads.
+cross-stream input on the host, which would stop the step's encoding at the reads.
 
-It needs the native extension (dsv4/native: a C++ compiler and nanobind); without it, for a
-table held in memory (engram_resident) or with engram_row_cache, and on CUDA, the decoder reads
-on the host. On CUDA each event of a CPU stream allocates and frees managed memory, which
-synchronizes the device while the device waits for the reads: the H100 slice hung
-(benchmarks/results/2026-12-05-1740-engram-queued-cuda.md). CUDA needs the reads in the step's
-own stream instead (an eval_gpu running them as a host function between async copies); Metal's
-events allocate nothing per event, but the path is unmeasured there.
+Not a CPU stream on CUDA: each of its events allocates and frees managed memory there, which
+synchronizes the device while the device waits for the reads, and the H100 slice hung
+(benchmarks/results/2026-12-05-1740-engram-queued-cuda.md). There the reads are a host function
+in the step's stream instead, which needs CUDA's headers at the native build (dsv4/native).
+Metal's events allocate nothing per event: the CPU stream, unmeasured there.
+
+It needs the native extension (dsv4/native: a C++ compiler and nanobind); without it (on CUDA:
+without its CUDA part), and for a table held in memory (engram_resident) or with
+engram_row_cache, the decoder reads on the host.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ from .engram_store import FileTable
 from .pread_pool import native_reader
 from .kernels.dialect import backend
 
-# Why not on CUDA (measured on an H100, benchmarks/results/2026-12-05-1740-engram-queued-cuda.md).
-CUDA_HANG = ("not on CUDA: MLX's events from a CPU stream allocate and free managed memory, which "
-             "waits for the device while the device waits for the reads (the slice hung)")
+# Why not on CUDA without the CUDA part (a CPU stream hung the H100 slice:
+# benchmarks/results/2026-12-05-1740-engram-queued-cuda.md).
+NO_CUDA_READS = ("the native reader was built without CUDA's headers (cuda.h, cuda_runtime.h, "
+                 "crt/host_config.h: install nvidia-cuda-runtime and nvidia-cuda-crt, or set "
+                 "CUDA_HOME), and a CPU stream's reads would stall the device on CUDA")
 _state: dict = {}   # the reads' CPU stream, the reasons said
 
 
@@ -59,7 +64,10 @@ def _declined(why: str) -> bool:
 
 
 def _stream() -> mx.Stream:
-    """The reads' CPU stream: its own thread, so nothing else on the CPU stream delays them."""
+    """Where the reads run: on CUDA the step's own stream (the reads a host function in it), else
+    a CPU stream with its own thread, so nothing else on the CPU stream delays them."""
+    if backend() == "cuda":
+        return mx.default_stream(mx.gpu)
     if "stream" not in _state:
         _state["stream"] = mx.new_stream(mx.cpu)
     return _state["stream"]
@@ -75,9 +83,10 @@ def applies(model) -> bool:
         return False
     if not all(isinstance(t, FileTable) for t in tables.values()):
         return False
-    if backend() == "cuda":
-        return _declined(CUDA_HANG)
-    return native_reader() is not None
+    reader = native_reader()
+    if reader is not None and backend() == "cuda" and not reader.gpu_reads:
+        return _declined(NO_CUDA_READS)
+    return reader is not None
 
 
 def read(table: FileTable, ids: mx.array) -> tuple[mx.array, mx.array]:

@@ -541,14 +541,15 @@ define("engram_pieces", True,
        "the reads")
 define("engram_queued", False,
        "read a decode step's Engram rows inside its graph (dsv4/engram_queued.py): the row ids "
-       "hashed on the device, the rows read by a native MLX primitive (pread on a CPU stream, "
-       "C++ threads, no GIL; dsv4/native builds it on first use with the C++ compiler), so the "
-       "whole step is queued before its token is known and the device, not the host, waits for "
-       "the reads; the same rows and logits. Not on CUDA, where MLX's CPU-stream events "
-       "synchronize the device and the slice hung (benchmarks/results/"
-       "2026-12-05-1740-engram-queued-cuda.md); unmeasured on Metal. Without a compiler, on "
-       "CUDA, or with engram_resident or engram_row_cache, the rows are read on the host "
-       "(engram_pieces)")
+       "hashed on the device, the rows read by a native MLX primitive (pread on C++ threads, no "
+       "GIL; dsv4/native builds it on first use with the C++ compiler), so the whole step is "
+       "queued before its token is known and the device, not the host, waits for the reads; the "
+       "same rows and logits. The reads run on a CPU stream, or on CUDA (whose CPU-stream events "
+       "synchronize the device: the slice hung, benchmarks/results/"
+       "2026-12-05-1740-engram-queued-cuda.md) as a host function in the step's stream, built "
+       "with CUDA's headers (dsv4/native/reads_cuda.h). Off (default) until a GPU measures it. "
+       "Without the build (on CUDA: its CUDA part), or with engram_resident or engram_row_cache, "
+       "the rows are read on the host (engram_pieces)")
 define("compile", True,
        "mx.compile the fixed-shape decode step whole and the small fixed-shape pieces of the "
        "reference path (mHC mixes with their Sinkhorn rounds, QDQ); off runs them op by op")

@@ -8,6 +8,7 @@ be bit-identical since the same rows meet the same graph. Errors must be the hos
 """
 
 import os
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -38,10 +39,11 @@ def model(draft_dir):
 
 
 @pytest.fixture
-def queued_decoding():
-    """The decoder-level tests: not on CUDA, where the decoder reads on the host."""
-    if backend() == "cuda":
-        pytest.skip(engram_queued.CUDA_HANG)
+def queued_decoding(reader):
+    """The decoder-level tests: not on CUDA without the reader's CUDA part (the decoder reads on
+    the host then)."""
+    if backend() == "cuda" and not reader.gpu_reads:
+        pytest.skip(engram_queued.NO_CUDA_READS)
 
 
 def float_table(tmp_path, rng, dtype):
@@ -220,13 +222,17 @@ def test_without_a_compiler_the_rows_are_read_on_the_host(model, monkeypatch, ca
     assert err.count("\n") == 1 and "read by Python threads" in err and "/nonexistent/c++" in err
 
 
-def test_not_on_cuda(model, monkeypatch, capsys):
-    """On CUDA the host reads run (the reason is said once); on the CPU the queued ones."""
+@pytest.mark.parametrize("gpu_reads", [False, True])
+def test_on_cuda_only_with_the_readers_cuda_part(model, monkeypatch, capsys, gpu_reads):
+    """On CUDA the queued reads need the reader's CUDA part; without it the host reads run (the
+    reason said once). On the CPU a CPU stream reads, either way."""
     monkeypatch.setattr(engram_queued, "_state", {})
+    monkeypatch.setattr(engram_queued, "native_reader", lambda: SimpleNamespace(gpu_reads=gpu_reads))
     with flags.override(engram_queued=True):
         monkeypatch.setattr(engram_queued, "backend", lambda: "cuda")
-        assert not engram_queued.applies(model) and not engram_queued.applies(model)
+        assert engram_queued.applies(model) == gpu_reads and engram_queued.applies(model) == gpu_reads
         monkeypatch.setattr(engram_queued, "backend", lambda: None)
         assert engram_queued.applies(model)
+        assert engram_queued._stream().device == mx.cpu
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and engram_queued.CUDA_HANG in err
+    assert err.count("\n") == (0 if gpu_reads else 1) and (gpu_reads or engram_queued.NO_CUDA_READS in err)

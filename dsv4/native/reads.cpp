@@ -7,9 +7,10 @@
 //                 may be split into parts, read-ahead hints, the NaN checks of the Python path
 //   start_ranges  byte ranges of files (dsv4/expert_store.py's expert pieces), dropped from the
 //                 OS cache once read if asked
-//   engram_rows   EngramRows, an MLX primitive reading a step's rows on a CPU stream once their
-//                 ids (hashed on the device) are ready, so a decoder can queue a whole step before
-//                 its token is known (dsv4/engram_queued.py)
+//   engram_rows   EngramRows, an MLX primitive reading a step's rows once their ids (hashed on
+//                 the device) are ready, so a decoder can queue a whole step before its token is
+//                 known (dsv4/engram_queued.py): on a CPU stream, or on CUDA as a host function in
+//                 the step's own stream (reads_cuda.h, built with -DDSV4_CUDA)
 //
 // A read's status is (0, 0, 0), or (what, index of the row or range, errno) of the first that
 // failed: what 1 an I/O error, 2 a short read (a truncated file), 3 a NaN or infinite value. A
@@ -37,6 +38,13 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#ifdef DSV4_CUDA
+#include <dlfcn.h>
+
+#include <cuda.h>
+
+#include "mlx/backend/cuda/device.h"
+#endif
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -274,6 +282,10 @@ struct Table {
   }
 };
 
+#ifdef DSV4_CUDA
+#include "reads_cuda.h"
+#endif
+
 class EngramRows : public mx::Primitive {
  public:
   EngramRows(mx::Stream stream, std::shared_ptr<const Table> table)
@@ -298,8 +310,12 @@ class EngramRows : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[EngramRows] runs on a CPU stream only");
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+#ifdef DSV4_CUDA
+    cuda_reads::eval(table_, stream(), inputs[0], outputs[0], outputs[1]);
+#else
+    throw std::runtime_error("[EngramRows] this build runs on CPU streams only (no CUDA headers)");
+#endif
   }
 
   const char* name() const override { return "EngramRows"; }
@@ -434,7 +450,12 @@ NB_MODULE(_reads, m) {
   m.def("engram_rows", &engram_rows, nb::arg("ids"), nb::arg("segments"), nb::arg("row_bytes"),
         nb::arg("check"), nb::arg("width"), nb::arg("workers"), nb::arg("readahead"), nb::arg("stream"),
         "Rows [n, row_bytes] uint8 and a status [3] int64 of the rows `ids` [n] of a file table, "
-        "read with pread on `stream` (a CPU stream) when the ids are ready.");
+        "read with pread on `stream` (a CPU stream, or with gpu_reads a CUDA one) when the ids are ready.");
+#ifdef DSV4_CUDA
+  m.attr("gpu_reads") = true;
+#else
+  m.attr("gpu_reads") = false;
+#endif
   nb::class_<HostRead>(m, "HostRead", "A read on the workers: wait() gives its status, done() whether it is there.")
       .def("wait", &HostRead::wait, nb::call_guard<nb::gil_scoped_release>())
       .def("done", &HostRead::done);
