@@ -171,6 +171,7 @@ def main(argv=None) -> int:
             print(lines[-1], flush=True)
     kernels = [(what, getattr(experts, attr, None) or getattr(matvec, attr)) for what, *pair in PAIRS for attr in pair]
     kernels += [("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
+                ("prefill routed experts, pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH)", experts_prefill.KERNEL_PREFETCH),
                 ("prefill routed experts (x made once, DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)", experts_prefill.KERNEL_PAIRS)]
     for what, kernel in [] if a.gguf else kernels:
         r = resources(kernel, paths)

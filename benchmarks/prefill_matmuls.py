@@ -9,7 +9,8 @@ For each chunk size T:
   dequantized beforehand (the floor of that route);
 - the routed experts (mxfp4, 384 experts, top-6, the T x 6 (token, expert) pairs sorted by
   expert, as RoutedExperts takes them): gather_qmm, dsv4's tensor-core kernel
-  (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), and gather_mm on
+  (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), plain and software
+  pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH), and gather_mm on
   bf16 weights dequantized beforehand;
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
@@ -86,6 +87,7 @@ def dense_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
 
 
 def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
+    from dsv4 import flags
     from dsv4.kernels import experts_prefill
 
     rng = np.random.default_rng(t)
@@ -103,6 +105,12 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
                                   sorted_indices=True), repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dsv4 tensor-core kernel (experts_prefill)", flops,
                      _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True), repeats)))
+
+        def pipelined(xs=xs, q=q, s=s):
+            with flags.override(kernel_prefill_experts_prefetch=True):
+                return experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True)
+        rows.append((f"experts {name} {d_in}->{d_out}", "the same, pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH)",
+                     flops, _mlx_seconds(pipelined, repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dequantize every expert to bf16 (no product)", 0,
                      _mlx_seconds(lambda: dequantized(q, s, 4, "mxfp4"), 1)))
         w = dequantized(q, s, 4, "mxfp4").swapaxes(-1, -2)

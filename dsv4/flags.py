@@ -361,6 +361,13 @@ define("kernel_prefill_experts_pairs", False,
        "threadgroup, where every row block of a tile converts them again (36 blocks for gate/up, 80 "
        "for down); the same values. Off: slower on the H200 slice, 4K 0.34 vs 0.32 s, 32K 3.31 vs "
        "3.17 s (benchmarks/results/2026-12-04-1254-slice-prefill.md)")
+define("kernel_prefill_experts_prefetch", False,
+       "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA (x staged in the launch, not with "
+       "DSV4_KERNEL_PREFILL_EXPERTS_PAIRS): the launch software pipelined, each group's weight words "
+       "loaded while the group before multiplies and each chunk's x while the chunk before runs "
+       "(dsv4/kernels/experts_prefill.py), where the plain launch waits out every load's latency "
+       "(its group loop is not unrolled: an HMMA waits on the LDG right before it); the same values "
+       "and sums, the same bits. Off (default) until the H200 measures it (benchmarks/prefill_matmuls.py)")
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "

@@ -117,13 +117,13 @@ def host_launch(folder, mutation=""):
             (n_pairs,), (n_scales,) = output_shapes
             return [mx.array(np.frombuffer(out[:4 * n_pairs], np.uint32)),
                     mx.array(np.frombuffer(out[4 * n_pairs:], np.float32))]
-        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PAIRS)
+        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PREFETCH, experts_prefill.KERNEL_PAIRS)
         assert threadgroup == (experts_prefill.THREADS, 1, 1)
         *xin, w, s, tiles = inputs
         (pairs, n), = output_shapes
         assert grid == (experts_prefill.THREADS, -(-n // experts_prefill.TILE_ROWS), tiles.shape[0])
         head = np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes()
-        if kernel is experts_prefill.KERNEL:
+        if kernel is not experts_prefill.KERNEL_PAIRS:
             data, main = head + bf16_bits(xin[0]), MAIN
         else:
             data, main = head + np.array(xin[0]).tobytes() + np.array(xin[1]).tobytes(), MAIN_PAIRS
@@ -164,27 +164,43 @@ def check(y, layer, x, ids):
 # N = 40: one threadgroup of 64 rows, its rows 40-63 clamped; K = 256 / 384: 2 and 3 chunks of
 # 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles. The pairs in any
 # order (sorted by the dispatcher) or sorted by expert, as RoutedExperts passes them.
-@pytest.mark.parametrize("mode,n,k,sort,pairs", [("mxfp4", 40, 256, False, False), ("mxfp8", 72, 384, False, False),
-                                                 ("mxfp4", 40, 256, True, False), ("mxfp4", 40, 256, True, True),
-                                                 ("mxfp8", 72, 384, False, True)])
-def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, pairs):
-    """pairs: x's fp16 pairs made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)."""
+# Staging: x made in the launch, made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS), or the
+# launch software pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH).
+STAGINGS = {"launch": {}, "pairs": dict(kernel_prefill_experts_pairs=True),
+            "prefetch": dict(kernel_prefill_experts_prefetch=True)}
+LAUNCHES = {"launch": [experts_prefill.KERNEL.name], "prefetch": [experts_prefill.KERNEL_PREFETCH.name],
+            "pairs": [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name]}
+
+
+def host_prefill(tmp_path, layer, x, ids, sort, staging):
+    launch = host_launch(tmp_path)
+    # dequant_matmul off: on the CPU device its auto mode would multiply dense copies instead
+    with (flags.override(kernel_prefill_experts_mma=True, dequant_matmul="off", **STAGINGS[staging]),
+          dialect.pretend_gpu("cuda", launch), warnings.catch_warnings()):
+        warnings.simplefilter("error")   # a fall-back to the reference would be a failure
+        assert experts_prefill.applies(layer, x, mx.array(ids))
+        y = layer(x, mx.array(ids), sorted_indices=sort)
+        mx.eval(y)   # the launches run now
+    assert launch.kernels == LAUNCHES[staging]
+    return y
+
+
+@pytest.mark.parametrize("mode,n,k,sort,staging", [("mxfp4", 40, 256, False, "launch"), ("mxfp8", 72, 384, False, "launch"),
+                                                   ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 40, 256, True, "pairs"),
+                                                   ("mxfp8", 72, 384, False, "pairs"), ("mxfp4", 40, 256, False, "prefetch"),
+                                                   ("mxfp8", 72, 384, True, "prefetch")])
+def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 6, n, k, 70)
     if sort:
         order = np.argsort(ids, kind="stable")
         x, ids = x[mx.array(order)], ids[order]
-    launch = host_launch(tmp_path)
-    # dequant_matmul off: on the CPU device its auto mode would multiply dense copies instead
-    with (flags.override(kernel_prefill_experts_mma=True, kernel_prefill_experts_pairs=pairs, dequant_matmul="off"),
-          dialect.pretend_gpu("cuda", launch), warnings.catch_warnings()):
-        warnings.simplefilter("error")   # a fall-back to the reference would be a failure
-        assert experts_prefill.applies(layer, x, mx.array(ids))
-        y = layer(x, mx.array(ids), sorted_indices=sort)
+    y = host_prefill(tmp_path, layer, x, ids, sort, staging)
     assert y.shape == (70, 1, n) and y.dtype == mx.bfloat16
-    check(y, layer, x, ids)   # evaluates y: the launches run then
-    want = [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name] if pairs else [experts_prefill.KERNEL.name]
-    assert launch.kernels == want
+    check(y, layer, x, ids)
+    if staging == "prefetch":   # the same values in the same order: the plain launch's bits
+        plain = host_prefill(tmp_path, layer, x, ids, sort, "launch")
+        assert np.array_equal(np.array(y.view(mx.uint16)), np.array(plain.view(mx.uint16)))
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
@@ -242,20 +258,24 @@ def test_the_switch_takes_prefill_chunks_on_cuda_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("staging", list(STAGINGS))
 @pytest.mark.parametrize("mode,n,k", [("mxfp4", 2304, 5120), ("mxfp4", 5120, 2304), ("mxfp8", 2304, 5120)])
-def test_prefill_experts_on_the_gpu(mode, n, k, pairs):
-    """The CUDA build at V4.1's expert shapes against the same float64 products."""
+def test_prefill_experts_on_the_gpu(mode, n, k, staging):
+    """The CUDA build at V4.1's expert shapes against the same float64 products; the pipelined
+    launch bit for bit the plain one's."""
     if dialect.backend() != "cuda":
         pytest.skip("CUDA only")
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 8, n, k, 300)
-    with flags.override(kernel_prefill_experts_mma=True, kernel_prefill_experts_pairs=pairs), \
-            warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert experts_prefill.applies(layer, x, mx.array(ids))
-        y = layer(x, mx.array(ids))
-    check(y, layer, x, ids)
+    out = {}
+    for name in {"launch", staging}:
+        with flags.override(kernel_prefill_experts_mma=True, **STAGINGS[name]), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert experts_prefill.applies(layer, x, mx.array(ids))
+            out[name] = layer(x, mx.array(ids))
+    check(out[staging], layer, x, ids)
+    if staging == "prefetch":
+        assert mx.array_equal(out["prefetch"].view(mx.uint16), out["launch"].view(mx.uint16)).item()
 
 
 @pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])

@@ -205,15 +205,19 @@ KFN float qdq_fp8_32(LOCAL float* v) {
   return s;
 }
 
-// 8 bf16 values: chunk c (< 4) of pack p of row, i.e. elements 32p+8c.. (16-byte aligned).
-template <typename P>
-KFN void load_bf16_8(P row, int p, int c, LOCAL float* v) {
-  const uint4 q = LOAD_U4(row + 32 * p, c);
+// The 8 bf16 values of a 16-byte word as floats.
+KFN void unpack_bf16_8(uint4 q, LOCAL float* v) {
   const uint32_t w[4] = {q.x, q.y, q.z, q.w};
   for (int j = 0; j < 4; ++j) {
     v[2 * j] = AS_FLOAT(w[j] << 16);
     v[2 * j + 1] = AS_FLOAT(w[j] & 0xffff0000u);
   }
+}
+
+// 8 bf16 values: chunk c (< 4) of pack p of row, i.e. elements 32p+8c.. (16-byte aligned).
+template <typename P>
+KFN void load_bf16_8(P row, int p, int c, LOCAL float* v) {
+  unpack_bf16_8(LOAD_U4(row + 32 * p, c), v);
 }
 
 // Chunk c of pack p of the input row: XS == 0 reads a row of bf16 in device memory; XS > 0

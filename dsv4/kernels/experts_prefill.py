@@ -42,7 +42,7 @@ CHUNK = 128        # input values per shared-memory chunk (4 groups)
 X_STRIDE = 72      # uint32 per pair's row of the chunk: 64 fp16 pairs, padded off the bank period
 MIN_PAIRS = 64     # fewer pairs (decode, verification) keep gather_qmm
 
-_BODY = r"""
+_PREAMBLE = r"""
   // grid (THREADS, ceil(N / 64), tiles); tile z = (expert, first pair, pairs) in `tiles`.
   constexpr int GROUPS = K / 32;
   const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
@@ -56,15 +56,11 @@ _BODY = r"""
   SHARED float xsc[32 * 4];
   float acc[4][4];
   for (int j = 0; j < 4; ++j) for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-  for (int c = 0; c < GROUPS / 4; ++c) {
-STAGE
-    BARRIER();
-    for (int gl = 0; gl < 4; ++gl) {
-      const int g = 4 * c + gl;
-      uint32_t wa[BITS], wb[BITS];
-      load_words<BITS>(w + (wa_row + g) * BITS, wa);
-      load_words<BITS>(w + (wb_row + g) * BITS, wb);
-      const float sa = e8m0_scale((uint32_t)s[wa_row + g]), sb = e8m0_scale((uint32_t)s[wb_row + g]);
+"""
+
+# Group g (= 4 c + gl) of the chunk: the lane's weight words wa, wb of rows ra, rb and their
+# scales sa, sb, times the staged x, summed into acc.
+_GROUP = r"""
       uint32_t a[2][4];
       for (int st = 0; st < 2; ++st) {
         const int p = 8 * st + 2 * t;
@@ -83,15 +79,76 @@ STAGE
         acc[j][0] += d[0] * (sa * x0); acc[j][1] += d[1] * (sa * x1);
         acc[j][2] += d[2] * (sb * x0); acc[j][3] += d[3] * (sb * x1);
       }
-    }
-    BARRIER();
-  }
+"""
+
+_STORE = r"""
   for (int j = 0; j < 4; ++j)
     for (int i = 0; i < 4; ++i) {
       const int pr = 8 * j + 2 * t + (i & 1), row = row0 + q + (i >= 2 ? 8 : 0);
       if (pr < count && row < N) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[j][i]);
     }
 """
+
+_BODY = _PREAMBLE + r"""
+  for (int c = 0; c < GROUPS / 4; ++c) {
+STAGE
+    BARRIER();
+    for (int gl = 0; gl < 4; ++gl) {
+      const int g = 4 * c + gl;
+      uint32_t wa[BITS], wb[BITS];
+      load_words<BITS>(w + (wa_row + g) * BITS, wa);
+      load_words<BITS>(w + (wb_row + g) * BITS, wb);
+      const float sa = e8m0_scale((uint32_t)s[wa_row + g]), sb = e8m0_scale((uint32_t)s[wb_row + g]);
+GROUP
+    }
+    BARRIER();
+  }
+""".replace("GROUP\n", _GROUP) + _STORE
+
+# DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH: software pipelined. In _BODY each load sits right before
+# its use, so a warp waits out the memory's latency at every group (the loop is not unrolled) and
+# at every chunk's staging. Here each group's weight words and scale codes are loaded while the
+# group before multiplies, and each chunk's x while the chunk before runs its groups: the same
+# values in the same order (the same bits), more registers.
+_X_LOAD = "if (xs_pair < count) for (int i = 0; i < 4; ++i) xr[i] = LOAD_U4(x + (size_t)(first + xs_pair) * K + 32 * (4 * (CHUNK) + xs_group), i);"
+
+_BODY_PREFETCH = _PREAMBLE + r"""
+  const int xs_pair = (int)tid >> 2, xs_group = (int)tid & 3;   // the pack this thread stages
+  uint4 xr[4];
+  LOAD_X0
+  uint32_t wa[BITS], wb[BITS];
+  load_words<BITS>(w + wa_row * BITS, wa);
+  load_words<BITS>(w + wb_row * BITS, wb);
+  uint32_t ca = s[wa_row], cb = s[wb_row];
+  for (int c = 0; c < GROUPS / 4; ++c) {
+    {
+      uint32_t* to = xp + xs_pair * XSTRIDE + 16 * xs_group;
+      if (xs_pair < count) {
+        float v[32];
+        for (int i = 0; i < 4; ++i) unpack_bf16_8(xr[i], v + 8 * i);
+        xsc[xs_pair * 4 + xs_group] = pack_x_pairs<MODE>(to, v);
+      } else {
+        for (int p = 0; p < 16; ++p) to[p] = 0u;
+        xsc[xs_pair * 4 + xs_group] = 0.0f;
+      }
+    }
+    if (c + 1 < GROUPS / 4) { LOAD_X1 }
+    BARRIER();
+    for (int gl = 0; gl < 4; ++gl) {
+      const int g = 4 * c + gl, gn = min(g + 1, GROUPS - 1);   // the last group loads itself again
+      uint32_t na[BITS], nb[BITS];
+      load_words<BITS>(w + (wa_row + gn) * BITS, na);
+      load_words<BITS>(w + (wb_row + gn) * BITS, nb);
+      const uint32_t nca = s[wa_row + gn], ncb = s[wb_row + gn];
+      const float sa = e8m0_scale(ca), sb = e8m0_scale(cb);
+GROUP
+      for (int i = 0; i < BITS; ++i) { wa[i] = na[i]; wb[i] = nb[i]; }
+      ca = nca; cb = ncb;
+    }
+    BARRIER();
+  }
+""".replace("GROUP\n", _GROUP).replace("LOAD_X0", _X_LOAD.replace("CHUNK", "0")).replace(
+    "LOAD_X1", _X_LOAD.replace("CHUNK", "c + 1")) + _STORE
 
 # The staging of a chunk: thread tid makes group tid % 4 of the chunk for pair tid / 4 of the tile
 # (zeros past its end) as fp16 pairs in the A fragments' order and the pack's power of two: from
@@ -170,13 +227,18 @@ HEADER = _HEADER + experts_mma.HEADER + _PACK_HEADER
 
 _SHAPES = (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304), ("mxfp8", 8, 2304, 5120))
 
+_X_CHECKS = tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
+                   (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
+                    ("N", n), ("K", k)))
+                  for mode, bits, n, k in _SHAPES)
+
 KERNEL = Kernel(
     name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles"), output_names=("y",),
-    body=_BODY.replace("STAGE", _CONVERT), header=HEADER, dialects=("cuda",),
-    checks=tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
-                  (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
-                   ("N", n), ("K", k)))
-                 for mode, bits, n, k in _SHAPES))
+    body=_BODY.replace("STAGE", _CONVERT), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
+
+KERNEL_PREFETCH = Kernel(
+    name="dsv4_prefill_experts_mma_prefetch", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    body=_BODY_PREFETCH, header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 KERNEL_PAIRS = Kernel(
     name="dsv4_prefill_experts_mma_pairs", input_names=("x_pairs", "x_scales", "w", "s", "tiles"),
@@ -252,7 +314,7 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     if order is not None:
         flat, x = flat[order], x[order]
     work = tiles(flat, weight.shape[0])
-    inputs, kernel = [x], KERNEL
+    inputs, kernel = [x], KERNEL_PREFETCH if flags.get("kernel_prefill_experts_prefetch") else KERNEL
     if flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
         packs = P * K // 32
         inputs, kernel = X_KERNEL(
