@@ -4,7 +4,8 @@
 
 Routed experts 384 x (2304 x 5120), top-6, the shared expert, act_quant (the model's numerics):
 ds4's q2 (IQ2_XXS gate/up, Q2_K down, Q8_0 shared) and q4 (Q4_K, Q8_0 shared) recipes in the
-fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fused mx kernels.
+fused GGUF kernels against the official mxfp4 experts (mxfp8 shared) in the fused mx kernels
+(MX_VARIANTS: their float unit, and their integer one, DSV4_KERNEL_MOE_DP4A).
 
 1. Decode: the fused experts (gate/up + down launches) for 1, 2, 4 and 8 tokens of distinct
    experts: time per call (medians of the eval, kernels_bench.timed) and the rate at which it reads the
@@ -116,6 +117,8 @@ EXPERT_VARIANTS["dp4a, staged"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_iq2_
 # and those with the down over limbs too.
 EXPERT_VARIANTS["mixed"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_dp4a="auto", kernel_gguf_dp4a_mixed=True)
 EXPERT_VARIANTS["mixed, down"] = dict(EXPERT_VARIANTS["mixed"], kernel_gguf_dp4a_down=True)
+# The official mxfp4 experts: the float unit, and the integer one (DSV4_KERNEL_MOE_DP4A).
+MX_VARIANTS = {"mx": {}, "mx dp4a": dict(kernel_moe_dp4a=True)}
 
 
 def under(switches: dict, fn):
@@ -127,9 +130,9 @@ def under(switches: dict, fn):
 
 def decode_rows(name, weights, tokens_list):
     """(recipe, variant, tokens, seconds, bytes, gate/up cell, down cell) per variant and token
-    count; the variants (VARIANTS, or the mx kernels alone for mxfp4) interleaved in one run."""
+    count; the variants (EXPERT_VARIANTS, or MX_VARIANTS for mxfp4) interleaved in one run."""
     gate, up, down, shared = weights
-    variants = {"mx": {}} if name == "mxfp4" else EXPERT_VARIANTS
+    variants = MX_VARIANTS if name == "mxfp4" else EXPERT_VARIANTS
     rows = []
     for tokens in tokens_list:
         x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)

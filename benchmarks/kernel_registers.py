@@ -169,12 +169,15 @@ def main(argv=None) -> int:
             widths = ", ".join(f"{n:g} x {w} B" for w, n in sorted(c["loads"].items()))
             lines.append(f"| {label} | {mode} | {sum(c['loads'].values()):g} | {widths} | {c['cvt']:g} | {c['total']:g} |")
             print(lines[-1], flush=True)
-    kernels = [(what, getattr(experts, attr, None) or getattr(matvec, attr)) for what, *pair in PAIRS for attr in pair]
-    kernels += [("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
+    kernels = [(what, getattr(experts, attr, None) or getattr(matvec, attr), 0) for what, *pair in PAIRS for attr in pair]
+    ints = next(i for i, c in enumerate(experts.GATE_UP_KERNEL.checks) if ("MODE", experts.MXFP4_INT) in c[2])
+    kernels.insert(1, ("experts gate/up, mxfp4 in the integer unit (DSV4_KERNEL_MOE_DP4A)", experts.GATE_UP_KERNEL, ints))
+    kernels += [(what, kernel, 0) for what, kernel in [
+                ("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
                 ("prefill routed experts, pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH)", experts_prefill.KERNEL_PREFETCH),
-                ("prefill routed experts (x made once, DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)", experts_prefill.KERNEL_PAIRS)]
-    for what, kernel in [] if a.gguf else kernels:
-        r = resources(kernel, paths)
+                ("prefill routed experts (x made once, DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)", experts_prefill.KERNEL_PAIRS)]]
+    for what, kernel, check in [] if a.gguf else kernels:
+        r = resources(kernel, paths, check)
         sizes = [", ".join(map(str, innermost_loops(r["cubin"], a.nvdisasm)))] if loops else []
         lines.append("| " + " | ".join([what, f"`{kernel.name}`", str(r["registers"]), str(r["spill"]), str(r["smem"]),
                                          f"{r['seconds']:.1f}", *sizes]) + " |")

@@ -308,6 +308,14 @@ define("kernel_moe_mma", False,
        "off (default: within the bounds on the H200 but slower there, the slice 2.83 vs 2.73 "
        "ms/token at 512, benchmarks/results/2026-12-02-0353-slice-decode.md) runs the portable "
        "kernels, as Metal always does")
+define("kernel_moe_dp4a", False,
+       "GPU, with act_quant: the fused experts' gate/up launch over mxfp4 routed experts in an integer "
+       "unit (dsv4/kernels/experts.py, MXFP4_INT): twice a code's value is an integer, x's fp8 values "
+       "are integer limbs (as DSV4_KERNEL_GGUF_DP4A's units take them), so each pack's dot product is "
+       "exact in DP4A and scaled once, where the float unit decodes every code to fp32 and multiplies "
+       "(issue-bound at ~4.2 instructions a weight on the H200); within the fp32 bound, not the same "
+       "bits. The mxfp8 shared expert keeps the float unit. Off (default) until the H200 times it "
+       "(benchmarks/gguf_native.py's mx rows)")
 define("kernel_qdq", True,
        "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")

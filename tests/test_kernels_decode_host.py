@@ -36,6 +36,13 @@ inline int host_dp4a(int a, int b, int c) {
   return c;
 }
 #define DP4A(a, b, c) host_dp4a(a, b, c)
+inline uint32_t host_byte_perm(uint32_t a, uint32_t b, uint32_t s) {   // CUDA's __byte_perm, no sign mode
+  const uint64_t ab = ((uint64_t)b << 32) | a;
+  uint32_t r = 0u;
+  for (int k = 0; k < 4; ++k) r |= (uint32_t)((ab >> (8 * ((s >> (4 * k)) & 7u))) & 255u) << (8 * k);
+  return r;
+}
+#define BYTE_PERM(a, b, s) host_byte_perm(a, b, s)
 #define FMAX(a, b) std::fmax(a, b)
 #define FMIN(a, b) std::fmin(a, b)
 #define RINT(x) std::nearbyint(x)

@@ -8,6 +8,7 @@ import pytest
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.kernels import dialect
 from dsv4.kernels import experts as ex
 from tests.formats import E2M1, e4m3_value
 
@@ -218,6 +219,28 @@ def test_dispatch(monkeypatch):
     for D, ok in ((10880, True), (10912, False)):
         g, u, d = q((1, 32, D)), q((1, 32, D)), q((1, D, 32))
         assert ex.kernel_supports(mx.zeros((1, D), mx.bfloat16), g, u, d, None) == ok
+
+
+def test_the_integer_unit_takes_mxfp4s_routed_experts_where_x_is_fp8():
+    """DSV4_KERNEL_MOE_DP4A: the gate/up launch's template has mxfp4's routed experts in the
+    integer unit (x's copy sized for limbs) only with act_quant, the mxfp8 shared expert's float
+    unit either way; off, the float units."""
+    rng = np.random.default_rng(0)
+    gate, up = (quantized(rng, (4, 32, 64), "mxfp4", 4, 32) for _ in range(2))
+    shared = tuple(quantized(rng, s, "mxfp8", 8, 32) for s in ((32, 64), (32, 64)))
+    x, idx, rw = mx.zeros((1, 64), mx.bfloat16), mx.array([[0, 2]], mx.int32), mx.ones((1, 2))
+    seen = []
+
+    def launch(kernel, *, template, output_shapes, output_dtypes, **_):
+        seen.append({k: v for k, v in template if k in ("MODE", "SMODE", "XS")})
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with dialect.pretend_gpu("cuda", launch):
+        for on, act_quant in ((True, True), (True, False), (False, True)):
+            with flags.override(kernel_moe_dp4a=on):
+                ex.gate_up_kernel(x, idx, rw, gate, up, shared, 10.0, act_quant)
+    assert seen == [dict(MODE=ex.MXFP4_INT, SMODE=2, XS=ex.X_INTS), dict(MODE=1, SMODE=2, XS=ex.X_STRIDE),
+                    dict(MODE=1, SMODE=2, XS=ex.X_STRIDE)]
 
 
 def test_expand_option_equals_expand_of_the_output():

@@ -10,6 +10,7 @@ per lane, the last group's clamped rows, the fp8 block of h) on every machine, n
 GPU.
 """
 
+import dataclasses
 import subprocess
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 import mlx.core as mx
 
+from dsv4 import flags
 from dsv4.kernels import experts as ex
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected, quantized
@@ -133,6 +135,43 @@ def layout(prefix, m):
     return {prefix + "MODE": ex.MODE_IDS[m.mode], prefix + "BITS": m.bits, prefix + "GS": m.group_size}
 
 
+def case(rng, mode, bits, gs, shared_mode, I, D, tokens):
+    """Random experts (5, 3 a token), a shared expert in `shared_mode` (or none), x and the routing."""
+    E, K = 5, 3
+    scale_dtype = mx.float32 if mode == "affine" else mx.bfloat16
+    gate, up = (quantized(rng, (E, I, D), mode, bits, gs, scale_dtype) for _ in range(2))
+    down = quantized(rng, (E, D, I), mode, bits, gs, scale_dtype)
+    shared = None
+    if shared_mode is not None:
+        shared = tuple(quantized(rng, s, *shared_mode) for s in ((I, D), (I, D), (D, I)))
+    x = mx.array((rng.standard_normal((tokens, D)) * 3).astype(np.float32)).astype(mx.bfloat16)
+    idx = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.05, 1.0, (tokens, K)).astype(np.float32))
+    return E, K, gate, up, down, shared, x, idx, rw
+
+
+def run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, limit, act_quant, integer=False):
+    """h from the gate/up body on the host; with `integer`, the routed experts in mxfp4's integer
+    unit (MXFP4_INT) over x's copy as limbs, as the dispatcher's template has them."""
+    tokens, D = x.shape
+    I = gate.out_features
+    hs = int(shared is not None)
+    like = shared[0] if shared else gate
+    consts = dict(K=K, HS=hs, I=I, D=D, **layout("", gate), **layout("S", like),
+                  ROWS=ex.ROWS_GATE_UP, LANES=ex.LANES_GATE_UP, XS=ex.X_STRIDE, ACTQ=act_quant)
+    if integer:
+        consts.update(MODE=ex.MXFP4_INT, XS=ex.X_INTS)
+    gate_up = build(tmp_path, "gate_up_ints" if integer else "gate_up", ex.GATE_UP_KERNEL, GATE_UP_MAIN, consts,
+                    gate, shared[0] if shared else None)
+    s_gate, s_up = (shared[0], shared[1]) if shared else (None, None)
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
+            + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
+            + matrix_bytes(gate, gate, E * I, D) + matrix_bytes(up, gate, E * I, D)
+            + matrix_bytes(s_gate, gate, I, D) + matrix_bytes(s_up, gate, I, D))
+    out = subprocess.run([str(gate_up)], input=data, capture_output=True, check=True).stdout
+    return from_bf16_bits(out, (tokens, K + hs, I))
+
+
 # I is the hidden width (gate/up rows, down inputs), D the model width. 288 = 9 packs a down row:
 # with 8 lanes a row, lane 0 takes two and the others one; 384 = 12 packs (lanes 0-3 take two).
 # D = 160 leaves the down kernel's last threadgroup of 16 rows half past the end (clamped rows).
@@ -147,34 +186,15 @@ def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode
     # bound (affine 3-bit, 3 tokens, no act_quant; 2026-12-02), whose cancellation floor is an
     # estimate, not a proven bound.
     rng = np.random.default_rng([bits, gs, I, D, tokens, int(act_quant)])
-    E, K = 5, 3
-    scale_dtype = mx.float32 if mode == "affine" else mx.bfloat16
-    gate, up = (quantized(rng, (E, I, D), mode, bits, gs, scale_dtype) for _ in range(2))
-    down = quantized(rng, (E, D, I), mode, bits, gs, scale_dtype)
-    shared = None
-    if shared_mode is not None:
-        shared = tuple(quantized(rng, s, *shared_mode) for s in ((I, D), (I, D), (D, I)))
-    x = mx.array((rng.standard_normal((tokens, D)) * 3).astype(np.float32)).astype(mx.bfloat16)
-    idx = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
-    rw = mx.array(rng.uniform(0.05, 1.0, (tokens, K)).astype(np.float32))
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, mode, bits, gs, shared_mode, I, D, tokens)
     limit = 0.3
     assert ex.kernel_supports(x, gate, up, down, shared)
-    hs = int(shared is not None)
-    like = shared[0] if shared else gate
-    consts = dict(K=K, HS=hs, I=I, D=D, **layout("", gate), **layout("S", like))
-
-    gate_up = build(tmp_path, "gate_up", ex.GATE_UP_KERNEL, GATE_UP_MAIN,
-                    dict(consts, ROWS=ex.ROWS_GATE_UP, LANES=ex.LANES_GATE_UP, XS=ex.X_STRIDE, ACTQ=act_quant),
-                    gate, shared[0] if shared else None)
-    s_gate, s_up, s_down = shared if shared else (None, None, None)
-    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
-            + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
-            + matrix_bytes(gate, gate, E * I, D) + matrix_bytes(up, gate, E * I, D)
-            + matrix_bytes(s_gate, gate, I, D) + matrix_bytes(s_up, gate, I, D))
-    out = subprocess.run([str(gate_up)], input=data, capture_output=True, check=True).stdout
-    h = from_bf16_bits(out, (tokens, K + hs, I))
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, limit, act_quant)
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
 
+    s_down = shared[2] if shared else None
+    hs = int(shared is not None)
+    consts = dict(K=K, HS=hs, I=I, D=D, **layout("", gate), **layout("S", shared[0] if shared else gate))
     down_exe = build(tmp_path, "down", ex.DOWN_KERNEL, DOWN_MAIN,
                      dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0), down,
                      s_down)
@@ -182,3 +202,21 @@ def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode
             + matrix_bytes(down, down, E * D, I) + matrix_bytes(s_down, down, D, I))
     out = subprocess.run([str(down_exe)], input=data, capture_output=True, check=True).stdout
     check_down(from_bf16_bits(out, (tokens, D)), h, idx, down, s_down)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mxfp4_integer_unit_on_the_host(tmp_path, tokens):
+    """DSV4_KERNEL_MOE_DP4A: the gate/up body with V4.1's mxfp4 routed experts in the integer unit
+    (their slots' x as limbs, the mxfp8 shared expert's as floats) against the same reference and
+    bounds; fp8-rounded x (act_quant), which the limbs need. Every fp4 code, -0 included, is drawn."""
+    rng = np.random.default_rng([4, tokens])
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, 160, tokens)
+    w = np.array(gate.weight)   # quantizing never gives -0 (code 8): some first codes made so
+    gate = dataclasses.replace(gate, weight=mx.array(np.where(rng.random(w.shape) < 0.2, (w & ~np.uint32(15)) | 8, w)))
+    assert len(np.unique(np.array(gate.weight).view(np.uint8) & 15)) == 16
+    with flags.override(kernel_moe_dp4a=True):
+        assert ex.integer_kinds(gate, shared[0], act_quant=True) == (True, False)
+        assert ex.integer_kinds(gate, shared[0], act_quant=False) == (False, False)
+        assert ex.kernel_supports(x, gate, up, down, shared)
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True, integer=True)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, True), True)

@@ -353,7 +353,26 @@ def test_tensor_core_gate_up(mode, shared_mode, I, D, tokens, act_quant):
     """DSV4_KERNEL_MOE_MMA: the mma.sync gate/up launch (experts_mma.py) against hidden_reference
     with the portable launch's bounds; the routed variant picks the router kernel's ids (its
     host emulation: tests/test_kernels_experts_mma_host.py)."""
-    from dsv4.kernels import experts_mma, router
+    from dsv4.kernels import experts_mma
+    gate_up_against_reference(mode, shared_mode, I, D, tokens, act_quant, dict(kernel_moe_mma=True),
+                              lambda x, gate, s_gate: experts_mma.applies(x, gate, s_gate))
+
+
+@pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])   # V4.1's widths
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_mxfp4_integer_unit_gate_up(I, D, tokens):
+    """DSV4_KERNEL_MOE_DP4A: the gate/up launch with mxfp4's routed experts in the integer unit
+    (x fp8-rounded, as limbs; the mxfp8 shared expert as floats) against hidden_reference with the
+    float unit's bounds (host emulation: tests/test_kernels_experts_host.py)."""
+    gate_up_against_reference("mxfp4", ("mxfp8", 8, 32), I, D, tokens, True, dict(kernel_moe_dp4a=True),
+                              lambda x, gate, s_gate: ex.integer_kinds(gate, s_gate, True) == (True, False))
+
+
+def gate_up_against_reference(mode, shared_mode, I, D, tokens, act_quant, switches, applies):
+    """The gate/up launch under `switches` (which `applies` must confirm), given ids and routed,
+    against hidden_reference with the portable launch's bounds; the routed launch picks the router
+    kernel's ids."""
+    from dsv4.kernels import router
     E, K = (384 if D < 5120 else 16), 6   # 16 experts at V4.1's widths: 1.5 GB of host randoms, not 36
     bits = 4 if mode == "mxfp4" else 8
     gate, up = quantized((E, I, D), mode, bits, 32), quantized((E, I, D), mode, bits, 32)
@@ -361,8 +380,8 @@ def test_tensor_core_gate_up(mode, shared_mode, I, D, tokens, act_quant):
     x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
     logits, bias = arr(RNG.standard_normal((tokens, E))), arr(RNG.standard_normal(E) * 0.1)
     idx, rw = router.route_kernel(logits, bias, K, 1.0, 1.5, True)
-    with flags.override(kernel_moe_mma=True):
-        assert experts_mma.applies(x, gate, shared[0] if shared else None)
+    with flags.override(**switches):
+        assert applies(x, gate, shared[0] if shared else None)
         h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
         routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, act_quant,
                                           routing=(logits, bias, K, 1.0, 1.5, True))

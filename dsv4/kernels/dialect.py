@@ -21,6 +21,8 @@ Vocabulary available to bodies:
   EXP, EXP2, LOG, RSQRT, SQRT, FMAX, FMIN, RINT, FABS   fp32 math
   POPCOUNT(u32)              set bits of a uint32_t
   DP4A(a, b, c)              c + the dot product of the four signed bytes of int a and of int b
+  BYTE_PERM(a, b, s)         the bytes of b:a (a's bytes 0-3, b's 4-7) the 4 low nibbles of s
+                             pick, byte k by nibble k (each 0-7: CUDA's __byte_perm, no sign mode)
   COS, SIN                   fp32 cosine and sine, the accurate ones (MLX's mx.cos/mx.sin's)
   DIV_RN(a, b)               a / b correctly rounded (IEEE), whatever the fast-math setting
   SHARED_ATOMIC_U32 x[n];    threadgroup/shared uint32 counters, used only through
@@ -79,6 +81,15 @@ inline int dp4a(int a, int b, int c) {   // byte k sign-extended by shifts
   return c;
 }
 #define DP4A(a, b, c) dp4a(a, b, c)
+inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+  uint32_t r = 0u;
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t i = (s >> (4 * k)) & 7u;
+    r |= (((i < 4u ? a : b) >> (8u * (i & 3u))) & 255u) << (8 * k);
+  }
+  return r;
+}
+#define BYTE_PERM(a, b, s) byte_perm(a, b, s)
 #define AS_FLOAT(u) as_type<float>(u)
 #define AS_UINT(f) as_type<uint32_t>(f)
 #define LOAD_U4(p, i) (((const device uint4*)(p))[i])
@@ -129,6 +140,7 @@ CUDA_HEADER = r"""
 #define FABS(x) fabsf(x)
 #define POPCOUNT(x) ((uint32_t)__popc(x))
 #define DP4A(a, b, c) __dp4a((int)(a), (int)(b), (int)(c))
+#define BYTE_PERM(a, b, s) __byte_perm((uint32_t)(a), (uint32_t)(b), (uint32_t)(s))
 #define AS_FLOAT(u) __uint_as_float(u)
 #define AS_UINT(f) __float_as_uint(f)
 #define LOAD_U4(p, i) (reinterpret_cast<const uint4*>(p)[i])

@@ -56,6 +56,7 @@ X_INTS = 11         # the same as integer limbs, for gguf_dot.py's integer units
 ROWS_DOWN = 2
 LANES_DOWN = 8
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
+MXFP4_INT = 3       # mxfp4 in the integer unit over x's X_INTS limbs (DSV4_KERNEL_MOE_DP4A)
 AFFINE_BITS = (2, 3, 4, 8)
 
 
@@ -100,8 +101,17 @@ class QuantizedMatrix:
     def block_values(self) -> int:
         return self.group_size
 
-    def template(self, prefix: str = "") -> list:
-        return [(prefix + "MODE", MODE_IDS[self.mode]), (prefix + "BITS", self.bits), (prefix + "GS", self.group_size)]
+    @property
+    def integer(self) -> bool:
+        """mxfp4 with the integer unit switched on (DSV4_KERNEL_MOE_DP4A); the gate/up launch
+        takes it where x is fp8-rounded."""
+        return self.mode == "mxfp4" and self.bits == 4 and self.group_size == 32 and bool(
+            flags.get("kernel_moe_dp4a"))
+
+    def template(self, prefix: str = "", integer: bool = False) -> list:
+        """MODE (with `integer`, the integer unit's MXFP4_INT), BITS, GS."""
+        mode = MXFP4_INT if integer else MODE_IDS[self.mode]
+        return [(prefix + "MODE", mode), (prefix + "BITS", self.bits), (prefix + "GS", self.group_size)]
 
     def operands(self) -> list:
         """weight, scales, biases as kernel inputs (a placeholder for absent biases)."""
@@ -308,6 +318,12 @@ struct XInts {
   }
 };
 
+// A chunk's 8 weights as signed bytes w (two words, values 0-3 then 4-7) times x's limbs xq
+// (XInts::load), added to acc[0..2] (the dot products with l0, l1, l2), exactly.
+KFN void limbs_dot8(LOCAL const int* w, LOCAL const int* xq, LOCAL int* acc) {
+  for (int k = 0; k < 3; ++k) acc[k] = DP4A(w[1], xq[2 * k + 1], DP4A(w[0], xq[2 * k], acc[k]));
+}
+
 // Sum over the LANES consecutive lanes of a lane group (LANES a power of two <= 32), in every
 // lane of the group.
 template <int LANES>
@@ -318,11 +334,26 @@ KFN float lanes_sum(float v) {
 }
 """
 
-PACKS_HEADER = r"""
-// The stride of x's threadgroup copy that MODE's units read (the GGUF header's differs by unit).
-template <int MODE, int XS> constexpr int x_stride() { return XS; }
-// A pack = 32 consecutive values of one row = BITS uint32 words. MODE 0 affine, 1 mxfp4, 2 mxfp8.
+PACKS_HEADER = f"constexpr int MXFP4_INT = {MXFP4_INT};\n" + r"""
+// The stride of x's threadgroup copy that MODE's units read: X_INTS limbs for the integer unit,
+// else floats (X_STRIDE where a launch's x copy is sized for limbs: its other slots').
+template <int MODE, int XS> constexpr int x_stride() {
+  return MODE == MXFP4_INT ? X_INTS : (XS == X_INTS ? X_STRIDE : XS);
+}
+// A pack = 32 consecutive values of one row = BITS uint32 words. MODE 0 affine, 1 mxfp4, 2 mxfp8,
+// MXFP4_INT mxfp4 in the integer unit.
 KFN float e8m0_scale(uint32_t s) { return s == 0 ? AS_FLOAT(0x00400000u) : AS_FLOAT(s << 23); }
+
+// mxfp4's integer unit (MXFP4_INT, DSV4_KERNEL_MOE_DP4A), over x as X_INTS limbs (fp8-rounded x):
+// twice a code's value is an integer (0, 1, 2, 3, 4, 6, 8, 12, signed), so a pack's dot product
+// with x's integers is exact in DP4A, then scaled once a pack. fp4_bytes4: the codes in the low
+// 16 bits of n (code k in nibble k) as four signed bytes: the magnitudes' and the negatives' tables
+// looked up by each code's low 3 bits, then each byte taken from one of them by its sign bit.
+KFN uint32_t fp4_bytes4(uint32_t n) {
+  const uint32_t pos = BYTE_PERM(0x03020100u, 0x0c080604u, n & 0x7777u);
+  const uint32_t neg = BYTE_PERM(0xfdfeff00u, 0xf4f8fafcu, n & 0x7777u);
+  return BYTE_PERM(pos, neg, 0x3210u | ((n & 0x8888u) >> 1));
+}
 
 template <int BITS, typename P>
 KFN void load_words(P w, LOCAL uint32_t* out) {
@@ -392,18 +423,33 @@ KFN void load_pack(PW w_row, PS s_row, PB b_row, int p, LOCAL uint32_t* words, L
 // of its lanes. Each step first issues the loads of every row's pack, then walks the pack in
 // chunks of 8 values (few registers for x and the decoded weights: more resident warps).
 // Fewer LANES give each lane more packs of a row, for short rows (the down projection's).
+// PackDot<INTS>::add adds one pack's products: over x as floats, or (MXFP4_INT) as limbs.
+template <bool INTS> struct PackDot;
+
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
           typename PW, typename PS, typename PB>
 KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
                   int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
-  constexpr int PACKS = K_IN / 32;
-  constexpr int WORDS_PER_ROW = PACKS * BITS;
-  constexpr int SCALES_PER_ROW = K_IN / GS;
-  constexpr int MATS = TWO ? 2 : 1;
   const int sub = (int)lane % LANES;
   const int rows0 = row0 + ((int)lane / LANES) * ROWS;
   for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
-  for (int p = sub; p < PACKS; p += LANES) {
+  for (int p = sub; p < K_IN / 32; p += LANES)
+    PackDot<MODE == MXFP4_INT>::template add<MODE, BITS, GS, ROWS, K_IN, XS, TWO>(
+        x, w0, s0, b0, w1, s1, b1, first, rows0, rows_out, p, acc0, acc1);
+  for (int r = 0; r < ROWS; ++r) {
+    acc0[r] = lanes_sum<LANES>(acc0[r]);
+    if (TWO) acc1[r] = lanes_sum<LANES>(acc1[r]);
+  }
+}
+
+template <> struct PackDot<false> {
+  template <int MODE, int BITS, int GS, int ROWS, int K_IN, int XS, bool TWO, typename PX, typename PW,
+            typename PS, typename PB>
+  static KFN void add(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int rows0, int rows_out,
+                      int p, LOCAL float* acc0, LOCAL float* acc1) {
+    constexpr int WORDS_PER_ROW = K_IN / 32 * BITS;
+    constexpr int SCALES_PER_ROW = K_IN / GS;
+    constexpr int MATS = TWO ? 2 : 1;
     uint32_t words[ROWS * MATS][BITS];
     float scale[ROWS * MATS], bias[ROWS * MATS] = {};
     for (int r = 0; r < ROWS; ++r) {
@@ -437,11 +483,43 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
         acc1[r] += MODE == 0 ? scale[m + 1] * d[m + 1] + bias[m + 1] * x_sum : scale[m + 1] * d[m + 1];
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    acc0[r] = lanes_sum<LANES>(acc0[r]);
-    if (TWO) acc1[r] = lanes_sum<LANES>(acc1[r]);
+};
+
+// MXFP4_INT: the pack's codes as signed bytes (fp4_bytes4) times x's limbs, exactly; then its
+// e8m0 scale, x's s / 2^9 and the codes' factor 2 once.
+template <> struct PackDot<true> {
+  template <int MODE, int BITS, int GS, int ROWS, int K_IN, int XS, bool TWO, typename PX, typename PW,
+            typename PS, typename PB>
+  static KFN void add(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int rows0, int rows_out,
+                      int p, LOCAL float* acc0, LOCAL float* acc1) {
+    constexpr int MATS = TWO ? 2 : 1;
+    uint32_t words[ROWS * MATS][4], codes[ROWS * MATS];
+    for (int r = 0; r < ROWS; ++r) {
+      const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
+      load_words<4>(w0 + (row * (K_IN / 32) + p) * 4, words[r * MATS]);
+      codes[r * MATS] = (uint32_t)s0[row * (K_IN / 32) + p];
+      if (TWO) {
+        load_words<4>(w1 + (row * (K_IN / 32) + p) * 4, words[r * MATS + 1]);
+        codes[r * MATS + 1] = (uint32_t)s1[row * (K_IN / 32) + p];
+      }
+    }
+    int l[ROWS * MATS][3];
+    for (int m = 0; m < ROWS * MATS; ++m) l[m][0] = l[m][1] = l[m][2] = 0;
+    for (int c = 0; c < 4; ++c) {
+      int q[6];
+      XInts::load(x, p, c, q);
+      for (int m = 0; m < ROWS * MATS; ++m) {
+        const int wb[2] = {(int)fp4_bytes4(words[m][c]), (int)fp4_bytes4(words[m][c] >> 16)};
+        limbs_dot8(wb, q, l[m]);
+      }
+    }
+    const float sx = XInts::scale(x, p) * 0.5f;
+    for (int r = 0; r < ROWS; ++r) {
+      acc0[r] += e8m0_scale(codes[r * MATS]) * sx * (float)XInts::join(l[r * MATS]);
+      if (TWO) acc1[r] += e8m0_scale(codes[r * MATS + 1]) * sx * (float)XInts::join(l[r * MATS + 1]);
+    }
   }
-}
+};
 """
 
 _HEADER = X_HEADER + PACKS_HEADER
@@ -630,12 +708,15 @@ def _check_instances(stage):
         sbt = sst if sm == "affine" else mx.uint8
         mats = (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
         gate_up_tmpl = tmpl + _gate_up_shape() + [("ACTQ", True), ("I", 2304), ("D", 5120)]
+        # V4.1's layouts again with mxfp4's integer unit (DSV4_KERNEL_MOE_DP4A; x's copy sized for limbs)
+        ints = dict(gate_up_tmpl, MODE=MXFP4_INT, XS=X_INTS) if m == "mxfp4" else None
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
-            out.append((ins, (mx.bfloat16,), tuple(gate_up_tmpl)))
+            out += [(ins, (mx.bfloat16,), tuple(t)) for t in (gate_up_tmpl, ints and list(ints.items())) if t]
         elif stage == "routed_gate_up":
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-            out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + _ROUTING_CHECK)))
+            out += [(ins, (mx.bfloat16, mx.int32), tuple(t + _ROUTING_CHECK))
+                    for t in (gate_up_tmpl, ints and list(ints.items())) if t]
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
@@ -859,7 +940,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
     # the integer units' limbs (if act_quant; the shared expert's alone under DSV4_KERNEL_GGUF_DP4A_MIXED)
-    ints = gguf(gate) and (gate.integer or (shared is not None and gguf(shared[0]) and shared[0].integer))
+    ints = gate.integer or (shared is not None and gguf(shared[0]) and shared[0].integer)
     stride = X_INTS if ints else X_STRIDE
     if gate_up_shared_bytes(x.shape[-1], stride) > shared_memory_limit(backend()):
         return False
@@ -886,10 +967,14 @@ def integer_units(gate, s_gate, act_quant: bool) -> bool:
 
 
 def integer_kinds(gate, s_gate, act_quant: bool) -> tuple[bool, bool]:
-    """(routed, shared): whether the GGUF gate/up launch's routed experts and its shared expert
-    (routed's again without one) take the integer units: both as integer_units says or, with
+    """(routed, shared): whether the gate/up launch's routed experts and its shared expert
+    (routed's again without one) take the integer units. GGUF: both as integer_units says or, with
     DSV4_KERNEL_GGUF_DP4A_MIXED, each by its own type (ds4's q2 recipe: IQ2_XXS's halves units
-    beside the Q8_0 shared expert's integer ones; x's copy is then floats or limbs by slot)."""
+    beside the Q8_0 shared expert's integer ones). MLX's packs: mxfp4's routed experts under
+    DSV4_KERNEL_MOE_DP4A, the shared expert (mxfp8 in V4.1) as floats. x's copy is then floats or
+    limbs by slot. x must be fp8-rounded (act_quant) for limbs."""
+    if isinstance(gate, QuantizedMatrix):   # mxfp4's routed experts (DSV4_KERNEL_MOE_DP4A); no mxfp8 unit
+        return bool(act_quant) and gate.integer, False
     both = integer_units(gate, s_gate, act_quant)
     if both or not (act_quant and flags.get("kernel_gguf_dp4a_mixed")):
         return both, both

@@ -482,11 +482,6 @@ template <> struct GgufUnit<31> : GgufUnit<22> {
     w[1] = (int)((q[2 * (c % 4) + 1] >> shift) & 0x03030303u);
   }
 };
-// A chunk's signed bytes w (ints8) times x's limbs xq (XInts::load), added to acc[0..2] (the dot
-// products with l0, l1, l2), exactly.
-KFN void limbs_dot8(LOCAL const int* w, LOCAL const int* xq, LOCAL int* acc) {
-  for (int k = 0; k < 3; ++k) acc[k] = DP4A(w[1], xq[2 * k + 1], DP4A(w[0], xq[2 * k], acc[k]));
-}
 // What scale group g of unit a adds with group j of pack p of x (scale sx), given the limbs' dot
 // products l: its integer sum converted once (|sum| < 2^31: 32 codes of |w| <= 128 times |q| < 2^18).
 template <typename U, typename PX>
