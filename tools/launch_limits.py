@@ -213,9 +213,10 @@ def v41_calls():
         for routed, dense in layouts:
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
-            # the CUDA tensor-core gate/up; h handed to the GGUF down as limbs; the IQ2_XXS tables in
-            # threadgroup memory (CUDA); the shared expert's units by its own type
+            # the CUDA tensor-core gate/up; mxfp4's integer unit; h handed to the GGUF down as limbs;
+            # the IQ2_XXS tables in threadgroup memory (CUDA); the shared expert's units by its own type
             for e, switches in ((None, {}), (expand, {}), (expand, dict(kernel_moe_mma=True, kernel_gguf_mma=True)),
+                                (expand, dict(kernel_moe_dp4a=True)),
                                 (expand, dict(kernel_gguf_dp4a_down=True)), (expand, dict(kernel_gguf_iq2_staged=True)),
                                 (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_iq2_staged=True,
                                               kernel_gguf_dp4a_mixed=True))):
@@ -276,8 +277,9 @@ def v41_calls():
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
         pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):
-            for made_once in (False, True):   # x's fp16 pairs made per threadgroup, or once
-                with flags.override(kernel_prefill_experts_pairs=made_once):
+            # x's fp16 pairs made per threadgroup, or once; the pipelined launch
+            for made_once, prefetch in ((False, False), (True, False), (False, True)):
+                with flags.override(kernel_prefill_experts_pairs=made_once, kernel_prefill_experts_prefetch=prefetch):
                     experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs,
                                                     32, 4, "mxfp4", sorted_indices=True)
 
