@@ -49,8 +49,8 @@ from .kernels.dialect import backend
 
 # Why not on CUDA without the CUDA part (a CPU stream hung the H100 slice:
 # benchmarks/results/2026-12-05-1740-engram-queued-cuda.md).
-NO_CUDA_READS = ("the native reader was built without CUDA's headers (cuda.h, cuda_runtime.h, "
-                 "crt/host_config.h: install nvidia-cuda-runtime and nvidia-cuda-crt, or set "
+NO_CUDA_READS = ("the native reader has no CUDA part (its build needs cuda.h, cuda_runtime.h and "
+                 "crt/host_config.h: pip install nvidia-cuda-runtime nvidia-cuda-crt, or set "
                  "CUDA_HOME), and a CPU stream's reads would stall the device on CUDA")
 _state: dict = {}   # the reads' CPU stream, the reasons said
 

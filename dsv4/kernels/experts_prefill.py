@@ -110,7 +110,8 @@ GROUP
 # at every chunk's staging. Here each group's weight words and scale codes are loaded while the
 # group before multiplies, and each chunk's x while the chunk before runs its groups: the same
 # values in the same order (the same bits), more registers.
-_X_LOAD = "if (xs_pair < count) for (int i = 0; i < 4; ++i) xr[i] = LOAD_U4(x + (size_t)(first + xs_pair) * K + 32 * (4 * (CHUNK) + xs_group), i);"
+_X_LOAD = ("if (xs_pair < count) for (int i = 0; i < 4; ++i) "
+           "xr[i] = LOAD_U4(x + (size_t)(first + xs_pair) * K + 32 * (4 * (CHUNK) + xs_group), i);")
 
 _BODY_PREFETCH = _PREAMBLE + r"""
   const int xs_pair = (int)tid >> 2, xs_group = (int)tid & 3;   // the pack this thread stages

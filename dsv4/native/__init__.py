@@ -5,7 +5,8 @@ them with nanobind into a module `_<name>` whose functions take and return `mx.a
 built by one compiler command, into `<cache>/dsv4/native/<key>/` (`$XDG_CACHE_HOME` or
 `~/.cache`), where the key covers the sources, MLX's version and library, nanobind's version, the
 Python ABI, the compiler and (on CUDA) the headers found, so a changed environment builds again
-and a build is never mixed with another's. A build takes ~7 s on two cores and shows a line while it runs.
+and a build is never mixed with another's. A build takes ~7 s on two cores and shows a line while
+it runs.
 
 What it needs: a C++20 compiler (`$CXX`, else `c++`: Xcode's command line tools on a Mac, g++ or
 clang++ on Linux), Python's headers, the `nanobind` package (a dependency of dsv4) of the ABI
@@ -120,7 +121,8 @@ def _command(name: str, output: Path, cuda: bool = True) -> list[str]:
         "-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-DNDEBUG",
         "-DNB_COMPACT_ASSERTIONS", "-DNB_DOMAIN=mlx",   # mlx.core's nanobind domain: shared types
         f"-I{nb / 'include'}", f"-I{nb / 'ext' / 'robin_map' / 'include'}", f"-I{python}",
-        f"-I{mlx / 'include'}", *(_cuda_flags() if cuda else []), str(SOURCES / f"{name}.cpp"), str(nb / "src" / "nb_combined.cpp"),
+        f"-I{mlx / 'include'}", *(_cuda_flags() if cuda else []),
+        str(SOURCES / f"{name}.cpp"), str(nb / "src" / "nb_combined.cpp"),
         f"-L{mlx / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx / 'lib'}", "-o", str(output)]
     if "-DDSV4_CUDA" in command:
         command.insert(-2, "-ldl")   # the CUDA driver's functions, looked up in MLX's libcuda
