@@ -150,15 +150,19 @@ def case(rng, mode, bits, gs, shared_mode, I, D, tokens):
     return E, K, gate, up, down, shared, x, idx, rw
 
 
+def layouts(K, I, D, routed, shared):
+    """The template values both launches share: K, HS, the widths and the two layouts."""
+    return dict(K=K, HS=int(shared is not None), I=I, D=D, **layout("", routed),
+                **layout("S", shared[0] if shared else routed))
+
+
 def run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, limit, act_quant, integer=False):
     """h from the gate/up body on the host; with `integer`, the routed experts in mxfp4's integer
     unit (MXFP4_INT) over x's copy as limbs, as the dispatcher's template has them."""
     tokens, D = x.shape
     I = gate.out_features
-    hs = int(shared is not None)
-    like = shared[0] if shared else gate
-    consts = dict(K=K, HS=hs, I=I, D=D, **layout("", gate), **layout("S", like),
-                  ROWS=ex.ROWS_GATE_UP, LANES=ex.LANES_GATE_UP, XS=ex.X_STRIDE, ACTQ=act_quant)
+    consts = dict(layouts(K, I, D, gate, shared), ROWS=ex.ROWS_GATE_UP, LANES=ex.LANES_GATE_UP, XS=ex.X_STRIDE,
+                  ACTQ=act_quant)
     if integer:
         consts.update(MODE=ex.MXFP4_INT, XS=ex.X_INTS)
     gate_up = build(tmp_path, "gate_up_ints" if integer else "gate_up", ex.GATE_UP_KERNEL, GATE_UP_MAIN, consts,
@@ -169,7 +173,7 @@ def run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, limit, act_quant, 
             + matrix_bytes(gate, gate, E * I, D) + matrix_bytes(up, gate, E * I, D)
             + matrix_bytes(s_gate, gate, I, D) + matrix_bytes(s_up, gate, I, D))
     out = subprocess.run([str(gate_up)], input=data, capture_output=True, check=True).stdout
-    return from_bf16_bits(out, (tokens, K + hs, I))
+    return from_bf16_bits(out, (tokens, K + int(shared is not None), I))
 
 
 # I is the hidden width (gate/up rows, down inputs), D the model width. 288 = 9 packs a down row:
@@ -193,11 +197,9 @@ def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
 
     s_down = shared[2] if shared else None
-    hs = int(shared is not None)
-    consts = dict(K=K, HS=hs, I=I, D=D, **layout("", gate), **layout("S", shared[0] if shared else gate))
     down_exe = build(tmp_path, "down", ex.DOWN_KERNEL, DOWN_MAIN,
-                     dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0), down,
-                     s_down)
+                     dict(layouts(K, I, D, gate, shared), ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0),
+                     down, s_down)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
             + matrix_bytes(down, down, E * D, I) + matrix_bytes(s_down, down, D, I))
     out = subprocess.run([str(down_exe)], input=data, capture_output=True, check=True).stdout

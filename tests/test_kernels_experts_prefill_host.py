@@ -199,6 +199,8 @@ def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     assert y.shape == (70, 1, n) and y.dtype == mx.bfloat16
     check(y, layer, x, ids)
     if staging == "prefetch":   # the same values in the same order: the plain launch's bits
+        body = experts_prefill.KERNEL_PREFETCH.body   # staged from the registers loaded a chunk ahead
+        assert "unpack_bf16_8(xr[i]" in body and "load_bf16_8(" not in body
         plain = host_prefill(tmp_path, layer, x, ids, sort, "launch")
         assert np.array_equal(np.array(y.view(mx.uint16)), np.array(plain.view(mx.uint16)))
 

@@ -708,15 +708,15 @@ def _check_instances(stage):
         sbt = sst if sm == "affine" else mx.uint8
         mats = (mx.uint32, st, bt) * 2 + (mx.uint32, sst, sbt) * 2
         gate_up_tmpl = tmpl + _gate_up_shape() + [("ACTQ", True), ("I", 2304), ("D", 5120)]
-        # V4.1's layouts again with mxfp4's integer unit (DSV4_KERNEL_MOE_DP4A; x's copy sized for limbs)
-        ints = dict(gate_up_tmpl, MODE=MXFP4_INT, XS=X_INTS) if m == "mxfp4" else None
+        gate_up_tmpls = [gate_up_tmpl]
+        if m == "mxfp4":   # again with mxfp4's integer unit (DSV4_KERNEL_MOE_DP4A; x's copy sized for limbs)
+            gate_up_tmpls.append(list(dict(gate_up_tmpl, MODE=MXFP4_INT, XS=X_INTS).items()))
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
-            out += [(ins, (mx.bfloat16,), tuple(t)) for t in (gate_up_tmpl, ints and list(ints.items())) if t]
+            out += [(ins, (mx.bfloat16,), tuple(t)) for t in gate_up_tmpls]
         elif stage == "routed_gate_up":
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-            out += [(ins, (mx.bfloat16, mx.int32), tuple(t + _ROUTING_CHECK))
-                    for t in (gate_up_tmpl, ints and list(ints.items())) if t]
+            out += [(ins, (mx.bfloat16, mx.int32), tuple(t + _ROUTING_CHECK)) for t in gate_up_tmpls]
         else:
             for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra

@@ -122,17 +122,7 @@ _BODY_PREFETCH = _PREAMBLE + r"""
   load_words<BITS>(w + wb_row * BITS, wb);
   uint32_t ca = s[wa_row], cb = s[wb_row];
   for (int c = 0; c < GROUPS / 4; ++c) {
-    {
-      uint32_t* to = xp + xs_pair * XSTRIDE + 16 * xs_group;
-      if (xs_pair < count) {
-        float v[32];
-        for (int i = 0; i < 4; ++i) unpack_bf16_8(xr[i], v + 8 * i);
-        xsc[xs_pair * 4 + xs_group] = pack_x_pairs<MODE>(to, v);
-      } else {
-        for (int p = 0; p < 16; ++p) to[p] = 0u;
-        xsc[xs_pair * 4 + xs_group] = 0.0f;
-      }
-    }
+STAGE
     if (c + 1 < GROUPS / 4) { LOAD_X1 }
     BARRIER();
     for (int gl = 0; gl < 4; ++gl) {
@@ -168,6 +158,9 @@ _CONVERT = r"""
       }
     }
 """
+# The same from the chunk's x already in registers (xr: _BODY_PREFETCH loads it a chunk ahead).
+_LOAD_BF16 = "for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);"
+_CONVERT_PREFETCHED = _CONVERT.replace(_LOAD_BF16, "for (int i = 0; i < 4; ++i) unpack_bf16_8(xr[i], v + 8 * i);")
 _COPY = r"""
     {
       const int pr = (int)tid >> 2, gl = (int)tid & 3;
@@ -239,7 +232,8 @@ KERNEL = Kernel(
 
 KERNEL_PREFETCH = Kernel(
     name="dsv4_prefill_experts_mma_prefetch", input_names=("x", "w", "s", "tiles"), output_names=("y",),
-    body=_BODY_PREFETCH, header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
+    body=_BODY_PREFETCH.replace("STAGE", _CONVERT_PREFETCHED), header=HEADER, dialects=("cuda",),
+    checks=_X_CHECKS)
 
 KERNEL_PAIRS = Kernel(
     name="dsv4_prefill_experts_mma_pairs", input_names=("x_pairs", "x_scales", "w", "s", "tiles"),

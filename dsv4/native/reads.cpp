@@ -314,7 +314,7 @@ class EngramRows : public mx::Primitive {
 #ifdef DSV4_CUDA
     cuda_reads::eval(table_, stream(), inputs[0], outputs[0], outputs[1]);
 #else
-    throw std::runtime_error("[EngramRows] this build runs on CPU streams only (no CUDA headers)");
+    throw std::runtime_error("[EngramRows] this build has no CUDA part: it runs on CPU streams only");
 #endif
   }
 
