@@ -10,8 +10,8 @@ For each chunk size T:
 - the routed experts (mxfp4, 384 experts, top-6, the T x 6 (token, expert) pairs sorted by
   expert, as RoutedExperts takes them): gather_qmm, dsv4's tensor-core kernel
   (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), plain and software
-  pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH), and gather_mm on
-  bf16 weights dequantized beforehand;
+  pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH) and in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16),
+  and gather_mm on bf16 weights dequantized beforehand;
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
 - the sparse attention's reference over the chunk's queries (64 heads of 512, 128 window and
@@ -106,11 +106,12 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         rows.append((f"experts {name} {d_in}->{d_out}", "dsv4 tensor-core kernel (experts_prefill)", flops,
                      _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True), repeats)))
 
-        def pipelined(xs=xs, q=q, s=s):
-            with flags.override(kernel_prefill_experts_prefetch=True):
-                return experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True)
-        rows.append((f"experts {name} {d_in}->{d_out}", "the same, pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH)",
-                     flops, _mlx_seconds(pipelined, repeats)))
+        for switch, way in (("prefetch", "the same, pipelined"), ("bf16", "the same in bf16")):
+            def switched(xs=xs, q=q, s=s, switch=switch):
+                with flags.override(**{f"kernel_prefill_experts_{switch}": True}):
+                    return experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True)
+            rows.append((f"experts {name} {d_in}->{d_out}", f"{way} (DSV4_KERNEL_PREFILL_EXPERTS_{switch.upper()})",
+                         flops, _mlx_seconds(switched, repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dequantize every expert to bf16 (no product)", 0,
                      _mlx_seconds(lambda: dequantized(q, s, 4, "mxfp4"), 1)))
         w = dequantized(q, s, 4, "mxfp4").swapaxes(-1, -2)

@@ -376,6 +376,13 @@ define("kernel_prefill_experts_prefetch", False,
        "(dsv4/kernels/experts_prefill.py), where the plain launch waits out every load's latency "
        "(its group loop is not unrolled: an HMMA waits on the LDG right before it); the same values "
        "and sums, the same bits. Off (default) until the H200 measures it (benchmarks/prefill_matmuls.py)")
+define("kernel_prefill_experts_bf16", False,
+       "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: the launch's mma in bf16, where each weight "
+       "times its group's scale and each value of x are exact, so the tensor core sums a pair's "
+       "row over the whole input with no per-group scaling, and tiles of 64 pairs by 128 rows "
+       "(dsv4/kernels/experts_prefill.py KERNEL_BF16); takes the place of _PAIRS and _PREFETCH. "
+       "Exact products summed in fp32 as before, in another order. Off (default) until the H200 "
+       "measures it (benchmarks/prefill_matmuls.py)")
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "

@@ -68,6 +68,11 @@ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) { mma_emul
 inline void mma_16816_bf16(float* d, const uint32_t* a, const uint32_t* b) { mma_emulated<frag_bf16>(d, a, b); }
 inline uint32_t host_f2h_bits(float f) { _Float16 h = (_Float16)f; uint16_t u; std::memcpy(&u, &h, 2); return u; }
 #define F2H_BITS(x) host_f2h_bits(x)
+inline uint32_t host_bf16_rn(float f) { const uint32_t u = host_as_uint(f); return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; }
+inline uint32_t host_h2_mul_bf16_bits(uint32_t a, uint32_t b) {
+  return host_bf16_rn(frag_bf16(a, 0) * frag_bf16(b, 0)) | host_bf16_rn(frag_bf16(a, 1) * frag_bf16(b, 1)) << 16;
+}
+#define H2_MUL_BF16_BITS(a, b) host_h2_mul_bf16_bits(a, b)
 """
 
 MUTATIONS = {

@@ -38,7 +38,7 @@ int main() {
   std::vector<uint8_t> s((size_t)rows * K / 32);
   std::vector<int> tiles(3 * n_tiles);
   read(x); read(w); read(s); read(tiles);
-  launch(THREADS, (N + 63) / 64, n_tiles, [&](int t, int g, int z, int threads) {
+  launch(THREADS, (N + ROWS - 1) / ROWS, n_tiles, [&](int t, int g, int z, int threads) {
     body(x.data(), w.data(), s.data(), tiles.data(), y.data(), t, g, z, threads);
   });
   std::fwrite(y.data(), 2, y.size(), stdout);
@@ -61,7 +61,7 @@ int main() {
   std::vector<uint8_t> s((size_t)rows * K / 32);
   std::vector<int> tiles(3 * n_tiles);
   read(xh); read(xs); read(w); read(s); read(tiles);
-  launch(THREADS, (N + 63) / 64, n_tiles, [&](int t, int g, int z, int threads) {
+  launch(THREADS, (N + ROWS - 1) / ROWS, n_tiles, [&](int t, int g, int z, int threads) {
     body(xh.data(), xs.data(), w.data(), s.data(), tiles.data(), y.data(), t, g, z, threads);
   });
   std::fwrite(y.data(), 2, y.size(), stdout);
@@ -95,6 +95,7 @@ def host_launch(folder, mutation=""):
     built = {}
 
     def exe(kernel, values, main):
+        values = {**values, "ROWS": launch_rows(kernel)}
         key = (kernel.name, tuple(sorted(values.items())))
         if key not in built:
             consts = "".join(f"constexpr int {n} = {int(v)};\n" for n, v in values.items())
@@ -117,11 +118,12 @@ def host_launch(folder, mutation=""):
             (n_pairs,), (n_scales,) = output_shapes
             return [mx.array(np.frombuffer(out[:4 * n_pairs], np.uint32)),
                     mx.array(np.frombuffer(out[4 * n_pairs:], np.float32))]
-        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PREFETCH, experts_prefill.KERNEL_PAIRS)
+        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PREFETCH, experts_prefill.KERNEL_PAIRS,
+                          experts_prefill.KERNEL_BF16)
         assert threadgroup == (experts_prefill.THREADS, 1, 1)
         *xin, w, s, tiles = inputs
         (pairs, n), = output_shapes
-        assert grid == (experts_prefill.THREADS, -(-n // experts_prefill.TILE_ROWS), tiles.shape[0])
+        assert grid == (experts_prefill.THREADS, -(-n // launch_rows(kernel)), tiles.shape[0])
         head = np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes()
         if kernel is not experts_prefill.KERNEL_PAIRS:
             data, main = head + bf16_bits(xin[0]), MAIN
@@ -135,13 +137,18 @@ def host_launch(folder, mutation=""):
     return launch
 
 
-def problem(rng, mode, experts, n, k, pairs):
+def launch_rows(kernel) -> int:
+    return experts_prefill.BF16_TILE_ROWS if kernel is experts_prefill.KERNEL_BF16 else experts_prefill.TILE_ROWS
+
+
+def problem(rng, mode, experts, n, k, pairs, tile=experts_prefill.TILE_PAIRS):
     """Stacked MX experts [experts, n, k] and `pairs` rows of bf16 x spanning 2^-20..2^2 across
-    their packs, each through a random expert (one of them unused, one with more than a tile)."""
+    their packs, each through a random expert (one of them unused, one with more than a tile of
+    `tile` pairs)."""
     stack = ExpertLinear(k, n, experts)
     stack.weight = mx.array(rng.standard_normal((experts, n, k)).astype(np.float32) * 0.05)
     layer = stack.to_quantized(group_size=32, bits=experts_mma.MX_MODES[mode], mode=mode)
-    ids = np.concatenate([np.full(experts_prefill.TILE_PAIRS + 5, 1), rng.integers(2, experts, pairs - 37)])
+    ids = np.concatenate([np.full(tile + 5, 1), rng.integers(2, experts, pairs - tile - 5)])
     ids = rng.permutation(ids).astype(np.uint32)
     spread = 2.0 ** rng.integers(-20, 3, (pairs, k // 32, 1))
     x = mx.array((rng.standard_normal((pairs, k // 32, 32)) * spread).reshape(pairs, 1, k).astype(np.float32))
@@ -162,14 +169,17 @@ def check(y, layer, x, ids):
 
 
 # N = 40: one threadgroup of 64 rows, its rows 40-63 clamped; K = 256 / 384: 2 and 3 chunks of
-# 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles. The pairs in any
+# 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles (bf16: N = 136, two
+# threadgroups of 128 rows; 134 pairs, expert 1's 69). The pairs in any
 # order (sorted by the dispatcher) or sorted by expert, as RoutedExperts passes them.
 # Staging: x made in the launch, made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS), or the
 # launch software pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH).
+# Or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles are 64 pairs by 128 rows.
 STAGINGS = {"launch": {}, "pairs": dict(kernel_prefill_experts_pairs=True),
-            "prefetch": dict(kernel_prefill_experts_prefetch=True)}
+            "prefetch": dict(kernel_prefill_experts_prefetch=True), "bf16": dict(kernel_prefill_experts_bf16=True)}
 LAUNCHES = {"launch": [experts_prefill.KERNEL.name], "prefetch": [experts_prefill.KERNEL_PREFETCH.name],
-            "pairs": [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name]}
+            "pairs": [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name],
+            "bf16": [experts_prefill.KERNEL_BF16.name]}
 
 
 def host_prefill(tmp_path, layer, x, ids, sort, staging):
@@ -188,21 +198,33 @@ def host_prefill(tmp_path, layer, x, ids, sort, staging):
 @pytest.mark.parametrize("mode,n,k,sort,staging", [("mxfp4", 40, 256, False, "launch"), ("mxfp8", 72, 384, False, "launch"),
                                                    ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 40, 256, True, "pairs"),
                                                    ("mxfp8", 72, 384, False, "pairs"), ("mxfp4", 40, 256, False, "prefetch"),
-                                                   ("mxfp8", 72, 384, True, "prefetch")])
+                                                   ("mxfp8", 72, 384, True, "prefetch"), ("mxfp4", 136, 256, False, "bf16"),
+                                                   ("mxfp8", 72, 384, True, "bf16")])
 def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     rng = np.random.default_rng()
-    layer, x, ids = problem(rng, mode, 6, n, k, 70)
+    tile = experts_prefill.BF16_TILE_PAIRS if staging == "bf16" else experts_prefill.TILE_PAIRS
+    layer, x, ids = problem(rng, mode, 6, n, k, 2 * tile + 6, tile)
     if sort:
         order = np.argsort(ids, kind="stable")
         x, ids = x[mx.array(order)], ids[order]
     y = host_prefill(tmp_path, layer, x, ids, sort, staging)
-    assert y.shape == (70, 1, n) and y.dtype == mx.bfloat16
+    assert y.shape == (2 * tile + 6, 1, n) and y.dtype == mx.bfloat16
     check(y, layer, x, ids)
     if staging == "prefetch":   # the same values in the same order: the plain launch's bits
         body = experts_prefill.KERNEL_PREFETCH.body   # staged from the registers loaded a chunk ahead
         assert "unpack_bf16_8(xr[i]" in body and "load_bf16_8(" not in body
         plain = host_prefill(tmp_path, layer, x, ids, sort, "launch")
         assert np.array_equal(np.array(y.view(mx.uint16)), np.array(plain.view(mx.uint16)))
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
+def test_the_bf16_launch_takes_every_scale(tmp_path, mode):
+    """Scale codes 100-199 (weights from 2^-27 to 2^72): those past 128 (134) take the bf16
+    launch's second power of two, and each group's weights meet x at their own scale."""
+    rng = np.random.default_rng(7)
+    layer, x, ids = problem(rng, mode, 3, 40, 128, 70, experts_prefill.BF16_TILE_PAIRS)
+    layer.scales = mx.array(rng.integers(100, 200, layer.scales.shape).astype(np.uint8))
+    check(host_prefill(tmp_path, layer, x, ids, False, "bf16"), layer, x, ids)
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))

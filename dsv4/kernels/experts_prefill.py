@@ -22,6 +22,9 @@ Fragments (PTX ISA, m16n8k16, lane = 4 q + t): A {(q, 2t..), (q+8, 2t..), (q, 2t
 (q+8, 2t+8..)}, B {(2t.., q), (2t+8.., q)}, D {(q, 2t), (q, 2t+1), (q+8, 2t), (q+8, 2t+1)}. In
 step s (0, 1) of a group, lane t's A registers hold weight pairs 8s + 2t and 8s + 2t + 1 of its
 rows, so its B registers hold x at those pairs' places.
+
+KERNEL_BF16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16) takes the same fragments in bf16, where the
+weights carry their scales and x needs no power of two: see its comment below.
 """
 
 from __future__ import annotations
@@ -179,6 +182,86 @@ _COPY = r"""
     }
 """
 
+# DSV4_KERNEL_PREFILL_EXPERTS_BF16: the mma in bf16, where each weight with its group's e8m0
+# scale and each value of x are exact, so nothing is scaled per group: a lane's A fragments are
+# its codes moved into bf16's fields and multiplied by the group's power of two (bf16_pair_bits,
+# scaled_pair), the B side is x itself, moved into the fragments' order (pack_bf16_pairs), and
+# the tensor core sums each pair's row over the whole input. A group then costs its decoding
+# and the mma.syncs alone, against _GROUP's per-group scales and sums; and a tile is 64 pairs
+# (its empty blocks of 8 skipped) by 128 rows, 32 a SIMD group in two sets of 16 that share
+# their B fragments, so an expert's weights are read once for up to 64 of its pairs and a
+# tile's x once for 128 rows.
+BF16_TILE_PAIRS = 64
+BF16_TILE_ROWS = 128
+
+_BF16_STAGE = r"""
+    for (int h = 0; h < 2; ++h) {   // pairs tid / 4 and 32 + tid / 4, group tid % 4 of the chunk
+      const int pr = ((int)tid >> 2) + 32 * h, gl = (int)tid & 3;
+      uint32_t* to = xp + pr * XSTRIDE + 16 * gl;
+      if (pr < count) pack_bf16_pairs<MODE>(to, x + (size_t)(first + pr) * K + 32 * (4 * c + gl));
+      else if (pr < 8 * blocks) for (int i = 0; i < 16; ++i) to[i] = 0u;
+    }
+"""
+
+_BF16_BODY = r"""
+  // grid (THREADS, ceil(N / 128), tiles); tile z = (expert, first pair, pairs <= 64) in `tiles`.
+  constexpr int GROUPS = K / 32;
+  const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
+  const int count = tiles[3 * (int)group_z + 2];
+  if (count <= 0) return;   // a slot past the last tile (the grid is sized for the most there can be)
+  const int q = (int)lane >> 2, t = (int)lane & 3, blocks = (count + 7) / 8;
+  // The SIMD group's 32 rows, the last ones moved back to end at row N - 1 (N >= 32): rows some
+  // group already makes are made again, and stored again with the same bits, so that the lane's
+  // rows q, q + 8 (set 0), q + 16, q + 24 (set 1) lie at fixed distances from its first.
+  const int row0 = min((int)group_y * 128 + 32 * (int)warp, N - 32);
+  GLOBAL uint32_t* wl = w + ((size_t)expert * N + row0 + q) * GROUPS * BITS;
+  GLOBAL uint8_t* sl = s + ((size_t)expert * N + row0 + q) * GROUPS;
+  SHARED uint32_t xp[64 * XSTRIDE];
+  float acc[2][8][4];
+  for (int set = 0; set < 2; ++set)
+    for (int j = 0; j < 8; ++j) for (int i = 0; i < 4; ++i) acc[set][j][i] = 0.0f;
+  for (int c = 0; c < GROUPS / 4; ++c) {
+STAGE
+    BARRIER();
+    for (int gl = 0; gl < 4; ++gl) {
+      const int g = 4 * c + gl;
+      uint32_t a[2][2][4];   // [set][mma step]
+      for (int set = 0; set < 2; ++set) {
+        uint32_t wa[BITS], wb[BITS];
+        load_words<BITS>(wl + (16 * set * GROUPS + g) * BITS, wa);
+        load_words<BITS>(wl + ((16 * set + 8) * GROUPS + g) * BITS, wb);
+        const uint32_t sa = sl[16 * set * GROUPS + g], sb = sl[(16 * set + 8) * GROUPS + g];
+        for (int st = 0; st < 2; ++st) {
+          const int p = 8 * st + 2 * t;
+          const uint32_t ua = step_word<MODE>(wa, st, t), ub = step_word<MODE>(wb, st, t);
+          a[set][st][0] = scaled_pair<MODE>(ua, p, sa); a[set][st][1] = scaled_pair<MODE>(ub, p, sb);
+          a[set][st][2] = scaled_pair<MODE>(ua, p + 1, sa); a[set][st][3] = scaled_pair<MODE>(ub, p + 1, sb);
+        }
+      }
+      const uint32_t* xb = xp + q * XSTRIDE + 16 * gl + 2 * t;   // block j's pairs 8 j XSTRIDE further
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < blocks) {   // the same for the whole threadgroup
+          for (int st = 0; st < 2; ++st) {
+            const uint32_t b[2] = {xb[8 * j * XSTRIDE + 8 * st], xb[8 * j * XSTRIDE + 8 * st + 1]};
+            mma_16816_bf16(acc[0][j], a[0][st], b);
+            mma_16816_bf16(acc[1][j], a[1][st], b);
+          }
+        }
+    }
+    BARRIER();
+  }
+#pragma unroll
+  for (int set = 0; set < 2; ++set)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int pr = 8 * j + 2 * t + (i & 1), row = row0 + 16 * set + q + (i >= 2 ? 8 : 0);
+        if (pr < count) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[set][j][i]);
+      }
+"""
+
 X_BODY = r"""
   // grid (packs rounded up to the threadgroup, 1, 1): thread i makes pack i % (K / 32) of pair
   // i / (K / 32), as _CONVERT does for one threadgroup: its 16 fp16 pairs and power of two.
@@ -217,7 +300,42 @@ KFN float pack_x_pairs(PD dst, LOCAL const float* v) {
   return xs * (MODE == 1 ? 16384.0f : 256.0f);
 }
 """
-HEADER = _HEADER + experts_mma.HEADER + _PACK_HEADER
+# What the bf16 launch adds: the weights of a pair as bf16 with their group's scale, and x's
+# pack in the A fragments' order, moved.
+_BF16_HEADER = r"""
+// The codes of pair p (word_pair_bits' places) moved into bf16's fields: their values times
+// 2^-126 (MODE 1's e2m1) or 2^-120 (MODE 2's e4m3), subnormal for the smallest, exact.
+template <int MODE> KFN uint32_t bf16_pair_bits(uint32_t word, int p) {
+  if (MODE == 1) {
+    const uint32_t q = word >> (4 * (p & 3));
+    return ((q & 0x00070007u) << 6) | ((q & 0x00080008u) << 12);
+  }
+  const uint32_t q = word >> (8 * (p & 1));
+  return ((q & 0x007f007fu) << 4) | ((q & 0x00800080u) << 8);
+}
+KFN uint32_t bf16_pow2_pair(int m) { const uint32_t h = (uint32_t)(m + 127) << 7; return h | (h << 16); }
+// Pair p's two weights times their group's scale 2^(code - 127), as bf16 bits: exact (the values
+// have 2 or 4 significant bits, and bf16 reaches 2^-133), but for codes whose weights pass bf16's
+// (fp32's) largest value, infinite as the reference's are. The power of two past bf16's largest
+// (2^127: codes past 128, 134) is applied in two steps.
+template <int MODE> KFN uint32_t scaled_pair(uint32_t word, int p, uint32_t code) {
+  const int m = (int)code - (MODE == 1 ? 1 : 7);
+  const uint32_t v = H2_MUL_BF16_BITS(bf16_pair_bits<MODE>(word, p), bf16_pow2_pair(min(m, 127)));
+  return m > 127 ? H2_MUL_BF16_BITS(v, bf16_pow2_pair(m - 127)) : v;
+}
+// Pack (32 bf16 values at src, 16-byte aligned) as the B side reads it: its 16 pairs at dst in
+// the order pair_bits holds the weights (pair_k(p) low, PAIR_GAP further high), moved.
+template <int MODE, typename PD, typename PX> KFN void pack_bf16_pairs(PD dst, PX src) {
+  for (int i = 0; i < 4; ++i) {   // 8 values: words (0 1) (2 3) (4 5) (6 7)
+    const uint4 u = LOAD_U4(src, i);
+    const uint32_t a = u.x, b = MODE == 1 ? u.z : u.y, c = MODE == 1 ? u.y : u.z, d = u.w;
+    const uint4 v = {BYTE_PERM(a, b, 0x5410u), BYTE_PERM(a, b, 0x7632u), BYTE_PERM(c, d, 0x5410u),
+                     BYTE_PERM(c, d, 0x7632u)};
+    ((uint4*)dst)[i] = v;
+  }
+}
+"""
+HEADER = _HEADER + experts_mma.HEADER + _PACK_HEADER + _BF16_HEADER
 
 _SHAPES = (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304), ("mxfp8", 8, 2304, 5120))
 
@@ -244,6 +362,10 @@ KERNEL_PAIRS = Kernel(
                    ("N", n), ("K", k)))
                  for mode, bits, n, k in _SHAPES))
 
+KERNEL_BF16 = Kernel(
+    name="dsv4_prefill_experts_mma_bf16", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    body=_BF16_BODY.replace("STAGE\n", _BF16_STAGE), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
+
 X_KERNEL = Kernel(
     name="dsv4_prefill_experts_x", input_names=("x",), output_names=("x_pairs", "x_scales"), body=X_BODY,
     header=HEADER, dialects=("cuda",),
@@ -264,28 +386,28 @@ def applies(layer, x: mx.array, indices: mx.array) -> bool:
     return flags.switch("kernel_prefill_experts_mma", True) and indices.size >= least
 
 
-def max_tiles(pairs: int, experts: int) -> int:
-    """The most tiles `pairs` sorted pairs over `experts` experts can make: each expert's run
-    of c pairs makes ceil(c / TILE_PAIRS) <= c / TILE_PAIRS + 1 tiles."""
-    return math.ceil(pairs / TILE_PAIRS) + min(experts, pairs)
+def max_tiles(pairs: int, experts: int, size: int = TILE_PAIRS) -> int:
+    """The most tiles of `size` pairs that `pairs` sorted pairs over `experts` experts can make:
+    each expert's run of c pairs makes ceil(c / size) <= c / size + 1 tiles."""
+    return math.ceil(pairs / size) + min(experts, pairs)
 
 
-def tiles(experts_sorted: mx.array, experts: int) -> mx.array:
+def tiles(experts_sorted: mx.array, experts: int, size: int = TILE_PAIRS) -> mx.array:
     """(expert, first pair, pairs) of each tile: every expert's run of sorted pairs cut into
-    pieces of at most TILE_PAIRS, in order, as int32 [max_tiles, 3]; the slots past the last
-    tile hold 0 pairs. Computed on the device, so launching needs no host sync."""
+    pieces of at most `size`, in order, as int32 [max_tiles, 3]; the slots past the last tile
+    hold 0 pairs. Computed on the device, so launching needs no host sync."""
     P = experts_sorted.size
     ids = experts_sorted.reshape(-1).astype(mx.int32)
     counts = mx.zeros((experts,), mx.int32).at[ids].add(1)
     firsts = mx.cumsum(counts) - counts                                 # each expert's first pair
-    per_expert = (counts + TILE_PAIRS - 1) // TILE_PAIRS
+    per_expert = (counts + size - 1) // size
     ends = mx.cumsum(per_expert)                                        # past each expert's last tile
-    slot = mx.arange(max_tiles(P, experts), dtype=mx.int32)
+    slot = mx.arange(max_tiles(P, experts, size), dtype=mx.int32)
     expert = mx.minimum(mx.sum(ends[None, :] <= slot[:, None], axis=1), experts - 1).astype(mx.int32)
     piece = slot - (ends[expert] - per_expert[expert])                  # the tile's place in its run
-    count = mx.clip(counts[expert] - TILE_PAIRS * piece, 0, TILE_PAIRS)
+    count = mx.clip(counts[expert] - size * piece, 0, size)
     count = mx.where(slot < ends[-1], count, 0)
-    return mx.stack([expert, firsts[expert] + TILE_PAIRS * piece, count], axis=1).astype(mx.int32)
+    return mx.stack([expert, firsts[expert] + size * piece, count], axis=1).astype(mx.int32)
 
 
 def reference(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False):
@@ -308,9 +430,13 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     order = None if sorted_indices else mx.argsort(flat)
     if order is not None:
         flat, x = flat[order], x[order]
-    work = tiles(flat, weight.shape[0])
+    bf16 = flags.get("kernel_prefill_experts_bf16") and N >= 32   # (a SIMD group's rows)
+    size, rows = (BF16_TILE_PAIRS, BF16_TILE_ROWS) if bf16 else (TILE_PAIRS, TILE_ROWS)
+    work = tiles(flat, weight.shape[0], size)
     inputs, kernel = [x], KERNEL_PREFETCH if flags.get("kernel_prefill_experts_prefetch") else KERNEL
-    if flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
+    if size == BF16_TILE_PAIRS:
+        kernel = KERNEL_BF16
+    elif flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
         packs = P * K // 32
         inputs, kernel = X_KERNEL(
             inputs=[x], output_shapes=[(packs * 16,), (packs,)], output_dtypes=[mx.uint32, mx.float32],
@@ -318,7 +444,7 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
             template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("K", K)]), KERNEL_PAIRS
     (y,) = kernel(
         inputs=[*inputs, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
-        grid=(THREADS, math.ceil(N / TILE_ROWS), work.shape[0]), threadgroup=(THREADS, 1, 1),
+        grid=(THREADS, math.ceil(N / rows), work.shape[0]), threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE), ("N", N),
                   ("K", K)])
     return (y if order is None else y[mx.argsort(order)]).reshape(P, 1, N)
