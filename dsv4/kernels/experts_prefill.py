@@ -184,9 +184,9 @@ _COPY = r"""
 
 # DSV4_KERNEL_PREFILL_EXPERTS_BF16: the mma in bf16, where each weight with its group's e8m0
 # scale and each value of x are exact, so nothing is scaled per group: a lane's A fragments are
-# its codes moved into bf16's fields and multiplied by the group's power of two (bf16_pair_bits,
-# scaled_pair), the B side is x itself, moved into the fragments' order (pack_bf16_pairs), and
-# the tensor core sums each pair's row over the whole input. A group then costs its decoding
+# its share of the codes (one word of fp4) moved into bf16's fields and multiplied by the group's
+# power of two (slot_bits, scaled_slot), the B side is x itself, moved into the same order
+# (pack_bf16_pairs), and the tensor core sums each pair's row over the whole input. A group then costs its decoding
 # and the mma.syncs alone, against _GROUP's per-group scales and sums; and a tile is 64 pairs
 # (its empty blocks of 8 skipped) by 128 rows, 32 a SIMD group in two sets of 16 that share
 # their B fragments, so an expert's weights are read once for up to 64 of its pairs and a
@@ -214,7 +214,8 @@ _BF16_BODY = r"""
   // group already makes are made again, and stored again with the same bits, so that the lane's
   // rows q, q + 8 (set 0), q + 16, q + 24 (set 1) lie at fixed distances from its first.
   const int row0 = min((int)group_y * 128 + 32 * (int)warp, N - 32);
-  GLOBAL uint32_t* wl = w + ((size_t)expert * N + row0 + q) * GROUPS * BITS;
+  constexpr int LANE_WORDS = BITS / 4;   // a lane's words of a row's group: values 8 t..8 t + 7
+  GLOBAL uint32_t* wl = w + ((size_t)expert * N + row0 + q) * GROUPS * BITS + LANE_WORDS * t;
   GLOBAL uint8_t* sl = s + ((size_t)expert * N + row0 + q) * GROUPS;
   SHARED uint32_t xp[64 * XSTRIDE];
   float acc[2][8][4];
@@ -227,15 +228,15 @@ STAGE
       const int g = 4 * c + gl;
       uint32_t a[2][2][4];   // [set][mma step]
       for (int set = 0; set < 2; ++set) {
-        uint32_t wa[BITS], wb[BITS];
-        load_words<BITS>(wl + (16 * set * GROUPS + g) * BITS, wa);
-        load_words<BITS>(wl + ((16 * set + 8) * GROUPS + g) * BITS, wb);
+        uint32_t wa[LANE_WORDS], wb[LANE_WORDS];   // the lane's share of the group in rows q, q + 8
+        for (int i = 0; i < LANE_WORDS; ++i) {
+          wa[i] = wl[(16 * set * GROUPS + g) * BITS + i];
+          wb[i] = wl[((16 * set + 8) * GROUPS + g) * BITS + i];
+        }
         const uint32_t sa = sl[16 * set * GROUPS + g], sb = sl[(16 * set + 8) * GROUPS + g];
         for (int st = 0; st < 2; ++st) {
-          const int p = 8 * st + 2 * t;
-          const uint32_t ua = step_word<MODE>(wa, st, t), ub = step_word<MODE>(wb, st, t);
-          a[set][st][0] = scaled_pair<MODE>(ua, p, sa); a[set][st][1] = scaled_pair<MODE>(ub, p, sb);
-          a[set][st][2] = scaled_pair<MODE>(ua, p + 1, sa); a[set][st][3] = scaled_pair<MODE>(ub, p + 1, sb);
+          a[set][st][0] = scaled_slot<MODE>(wa, st, 0, sa); a[set][st][1] = scaled_slot<MODE>(wb, st, 0, sb);
+          a[set][st][2] = scaled_slot<MODE>(wa, st, 1, sa); a[set][st][3] = scaled_slot<MODE>(wb, st, 1, sb);
         }
       }
       const uint32_t* xb = xp + q * XSTRIDE + 16 * gl + 2 * t;   // block j's pairs 8 j XSTRIDE further
@@ -303,35 +304,39 @@ KFN float pack_x_pairs(PD dst, LOCAL const float* v) {
 # What the bf16 launch adds: the weights of a pair as bf16 with their group's scale, and x's
 # pack in the A fragments' order, moved.
 _BF16_HEADER = r"""
-// The codes of pair p (word_pair_bits' places) moved into bf16's fields: their values times
-// 2^-126 (MODE 1's e2m1) or 2^-120 (MODE 2's e4m3), subnormal for the smallest, exact.
-template <int MODE> KFN uint32_t bf16_pair_bits(uint32_t word, int p) {
+// Lane t's share of a row's group of 32 codes is values 8t..8t+7 (MODE 1's word t, MODE 2's
+// words 2t and 2t + 1), fed as four k slots of two weights each: slot (st, h), mma step st,
+// register half h (k 2t.. or 2t+8..), holds values 8t + 2st + h and 4 further (MODE 1) or
+// 8t + 4st + h and 2 further (MODE 2). slot_bits: that pair's codes moved into bf16's fields,
+// their values times 2^-126 (e2m1) or 2^-120 (e4m3), subnormal for the smallest, exact. MODE 1
+// takes three instructions a pair: its two nibbles masked out, then copied to bits 6-9 and
+// 12-15 of each half at once by a multiply (the copies do not overlap), then the fields kept.
+template <int MODE> KFN uint32_t slot_bits(LOCAL const uint32_t* w, int st, int h) {
   if (MODE == 1) {
-    const uint32_t q = word >> (4 * (p & 3));
-    return ((q & 0x00070007u) << 6) | ((q & 0x00080008u) << 12);
+    const uint32_t x = st ? w[0] >> 8 : w[0];
+    return ((x & (h ? 0x00f000f0u : 0x000f000fu)) * (h ? 0x104u : 0x1040u)) & 0x81c081c0u;
   }
-  const uint32_t q = word >> (8 * (p & 1));
-  return ((q & 0x007f007fu) << 4) | ((q & 0x00800080u) << 8);
+  const uint32_t x = w[st] >> (8 * h);
+  return ((x & 0x007f007fu) << 4) | ((x & 0x00800080u) << 8);
 }
 KFN uint32_t bf16_pow2_pair(int m) { const uint32_t h = (uint32_t)(m + 127) << 7; return h | (h << 16); }
-// Pair p's two weights times their group's scale 2^(code - 127), as bf16 bits: exact (the values
-// have 2 or 4 significant bits, and bf16 reaches 2^-133), but for codes whose weights pass bf16's
-// (fp32's) largest value, infinite as the reference's are. The power of two past bf16's largest
-// (2^127: codes past 128, 134) is applied in two steps.
-template <int MODE> KFN uint32_t scaled_pair(uint32_t word, int p, uint32_t code) {
+// Slot (st, h)'s two weights times their group's scale 2^(code - 127), as bf16 bits: exact (the
+// values have 2 or 4 significant bits, and bf16 reaches 2^-133), but for codes whose weights
+// pass bf16's (fp32's) largest value, infinite as the reference's are. The power of two past
+// bf16's largest (2^127: codes past 128, 134) is applied in two steps.
+template <int MODE> KFN uint32_t scaled_slot(LOCAL const uint32_t* w, int st, int h, uint32_t code) {
   const int m = (int)code - (MODE == 1 ? 1 : 7);
-  const uint32_t v = H2_MUL_BF16_BITS(bf16_pair_bits<MODE>(word, p), bf16_pow2_pair(min(m, 127)));
+  const uint32_t v = H2_MUL_BF16_BITS(slot_bits<MODE>(w, st, h), bf16_pow2_pair(min(m, 127)));
   return m > 127 ? H2_MUL_BF16_BITS(v, bf16_pow2_pair(m - 127)) : v;
 }
-// Pack (32 bf16 values at src, 16-byte aligned) as the B side reads it: its 16 pairs at dst in
-// the order pair_bits holds the weights (pair_k(p) low, PAIR_GAP further high), moved.
+// Pack (32 bf16 values at src, 16-byte aligned) as the B side reads it: the pair of slot
+// (st, h) of lane t at word 8st + 2t + h of dst, moved.
 template <int MODE, typename PD, typename PX> KFN void pack_bf16_pairs(PD dst, PX src) {
-  for (int i = 0; i < 4; ++i) {   // 8 values: words (0 1) (2 3) (4 5) (6 7)
-    const uint4 u = LOAD_U4(src, i);
+  for (int t = 0; t < 4; ++t) {   // values 8t..8t+7: words (0 1) (2 3) (4 5) (6 7)
+    const uint4 u = LOAD_U4(src, t);
     const uint32_t a = u.x, b = MODE == 1 ? u.z : u.y, c = MODE == 1 ? u.y : u.z, d = u.w;
-    const uint4 v = {BYTE_PERM(a, b, 0x5410u), BYTE_PERM(a, b, 0x7632u), BYTE_PERM(c, d, 0x5410u),
-                     BYTE_PERM(c, d, 0x7632u)};
-    ((uint4*)dst)[i] = v;
+    dst[2 * t] = BYTE_PERM(a, b, 0x5410u); dst[2 * t + 1] = BYTE_PERM(a, b, 0x7632u);
+    dst[8 + 2 * t] = BYTE_PERM(c, d, 0x5410u); dst[9 + 2 * t] = BYTE_PERM(c, d, 0x7632u);
   }
 }
 """
