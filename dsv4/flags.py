@@ -380,7 +380,7 @@ define("kernel_prefill_experts_bf16", False,
        "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: the launch's mma in bf16, where each weight "
        "times its group's scale and each value of x are exact, so the tensor core sums a pair's "
        "row over the whole input with no per-group scaling, and tiles of 64 pairs by 128 rows "
-       "(dsv4/kernels/experts_prefill.py KERNEL_BF16); takes the place of _PAIRS and _PREFETCH. "
+       "(dsv4/kernels/experts_prefill.py KERNEL_BF16; matrices of 32 rows or more); takes the place of _PAIRS and _PREFETCH. "
        "Exact products summed in fp32 as before, in another order. Off (default) until the H200 "
        "measures it (benchmarks/prefill_matmuls.py)")
 define("kernel_prefill_attention_mma", "auto",

@@ -186,11 +186,11 @@ _COPY = r"""
 # scale and each value of x are exact, so nothing is scaled per group: a lane's A fragments are
 # its share of the codes (one word of fp4) moved into bf16's fields and multiplied by the group's
 # power of two (slot_bits, scaled_slot), the B side is x itself, moved into the same order
-# (pack_bf16_pairs), and the tensor core sums each pair's row over the whole input. A group then costs its decoding
-# and the mma.syncs alone, against _GROUP's per-group scales and sums; and a tile is 64 pairs
-# (its empty blocks of 8 skipped) by 128 rows, 32 a SIMD group in two sets of 16 that share
-# their B fragments, so an expert's weights are read once for up to 64 of its pairs and a
-# tile's x once for 128 rows.
+# (pack_bf16_pairs), and the tensor core sums each pair's row over the whole input. A group then
+# costs its decoding and the mma.syncs alone, against _GROUP's per-group scales and sums; and a
+# tile is 64 pairs (its empty blocks of 8 skipped) by 128 rows, 32 a SIMD group in two sets of 16
+# that share their B fragments, so an expert's weights are read once for up to 64 of its pairs
+# and a tile's x once for 128 rows. Matrices of fewer than 32 rows keep the plain launch.
 BF16_TILE_PAIRS = 64
 BF16_TILE_ROWS = 128
 
@@ -439,7 +439,7 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     size, rows = (BF16_TILE_PAIRS, BF16_TILE_ROWS) if bf16 else (TILE_PAIRS, TILE_ROWS)
     work = tiles(flat, weight.shape[0], size)
     inputs, kernel = [x], KERNEL_PREFETCH if flags.get("kernel_prefill_experts_prefetch") else KERNEL
-    if size == BF16_TILE_PAIRS:
+    if bf16:
         kernel = KERNEL_BF16
     elif flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
         packs = P * K // 32
