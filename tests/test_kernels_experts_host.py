@@ -1,7 +1,7 @@
 """The fused experts kernels' bodies (gate/up, then down) run on the host, CPU, in CI.
 
 Each body is compiled with clang (tools/cxx.py) under the host prelude and test_kernels_matvec's
-threadgroup emulator (a thread per lane, std::barrier for BARRIER and for the SIMD-group
+threadgroup emulator (a thread per lane, a barrier of fibers for BARRIER and for the SIMD-group
 exchanges), with T a bf16 type, and run over the launch grid the dispatcher uses at the
 committed launch shapes (rows_dot's ROWS x LANES; the down kernel's 8-lane groups included). Its
 outputs are checked against the plain-MLX stages (hidden_reference, down_reference) with the GPU

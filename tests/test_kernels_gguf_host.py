@@ -1,6 +1,6 @@
 """The GGUF-block decode kernels (gguf_dot.py's rows_dot under the matvec and fused-experts
 bodies) run on the host, CPU, in CI: compiled with clang under the threadgroup emulator of
-test_kernels_matvec (a thread per lane, std::barrier for BARRIER and the SIMD exchanges) at
+test_kernels_matvec (a thread per lane, a barrier of fibers for BARRIER and the SIMD exchanges) at
 the dispatchers' launch shapes, on random GGUF blocks, against the plain-MLX references
 (exact decoding as gguf-py's, then fp32 matmuls) with the bounds of the MLX-pack kernels'
 tests. This checks the unit decoding (nibble, bit-plane and grid layouts, sub-block scales

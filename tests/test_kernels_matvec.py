@@ -200,22 +200,44 @@ def test_tokens_launch_only_where_it_applies():
 
 # --- the kernel body itself, run on the host --------------------------------------------------
 # The body and header are compiled with clang under test_kernels_decode_host's host prelude
-# and run as a threadgroup of real threads: SHARED is a static shared by the threads of the
-# threadgroup in flight (threadgroups run one after another, `launch`), BARRIER a std::barrier,
-# and simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group; a
+# and run as a threadgroup of threads, each a fiber (ucontext) taking turns on one OS thread, so
+# a wait costs a context switch and not a futex: SHARED is a static shared by the threads of the
+# threadgroup in flight (threadgroups run one after another, `launch`), BARRIER a barrier of
+# fibers, and simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group; a
 # body wrapper starts with EMULATED_IDS(tid) and reads its inputs with `read`. This checks the
 # kernel's own indexing (rows per SIMD group, K slices, partial sums, the last threadgroup's
 # clamped rows) for fp32 x; the GPU test runs the same body on the device.
 
 EMULATOR = r"""
-#include <barrier>
-#include <cmath>
-#include <memory>
-#include <thread>
-#include <vector>
-thread_local uint32_t t_lane, t_warp;
+// Fibers: every thread of the threadgroup in flight is a ucontext with its own stack, run in
+// turn on one OS thread. A thread runs until it waits at a barrier, then the next one runs.
+struct EmulatedThread { ucontext_t context; uint32_t lane = 0, warp = 0; bool done = false; };
+uint32_t t_lane, t_warp;   // the running thread's ids (EMULATED_IDS), restored at each resume
+EmulatedThread* running;
+ucontext_t scheduler;
+unsigned long progress;    // arrivals and finished threads: a pass without any is a deadlock
+inline void yield_thread() {
+  EmulatedThread* self = running;
+  self->lane = t_lane;
+  self->warp = t_warp;
+  swapcontext(&self->context, &scheduler);
+  t_lane = self->lane;
+  t_warp = self->warp;
+}
+// std::barrier's arrive_and_wait for fibers: the last to arrive goes on, the others wait.
+struct EmulatedBarrier {
+  int n, count = 0;
+  unsigned generation = 0;
+  explicit EmulatedBarrier(int n) : n(n) {}
+  void arrive_and_wait() {
+    const unsigned g = generation;
+    ++progress;
+    if (++count == n) { count = 0; ++generation; return; }
+    while (generation == g) yield_thread();
+  }
+};
 float warp_vals[32][32];
-std::unique_ptr<std::barrier<>> warp_bar[32], group_bar;
+std::unique_ptr<EmulatedBarrier> warp_bar[32], group_bar;
 // Every lane of the SIMD group posts v, then reads what it needs: the lanes' values in order
 // (a sum in lane order, a max) or one lane's.
 template <typename F>
@@ -258,15 +280,46 @@ inline int read_int() {
 template <class V> void read(V& v) {
   if (std::fread(v.data(), sizeof(v[0]), v.size(), stdin) != v.size()) std::exit(2);
 }
+std::function<void(int)> thread_body;
+void start_thread(int t) {
+  thread_body(t);
+  running->done = true;
+  ++progress;
+}
 // run(thread, group_y, group_z, threads) for every thread of the grid, a threadgroup at a time.
+// A threadgroup whose threads all wait with none arriving is stuck: exit 3, where real threads
+// would hang.
 template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
-  for (int i = 0; i < threads / 32; ++i) warp_bar[i] = std::make_unique<std::barrier<>>(32);
+  constexpr size_t STACK = 1 << 20;
+  static std::vector<std::unique_ptr<char[]>> stacks;
+  while ((int)stacks.size() < threads) stacks.emplace_back(new char[STACK]);
+  std::vector<EmulatedThread> pool(threads);
+  for (int i = 0; i < threads / 32; ++i) warp_bar[i] = std::make_unique<EmulatedBarrier>(32);
   for (int z = 0; z < groups_z; ++z)
     for (int g = 0; g < groups_y; ++g) {
-      group_bar = std::make_unique<std::barrier<>>(threads);
-      std::vector<std::thread> pool;
-      for (int t = 0; t < threads; ++t) pool.emplace_back(run, t, g, z, threads);
-      for (auto& th : pool) th.join();
+      group_bar = std::make_unique<EmulatedBarrier>(threads);
+      thread_body = [&](int t) { run(t, g, z, threads); };
+      for (int t = 0; t < threads; ++t) {
+        pool[t] = EmulatedThread();
+        getcontext(&pool[t].context);
+        pool[t].context.uc_stack.ss_sp = stacks[t].get();
+        pool[t].context.uc_stack.ss_size = STACK;
+        pool[t].context.uc_link = &scheduler;
+        makecontext(&pool[t].context, (void (*)())start_thread, 1, t);
+      }
+      for (int left = threads; left > 0;) {
+        const unsigned long before = progress;
+        for (auto& thread : pool) {
+          if (thread.done) continue;
+          running = &thread;
+          swapcontext(&scheduler, &thread.context);
+          left -= thread.done;
+        }
+        if (left > 0 && progress == before) {
+          std::fprintf(stderr, "emulated threadgroup (%d, %d) stuck at a barrier\n", g, z);
+          std::exit(3);
+        }
+      }
     }
 }
 """
@@ -314,6 +367,23 @@ def emulated_kernel(tmp_path, q, x, act_quant, split, rows, tokens_launch=False,
             + np.array(q.weight).tobytes() + scales.tobytes() + biases)
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
     return np.frombuffer(out, np.float32).reshape(tokens, N)
+
+
+def test_the_emulator_reports_a_thread_that_never_reaches_a_barrier(tmp_path):
+    """Real threads would wait there forever; the emulator's fibers exit 3, naming the
+    threadgroup (the second of the launch: the first passes)."""
+    source = EMULATOR + r"""
+int main() {
+  launch(64, 2, 1, [&](int t, int g, int, int) {
+    EMULATED_IDS(t)
+    if (g == 1 && t == 37) return;
+    simd_sum_f(1.0f);
+    BARRIER();
+  });
+  return 0;
+}"""
+    result = subprocess.run([str(build_host(tmp_path, "stuck", source))], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3 and "threadgroup (1, 0) stuck at a barrier" in result.stderr
 
 
 @pytest.mark.parametrize("n,k,mode,bits,gs,act_quant", [
