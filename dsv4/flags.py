@@ -294,11 +294,13 @@ define("kernel_sparse_attention", True,
 define("attention_threadgroups", 256,
        "threadgroups the sparse-attention kernel aims for (its rows split between them, then "
        "merged): more keep a large GPU busy at decode, fewer make the merge cheaper", minimum=1)
-define("kernel_attention_rows8", False,
+define("kernel_attention_rows8", "auto",
        "sparse attention at decode (bf16, 256/512 dims) takes 8 rows per step per SIMD group (one "
        "transposed shuffle reduction for their dots, 16-byte loads of 512 consecutive bytes) and "
-       "merges its splits over D/128 SIMD groups per head (dsv4/kernels/sparse_attention.py); off "
-       "(default until the H200 measures it: benchmarks/attention_decode.py) runs the 4-row kernels")
+       "merges its splits over D/128 SIMD groups per head (dsv4/kernels/sparse_attention.py). auto "
+       "(default): on under CUDA, where the slice's step at 512 took 2.60 ms against 2.70 on an H100 "
+       "(benchmarks/results/2026-12-06-0355-slice-decode.md); off on Metal until a Mac measures it; "
+       "on, off (the 4-row kernels)", choices=AUTO_ON_OFF)
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
@@ -314,8 +316,8 @@ define("kernel_moe_dp4a", False,
        "are integer limbs (as DSV4_KERNEL_GGUF_DP4A's units take them), so each pack's dot product is "
        "exact in DP4A and scaled once, where the float unit decodes every code to fp32 and multiplies "
        "(issue-bound at ~4.2 instructions a weight on the H200); within the fp32 bound, not the same "
-       "bits. The mxfp8 shared expert keeps the float unit. Off (default) until the H200 times it "
-       "(benchmarks/gguf_native.py's mx rows)")
+       "bits. The mxfp8 shared expert keeps the float unit. Off (default): slower on an H100, the slice's "
+       "step at 512 2.84 ms against 2.70 (benchmarks/results/2026-12-06-0355-slice-decode.md)")
 define("kernel_qdq", True,
        "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")
@@ -375,14 +377,19 @@ define("kernel_prefill_experts_prefetch", False,
        "loaded while the group before multiplies and each chunk's x while the chunk before runs "
        "(dsv4/kernels/experts_prefill.py), where the plain launch waits out every load's latency "
        "(its group loop is not unrolled: an HMMA waits on the LDG right before it); the same values "
-       "and sums, the same bits. Off (default) until the H200 measures it (benchmarks/prefill_matmuls.py)")
-define("kernel_prefill_experts_bf16", False,
+       "and sums, the same bits. Off (default): no faster on an H100, gate 4.78 against 4.70 ms at 2048 "
+       "tokens, the slice's 4K prefill 12684 against 12858 tokens/s "
+       "(benchmarks/results/2026-12-06-0352-prefill-matmuls.md, 2026-12-06-0353-slice-prefill.md)")
+define("kernel_prefill_experts_bf16", "auto",
        "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: the launch's mma in bf16, where each weight "
        "times its group's scale and each value of x are exact, so the tensor core sums a pair's "
        "row over the whole input with no per-group scaling, and tiles of 64 pairs by 128 rows "
        "(dsv4/kernels/experts_prefill.py KERNEL_BF16; matrices of 32 rows or more); takes the place of _PAIRS and _PREFETCH. "
-       "Exact products summed in fp32 as before, in another order. Off (default) until the H200 "
-       "measures it (benchmarks/prefill_matmuls.py)")
+       "Exact products summed in fp32 as before, in another order. auto (default): on, where an H100 "
+       "took 2.91 ms against 4.70 for gate 5120->2304 at 2048 tokens, 2.77 against 4.62 for down "
+       "(benchmarks/results/2026-12-06-0352-prefill-matmuls.md), and the slice's prefill ran 16493 "
+       "tokens/s against 12858 at 4K, 12944 against 10644 at 32K (2026-12-06-0353-slice-prefill.md); "
+       "on, off (the fp16 launch)", choices=AUTO_ON_OFF)
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "
@@ -508,12 +515,15 @@ define("kernel_cache", "auto",
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
-define("kernel_mhc_wide", False,
+define("kernel_mhc_wide", "auto",
        "decode (1-8 tokens): each mHC site entry's two launches spread a token over the whole GPU "
        "(partials of the projection and collapse on D/32 SIMD groups, the expand's included; then "
        "the RMSNorm over D/256 threadgroups beside the Sinkhorn's), where they ran on one SM per "
-       "token at ~15-20 µs each; the same roundings. Off until the H200 measures it "
-       "(benchmarks/mhc_decode.py)")
+       "token at ~15-20 µs each; the same roundings. auto (default): on under CUDA, where the slice's "
+       "step at 512 took 2.52 ms against 2.70 on an H100, and 2.42 against 2.72 with "
+       "DSV4_KERNEL_ATTENTION_ROWS8 (benchmarks/results/2026-12-06-0355-slice-decode.md, "
+       "2026-12-06-0357-slice-decode.md); off on Metal until a Mac measures it; on, off",
+       choices=AUTO_ON_OFF)
 
 # --- decode loop ----------------------------------------------------------------------------
 define("fixed_decode", "auto",

@@ -174,12 +174,15 @@ def check(y, layer, x, ids):
 # order (sorted by the dispatcher) or sorted by expert, as RoutedExperts passes them.
 # Staging: x made in the launch, made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS), or the
 # launch software pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH).
-# Or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles are 64 pairs by 128 rows.
-STAGINGS = {"launch": {}, "pairs": dict(kernel_prefill_experts_pairs=True),
-            "prefetch": dict(kernel_prefill_experts_prefetch=True), "bf16": dict(kernel_prefill_experts_bf16=True)}
+# Or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles are 64 pairs by 128 rows; the
+# others turn it off, and `default` leaves every switch as it is (bf16: on under CUDA).
+STAGINGS = {"launch": dict(kernel_prefill_experts_bf16=False),
+            "pairs": dict(kernel_prefill_experts_bf16=False, kernel_prefill_experts_pairs=True),
+            "prefetch": dict(kernel_prefill_experts_bf16=False, kernel_prefill_experts_prefetch=True),
+            "bf16": dict(kernel_prefill_experts_bf16=True), "default": {}}
 LAUNCHES = {"launch": [experts_prefill.KERNEL.name], "prefetch": [experts_prefill.KERNEL_PREFETCH.name],
             "pairs": [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name],
-            "bf16": [experts_prefill.KERNEL_BF16.name]}
+            "bf16": [experts_prefill.KERNEL_BF16.name], "default": [experts_prefill.KERNEL_BF16.name]}
 
 
 def host_prefill(tmp_path, layer, x, ids, sort, staging):
@@ -199,10 +202,10 @@ def host_prefill(tmp_path, layer, x, ids, sort, staging):
                                                    ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 40, 256, True, "pairs"),
                                                    ("mxfp8", 72, 384, False, "pairs"), ("mxfp4", 40, 256, False, "prefetch"),
                                                    ("mxfp8", 72, 384, True, "prefetch"), ("mxfp4", 136, 256, False, "bf16"),
-                                                   ("mxfp8", 72, 384, True, "bf16")])
+                                                   ("mxfp8", 72, 384, True, "bf16"), ("mxfp4", 40, 256, True, "default")])
 def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     rng = np.random.default_rng()
-    tile = experts_prefill.BF16_TILE_PAIRS if staging == "bf16" else experts_prefill.TILE_PAIRS
+    tile = experts_prefill.BF16_TILE_PAIRS if LAUNCHES[staging] == LAUNCHES["bf16"] else experts_prefill.TILE_PAIRS
     layer, x, ids = problem(rng, mode, 6, n, k, 2 * tile + 6, tile)
     if sort:
         order = np.argsort(ids, kind="stable")

@@ -24,6 +24,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernels_poisoned")]
 RNG = np.random.default_rng()
 
 
+@pytest.fixture(autouse=True)
+def rollback_kernels():
+    """The kernels the CUDA defaults replaced stay tested here, each with its own switch off: the
+    4-row attention (test_attention_rows8_kernels turns the 8-row one back on) and the per-token
+    mHC launches (the wide ones: test_kernels_mhc_gpu.py)."""
+    with flags.override(kernel_attention_rows8=False, kernel_mhc_wide=False):
+        yield
+
+
 def f32(a):
     return np.array(a.astype(mx.float32))
 

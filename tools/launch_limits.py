@@ -182,13 +182,14 @@ def v41_calls():
         streams, pre = _zeros(1, t, hc, D), _zeros(1, t, hc, dtype=mx.float32)
         fn, scale, base = _zeros(nm, hc * D, dtype=mx.float32), _zeros(3, dtype=mx.float32), _zeros(nm, dtype=mx.float32)
         post, comb = _zeros(1, t, hc, dtype=mx.float32), _zeros(1, t, hc, hc, dtype=mx.float32)
-        mhc.hc_mixes(streams, fn, scale, base, 1e-20, a.hc_eps)
-        mhc.hc_collapse_norm(streams, pre, _zeros(D), 1e-20)
-        for fp8_copy in (False, True):
-            mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,
-                                       fp8_copy=fp8_copy)
-        mhc.hc_expand(_zeros(1, t, D), streams, post, comb)
-        mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn)
+        with flags.override(kernel_mhc_wide=False):   # the per-token launches (CUDA's default is wide)
+            mhc.hc_mixes(streams, fn, scale, base, 1e-20, a.hc_eps)
+            mhc.hc_collapse_norm(streams, pre, _zeros(D), 1e-20)
+            for fp8_copy in (False, True):
+                mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,
+                                           fp8_copy=fp8_copy)
+            mhc.hc_expand(_zeros(1, t, D), streams, post, comb)
+            mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn)
         with flags.override(kernel_mhc_wide=True):   # the wide decode path's launches
             for fp8_copy in (False, True):
                 mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,

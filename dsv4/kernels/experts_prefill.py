@@ -435,7 +435,7 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     order = None if sorted_indices else mx.argsort(flat)
     if order is not None:
         flat, x = flat[order], x[order]
-    bf16 = flags.get("kernel_prefill_experts_bf16") and N >= 32   # (a SIMD group's rows)
+    bf16 = flags.switch("kernel_prefill_experts_bf16", True) and N >= 32   # (a SIMD group's rows)
     size, rows = (BF16_TILE_PAIRS, BF16_TILE_ROWS) if bf16 else (TILE_PAIRS, TILE_ROWS)
     work = tiles(flat, weight.shape[0], size)
     inputs, kernel = [x], KERNEL_PREFETCH if flags.get("kernel_prefill_experts_prefetch") else KERNEL

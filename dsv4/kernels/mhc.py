@@ -507,7 +507,7 @@ def _compiled_mixes_reference(norm_eps: float, hc_eps: float, iterations: int):
 def _wide(streams) -> bool:
     """The wide decode path applies (switch on, few tokens, quads of columns, whole lanes)."""
     *lead, hc, D = streams.shape
-    return (bool(flags.get("kernel_mhc_wide")) and math.prod(lead) <= WIDE_MAX_TOKENS
+    return (flags.switch("kernel_mhc_wide", backend() == "cuda") and math.prod(lead) <= WIDE_MAX_TOKENS
             and 32 % hc == 0 and D % 4 == 0)
 
 

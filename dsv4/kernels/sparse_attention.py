@@ -509,7 +509,7 @@ ROWS8_MERGE_KERNEL = Kernel(
 
 def rows8_applies(q) -> bool:
     """Whether the 8-row kernels take this call: the switch, and bf16 rows of 256 or 512 values."""
-    return (flags.get("kernel_attention_rows8") and q.dtype == mx.bfloat16
+    return (flags.switch("kernel_attention_rows8", backend() == "cuda") and q.dtype == mx.bfloat16
             and q.shape[-1] in (256, 512))
 
 
