@@ -140,8 +140,8 @@ def _precompiled_headers() -> list[str]:
 
 def build_host(folder, name: str, source: str):
     """source (C++, after HOST_PRELUDE) compiled in folder -> the executable's path. C++20: the
-    kernels' headers use it. No FMA contraction: the bit-exact tests check fp32 arithmetic as written, and zig's clang targets
-    the host CPU, which has FMA."""
+    kernels' headers use it. No FMA contraction: the bit-exact tests check fp32 arithmetic as
+    written, and zig's clang targets the host CPU, which has FMA."""
     src, exe = folder / f"{name}.cpp", folder / name
     src.write_text(HOST_PRELUDE + source)
     result = subprocess.run(cxx_command() + HOST_FLAGS + _precompiled_headers() + ["-o", str(exe), str(src)],

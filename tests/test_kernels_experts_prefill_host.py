@@ -202,7 +202,8 @@ def host_prefill(tmp_path, layer, x, ids, sort, staging):
                                                    ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 40, 256, True, "pairs"),
                                                    ("mxfp8", 72, 384, False, "pairs"), ("mxfp4", 40, 256, False, "prefetch"),
                                                    ("mxfp8", 72, 384, True, "prefetch"), ("mxfp4", 136, 256, False, "bf16"),
-                                                   ("mxfp8", 72, 384, True, "bf16"), ("mxfp4", 40, 256, True, "default")])
+                                                   ("mxfp8", 72, 384, True, "bf16"),
+                                                   ("mxfp4", 40, 256, True, "default")])
 def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     rng = np.random.default_rng()
     tile = experts_prefill.BF16_TILE_PAIRS if LAUNCHES[staging] == LAUNCHES["bf16"] else experts_prefill.TILE_PAIRS

@@ -203,10 +203,10 @@ def test_tokens_launch_only_where_it_applies():
 # and run as a threadgroup of threads, each a fiber (ucontext) taking turns on one OS thread, so
 # a wait costs a context switch and not a futex: SHARED is a static shared by the threads of the
 # threadgroup in flight (threadgroups run one after another, `launch`), BARRIER a barrier of
-# fibers, and simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD group; a
-# body wrapper starts with EMULATED_IDS(tid) and reads its inputs with `read`. This checks the
-# kernel's own indexing (rows per SIMD group, K slices, partial sums, the last threadgroup's
-# clamped rows) for fp32 x; the GPU test runs the same body on the device.
+# fibers, and simd_sum_f / simd_max_f / simd_xor_f exchanges between the 32 threads of a SIMD
+# group; a body wrapper starts with EMULATED_IDS(tid) and reads its inputs with `read`. This
+# checks the kernel's own indexing (rows per SIMD group, K slices, partial sums, the last
+# threadgroup's clamped rows) for fp32 x; the GPU test runs the same body on the device.
 
 EMULATOR = r"""
 // Fibers: every thread of the threadgroup in flight is a ucontext with its own stack, run in

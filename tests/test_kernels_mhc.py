@@ -142,7 +142,7 @@ def test_the_wide_entry_is_the_default_under_cuda_only(monkeypatch, gpu, wide):
     no Mac has measured them."""
     monkeypatch.setattr(mhc, "backend", lambda: gpu)
     assert mhc._wide(mx.zeros((1, 1, 4, 64), mx.bfloat16)) is wide
-    with flags.override(kernel_mhc_wide="on" if not wide else "off"):
+    with flags.override(kernel_mhc_wide="off" if wide else "on"):
         assert mhc._wide(mx.zeros((1, 1, 4, 64), mx.bfloat16)) is not wide
 
 
