@@ -5,8 +5,11 @@
         python benchmarks/experts_shapes.py --ncu      # GPU time per launch, no host time
 
 Shapes: 384 experts of 2304 x 5120 in mxfp4, top-6, a shared expert in mxfp8, act_quant (the
-model's numerics). Each variant sets `dsv4.kernels.experts`' ROWS_GATE_UP / LANES_GATE_UP (the
-gate/up launch) or ROWS_DOWN / LANES_DOWN (the down launch) and times that launch alone for 1,
+model's numerics); with `--recipe q2|q4`, ds4's GGUF blocks instead (benchmarks/gguf_native.py's
+recipes, the Q8_0 shared expert; the backend's default units). Each variant sets
+`dsv4.kernels.experts`' ROWS_GATE_UP / LANES_GATE_UP (the gate/up launch) or ROWS_DOWN /
+LANES_DOWN (the down launch), or for GGUF blocks the routed type's GGUF_GATE_UP_SHAPES /
+GGUF_DOWN_SHAPES entry, and times that launch alone for 1,
 4 and 8 tokens: variants of one launch run interleaved (A B B A ...) in one process, each
 timing a batch of calls ending in one `mx.eval`, so the per-call time includes the host's
 share (the same for every variant of a launch). The report gives medians, the rate at which
@@ -18,6 +21,7 @@ the order the report lists them, for a profiler to time. Needs a GPU backend.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmar
 from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, max_diff, random_mx  # noqa: E402
 from dsv4.kernels import experts as ex  # noqa: E402
 from dsv4.kernels.dialect import backend  # noqa: E402
+from dsv4.kernels.gguf_dot import GGUFMatrix  # noqa: E402
 
 E, I, D, K = 384, 2304, 5120, 6
 GATE_UP = [(4, 32), (2, 16), (2, 32), (1, 32), (8, 32)]
@@ -53,11 +58,50 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def weights():
+def weights(recipe: str = "mxfp4"):
+    if recipe != "mxfp4":
+        from benchmarks.gguf_native import recipe_weights
+        return recipe_weights(recipe)
     gate, up, down = (random_mx(s, "mxfp4") for s in ((E, I, D), (E, I, D), (E, D, I)))
     shared = tuple(random_mx(s, "mxfp8") for s in ((I, D), (I, D), (D, I)))
     mx.eval(gate.weight, up.weight, down.weight, [m.weight for m in shared])
     return gate, up, down, shared
+
+
+def shape_setters(gate, down) -> dict:
+    """{launch: (its committed shape, a function setting it)}: the module's ROWS/LANES for MLX's
+    packs, the routed type's entry of the GGUF tables for GGUF blocks."""
+    def set_gate_up(shape):
+        if isinstance(gate, GGUFMatrix):
+            ex.GGUF_GATE_UP_SHAPES[gate.qtype] = shape
+        else:
+            ex.ROWS_GATE_UP, ex.LANES_GATE_UP = shape
+
+    def set_down(shape):
+        if isinstance(down, GGUFMatrix):
+            ex.GGUF_DOWN_SHAPES[down.qtype] = shape
+        else:
+            ex.ROWS_DOWN, ex.LANES_DOWN = shape
+
+    if isinstance(gate, GGUFMatrix):
+        return {"gate_up": (ex.GGUF_GATE_UP_SHAPES[gate.qtype], set_gate_up),
+                "down": (ex.GGUF_DOWN_SHAPES[down.qtype], set_down)}
+    return {"gate_up": ((ex.ROWS_GATE_UP, ex.LANES_GATE_UP), set_gate_up),
+            "down": ((ex.ROWS_DOWN, ex.LANES_DOWN), set_down)}
+
+
+def only_experts(m, rows: mx.array):
+    """Stacked experts m cut to the experts `rows`."""
+    if isinstance(m, GGUFMatrix):
+        return GGUFMatrix(m.weight[rows], m.qtype)
+    return dataclasses.replace(m, weight=m.weight[rows], scales=m.scales[rows],
+                               biases=None if m.biases is None else m.biases[rows])
+
+
+def row_bytes(m, n: int = 1) -> float:
+    """Bytes of n experts of m (the whole matrix for a shared expert)."""
+    total = m.weight.nbytes + (0 if isinstance(m, GGUFMatrix) else m.scales.nbytes)
+    return n * total / (E if m.weight.ndim == 3 else 1)
 
 
 def inputs(tokens: int):
@@ -71,22 +115,20 @@ def inputs(tokens: int):
 def launches(tokens, gate, up, down, shared):
     """{launch: (set_shape, call, reference, bytes read)} for the given token count."""
     x, idx, w = inputs(tokens)
-    experts = len(set(idx.flatten().tolist()))
-    nbytes = lambda m, n=1: n * (m.weight.nbytes + m.scales.nbytes) / (E if m.weight.ndim == 3 else 1)
-    h = ex.hidden_reference(x, idx, w, gate, up, shared, 10.0, True)
+    used = sorted(set(idx.flatten().tolist()))
+    experts = len(used)
+    # The references over the experts used alone (GGUF blocks dequantize a whole stack).
+    rows = mx.array(used)
+    local = mx.array([[used.index(e) for e in row] for row in idx.tolist()], mx.int32)
+    gate_u, up_u, down_u = (only_experts(m, rows) for m in (gate, up, down))
+    h = ex.hidden_reference(x, local, w, gate_u, up_u, shared, 10.0, True)
     mx.eval(h)
-
-    def set_gate_up(shape):
-        ex.ROWS_GATE_UP, ex.LANES_GATE_UP = shape
-
-    def set_down(shape):
-        ex.ROWS_DOWN, ex.LANES_DOWN = shape
-
+    setters = shape_setters(gate, down)
     return experts, {
-        "gate_up": (set_gate_up, lambda: ex.gate_up_kernel(x, idx, w, gate, up, shared, 10.0, True)[0], h,
-                    nbytes(gate, experts) + nbytes(up, experts) + nbytes(shared[0]) + nbytes(shared[1])),
-        "down": (set_down, lambda: ex.down_kernel(h, idx, down, shared[2]),
-                 ex.down_reference(h, idx, down, shared[2]), nbytes(down, experts) + nbytes(shared[2])),
+        "gate_up": (setters["gate_up"][1], lambda: ex.gate_up_kernel(x, idx, w, gate, up, shared, 10.0, True)[0], h,
+                    row_bytes(gate, experts) + row_bytes(up, experts) + row_bytes(shared[0]) + row_bytes(shared[1])),
+        "down": (setters["down"][1], lambda: ex.down_kernel(h, idx, down, shared[2]),
+                 ex.down_reference(h, local, down_u, shared[2]), row_bytes(down, experts) + row_bytes(shared[2])),
     }
 
 
@@ -97,16 +139,18 @@ def main():
     p.add_argument("--down", type=parse_shapes, default=DOWN, metavar="RxL,...")
     p.add_argument("--tokens", default="1,4,8")
     p.add_argument("--ncu", action="store_true", help=f"{NCU_CALLS} calls of each variant, no timing")
+    p.add_argument("--recipe", choices=("mxfp4", "q2", "q4"), default="mxfp4",
+                   help="the official mxfp4 experts, or ds4's q2 / q4 GGUF blocks")
     a = p.parse_args()
     if backend() is None:
         sys.exit("experts_shapes needs a GPU backend (Metal or CUDA) on the default device")
     if a.out is None and not a.ncu:
         p.error("--out is required (or --ncu)")
-    defaults = {"gate_up": (ex.ROWS_GATE_UP, ex.LANES_GATE_UP), "down": (ex.ROWS_DOWN, ex.LANES_DOWN)}
     shapes = {"gate_up": a.gate_up, "down": a.down}
-    gate, up, down, shared = weights()
+    gate, up, down, shared = weights(a.recipe)
+    defaults = {name: shape for name, (shape, _) in shape_setters(gate, down).items()}
     now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [f"# Fused experts launch shapes — {now:%Y-%m-%d %H:%M} UTC", "", hardware(), "",
+    lines = [f"# Fused experts launch shapes ({a.recipe}) — {now:%Y-%m-%d %H:%M} UTC", "", hardware(), "",
              f"Copy bandwidth measured here: {copy_bandwidth() / 1e12:.2f} TB/s (read + write of 2 GiB). "
              f"Committed defaults: gate/up {'x'.join(map(str, defaults['gate_up']))}, "
              f"down {'x'.join(map(str, defaults['down']))} (ROWS x LANES).", ""]

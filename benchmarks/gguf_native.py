@@ -117,8 +117,12 @@ EXPERT_VARIANTS["dp4a, staged"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_iq2_
 # and those with the down over limbs too.
 EXPERT_VARIANTS["mixed"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_dp4a="auto", kernel_gguf_dp4a_mixed=True)
 EXPERT_VARIANTS["mixed, down"] = dict(EXPERT_VARIANTS["mixed"], kernel_gguf_dp4a_down=True)
+# The backend's defaults, and with the down launch's shared expert over several SIMD groups
+# (DSV4_KERNEL_MOE_SHARED_SPLITS=0: by its row's bytes).
+EXPERT_VARIANTS["default"] = {}
+EXPERT_VARIANTS["default, split"] = dict(kernel_moe_shared_splits=0)
 # The official mxfp4 experts: the float unit, and the integer one (DSV4_KERNEL_MOE_DP4A).
-MX_VARIANTS = {"mx": {}, "mx dp4a": dict(kernel_moe_dp4a=True)}
+MX_VARIANTS = {"mx": {}, "mx dp4a": dict(kernel_moe_dp4a=True), "mx split": dict(kernel_moe_shared_splits=0)}
 
 
 def under(switches: dict, fn):
@@ -128,11 +132,13 @@ def under(switches: dict, fn):
     return run
 
 
-def decode_rows(name, weights, tokens_list):
+def decode_rows(name, weights, tokens_list, only=None):
     """(recipe, variant, tokens, seconds, bytes, gate/up cell, down cell) per variant and token
-    count; the variants (EXPERT_VARIANTS, or MX_VARIANTS for mxfp4) interleaved in one run."""
+    count; the variants (EXPERT_VARIANTS, or MX_VARIANTS for mxfp4; those named in `only` if
+    given) interleaved in one run."""
     gate, up, down, shared = weights
     variants = MX_VARIANTS if name == "mxfp4" else EXPERT_VARIANTS
+    variants = {k: v for k, v in variants.items() if only is None or k in only}
     rows = []
     for tokens in tokens_list:
         x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)
@@ -266,7 +272,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="1,2,4,8")
     p.add_argument("--verify-tokens", default="2,4,6", help="token counts of the dense multi-token table ('' for none)")
     p.add_argument("--no-prefill", action="store_true", help="decode timings only")
+    p.add_argument("--experts-only", action="store_true", help="the fused experts' table only (no dense matvec, no prefill)")
+    p.add_argument("--variants", help="the experts' variants to run, '|'-separated labels (default: all)")
     a = p.parse_args(argv)
+    only = set(a.variants.split("|")) if a.variants else None
+    if only and not only <= set(EXPERT_VARIANTS) | set(MX_VARIANTS):
+        p.error(f"--variants: unknown {sorted(only - set(EXPERT_VARIANTS) - set(MX_VARIANTS))}; "
+                f"expected labels among {sorted(set(EXPERT_VARIANTS) | set(MX_VARIANTS))}")
     tokens = [int(t) for t in a.tokens.split(",")]
     torch_bw = torch_copy_bandwidth()
     mlx_bw = copy_bandwidth()
@@ -284,7 +296,9 @@ def main(argv=None) -> int:
              "(DSV4_KERNEL_GGUF_DP4A_DOWN: and h handed over as limbs, the down launch in the integer "
              "units), hsub / dp4a, staged (DSV4_KERNEL_GGUF_IQ2_STAGED: q2's IQ2_XXS tables in threadgroup "
              "memory), mixed (DSV4_KERNEL_GGUF_DP4A_MIXED: auto's units each kind by its type, q2's Q8_0 "
-             "shared expert integer) and mixed, down (with DSV4_KERNEL_GGUF_DP4A_DOWN). 'same' = "
+             "shared expert integer), mixed, down (with DSV4_KERNEL_GGUF_DP4A_DOWN), default (the "
+             "backend's defaults) and default, split (with DSV4_KERNEL_MOE_SHARED_SPLITS=0: the down launch's "
+             "shared expert over several SIMD groups; for mxfp4: mx split). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",
@@ -292,34 +306,35 @@ def main(argv=None) -> int:
     prefill = []
     for name in ("mxfp4", "q2", "q4"):
         weights = recipe_weights(name)
-        for n, label, t, sec, nbytes, gate_up, down, same in decode_rows(name, weights, tokens):
+        for n, label, t, sec, nbytes, gate_up, down, same in decode_rows(name, weights, tokens, only):
             lines.append(f"| {n} | {label} | {t} | {sec * 1e6:.1f} | {nbytes / 1e6:.1f} | {nbytes / sec / 1e12:.2f} | "
                          f"{gate_up} | {down} | {same} |")
             print(lines[-1], flush=True)
-        if name != "mxfp4" and not a.no_prefill:
+        if name != "mxfp4" and not (a.no_prefill or a.experts_only):
             prefill += prefill_rows(name, weights)
             print(prefill[-2:], flush=True)
         del weights
-    labels = list(VARIANTS)
-    lines += ["", "## GGUF Q8_0 dense matvec (act_quant fused), the variants interleaved", "",
-              "| N x K | tokens | MB | " + " | ".join(f"{v} µs (TB/s)" for v in labels) + " |",
-              "|---|---|---|" + "---|" * len(labels)]
-    for n, k, t_count, t, nbytes in matvec_rows([v for v in tokens if v in (1, 8)] or tokens[:1]):
-        cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
-        lines.append(f"| {n} x {k} | {t_count} | {nbytes / 1e6:.1f} | {cells} |")
-        print(lines[-1], flush=True)
-    verify = [int(t) for t in a.verify_tokens.split(",") if t]
-    labels = list(TOKENS_VARIANTS)
-    lines += ["", "## GGUF Q8_0 dense matvec for a verify's tokens: a threadgroup a token, or the multi-token "
-              "launch (DSV4_KERNEL_MATVEC_TOKENS), interleaved", "",
-              "'same': the multi-token launch's output equals the one-token launch's bit for bit.", "",
-              "| N x K | tokens | MB | " + " | ".join(f"{v} µs (TB/s)" for v in labels) + " | same |",
-              "|---|---|---|" + "---|" * len(labels) + "---|"]
-    for shape, t_count, t, nbytes, same in matvec_tokens_rows(verify):
-        cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
-        flags_same = ", ".join(f"{v}: {'yes' if ok else 'no'}" for v, ok in same.items())
-        lines.append(f"| {shape} | {t_count} | {nbytes / 1e6:.1f} | {cells} | {flags_same} |")
-        print(lines[-1], flush=True)
+    if not a.experts_only:   # the dense Q8_0 matvec tables
+        labels = list(VARIANTS)
+        lines += ["", "## GGUF Q8_0 dense matvec (act_quant fused), the variants interleaved", "",
+                  "| N x K | tokens | MB | " + " | ".join(f"{v} µs (TB/s)" for v in labels) + " |",
+                  "|---|---|---|" + "---|" * len(labels)]
+        for n, k, t_count, t, nbytes in matvec_rows([v for v in tokens if v in (1, 8)] or tokens[:1]):
+            cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
+            lines.append(f"| {n} x {k} | {t_count} | {nbytes / 1e6:.1f} | {cells} |")
+            print(lines[-1], flush=True)
+        verify = [int(t) for t in a.verify_tokens.split(",") if t]
+        labels = list(TOKENS_VARIANTS)
+        lines += ["", "## GGUF Q8_0 dense matvec for a verify's tokens: a threadgroup a token, or the multi-token "
+                  "launch (DSV4_KERNEL_MATVEC_TOKENS), interleaved", "",
+                  "'same': the multi-token launch's output equals the one-token launch's bit for bit.", "",
+                  "| N x K | tokens | MB | " + " | ".join(f"{v} µs (TB/s)" for v in labels) + " | same |",
+                  "|---|---|---|" + "---|" * len(labels) + "---|"]
+        for shape, t_count, t, nbytes, same in matvec_tokens_rows(verify):
+            cells = " | ".join(f"{t[v] * 1e6:.1f} ({nbytes / t[v] / 1e12:.2f})" for v in labels)
+            flags_same = ", ".join(f"{v}: {'yes' if ok else 'no'}" for v, ok in same.items())
+            lines.append(f"| {shape} | {t_count} | {nbytes / 1e6:.1f} | {cells} | {flags_same} |")
+            print(lines[-1], flush=True)
     if prefill:   # none with --no-prefill
         lines += ["", "## Prefill: one MoE layer's routed experts, 8 chunks of 512 tokens", "",
                   "| recipe | path | tokens/s |", "|---|---|---|"]

@@ -318,6 +318,17 @@ define("kernel_moe_dp4a", False,
        "(issue-bound at ~4.2 instructions a weight on the H200); within the fp32 bound, not the same "
        "bits. The mxfp8 shared expert keeps the float unit. Off (default): slower on an H100, the slice's "
        "step at 512 2.84 ms against 2.70 (benchmarks/results/2026-12-06-0355-slice-decode.md)")
+define("kernel_moe_shared_splits", 1,
+       "the fused experts' down launch: SIMD groups on the shared expert's rows, each a part of its "
+       "inputs, beside one per routed expert, so that the threadgroup's slowest SIMD group is no "
+       "longer the shared expert's alone (ds4's q2 recipe: its Q8_0 rows 2448 bytes against Q2_K's "
+       "756; the official mxfp8 against mxfp4 about 2x); its parts are summed before the expert's "
+       "rounding, within the fp32 bound of one group's sums. 1 (default): one SIMD group, as before; an "
+       "H100 measured no gain at one token (q2's down 55.1 against 54.9 µs, mxfp4's 29.7 against "
+       "30.1: the launch is bound by its instructions), 5% for q4 at 4-8 tokens (benchmarks/results/"
+       "2026-12-06-0605-gguf-native.md). 0: the shared row's bytes over a routed row's, rounded "
+       "(1-4); 2-4: that many",
+       minimum=0)
 define("kernel_qdq", True,
        "fp8 / fp4 rounding with power-of-two scales (matmul inputs, window KV, indexer q/k) in "
        "one GPU launch each, bit-identical; off runs the plain-MLX reference (~8 launches)")
@@ -579,7 +590,9 @@ define("engram_queued", False,
        "same rows and logits. The reads run on a CPU stream, or on CUDA (whose CPU-stream events "
        "synchronize the device: the slice hung, benchmarks/results/"
        "2026-12-05-1740-engram-queued-cuda.md) as a host function in the step's stream, built "
-       "with CUDA's headers (dsv4/native/reads_cuda.h). Off (default) until a GPU measures it. "
+       "with CUDA's headers (dsv4/native/reads_cuda.h). Off (default): an H100 timed the Engram "
+       "slice 5.75 against 5.84 ms/token at 512, the ranges overlapping, without recording which "
+       "reads ran (benchmarks/results/2026-12-06-0630-slice-decode-engram.md). "
        "Without the build (on CUDA: its CUDA part), or with engram_resident or engram_row_cache, "
        "the rows are read on the host (engram_pieces)")
 define("compile", True,

@@ -88,7 +88,7 @@ int main() {
   std::vector<SSCALE> sds((size_t)DO * I / SGS), sdb(sds.size());
   read(h); read(idx); read(dw); read(ds); read(db); read(sdw); read(sds); read(sdb);
   constexpr int RW = ROWS * 32 / LANES;
-  launch(32 * (K + HS), (DO + RW - 1) / RW, tokens, [&](int t, int g, int z, int threads) {
+  launch(32 * GROUPS, (DO + RW - 1) / RW, tokens, [&](int t, int g, int z, int threads) {
     body(h.data(), idx.data(), dw.data(), ds.data(), db.data(), sdw.data(), sds.data(), sdb.data(), nullptr,
          nullptr, nullptr, y.data(), t, g, z, threads);
   });
@@ -197,13 +197,36 @@ def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
 
     s_down = shared[2] if shared else None
-    down_exe = build(tmp_path, "down", ex.DOWN_KERNEL, DOWN_MAIN,
-                     dict(layouts(K, I, D, gate, shared), ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0),
-                     down, s_down)
+    check_down(run_down(tmp_path, E, K, h, idx, down, s_down, layouts(K, I, D, gate, shared)), h, idx, down, s_down)
+
+
+def run_down(tmp_path, E, K, h, idx, down, s_down, consts):
+    """y from the down body on the host, over as many SIMD groups as the launch has
+    (shared_splits: DSV4_KERNEL_MOE_SHARED_SPLITS)."""
+    tokens, D = h.shape[0], down.out_features
+    groups = K + ex.shared_splits(down, s_down, K)
+    down_exe = build(tmp_path, f"down{groups}", ex.DOWN_KERNEL, DOWN_MAIN,
+                     dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0, GROUPS=groups), down, s_down)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
-            + matrix_bytes(down, down, E * D, I) + matrix_bytes(s_down, down, D, I))
+            + matrix_bytes(down, down, E * D, h.shape[-1]) + matrix_bytes(s_down, down, D, h.shape[-1]))
     out = subprocess.run([str(down_exe)], input=data, capture_output=True, check=True).stdout
-    check_down(from_bf16_bits(out, (tokens, D)), h, idx, down, s_down)
+    return from_bf16_bits(out, (tokens, D))
+
+
+@pytest.mark.parametrize("splits,expected", [(0, 2), (3, 3)])
+def test_down_body_splits_the_shared_expert(tmp_path, splits, expected):
+    """V4.1's mxfp4 routed experts with the mxfp8 shared expert's down rows over several SIMD
+    groups (DSV4_KERNEL_MOE_SHARED_SPLITS; 0: its row's bytes over mxfp4's, 297 / 153 -> 2), each
+    a part of every lane's packs (9 packs a row over 8 lanes: the parts past the first get one or
+    none), against the reference."""
+    rng = np.random.default_rng([splits, 11])
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, 160, 2)
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True)
+    consts = layouts(K, 288, 160, gate, shared)
+    with flags.override(kernel_moe_shared_splits=splits):
+        assert ex.shared_splits(down, shared[2], K) == expected
+        y = run_down(tmp_path, E, K, h, idx, down, shared[2], consts)
+    check_down(y, h, idx, down, shared[2])
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -93,6 +93,17 @@ def experts_against_their_stages(experts, tokens, act_quant):
         np.testing.assert_array_equal(f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared, limit, act_quant)), f32(y))
 
 
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("splits", [0, 4])
+def test_gguf_down_with_the_shared_expert_split(experts, tokens, splits):
+    """The down launch with the Q8_0 shared expert's rows over several SIMD groups
+    (DSV4_KERNEL_MOE_SHARED_SPLITS; 0: by its row's bytes, q2 3 and q4 2), the default units."""
+    with flags.override(kernel_moe_shared_splits=splits):
+        gate, _, down, shared = experts
+        assert ex.shared_splits(down, shared[2], 6) == (splits or {"Q2_K": 3, "Q4_K": 2}.get(down.qtype, 1))
+        experts_against_their_stages(experts, tokens, True)
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("mma", [False, True])
 def test_gguf_routed_experts_with_expand(experts, tokens, mma):

@@ -127,7 +127,7 @@ int main() {
   read(h); read(idx);
   Matrix d((size_t)experts * DO, MODE, I), sd(DO, SMODE, I);
   constexpr int RW = ROWS * 32 / LANES;
-  launch(32 * (K + HS), (DO + RW - 1) / RW, tokens, [&](int t, int gy, int z, int threads) {
+  launch(32 * GROUPS, (DO + RW - 1) / RW, tokens, [&](int t, int gy, int z, int threads) {
     body(h.data(), idx.data(), d.w.data(), d.tables.data(), d.bias.data(), sd.w.data(), sd.tables.data(),
          sd.bias.data(), nullptr, nullptr, nullptr, y.data(), t, gy, z, threads);
   });
@@ -233,6 +233,19 @@ def test_gguf_experts_bodies_with_iq2_tables_staged(tmp_path, tokens, unit):
         experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, tokens, True)
 
 
+@pytest.mark.parametrize("splits,expected,unit", [(0, 3, "hsub"), (4, 4, "hsub"), (2, 2, "limbs")])
+def test_gguf_down_body_splits_the_shared_expert(tmp_path, splits, expected, unit):
+    """ds4's q2 recipe with the Q8_0 shared expert's down rows over several SIMD groups
+    (DSV4_KERNEL_MOE_SHARED_SPLITS; 0: its row's bytes over Q2_K's, here 544 / 168 -> 3), each a
+    part of every lane's units (Q8_0's 16 units a row over 4 lanes: 4, 2 or 1 a lane and part)."""
+    with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
+                        kernel_gguf_dp4a=unit == "limbs", kernel_gguf_dp4a_down=unit == "limbs",
+                        kernel_moe_shared_splits=splits):
+        q2k, q8 = (gguf_matrix(np.random.default_rng(), (768, 512), q) for q in ("Q2_K", "Q8_0"))
+        assert ex.shared_splits(q2k, q8, 3) == expected and ex.shared_splits(q2k, None, 3) == 0
+        experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, 2, True)
+
+
 def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     rng = np.random.default_rng()
     E, K = 4, 3
@@ -269,8 +282,9 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
 
     rows, lanes = ex.GGUF_DOWN_SHAPES[down.qtype]
     consts.update(MODE=mode(down, limbs), SMODE=mode(s_down or down, limbs))
+    groups = K + ex.shared_splits(down, s_down, K)   # the launch's SIMD groups
     exe = build(tmp_path, "down", ex.GGUF_LIMBS_DOWN_KERNEL if limbs else ex.GGUF_DOWN_KERNEL, DOWN_MAIN,
-                dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0), limbs)
+                dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0, GROUPS=groups), limbs)
     data = (np.array([tokens, E], np.int32).tobytes() + h_bytes + np.array(idx).tobytes()
             + matrix_bytes(down, down, E * D) + matrix_bytes(s_down, down, D))
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout

@@ -322,6 +322,15 @@ MOE_MODES = [("mxfp4", 4, 32, ("mxfp8", 8, 32)), ("mxfp8", 8, 32, None), ("affin
              ("affine", 3, 64, None), ("affine", 4, 128, ("affine", 8, 32)), ("affine", 8, 32, None)]
 
 
+@pytest.mark.parametrize("mode,bits,gs,shared_mode", [m for m in MOE_MODES if m[3] is not None])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_experts_with_the_shared_expert_split(mode, bits, gs, shared_mode, tokens):
+    """The down launch with the shared expert's rows over several SIMD groups
+    (DSV4_KERNEL_MOE_SHARED_SPLITS=0: by its row's bytes over a routed row's)."""
+    with flags.override(kernel_moe_shared_splits=0):
+        test_experts(mode, bits, gs, shared_mode, tokens, True)
+
+
 @pytest.mark.parametrize("mode,bits,gs,shared_mode", MOE_MODES)
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("act_quant", [False, True])

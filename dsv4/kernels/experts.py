@@ -422,18 +422,19 @@ KFN void load_pack(PW w_row, PS s_row, PB b_row, int p, LOCAL uint32_t* words, L
 // p = sub + LANES i (sub = lane % LANES). On return acc0 (acc1) holds the group's sums in each
 // of its lanes. Each step first issues the loads of every row's pack, then walks the pack in
 // chunks of 8 values (few registers for x and the decoded weights: more resident warps).
-// Fewer LANES give each lane more packs of a row, for short rows (the down projection's).
+// Fewer LANES give each lane more packs of a row, for short rows (the down projection's). With
+// `parts` SIMD groups on the same rows, this one (`part`) takes every parts-th of the lane's packs.
 // PackDot<INTS>::add adds one pack's products: over x as floats, or (MXFP4_INT) as limbs.
 template <bool INTS> struct PackDot;
 
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
           typename PW, typename PS, typename PB>
 KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
-                  int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
+                  int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane, int part = 0, int parts = 1) {
   const int sub = (int)lane % LANES;
   const int rows0 = row0 + ((int)lane / LANES) * ROWS;
   for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
-  for (int p = sub; p < K_IN / 32; p += LANES)
+  for (int p = sub + LANES * part; p < K_IN / 32; p += LANES * parts)
     PackDot<MODE == MXFP4_INT>::template add<MODE, BITS, GS, ROWS, K_IN, XS, TWO>(
         x, w0, s0, b0, w1, s1, b1, first, rows0, rows_out, p, acc0, acc1);
   for (int r = 0; r < ROWS; ++r) {
@@ -591,13 +592,17 @@ _STORE_LIMBS = {"STORE_H": r"""
     }"""}
 
 _DOWN_DOTS = r"""
-  // grid (32*(K+HS), ceil(DO / RW), tokens) with RW = ROWS*32/LANES: SIMD group s makes slot s's
-  // dots for the threadgroup's RW rows (every expert's weights stream at once); the threadgroup
-  // then sums the slots in slot order. h is [tokens, K+HS, I], y is [tokens, DO].
+  // grid (32*(K+SPLITS), ceil(DO / RW), tokens) with RW = ROWS*32/LANES: SIMD group s < K makes
+  // slot s's dots for the threadgroup's RW rows (every expert's weights stream at once), and the
+  // SPLITS groups after them the shared expert's, each a part of its inputs (the launch's width
+  // says how many: DSV4_KERNEL_EXPERTS_SHARED_SPLITS); the threadgroup then sums the slots in slot
+  // order. h is [tokens, K+HS, I], y is [tokens, DO].
   constexpr int RW = ROWS * 32 / LANES;
+  constexpr int MAX_SPLITS = 4;
+  const int SPLITS = HS ? (int)group_threads / 32 - K : 0;
   const int t = group_z;
   const int row0 = (int)group_y * RW;
-  const int slot = (int)warp;
+  const int slot = min((int)warp, K + HS - 1);
   GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;
   float acc[ROWS], unused[ROWS];
   if (slot < K) {
@@ -606,12 +611,15 @@ _DOWN_DOTS = r"""
                                                        acc, unused, lane);
   } else {
     rows_dot<SMODE, SBITS, SGS, ROWS, LANES, I, 0, false>(hrow, sdown_w, sdown_s, sdown_b, sdown_w,
-                                                          sdown_s, sdown_b, 0, row0, DO, acc, unused, lane);
+                                                          sdown_s, sdown_b, 0, row0, DO, acc, unused, lane,
+                                                          (int)warp - K, SPLITS);
   }
-  // Each expert's output is rounded to the activation dtype, as its own matmul would be.
-  SHARED float part[(K + HS) * RW];
+  // Each expert's output is rounded to the activation dtype, as its own matmul would be (the
+  // shared expert's once its parts are summed, in _DOWN_SUM).
+  SHARED float part[(K + MAX_SPLITS) * RW];
   if ((int)lane % LANES == 0)
-    for (int r = 0; r < ROWS; ++r) part[slot * RW + (int)lane / LANES * ROWS + r] = float(static_cast<T>(acc[r]));
+    for (int r = 0; r < ROWS; ++r)
+      part[(int)warp * RW + (int)lane / LANES * ROWS + r] = slot < K ? float(static_cast<T>(acc[r])) : acc[r];
 """
 # The down launch's sum of the slots' outputs and its epilogue, after part[slot * RW + row] (also
 # the tensor-core launch's, experts_mma.DOWN_DOTS).
@@ -620,7 +628,12 @@ _DOWN_SUM = r"""
   const int o = row0 + (int)tid;
   if ((int)tid < RW && o < DO) {
     float total = 0.0f;
-    for (int s = 0; s < K + HS; ++s) total += part[s * RW + (int)tid];
+    for (int s = 0; s < K; ++s) total += part[s * RW + (int)tid];
+    if (HS) {   // the shared expert's parts, in order
+      float shared_part = part[K * RW + (int)tid];
+      for (int j = 1; j < SPLITS; ++j) shared_part += part[(K + j) * RW + (int)tid];
+      total += float(static_cast<T>(shared_part));
+    }
     if (HC == 0) {
       y[(size_t)t * DO + o] = static_cast<T>(total);
     } else {
@@ -765,9 +778,12 @@ MMA_DOWN_KERNEL = Kernel(name="dsv4_experts_down_mma", input_names=_DOWN_INPUTS,
 
 # The same bodies over rows of GGUF blocks (gguf_dot.py's rows_dot). Launch shapes (ROWS, LANES)
 # by the routed experts' type: a lane's unit is 32-128 values (gguf_dot.UNIT_VALUES), so fewer
-# lanes share a row where the units are large.
+# lanes share a row where the units are large. Q4_K's down makes two rows a lane group (h read
+# once for both): on an H100 42.8 against 44.4 µs at one token, 109 against 131 at four and 183
+# against 237 at eight, where Q2_K's and IQ2_XXS's gate/up keep theirs, the fastest at one token
+# (benchmarks/results/2026-12-06-0617-experts-shapes-q4.md, 0616-experts-shapes-q2.md).
 GGUF_GATE_UP_SHAPES = {"Q8_0": (4, 32), "IQ2_XXS": (4, 32), "Q4_K": (4, 16), "Q2_K": (4, 8)}
-GGUF_DOWN_SHAPES = {"Q8_0": (2, 8), "IQ2_XXS": (2, 8), "Q4_K": (1, 4), "Q2_K": (1, 4)}
+GGUF_DOWN_SHAPES = {"Q8_0": (2, 8), "IQ2_XXS": (2, 8), "Q4_K": (2, 4), "Q2_K": (1, 4)}
 _GGUF_HEADER = X_HEADER + gguf_dot.HEADER
 
 
@@ -1109,19 +1125,38 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     layouts = down.template(integer=True) + (s_down or down).template("S", integer=True) if limbs else None
     template = _common_template(dtype, K, down, s_down, layouts)
     if not limbs and experts_mma.down_applies(h, down, s_down):
-        kernel, per_group = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS
+        kernel, per_group, groups = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS, slots
     else:
         *_, kernel, _, (rows, lanes) = _kernels(down)
         kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
-        per_group = rows * 32 // lanes
+        per_group, groups = rows * 32 // lanes, K + shared_splits(down, s_down, K)
         template += [("ROWS", rows), ("LANES", lanes)]
     (y,) = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
         output_shapes=[out_shape], output_dtypes=[dtype],
-        grid=(32 * slots, math.ceil(DO / per_group), T), threadgroup=(32 * slots, 1, 1),
+        grid=(32 * groups, math.ceil(DO / per_group), T), threadgroup=(32 * groups, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
         template=template + [("I", I), ("DO", DO), ("HC", hc)])
     return y
+
+
+MAX_SHARED_SPLITS = 4   # _DOWN_DOTS' MAX_SPLITS
+
+
+def shared_splits(down, s_down, K: int) -> int:
+    """SIMD groups of the portable down launch on the shared expert's rows beside the K routed
+    slots' (DSV4_KERNEL_MOE_SHARED_SPLITS; 0 without one): the switch's count, or with 0 its
+    row's bytes over a routed expert's, rounded; 1-4, and at most 32 SIMD groups in all."""
+    if s_down is None:
+        return 0
+    n = flags.get("kernel_moe_shared_splits") or round(_row_bytes(s_down) / _row_bytes(down))
+    return max(1, min(MAX_SHARED_SPLITS, 32 - K, n))
+
+
+def _row_bytes(m) -> int:
+    """Bytes of one output row of m (its weight and, for MLX's packs, scales and biases)."""
+    arrays = (m.weight,) if isinstance(m, GGUFMatrix) else (m.weight, m.scales, m.biases)
+    return sum(a.shape[-1] * a.itemsize for a in arrays if a is not None)
 
 
 def _kernel_runs(x, k, gate, up, down, shared, expand) -> bool:

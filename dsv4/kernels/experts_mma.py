@@ -227,6 +227,7 @@ DOWN_DOTS = r"""
   // threadgroup's 16 rows (every expert's weights stream at once), from the slots' h in
   // threadgroup memory as fp16 (h is bf16, fp8-rounded with act_quant: one part suffices).
   constexpr int RW = 16;
+  const int SPLITS = HS;   // _DOWN_SUM's: one SIMD group a slot here
   const int t = group_z;
   const int row0 = (int)group_y * RW;
   const int slot = (int)warp;

@@ -497,12 +497,12 @@ template <bool INTS> struct RowsDot;
 template <int MODE, int BITS, int GS, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX,
           typename PW, typename PS, typename PB>
 KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, int row0,
-                  int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane) {
-  const int sub = (int)lane % LANES;                       // the lane's first unit
+                  int rows_out, LOCAL float* acc0, LOCAL float* acc1, uint32_t lane, int part = 0, int parts = 1) {
+  const int sub = (int)lane % LANES + LANES * part;        // the lane's first unit (part: experts.py's)
   const int rows0 = row0 + ((int)lane / LANES) * ROWS;      // its lane group's first row
   for (int r = 0; r < ROWS; ++r) { acc0[r] = 0.0f; acc1[r] = 0.0f; }
-  RowsDot<XS == X_INTS>::template run<MODE, ROWS, LANES, K_IN, XS, TWO>(x, w0, s0, w1, s1, first, sub, rows0,
-                                                                         rows_out, acc0, acc1);
+  RowsDot<XS == X_INTS>::template run<MODE, ROWS, K_IN, XS, TWO>(x, w0, s0, w1, s1, first, sub, LANES * parts, rows0,
+                                                                  rows_out, acc0, acc1);
   for (int r = 0; r < ROWS; ++r) {
     acc0[r] = lanes_sum<LANES>(acc0[r]);
     if (TWO) acc1[r] = lanes_sum<LANES>(acc1[r]);
@@ -510,15 +510,15 @@ KFN void rows_dot(PX x, PW w0, PS s0, PB b0, PW w1, PS s1, PB b1, size_t first, 
 }
 
 template <> struct RowsDot<true> {
-  template <int MODE, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX, typename PW, typename PS>
-  static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int rows0, int rows_out,
+  template <int MODE, int ROWS, int K_IN, int XS, bool TWO, typename PX, typename PW, typename PS>
+  static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int step, int rows0, int rows_out,
                       LOCAL float* acc0, LOCAL float* acc1) {
     typedef GgufUnit<MODE> U;
     constexpr int PER = U::VALUES / 32;   // packs of x a unit
     constexpr int GC = U::GROUP_CHUNKS, GROUPS = 4 / GC;   // a pack's scale groups, of GC chunks
     constexpr int UNITS = K_IN / U::VALUES;
     constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
-    for (int u = sub; u < UNITS; u += LANES) {
+    for (int u = sub; u < UNITS; u += step) {
       U a[ROWS], b[TWO ? ROWS : 1];
       for (int r = 0; r < ROWS; ++r) {
         const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
@@ -554,13 +554,13 @@ template <> struct RowsDot<true> {
 };
 
 template <> struct RowsDot<false> {
-  template <int MODE, int ROWS, int LANES, int K_IN, int XS, bool TWO, typename PX, typename PW, typename PS>
-  static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int rows0, int rows_out,
+  template <int MODE, int ROWS, int K_IN, int XS, bool TWO, typename PX, typename PW, typename PS>
+  static KFN void run(PX x, PW w0, PS s0, PW w1, PS s1, size_t first, int sub, int step, int rows0, int rows_out,
                       LOCAL float* acc0, LOCAL float* acc1) {
     typedef GgufUnit<MODE> U;
     constexpr int UNITS = K_IN / U::VALUES;
     constexpr size_t ROW_BYTES = (size_t)(K_IN / U::BLOCK_VALUES) * U::BLOCK_BYTES;
-    for (int u = sub; u < UNITS; u += LANES) {
+    for (int u = sub; u < UNITS; u += step) {
       U a[ROWS], b[TWO ? ROWS : 1];
       for (int r = 0; r < ROWS; ++r) {
         const size_t row = first + (size_t)min(rows0 + r, rows_out - 1);
