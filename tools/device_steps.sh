@@ -1,0 +1,27 @@
+#!/bin/bash
+# Several commands in one call of the device tool (whose machine goes back after 30 s idle, so
+# each call should do all it can): installs the MLX CUDA pack (.dev/, from
+# ../shared/tools/mlx-cuda-pack.sh, carried with the call), then runs each command under
+# `timeout`, cut to what is left of D seconds (default 540), skipping those that would get less
+# than 20 s. Each command's output goes to $OUT/step-<n>.log, its last TAIL lines (default 25) here.
+#
+#   D=540 bash tools/device_steps.sh "python -m pytest -q -m gpu tests/test_kernels_gpu.py" \
+#       "python -m benchmarks.slice_decode --contexts 512 --variants dsv4 --ab kernel_moe_mma=on --out \$OUT"
+start=$(date +%s)
+D=${D:-540}
+TAIL=${TAIL:-25}
+OUT=${OUT:-/tmp/device-steps}
+mkdir -p "$OUT"
+bash .dev/install.sh > "$OUT/install.log" 2>&1 || { echo "install failed:"; tail -5 "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+n=0
+for cmd in "$@"; do
+  n=$((n + 1))
+  left=$((D - ($(date +%s) - start)))
+  if [ "$left" -lt 20 ]; then echo "=== step $n skipped ($left s left): $cmd"; continue; fi
+  echo "=== step $n ($left s left): $cmd"
+  timeout $((left - 5)) bash -c "$cmd" > "$OUT/step-$n.log" 2>&1
+  echo "rc $?"
+  tail -n "$TAIL" "$OUT/step-$n.log"
+done
