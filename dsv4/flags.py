@@ -431,13 +431,16 @@ define("kernel_gguf_dp4a", "auto",
        "Q4_K or Q2_K projections (ds4's dense ones are Q8_0), under act_quant: x's fp8-rounded values "
        "copied as integers (e4m3 * 2^9, three signed bytes each, and the sums of each 8 and 32 for the "
        "K-quants' mins) and each unit's dot product made exactly in integers, four values a DP4A "
-       "(IQ2_XXS's signs put on its grid bytes by byte masks from a table), converted to fp32 once a "
+       "(IQ2_XXS's signs put on its grid bytes by byte masks it computes), converted to fp32 once a "
        "sub-block (32 values; Q2_K's 16): within the fp32 summation bound of the reference. auto (default): under CUDA for Q4_K and Q8_0, "
        "where the H200 measured ds4's q4 gate/up at 64.7 against 95.3 µs at one token and 292 "
        "against 555 at eight, and the dense Q8_0 matvec as fast or faster at every shape (5120 x 8192: "
        "27.0 against 31.2 µs at one token, 102 against 131 at eight; benchmarks/results/"
        "2026-12-05-0503-gguf-native.md); not IQ2_XXS, whose gate/up it made slower (88.7 against "
-       "82.8 µs at one token, 461 against 386 at eight), so ds4's q2 gate/up keeps the halves units; "
+       "82.8 µs at one token, 461 against 386 at eight), so ds4's q2 gate/up keeps the halves units "
+       "(an H100 under ncu put that on the unit's second L1 gather a chunk, its sign masks from a 2 KB "
+       "table: benchmarks/results/2026-12-06-0557-ncu-experts-gate-up.md; the unit now computes them, "
+       "not yet timed); "
        "on: every type with an integer unit; off", choices=AUTO_ON_OFF)
 define("kernel_gguf_dp4a_mixed", False,
        "GPU: the fused experts' GGUF gate/up launch takes the integer units of DSV4_KERNEL_GGUF_DP4A "
@@ -458,8 +461,8 @@ define("kernel_gguf_dp4a_down", False,
        "its noise (benchmarks/results/2026-12-05-1229-gguf-native.md, 2026-12-05-1232-slice-decode-q4-q8_0.md)")
 define("kernel_gguf_iq2_staged", False,
        "CUDA: the fused experts' gate/up launch over IQ2_XXS routed experts (ds4's q2 recipe) copies "
-       "IQ2_XXS's tables (grid, fp16 pairs, sign masks: 8.3 KB) into threadgroup memory, where every "
-       "lane's gathers of grid entries and sign masks go, in place of L1-cached global memory; the "
+       "IQ2_XXS's tables (grid, fp16 pairs: 6.3 KB) into threadgroup memory, where every lane's "
+       "gathers of grid entries go, in place of L1-cached global memory; the "
        "same values and sums. Off (default): slower on the H200, q2's gate/up 84.3 against 79.0 µs at "
        "one token, 398 against 386 at eight (benchmarks/results/2026-12-05-1229-gguf-native.md)")
 define("kernel_gguf_mma", False,

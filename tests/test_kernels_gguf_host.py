@@ -537,17 +537,18 @@ def iq2_xxs_every_entry(rng, rows: int) -> GGUFMatrix:
     return GGUFMatrix(mx.array(blocks.reshape(rows, 8 * 66)), "IQ2_XXS")
 
 
-@pytest.mark.parametrize("wide,halves,unit", [(False, False, 13), (True, False, 23), (True, True, 24)])
+@pytest.mark.parametrize("wide,halves,unit", [(False, False, 13), (True, False, 23), (True, True, 24), (True, True, 28)])
 def test_iq2_xxs_every_grid_entry_and_sign_pattern(tmp_path, wide, halves, unit):
-    """The IQ2_XXS units (the wide ones compute their signs; unit 24 makes signed fp16 pairs)
-    over every grid entry and sign pattern, against the float64 product of gguf_blocks'
-    decoding; that decoding against gguf-py's on the same blocks."""
+    """The IQ2_XXS units (the wide ones compute their signs; unit 24 makes signed fp16 pairs, the
+    integer unit 28 signed grid bytes by byte masks it computes) over every grid entry and sign
+    pattern, against the float64 product of gguf_blocks' decoding; that decoding against
+    gguf-py's on the same blocks."""
     from gguf.quants import dequantize as gguf_dequantize
     from gguf.constants import GGMLQuantizationType
     rng = np.random.default_rng()
     q = iq2_xxs_every_entry(rng, 4)
     want = gguf_dequantize(np.array(q.weight), GGMLQuantizationType.IQ2_XXS)
     np.testing.assert_array_equal(np.array(q.dequantized()), want)
-    with flags.override(kernel_gguf_wide=wide, kernel_gguf_halves=halves):
-        assert mode(q) == unit
+    with flags.override(kernel_gguf_wide=wide, kernel_gguf_halves=halves, kernel_gguf_dp4a=unit == 28):
+        assert mode(q, q.integer) == unit
         matvec_body(tmp_path, rng, q, 4, 2048)

@@ -673,9 +673,9 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
 
 
-# IQ2_XXS routed experts' tables (gguf_dot.iq2_xxs_tables: grid, signs, fp16 pairs, sign masks; 8.3 KB)
-# copied into threadgroup memory, where the gate and up units then gather their grid entries and
-# sign masks (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA: a generic pointer reaches either memory).
+# IQ2_XXS routed experts' tables (gguf_dot.iq2_xxs_tables: grid, signs, fp16 pairs; 6.3 KB)
+# copied into threadgroup memory, where the gate and up units then gather their grid entries
+# (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA: a generic pointer reaches either memory).
 _IQ2_STAGED = {"STAGE_TABLES": f"""
   SHARED uint4 iq2_tab4[{gguf_dot.IQ2_TABLE_WORDS // 4}];
   for (int i = (int)tid; i < {gguf_dot.IQ2_TABLE_WORDS // 4}; i += (int)group_threads) iq2_tab4[i] = LOAD_U4(gate_s, i);

@@ -51,11 +51,9 @@ INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29, "Q4_K": 30, "Q2_K": 31}
 # Those that take them by default under CUDA (the H200 measured IQ2_XXS's slower than its halves unit).
 DP4A_AUTO_TYPES = ("Q8_0", "Q4_K")
 # IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
-# grid's 256 x 8 bytes and the 128 sign bytes), where the integer unit's sign masks start (after
-# the pairs' 256 x 16 bytes), and the whole length (the masks: 128 x 16 bytes).
+# grid's 256 x 8 bytes and the 128 sign bytes), and the whole length (the pairs: 256 x 16 bytes).
 IQ2_PAIRS_AT = (256 * 8 + 128) // 4
-IQ2_MASKS_AT = IQ2_PAIRS_AT + 256 * 16 // 4
-IQ2_TABLE_WORDS = IQ2_MASKS_AT + 128 * 16 // 4
+IQ2_TABLE_WORDS = IQ2_PAIRS_AT + 256 * 16 // 4
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
@@ -134,7 +132,7 @@ template <int NB, int ALIGN, typename P> KFN void span_words(P base, size_t off,
 """
 
 # The lanes' units and rows_dot (the portable kernels').
-UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\nconstexpr int IQ2_MASKS_AT = {IQ2_MASKS_AT};\n" + r"""
+UNITS = f"constexpr int IQ2_PAIRS_AT = {IQ2_PAIRS_AT};\n" + r"""
 // One lane's unit of a GGUF row: load() from the row's bytes, then dot8(c, x, x_sum, tables)
 // for each chunk c of 8 values: the chunk's values times x (x_sum = the chunk's sum of x).
 // values8(c, v, tables) gives the chunk's values as exact floats (signs on), and scales8(c) the
@@ -435,17 +433,22 @@ template <> struct GgufUnit<26> : GgufUnit<22> {
 // scale group g of a unit (GROUP_CHUNKS chunks: a 32-value sub-block, Q2_K's 16) then adds (with
 // x's s / 2^9) int_scale(g) times its integer sum codes . q, less (MINS) int_low(g) times the
 // group's sum of q.
-// IQ2_XXS: the grid bytes (8, 25, 43) made signed four at a time, (g ^ m) + (m & 1) with m the
-// byte masks of the 7 stored sign bits (and their parity) from the tables' masks.
+// IQ2_XXS: the grid bytes (8, 25, 43) made signed four at a time, (g ^ 255 l) + l with l the bytes
+// 1 where a value is negative: a half's 4 sign bits (the 7 stored and their parity) spread to
+// its bytes' low bits by one multiply (bit i to bit 8i; the product's 16 terms land on distinct
+// bits, so nothing carries). Computed, where a table of the masks took a second gather a chunk
+// through L1 (ncu: the long-scoreboard stalls that made this unit slower than the halves one,
+// benchmarks/results/2026-12-06-0557-ncu-experts-gate-up.md).
 template <> struct GgufUnit<28> : GgufUnit<24> {
   static constexpr int GROUP_CHUNKS = 4;
   KFN float int_scale(int g) const { return db * (1.0f / 16777216.0f); }   // <24>'s db carries 2^24
   KFN float int_low(int g) const { return 0.0f; }
   template <typename PT> KFN void ints8(int c, LOCAL int* w, PT tables) const {
     const uint2 g = ((GLOBAL uint2*)tables)[(grid_index >> (8 * c)) & 255u];
-    const uint4 m = LOAD_U4(tables + IQ2_MASKS_AT, (aux >> (7 * c)) & 127u);
-    w[0] = (int)((g.x ^ m.x) + m.y);
-    w[1] = (int)((g.y ^ m.z) + m.w);
+    const uint32_t si = (aux >> (7 * c)) & 127u, s = si | ((POPCOUNT(si) & 1u) << 7);
+    const uint32_t lo = ((s & 15u) * 0x00204081u) & 0x01010101u, hi = ((s >> 4) * 0x00204081u) & 0x01010101u;
+    w[0] = (int)((g.x ^ (lo * 255u)) + lo);
+    w[1] = (int)((g.y ^ (hi * 255u)) + hi);
   }
 };
 // Q8_0: the int8s as they are stored, on the wide unit's loads.
@@ -756,20 +759,10 @@ def supported(m: GGUFMatrix) -> bool:
 def iq2_xxs_tables() -> mx.array:
     """IQ2_XXS's grid as bytes (256 entries x 8 values, 512 words), its 128 sign bytes, then from
     word IQ2_PAIRS_AT the grid as the halves unit's fp16 pairs: each entry's values
-    (0, 2), (1, 3), (4, 6), (5, 7) as 16-bit integers g (the fp16 subnormals g 2^-24), low first,
-    then from word IQ2_MASKS_AT the integer unit's sign masks (iq2_sign_masks)."""
+    (0, 2), (1, 3), (4, 6), (5, 7) as 16-bit integers g (the fp16 subnormals g 2^-24), low first."""
     grid = gguf_blocks.iq2_xxs_grid().astype(np.uint8)
     pairs = grid[:, [0, 2, 1, 3, 4, 6, 5, 7]].astype(np.uint16).reshape(-1)
-    return mx.array(np.concatenate([grid.reshape(-1), gguf_blocks.iq2_xxs_signs(), pairs.view(np.uint8),
-                                    iq2_sign_masks().reshape(-1).view(np.uint8)]).view(np.uint32))
-
-
-def iq2_sign_masks() -> np.ndarray:
-    """uint32 [128, 4]: for each 7 stored sign bits (the 8th their parity), the byte masks of
-    values 0-3 and 4-7 (0xff where negative) each followed by its low bits (0x01 there)."""
-    bits = np.unpackbits(gguf_blocks.iq2_xxs_signs()[:, None], axis=1, bitorder="little")   # [128, 8]
-    low = (bits.reshape(128, 2, 4).astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(-1)
-    return np.stack([low[:, 0] * 255, low[:, 0], low[:, 1] * 255, low[:, 1]], axis=1).astype(np.uint32)
+    return mx.array(np.concatenate([grid.reshape(-1), gguf_blocks.iq2_xxs_signs(), pairs.view(np.uint8)]).view(np.uint32))
 
 
 @lru_cache(maxsize=1)
