@@ -104,6 +104,7 @@ def keep_gguf(model, experts: str, dense: str) -> None:
             parent_path, name = path.rsplit(".", 1)
             mx.eval(m.weight)
             setattr(dict(layer.named_modules())[parent_path], name, m)
+        mx.clear_cache()   # the replaced MX arrays' memory back to the device for the next layer
 
 
 def quantize_randomly(module: nn.Module) -> dict:
@@ -160,6 +161,9 @@ def build(config: dict, experts: str = "mxfp4", dense: str = "mxfp8"):
     model = Model(args)
     params = quantize_randomly(model)
     if experts != "mxfp4" or dense != "mxfp8":
+        # Without these references each layer's MX arrays go as its GGUF blocks replace them:
+        # an 80 GB H100 held both sets no longer (the q2 slice ran out of memory on 2026-12-06).
+        del params
         keep_gguf(model, experts, dense)
         return model, None, dict(tree_flatten(model.parameters()))
     if args.engram_layer_ids:
