@@ -591,14 +591,14 @@ _STORE_LIMBS = {"STORE_H": r"""
       for (int k = 0; k < 36; ++k) h[((size_t)pair * (I / 32) + group_y) * (4 * X_INTS) + k] = w[k];
     }"""}
 
+MAX_SHARED_SPLITS = 4   # SIMD groups the down launch may put on the shared expert (its part[] holds them)
 _DOWN_DOTS = r"""
   // grid (32*(K+SPLITS), ceil(DO / RW), tokens) with RW = ROWS*32/LANES: SIMD group s < K makes
   // slot s's dots for the threadgroup's RW rows (every expert's weights stream at once), and the
   // SPLITS groups after them the shared expert's, each a part of its inputs (the launch's width
-  // says how many: DSV4_KERNEL_EXPERTS_SHARED_SPLITS); the threadgroup then sums the slots in slot
+  // says how many: DSV4_KERNEL_MOE_SHARED_SPLITS); the threadgroup then sums the slots in slot
   // order. h is [tokens, K+HS, I], y is [tokens, DO].
   constexpr int RW = ROWS * 32 / LANES;
-  constexpr int MAX_SPLITS = 4;
   const int SPLITS = HS ? (int)group_threads / 32 - K : 0;
   const int t = group_z;
   const int row0 = (int)group_y * RW;
@@ -616,11 +616,12 @@ _DOWN_DOTS = r"""
   }
   // Each expert's output is rounded to the activation dtype, as its own matmul would be (the
   // shared expert's once its parts are summed, in _DOWN_SUM).
-  SHARED float part[(K + MAX_SPLITS) * RW];
+  SHARED float part[(K + MAX_SHARED_SPLITS) * RW];
   if ((int)lane % LANES == 0)
     for (int r = 0; r < ROWS; ++r)
       part[(int)warp * RW + (int)lane / LANES * ROWS + r] = slot < K ? float(static_cast<T>(acc[r])) : acc[r];
 """
+_DOWN_DOTS = _DOWN_DOTS.replace("MAX_SHARED_SPLITS", str(MAX_SHARED_SPLITS))
 # The down launch's sum of the slots' outputs and its epilogue, after part[slot * RW + row] (also
 # the tensor-core launch's, experts_mma.DOWN_DOTS).
 _DOWN_SUM = r"""
@@ -780,8 +781,9 @@ MMA_DOWN_KERNEL = Kernel(name="dsv4_experts_down_mma", input_names=_DOWN_INPUTS,
 # by the routed experts' type: a lane's unit is 32-128 values (gguf_dot.UNIT_VALUES), so fewer
 # lanes share a row where the units are large. Q4_K's down makes two rows a lane group (h read
 # once for both): on an H100 42.8 against 44.4 µs at one token, 109 against 131 at four and 183
-# against 237 at eight, where Q2_K's and IQ2_XXS's gate/up keep theirs, the fastest at one token
-# (benchmarks/results/2026-12-06-0617-experts-shapes-q4.md, 0616-experts-shapes-q2.md).
+# against 237 at eight; Q2_K's down (two rows: 32% slower) and the gate/up launches keep theirs,
+# the fastest at one token (benchmarks/results/2026-12-06-0617-experts-shapes-q4.md,
+# 0616-experts-shapes-q2.md).
 GGUF_GATE_UP_SHAPES = {"Q8_0": (4, 32), "IQ2_XXS": (4, 32), "Q4_K": (4, 16), "Q2_K": (4, 8)}
 GGUF_DOWN_SHAPES = {"Q8_0": (2, 8), "IQ2_XXS": (2, 8), "Q4_K": (2, 4), "Q2_K": (1, 4)}
 _GGUF_HEADER = X_HEADER + gguf_dot.HEADER
@@ -1138,9 +1140,6 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
         template=template + [("I", I), ("DO", DO), ("HC", hc)])
     return y
-
-
-MAX_SHARED_SPLITS = 4   # _DOWN_DOTS' MAX_SPLITS
 
 
 def shared_splits(down, s_down, K: int) -> int:
