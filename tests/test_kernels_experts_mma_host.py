@@ -136,7 +136,8 @@ def run_down(tmp_path, h, idx, down, s_down):
     tokens, slots, I = h.shape
     E, DO = down.weight.shape[0], down.out_features
     consts = dict(K=slots - 1, HS=1, I=I, DO=DO, HC=0, **layout("", down), **layout("S", s_down),
-                  ROWS=16, LANES=32)   # ROWS * 32 / LANES = 16 rows per threadgroup, as DOWN_ROWS
+                  ROWS=16, LANES=32,   # ROWS * 32 / LANES = 16 rows per threadgroup, as DOWN_ROWS
+                  GROUPS=slots)        # a SIMD group a slot (down_kernel's launch of it)
     assert experts_mma.DOWN_ROWS == 16
     source = (EMULATOR + BF16 + MMA_EMULATOR + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
               + ex._HEADER + experts_mma.HEADER
