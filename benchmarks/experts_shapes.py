@@ -30,6 +30,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
+from benchmarks.gguf_native import expert_bytes, recipe_weights  # noqa: E402
 from benchmarks.kernels_bench import compare, copy_bandwidth, hardware, max_diff, random_mx  # noqa: E402
 from dsv4.kernels import experts as ex  # noqa: E402
 from dsv4.kernels.dialect import backend  # noqa: E402
@@ -60,7 +61,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def weights(recipe: str = "mxfp4"):
     if recipe != "mxfp4":
-        from benchmarks.gguf_native import recipe_weights
         return recipe_weights(recipe)
     gate, up, down = (random_mx(s, "mxfp4") for s in ((E, I, D), (E, I, D), (E, D, I)))
     shared = tuple(random_mx(s, "mxfp8") for s in ((I, D), (I, D), (D, I)))
@@ -69,23 +69,19 @@ def weights(recipe: str = "mxfp4"):
 
 
 def shape_setters(gate, down) -> dict:
-    """{launch: (its committed shape, a function setting it)}: the module's ROWS/LANES for MLX's
-    packs, the routed type's entry of the GGUF tables for GGUF blocks."""
+    """{launch: (its committed shape, a function setting it)}: the routed type's entry of the
+    GGUF tables for GGUF blocks, the module's ROWS/LANES for MLX's packs."""
+    if isinstance(gate, GGUFMatrix):
+        tables = {"gate_up": (ex.GGUF_GATE_UP_SHAPES, gate.qtype), "down": (ex.GGUF_DOWN_SHAPES, down.qtype)}
+        return {name: (table[qtype], lambda shape, table=table, qtype=qtype: table.update({qtype: shape}))
+                for name, (table, qtype) in tables.items()}
+
     def set_gate_up(shape):
-        if isinstance(gate, GGUFMatrix):
-            ex.GGUF_GATE_UP_SHAPES[gate.qtype] = shape
-        else:
-            ex.ROWS_GATE_UP, ex.LANES_GATE_UP = shape
+        ex.ROWS_GATE_UP, ex.LANES_GATE_UP = shape
 
     def set_down(shape):
-        if isinstance(down, GGUFMatrix):
-            ex.GGUF_DOWN_SHAPES[down.qtype] = shape
-        else:
-            ex.ROWS_DOWN, ex.LANES_DOWN = shape
+        ex.ROWS_DOWN, ex.LANES_DOWN = shape
 
-    if isinstance(gate, GGUFMatrix):
-        return {"gate_up": (ex.GGUF_GATE_UP_SHAPES[gate.qtype], set_gate_up),
-                "down": (ex.GGUF_DOWN_SHAPES[down.qtype], set_down)}
     return {"gate_up": ((ex.ROWS_GATE_UP, ex.LANES_GATE_UP), set_gate_up),
             "down": ((ex.ROWS_DOWN, ex.LANES_DOWN), set_down)}
 
@@ -96,12 +92,6 @@ def only_experts(m, rows: mx.array):
         return GGUFMatrix(m.weight[rows], m.qtype)
     return dataclasses.replace(m, weight=m.weight[rows], scales=m.scales[rows],
                                biases=None if m.biases is None else m.biases[rows])
-
-
-def row_bytes(m, n: int = 1) -> float:
-    """Bytes of n experts of m (the whole matrix for a shared expert)."""
-    total = m.weight.nbytes + (0 if isinstance(m, GGUFMatrix) else m.scales.nbytes)
-    return n * total / (E if m.weight.ndim == 3 else 1)
 
 
 def inputs(tokens: int):
@@ -126,9 +116,9 @@ def launches(tokens, gate, up, down, shared):
     setters = shape_setters(gate, down)
     return experts, {
         "gate_up": (setters["gate_up"][1], lambda: ex.gate_up_kernel(x, idx, w, gate, up, shared, 10.0, True)[0], h,
-                    row_bytes(gate, experts) + row_bytes(up, experts) + row_bytes(shared[0]) + row_bytes(shared[1])),
+                    experts * (expert_bytes(gate) + expert_bytes(up)) + expert_bytes(shared[0]) + expert_bytes(shared[1])),
         "down": (setters["down"][1], lambda: ex.down_kernel(h, idx, down, shared[2]),
-                 ex.down_reference(h, local, down_u, shared[2]), row_bytes(down, experts) + row_bytes(shared[2])),
+                 ex.down_reference(h, local, down_u, shared[2]), experts * expert_bytes(down) + expert_bytes(shared[2])),
     }
 
 

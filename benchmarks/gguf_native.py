@@ -132,6 +132,15 @@ def under(switches: dict, fn):
     return run
 
 
+def decode_inputs(tokens: int):
+    """x [tokens, D] (bf16), the experts [tokens, K] (all distinct) and their router weights."""
+    x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)
+    idx = mx.random.permutation(E)[: tokens * K].reshape(tokens, K).astype(mx.int32)
+    w = mx.random.uniform(0.1, 1.0, (tokens, K))
+    mx.eval(x, idx, w)
+    return x, idx, w
+
+
 def decode_rows(name, weights, tokens_list, only=None):
     """(recipe, variant, tokens, seconds, bytes, gate/up cell, down cell) per variant and token
     count; the variants (EXPERT_VARIANTS, or MX_VARIANTS for mxfp4; those named in `only` if
@@ -141,10 +150,7 @@ def decode_rows(name, weights, tokens_list, only=None):
     variants = {k: v for k, v in variants.items() if only is None or k in only}
     rows = []
     for tokens in tokens_list:
-        x = (mx.random.normal((tokens, D)) * 2).astype(mx.bfloat16)
-        perm = mx.random.permutation(E)[: tokens * K].reshape(tokens, K).astype(mx.int32)   # distinct experts
-        w = mx.random.uniform(0.1, 1.0, (tokens, K))
-        mx.eval(x, perm, w)
+        x, perm, w = decode_inputs(tokens)
         runs, outputs = {}, {}
         for label, switches in variants.items():
             with flags.override(**switches):   # h as this variant's down launch reads it (limbs or bf16)

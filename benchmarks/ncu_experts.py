@@ -50,7 +50,7 @@ def metrics() -> str:
 def run(launch: str, recipes: list[str], variants: list[str] | None, tokens: list[int]) -> None:
     import mlx.core as mx
 
-    from benchmarks.gguf_native import D, E, EXPERT_VARIANTS, K, MX_VARIANTS, recipe_weights
+    from benchmarks.gguf_native import EXPERT_VARIANTS, MX_VARIANTS, decode_inputs, recipe_weights
     from dsv4 import flags
     from dsv4.kernels import experts as ex
 
@@ -59,10 +59,7 @@ def run(launch: str, recipes: list[str], variants: list[str] | None, tokens: lis
         gate, up, down, shared = recipe_weights(recipe)
         table = MX_VARIANTS if recipe == "mxfp4" else EXPERT_VARIANTS
         for t in tokens:
-            x = (mx.random.normal((t, D)) * 2).astype(mx.bfloat16)
-            idx = mx.random.permutation(E)[: t * K].reshape(t, K).astype(mx.int32)
-            w = mx.random.uniform(0.1, 1.0, (t, K))
-            mx.eval(x, idx, w)
+            x, idx, w = decode_inputs(t)
             for label in [v for v in table if variants is None or v in variants]:
                 with flags.override(**table[label]):
                     limbs = ex.limbs_between(x, gate, shared[0], down, shared[2], True)
