@@ -96,7 +96,7 @@ def expert_bytes(m) -> float:
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
 _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
                  kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False,
-                 kernel_gguf_iq2_staged=False, kernel_gguf_dp4a_mixed=False)
+                 kernel_gguf_iq2_staged=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
@@ -113,10 +113,6 @@ EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES, mma=dict(_HALVES, kernel_gguf_m
 EXPERT_VARIANTS["dp4a, down"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_dp4a_down=True)
 EXPERT_VARIANTS["hsub, staged"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_iq2_staged=True)
 EXPERT_VARIANTS["dp4a, staged"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_iq2_staged=True)
-# The units CUDA's auto picks, each kind by its type (q2: IQ2_XXS halves, its Q8_0 shared expert integer),
-# and those with the down over limbs too.
-EXPERT_VARIANTS["mixed"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_dp4a="auto", kernel_gguf_dp4a_mixed=True)
-EXPERT_VARIANTS["mixed, down"] = dict(EXPERT_VARIANTS["mixed"], kernel_gguf_dp4a_down=True)
 # The backend's defaults, and with the down launch's shared expert over several SIMD groups
 # (DSV4_KERNEL_MOE_SHARED_SPLITS=0: by its row's bytes).
 EXPERT_VARIANTS["default"] = {}
@@ -149,7 +145,7 @@ def decode_rows(name, weights, tokens_list, only=None):
     variants = MX_VARIANTS if name == "mxfp4" else EXPERT_VARIANTS
     variants = {k: v for k, v in variants.items() if only is None or k in only}
     rows = []
-    for tokens in tokens_list:
+    for tokens in tokens_list if variants else ():   # none of this recipe's variants asked for
         x, perm, w = decode_inputs(tokens)
         runs, outputs = {}, {}
         for label, switches in variants.items():
@@ -301,8 +297,7 @@ def main(argv=None) -> int:
              "integer units over x's fp8 values as limbs; the down launches run hsub), dp4a, down "
              "(DSV4_KERNEL_GGUF_DP4A_DOWN: and h handed over as limbs, the down launch in the integer "
              "units), hsub / dp4a, staged (DSV4_KERNEL_GGUF_IQ2_STAGED: q2's IQ2_XXS tables in threadgroup "
-             "memory), mixed (DSV4_KERNEL_GGUF_DP4A_MIXED: auto's units each kind by its type, q2's Q8_0 "
-             "shared expert integer), mixed, down (with DSV4_KERNEL_GGUF_DP4A_DOWN), default (the "
+             "memory), default (the "
              "backend's defaults) and default, split (with DSV4_KERNEL_MOE_SHARED_SPLITS=0: the down launch's "
              "shared expert over several SIMD groups; for mxfp4: mx split). 'same' = "
              "the output equals the first variant's bit for bit.", "",

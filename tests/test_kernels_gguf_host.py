@@ -209,19 +209,6 @@ def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens,
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_gguf_experts_bodies_with_mixed_units(tmp_path, tokens):
-    """ds4's q2 recipe under DSV4_KERNEL_GGUF_DP4A_MIXED, as CUDA's auto picks the units: IQ2_XXS's
-    halves units for the routed experts, the integer ones for the Q8_0 shared expert (x copied as
-    floats or as limbs by slot)."""
-    with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
-                        kernel_gguf_dp4a="auto", kernel_gguf_dp4a_mixed=True), \
-            mock.patch.object(gguf_dot, "backend", return_value="cuda"):
-        q2, q8 = gguf_matrix(np.random.default_rng(), (32, 768), "IQ2_XXS"), gguf_matrix(np.random.default_rng(), (32, 768), "Q8_0")
-        assert ex.integer_kinds(q2, q8, True) == (False, True) and ex.integer_kinds(q2, q8, False) == (False, False)
-        experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, tokens, True)
-
-
 @pytest.mark.parametrize("tokens,unit", [(2, "hsub"), (1, "limbs")])
 def test_gguf_experts_bodies_with_iq2_tables_staged(tmp_path, tokens, unit):
     """ds4's q2 recipe with IQ2_XXS's tables in threadgroup memory (DSV4_KERNEL_GGUF_IQ2_STAGED: the
@@ -261,7 +248,7 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
 
     rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
     routed_ints, shared_ints = ex.integer_kinds(gate, s_gate, act_quant)
-    assert routed_ints == shared_ints or flags.get("kernel_gguf_dp4a_mixed")
+    assert routed_ints == shared_ints
     limbs = ex.limbs_between(x, gate, s_gate, down, s_down, act_quant)
     assert limbs == (flags.get("kernel_gguf_dp4a_down") and act_quant)
     with mock.patch.object(ex, "backend", return_value="cuda"):
@@ -453,16 +440,16 @@ def test_gguf_tokens_launch_only_where_it_applies():
                 assert mv.tokens_applies(q8, 5, integer=True)
 
 
-def test_integer_units_by_default_only_where_the_h200_measured_them_faster():
-    """DSV4_KERNEL_GGUF_DP4A auto: under CUDA Q4_K and Q8_0 take the integer units, IQ2_XXS keeps
-    its halves unit (so ds4's q2 gate/up launch, IQ2_XXS with a Q8_0 shared expert, is not integer
-    and q4's is); Metal none; on: every type that has one; and never without act_quant."""
+def test_integer_units_by_default_only_where_they_measured_faster():
+    """DSV4_KERNEL_GGUF_DP4A auto: under CUDA IQ2_XXS, Q4_K and Q8_0 take the integer units (so both
+    ds4 recipes' gate/up launches, with their Q8_0 shared expert, are integer) and Q2_K keeps its
+    float unit; Metal none; on: every type that has one; and never without act_quant."""
     rng = np.random.default_rng()
-    q2, q4, q8 = (gguf_matrix(rng, (256, 256), t) for t in ("IQ2_XXS", "Q4_K", "Q8_0"))
-    for dialect, value, want in (("cuda", "auto", (False, True, True)), ("metal", "auto", (False, False, False)),
-                                 ("cuda", "on", (True, True, True)), ("cuda", "off", (False, False, False))):
+    q2, q4, q8, k2 = (gguf_matrix(rng, (256, 256), t) for t in ("IQ2_XXS", "Q4_K", "Q8_0", "Q2_K"))
+    for dialect, value, want in (("cuda", "auto", (True, True, True, False)), ("metal", "auto", (False,) * 4),
+                                 ("cuda", "on", (True,) * 4), ("cuda", "off", (False,) * 4)):
         with mock.patch.object(gguf_dot, "backend", return_value=dialect), flags.override(kernel_gguf_dp4a=value):
-            assert (q2.integer, q4.integer, q8.integer) == want, (dialect, value)
+            assert (q2.integer, q4.integer, q8.integer, k2.integer) == want, (dialect, value)
             assert ex.integer_units(q2, q8, True) == want[0] and ex.integer_units(q4, q8, True) == want[1]
             assert not ex.integer_units(q4, q8, False)
 

@@ -800,18 +800,17 @@ def _gguf_checks(stage):
     halves = dict(wide, **gguf_dot.HALVES_MODE_IDS)
     hsub = dict(halves, Q8_0=gguf_dot.Q8_0_HSUB)
     integer = dict(hsub, **gguf_dot.INT_MODE_IDS)   # their gate/up only (the down launch: hsub's)
-    mixed = dict(hsub, Q8_0=gguf_dot.INT_MODE_IDS["Q8_0"])   # q2's halves gate/up, the shared expert integer
     for routed, shared, ids in (("IQ2_XXS", "Q8_0", narrow), ("Q4_K", "Q8_0", narrow), ("Q2_K", "Q4_K", narrow),
                                 ("IQ2_XXS", "Q8_0", wide), ("Q2_K", "Q4_K", wide), ("IQ2_XXS", "Q8_0", halves),
                                 ("Q4_K", "Q8_0", halves), ("Q2_K", "Q4_K", halves), ("IQ2_XXS", "Q8_0", hsub),
-                                ("IQ2_XXS", "Q8_0", integer), ("Q4_K", "Q8_0", integer), ("IQ2_XXS", "Q8_0", mixed)):
-        if ids in (integer, mixed) and stage == "down":
+                                ("IQ2_XXS", "Q8_0", integer), ("Q4_K", "Q8_0", integer)):
+        if ids is integer and stage == "down":
             continue
         tmpl = [("T", mx.bfloat16), ("MODE", ids[routed]), ("BITS", 0), ("GS", 0),
                 ("SMODE", ids[shared]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         mats = (mx.uint8, mx.uint32, mx.uint32) * 4
         rows, lanes = GGUF_GATE_UP_SHAPES[routed]
-        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if ids in (integer, mixed) else X_STRIDE),
+        gate_up_tmpl = tmpl + [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if ids is integer else X_STRIDE),
                                ("ACTQ", True), ("I", 2304), ("D", 5120)]
         if stage == "gate_up":
             ins = (mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats
@@ -830,15 +829,15 @@ def _gguf_checks(stage):
 
 def _gguf_limbs_checks(stage):
     """The launches around h as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN) in ds4's recipes at V4.1's
-    widths: q4's gate/up in the integer units and q2's in the halves ones (its shared expert's also
-    in the integer ones: DSV4_KERNEL_GGUF_DP4A_MIXED), each writing limbs, then q4's (Q4_K) and
-    q2's (Q2_K) down with the Q8_0 shared expert's, in the integer units."""
+    widths: q4's and q2's gate/up in the integer units, and q2's in the halves ones (DSV4_KERNEL_GGUF_DP4A
+    off), each writing limbs, then q4's (Q4_K) and q2's (Q2_K) down with the Q8_0 shared expert's,
+    in the integer units."""
     out = []
     ints = gguf_dot.INT_MODE_IDS
     mats = (mx.uint8, mx.uint32, mx.uint32) * 4
     recipes = (("Q4_K", "Q4_K", ints["Q4_K"], ints["Q8_0"], X_INTS),
                ("IQ2_XXS", "Q2_K", gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], gguf_dot.Q8_0_HSUB, X_STRIDE),
-               ("IQ2_XXS", "Q2_K", gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], ints["Q8_0"], X_INTS))   # _MIXED
+               ("IQ2_XXS", "Q2_K", ints["IQ2_XXS"], ints["Q8_0"], X_INTS))
     for gate, down, mode, smode, xs in recipes if stage != "down" else recipes[:2]:   # one down a recipe
         common = [("T", mx.bfloat16), ("BITS", 0), ("GS", 0), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)]
         if stage == "down":
@@ -957,7 +956,7 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     # per expert are a decode's), where MLX's packs take gather_qmm beyond a decode's tokens.
     if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
-    # the integer units' limbs (if act_quant; the shared expert's alone under DSV4_KERNEL_GGUF_DP4A_MIXED)
+    # the integer units' limbs (if act_quant)
     ints = gate.integer or (shared is not None and gguf(shared[0]) and shared[0].integer)
     stride = X_INTS if ints else X_STRIDE
     if gate_up_shared_bytes(x.shape[-1], stride) > shared_memory_limit(backend()):
@@ -986,18 +985,13 @@ def integer_units(gate, s_gate, act_quant: bool) -> bool:
 
 def integer_kinds(gate, s_gate, act_quant: bool) -> tuple[bool, bool]:
     """(routed, shared): whether the gate/up launch's routed experts and its shared expert
-    (routed's again without one) take the integer units. GGUF: both as integer_units says or, with
-    DSV4_KERNEL_GGUF_DP4A_MIXED, each by its own type (ds4's q2 recipe: IQ2_XXS's halves units
-    beside the Q8_0 shared expert's integer ones). MLX's packs: mxfp4's routed experts under
-    DSV4_KERNEL_MOE_DP4A, the shared expert (mxfp8 in V4.1) as floats. x's copy is then floats or
-    limbs by slot. x must be fp8-rounded (act_quant) for limbs."""
+    (routed's again without one) take the integer units. GGUF: both as integer_units says. MLX's
+    packs: mxfp4's routed experts under DSV4_KERNEL_MOE_DP4A, the shared expert (mxfp8 in V4.1) as
+    floats. x's copy is then floats or limbs by slot. x must be fp8-rounded (act_quant) for limbs."""
     if isinstance(gate, QuantizedMatrix):   # mxfp4's routed experts (DSV4_KERNEL_MOE_DP4A); no mxfp8 unit
         return bool(act_quant) and gate.integer, False
     both = integer_units(gate, s_gate, act_quant)
-    if both or not (act_quant and flags.get("kernel_gguf_dp4a_mixed")):
-        return both, both
-    routed = isinstance(gate, GGUFMatrix) and gate.integer
-    return routed, routed if s_gate is None else isinstance(s_gate, GGUFMatrix) and s_gate.integer
+    return both, both
 
 
 def limbs_between(x, gate, s_gate, down, s_down, act_quant: bool) -> bool:

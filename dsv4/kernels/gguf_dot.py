@@ -48,8 +48,10 @@ HALVES_MODE_IDS = {"IQ2_XXS": 24, "Q2_K": 26, "Q4_K": 27}
 # The integer units (DSV4_KERNEL_GGUF_DP4A): with x fp8-rounded (act_quant) and copied as integer
 # limbs (experts.py's XStore<X_INTS>), exact integer dot products, DP4A four values at a time.
 INT_MODE_IDS = {"IQ2_XXS": 28, "Q8_0": 29, "Q4_K": 30, "Q2_K": 31}
-# Those that take them by default under CUDA (the H200 measured IQ2_XXS's slower than its halves unit).
-DP4A_AUTO_TYPES = ("Q8_0", "Q4_K")
+# Those that take them by default under CUDA; IQ2_XXS since its unit computes its sign masks (an
+# H100: q2's gate/up 77.0 against 81.1 µs at one token, 351 against 391 at eight). Not Q2_K, whose
+# down the integer units made slower (DSV4_KERNEL_GGUF_DP4A_DOWN).
+DP4A_AUTO_TYPES = ("Q8_0", "Q4_K", "IQ2_XXS")
 # IQ2_XXS's tables (iq2_xxs_tables), in words: where the halves unit's fp16 pairs start (after the
 # grid's 256 x 8 bytes and the 128 sign bytes), and the whole length (the pairs: 256 x 16 bytes).
 IQ2_PAIRS_AT = (256 * 8 + 128) // 4
