@@ -1,6 +1,7 @@
 """Decode speed on a shape-true slice of V4.1 Flash: dsv4 (kernels on / off) vs mlx-lm.
 
     python -m benchmarks.slice_decode [--contexts 512,8192] [--steps 32] [--small]
+        [--experts q2,mxfp4 --dense q8_0,mxfp8]   # two slices, their variants interleaved
 
 The slice has the real widths (hidden 5120, 64 heads x 512, q-LoRA 1280, 384 experts of
 2304 in mxfp4, top-6 + shared, window 128, indexer 32 x 128 top-512, vocab 129280, bf16
@@ -27,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -255,11 +257,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
-    p.add_argument("--experts", choices=("mxfp4", *GGUF_EXPERTS), default="mxfp4",
+    p.add_argument("--experts", default="mxfp4",
                    help="routed experts in mxfp4 (official) or a ds4 GGUF recipe (q2: IQ2_XXS gate/up, "
-                        "Q2_K down; q4: Q4_K), the shared expert then Q8_0")
-    p.add_argument("--dense", choices=("mxfp8", "q8_0"), default="mxfp8",
-                   help="dense projections in mxfp8 (official) or GGUF Q8_0 (ds4)")
+                        "Q2_K down; q4: Q4_K), the shared expert then Q8_0; several, comma-separated "
+                        "(e.g. q2,mxfp4): a slice each, their variants interleaved in one process")
+    p.add_argument("--dense", default="mxfp8",
+                   help="dense projections in mxfp8 (official) or GGUF Q8_0 (ds4); comma-separated, one "
+                        "per --experts entry, or one for all")
+    p.add_argument("--routed-experts", type=int,
+                   help="routed experts a layer holds (default: the real 384; --small's 32): fewer fit "
+                        "several slices on one card (mxfp4's 384 take ~50 GB, q2's ~27) and a step reads "
+                        "the same 6 + the shared expert; only the router's matrix shrinks")
     p.add_argument("--engram", action="store_true",
                    help="Engram before layers 1 and 2, tables as sparse files of the real sizes (no mlx-lm)")
     p.add_argument("--variants", default="mlx-lm,dsv4 reference path,dsv4",
@@ -272,44 +280,84 @@ def main(argv=None) -> int:
                         "step, a sync at every stage) and add the stage table to the report")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
+    recipes = parse_recipes(p, a.experts, a.dense)
     config = {**(SMALL if a.small else REAL), **ROLES}
+    if a.routed_experts:
+        if not config["num_experts_per_tok"] <= a.routed_experts <= config["n_routed_experts"]:
+            p.error(f"--routed-experts {a.routed_experts}: expected {config['num_experts_per_tok']}.."
+                    f"{config['n_routed_experts']}")
+        config["n_routed_experts"] = a.routed_experts
     if a.engram:
         config.update(ENGRAM, engram_compressed_vocab_size=min(ENGRAM["engram_compressed_vocab_size"],
                                                                config["vocab_size"]))
-    t0 = time.perf_counter()
-    model, rmodel, params = build(config, a.experts, a.dense)
+    slices = []
     with tempfile.TemporaryDirectory(prefix="slice-engram-") as tables:
-        if a.engram:
-            sparse_engram_tables(model, Path(tables))
-        print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
-        return measure(a, model, rmodel, params)
+        for experts, dense in recipes:
+            t0 = time.perf_counter()
+            model, rmodel, params = build(config, experts, dense)
+            if a.engram:
+                (Path(tables) / f"{experts}-{dense}").mkdir()
+                sparse_engram_tables(model, Path(tables) / f"{experts}-{dense}")
+            print(f"built {experts}/{dense} in {time.perf_counter() - t0:.1f} s", flush=True)
+            slices.append(Slice(experts, dense, model, rmodel, params))
+        return measure(a, slices)
 
 
-def measure(a, model, rmodel, params) -> int:
+@dataclass
+class Slice:
+    experts: str
+    dense: str
+    model: object
+    rmodel: object   # mlx-lm's model of the same weights, or None
+    params: dict
+
+    @property
+    def recipe(self) -> str:
+        return f"{self.experts}/{self.dense}"
+
+
+def parse_recipes(p, experts: str, dense: str) -> list[tuple[str, str]]:
+    """(experts, dense) per slice from --experts and --dense (one dense for all, or one each)."""
+    ex, de = experts.split(","), dense.split(",")
+    if len(de) == 1:
+        de *= len(ex)
+    bad = [e for e in ex if e not in ("mxfp4", *GGUF_EXPERTS)] + [d for d in de if d not in ("mxfp8", "q8_0")]
+    if bad or len(de) != len(ex) or len(set(zip(ex, de))) != len(ex):
+        p.error(f"--experts {experts} --dense {dense}: expected experts from mxfp4, "
+                f"{', '.join(GGUF_EXPERTS)} and dense from mxfp8, q8_0, one dense or one each, no pair twice")
+    return list(zip(ex, de))
+
+
+def measure(a, slices: list) -> int:
     from benchmarks.graph_ops import count_graph, launches
-    from dsv4 import profiler
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
     from benchmarks.roofline import copy_roofline
-    from dsv4 import flags
+    from dsv4 import flags, profiler
 
-    if rmodel is None:
-        a.variants = ",".join(v for v in a.variants.split(",") if v != "mlx-lm")
-    args = model.args
-    nbytes = step_bytes(params, args)
+    args = slices[0].model.args
     roof = copy_roofline()   # TB/s, this process, this card; None on the CPU
     if roof:
         print(f"roofline: torch device copy {roof:.2f} TB/s", flush=True)
-    variants = {
-        "mlx-lm": (lambda c, n: decode_mlx_lm(rmodel, c, n), {}),
-        "dsv4 reference path": (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="off")),
-        "dsv4 fixed not compiled": (lambda c, n: decode_dsv4(model, c, n),
-                                    dict(fixed_decode="on", compile=False)),
-        "dsv4": (lambda c, n: decode_dsv4(model, c, n), dict(fixed_decode="on")),
-    }
-    variants = {name: variants[name] for name in a.variants.split(",")}
-    for spec in a.ab:
-        variants[f"dsv4 {spec}"] = (lambda c, n: decode_dsv4(model, c, n), {"fixed_decode": "on", **ab_switches(spec)})
+    several = len(slices) > 1
+    variants, nbytes = {}, {}   # name -> (run, switches); name -> weight bytes a step reads
+    for sl in slices:
+        model, rmodel = sl.model, sl.rmodel
+        runs = {
+            "mlx-lm": (lambda c, n, rmodel=rmodel: decode_mlx_lm(rmodel, c, n), {}),
+            "dsv4 reference path": (lambda c, n, model=model: decode_dsv4(model, c, n), dict(fixed_decode="off")),
+            "dsv4 fixed not compiled": (lambda c, n, model=model: decode_dsv4(model, c, n),
+                                        dict(fixed_decode="on", compile=False)),
+            "dsv4": (lambda c, n, model=model: decode_dsv4(model, c, n), dict(fixed_decode="on")),
+        }
+        names = [v for v in a.variants.split(",") if rmodel is not None or v != "mlx-lm"]
+        chosen = {name: runs[name] for name in names}
+        for spec in a.ab:
+            chosen[f"dsv4 {spec}"] = (lambda c, n, model=model: decode_dsv4(model, c, n),
+                                      {"fixed_decode": "on", **ab_switches(spec)})
+        for name, run in chosen.items():
+            label = f"{sl.recipe} {name}" if several else name
+            variants[label], nbytes[label] = run, step_bytes(sl.params, args)
     # Warm-up: kernel builds and graph traces happen here, not in the measured runs.
     for name, (run, fl) in variants.items():
         t = time.perf_counter()
@@ -343,34 +391,42 @@ def measure(a, model, rmodel, params) -> int:
                 continue
             ms = statistics.median(ts)
             layers40 = ms * 40 / args.num_hidden_layers  # upper bound: head and embed scaled too
-            gbs = nbytes / (ms / 1e3) / 1e9
+            gbs = nbytes[name] / (ms / 1e3) / 1e9
             share = f"{100 * gbs / 1e3 / roof:.0f}%" if roof else "-"
             results[f"{context}/{name}"] = dict(ms=ms, runs=ts, tps40=1e3 / layers40, gbs=gbs)
             rows.append(f"| {context} | {name} | {ms:.2f} [{min(ts):.2f}-{max(ts):.2f}] | "
                         f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} | {share} |")
-    with flags.override(dequant_matmul="off"):
-        counts = {path: count_graph(model, 64, path == "fixed") for path in ("reference", "fixed")}
-    prims = {path: sum(c.values()) / args.num_hidden_layers for path, c in counts.items()}
-    work = {path: sum(launches(c).values()) / args.num_hidden_layers for path, c in counts.items()}
-    top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
+    per_slice = []
+    for sl in slices:
+        with flags.override(dequant_matmul="off"):
+            counts = {path: count_graph(sl.model, 64, path == "fixed") for path in ("reference", "fixed")}
+        prims = {path: sum(c.values()) / args.num_hidden_layers for path, c in counts.items()}
+        work = {path: sum(launches(c).values()) / args.num_hidden_layers for path, c in counts.items()}
+        top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
+        per_slice.append(
+            (f"{sl.recipe}: " if several else "") +
+            f"weights read per step: {step_bytes(sl.params, args) / 1e9:.3f} GB. dsv4 primitives per layer "
+            f"(one decode step with its cache writes, `benchmarks/graph_ops.py`): reference path "
+            f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
+            f"per layer: {top}); without the view-only primitives (reshapes, broadcasts, slices): "
+            f"reference {work['reference']:.0f}, fixed {work['fixed']:.0f}.")
     when = datetime.now()
-    weights = f"experts {a.experts}, dense {a.dense}" + (", Engram before layers 1 and 2" if a.engram else "")
+    weights = "; ".join(f"experts {sl.experts}, dense {sl.dense}" for sl in slices) + \
+        (", Engram before layers 1 and 2" if a.engram else "")
     lines = [f"# Decode on a {'toy-width' if a.small else 'shape-true'} V4.1 slice ({weights}): dsv4 vs mlx-lm", "",
-             f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}), "
+             f"{when:%Y-%m-%d %H:%M}; {args.num_hidden_layers} layers (roles {ROLES['compress_ratios']}) of "
+             f"{args.n_routed_experts} routed experts, "
              f"{a.steps} greedy steps after the context, median of {a.repeats} interleaved repeats "
-             "after one warm-up run of each variant.",
-             f"Weights read per step: {nbytes / 1e9:.3f} GB. dsv4 primitives per layer (one decode "
-             f"step with its cache writes, `benchmarks/graph_ops.py`): reference path "
-             f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
-             f"per layer: {top}); without the view-only primitives (reshapes, broadcasts, slices): "
-             f"reference {work['reference']:.0f}, fixed {work['fixed']:.0f}.", "",
+             "after one warm-up run of each variant" + (", the slices' variants in one process." if several else "."),
+             *per_slice, "",
              "| context | variant | ms/token [min-max] | tok/s (slice) | tok/s (40 layers, est.) | weight GB/s | of copy roofline |",
              "|---|---|---|---|---|---|---|", *rows, "",
              (f"Copy roofline, this process: torch's device copy {roof:.2f} TB/s (read + write, "
               "`benchmarks/roofline.py`)." if roof else "No CUDA torch: no copy roofline."), "",
              "40-layer estimate: ms/token x 40 / 7 (scales head and embedding too: a lower bound on "
              "tokens/s).", "", to_markdown(describe())]
-    tag = ("" if (a.experts, a.dense) == ("mxfp4", "mxfp8") else f"-{a.experts}-{a.dense}") + \
+    recipes = [(sl.experts, sl.dense) for sl in slices]
+    tag = ("" if recipes == [("mxfp4", "mxfp8")] else "".join(f"-{e}-{d}" for e, d in recipes)) + \
         ("-engram" if a.engram else "")
     out = write_dated(a.out, when, f"slice-decode{tag}{'-small' if a.small else ''}", lines, data=results,
                       shown=12 + len(rows))
@@ -378,7 +434,7 @@ def measure(a, model, rmodel, params) -> int:
         context = int(a.contexts.split(",")[0])
         with flags.override(fixed_decode="on", stage_profile=True):
             profiler.reset()
-            decode_dsv4(model, context, a.steps)
+            decode_dsv4(slices[0].model, context, a.steps)
             stages = profiler.report()
         profiler.reset()
         print(stages)

@@ -4,6 +4,8 @@ tested): variants added with --ab, the report and its primitive counts."""
 import collections
 import json
 
+import pytest
+
 from benchmarks import graph_ops, slice_decode
 
 
@@ -27,3 +29,29 @@ def test_ab_variants_run_and_the_report_counts_primitives(tmp_path):
         assert results[f"16/{name}"]["ms"] > 0
         assert f"| 16 | {name} | " in report
     assert "without the view-only primitives" in report
+
+
+def test_two_slices_interleave_in_one_report(tmp_path):
+    assert slice_decode.main(["--small", "--experts", "q4,mxfp4", "--dense", "q8_0", "--routed-experts", "16", "--contexts", "16",
+                              "--steps", "2", "--repeats", "1", "--variants", "dsv4,mlx-lm",
+                              "--out", str(tmp_path)]) == 0
+    report = next(tmp_path.glob("*-slice-decode-q4-q8_0-mxfp4-q8_0-small.md")).read_text()
+    results = json.loads(next(tmp_path.glob("*-slice-decode-q4-q8_0-mxfp4-q8_0-small.json")).read_text())
+    # mlx-lm has no GGUF blocks: neither slice (both keep Q8_0 dense) gets an mlx-lm variant
+    assert sorted(results) == ["16/mxfp4/q8_0 dsv4", "16/q4/q8_0 dsv4"]
+    assert "q4/q8_0: weights read per step" in report and "mxfp4/q8_0: weights read per step" in report
+    assert "of 16 routed experts" in report
+    # each slice's bandwidth from its own bytes: q4's routed experts (4.5 bits a weight) outweigh mxfp4's (4.25)
+    step_mb = {name: r["gbs"] * r["ms"] for name, r in results.items()}
+    assert step_mb["16/q4/q8_0 dsv4"] > step_mb["16/mxfp4/q8_0 dsv4"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--experts", "q3"], "--experts q3 --dense mxfp8"),
+    (["--experts", "q2,q4", "--dense", "q8_0,mxfp8,mxfp8"], "--experts q2,q4 --dense q8_0,mxfp8,mxfp8"),
+    (["--experts", "q2,q2", "--dense", "q8_0"], "--experts q2,q2 --dense q8_0"),
+    (["--routed-experts", "5"], "--routed-experts 5: expected 6..32")])
+def test_bad_options_refused(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        slice_decode.main(["--small", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
