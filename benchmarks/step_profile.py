@@ -7,7 +7,8 @@ On the shape-true slice of benchmarks/slice_decode.py (or `--small`), after a pr
 warm-up, with the decode loop's run-ahead (one step in flight):
 
 - split: per step, the host time to build and queue the next step (`step(y)` + `async_eval`:
-  the compiled graph's replay and MLX's encoding of every primitive) and the time then spent
+  the compiled graph's replay and MLX's encoding of every primitive; "of which the graph": up to
+  `async_eval`, the Python step and the replay) and the time then spent
   waiting for the current token; the same steps chained without any host read; and, one step
   at a time, encode then the GPU's remaining run. When encode >= the whole step, the host is
   the bottleneck and only fewer primitives help; when the wait dominates, the GPU is.
@@ -64,16 +65,18 @@ def split(model, context: int, steps: int) -> dict:
     chained steps; one step at a time (encode, then the GPU's remaining run)."""
     cache, step, y = decoder_after_prefill(model, context)
     mx.eval(y)
-    encode, wait = [], []
+    encode, graph, wait = [], [], []
     start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
         ahead = mx.argmax(step(y), axis=-1)
+        tg = time.perf_counter()
         mx.async_eval(ahead)
         t1 = time.perf_counter()
         int(y.item())
         wait.append(time.perf_counter() - t1)
         encode.append(t1 - t0)
+        graph.append(tg - t0)
         y = ahead
     int(y.item())
     loop = (time.perf_counter() - start) / steps
@@ -93,7 +96,7 @@ def split(model, context: int, steps: int) -> dict:
         alone.append((t1 - t0, time.perf_counter() - t1))
     step.close(cache.offset)
     ms = lambda v: 1e3 * statistics.median(v)
-    return {"loop": 1e3 * loop, "encode": ms(encode), "wait": ms(wait), "chained": 1e3 * chained,
+    return {"loop": 1e3 * loop, "encode": ms(encode), "graph": ms(graph), "wait": ms(wait), "chained": 1e3 * chained,
             "alone encode": ms([a for a, _ in alone]), "alone run": ms([b for _, b in alone])}
 
 
@@ -285,10 +288,10 @@ def main(argv=None) -> int:
              "(medians per step, ms).", ""]
     first = "propose" if a.propose else "verify" if a.verify else None
     columns = ((first, "encode", "run") if first else
-               ("loop", "encode", "wait", "chained", "alone encode", "alone run"))
+               ("loop", "encode", "graph", "wait", "chained", "alone encode", "alone run"))
     lines += ([f"| run | {first} | encode (host) | GPU after encode |", "|---|---|---|---|"] if first else
-              ["| run | loop step | encode (host) | wait for token | chained | alone: encode | alone: GPU after encode |",
-               "|---|---|---|---|---|---|---|"])
+              ["| run | loop step | encode (host) | of which the graph | wait for token | chained | alone: encode "
+               "| alone: GPU after encode |", "|---|---|---|---|---|---|---|---|"])
     for i, r in enumerate(runs):
         lines.append(f"| {i + 1} | " + " | ".join(f"{r[k]:.2f}" for k in columns) + " |")
     lines += kernel_lines
