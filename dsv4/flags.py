@@ -81,16 +81,23 @@ def define(name: str, default: Value, doc: str, choices: tuple[str, ...] = (),
 
 def get(name: str) -> Value:
     """The switch's value: a test override, else the environment, else the default."""
-    flag = FLAGS[name]
-    if name in _overrides:
-        return _overrides[name]
-    text = os.environ.get(flag.env)
+    return _value(FLAGS[name], os.environ)
+
+
+def _value(flag: Flag, environ) -> Value:
+    if flag.name in _overrides:
+        return _overrides[flag.name]
+    text = environ.get(flag.env)
     return flag.default if text is None else flag.parse(text)
 
 
 def snapshot() -> tuple:
-    """Every switch's value in definition order: the key of what was built under them."""
-    return tuple(get(name) for name in FLAGS)
+    """Every switch's value in definition order: the key of what was built under them. A decode
+    step takes one, so the environment is read in one pass: os.environ.get of an unset variable
+    raises and catches a KeyError inside, ~1 µs a switch (72 µs a step on this project's CPU,
+    against ~30 this way)."""
+    ours = {k: v for k, v in os.environ.items() if k.startswith("DSV4_")}
+    return tuple(_value(flag, ours) for flag in FLAGS.values())
 
 
 def switch(name: str, auto: bool) -> bool:
