@@ -7,6 +7,11 @@
 #
 #   D=540 bash tools/device_steps.sh "python -m pytest -q -m gpu tests/test_kernels_gpu.py" \
 #       "python -m benchmarks.slice_decode --contexts 512 --variants dsv4 --ab kernel_moe_mma=on --out \$OUT"
+#
+# KC=scratch_gpu/kc (a directory of the checkout, carried with the call): the kernel cache
+# (DSV4_KERNEL_CACHE) lives there, and when the commands added to it, it comes back as
+# $OUT/kc.tgz; unpack that into the directory before the next call, so that a fresh machine
+# loads the kernels instead of spending ~60-70 s of NVRTC on the slice's.
 start=$(date +%s)
 D=${D:-540}
 TAIL=${TAIL:-25}
@@ -14,6 +19,10 @@ OUT=${OUT:-/tmp/device-steps}
 mkdir -p "$OUT"
 bash .dev/install.sh > "$OUT/install.log" 2>&1 || { echo "install failed:"; tail -5 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
+if [ -n "$KC" ]; then
+  mkdir -p "$KC" && export DSV4_KERNEL_CACHE=$(realpath "$KC")
+  cached=$(ls "$KC" | wc -l)
+fi
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 n=0
 for cmd in "$@"; do
@@ -25,3 +34,6 @@ for cmd in "$@"; do
   echo "rc $?"
   tail -n "$TAIL" "$OUT/step-$n.log"
 done
+if [ -n "$KC" ] && [ "$(ls "$KC" | wc -l)" != "$cached" ]; then
+  tar czf "$OUT/kc.tgz" -C "$KC" . && echo "kernel cache: $(ls "$KC" | wc -l) files, back as \$OUT/kc.tgz"
+fi
