@@ -145,7 +145,9 @@ def decode_rows(name, weights, tokens_list, only=None):
     variants = MX_VARIANTS if name == "mxfp4" else EXPERT_VARIANTS
     variants = {k: v for k, v in variants.items() if only is None or k in only}
     rows = []
-    for tokens in tokens_list if variants else ():   # none of this recipe's variants asked for
+    if not variants:   # none of this recipe's variants asked for
+        return rows
+    for tokens in tokens_list:
         x, perm, w = decode_inputs(tokens)
         runs, outputs = {}, {}
         for label, switches in variants.items():

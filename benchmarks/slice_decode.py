@@ -296,8 +296,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             model, rmodel, params = build(config, experts, dense)
             if a.engram:
-                (Path(tables) / f"{experts}-{dense}").mkdir()
-                sparse_engram_tables(model, Path(tables) / f"{experts}-{dense}")
+                (where := Path(tables) / f"{experts}-{dense}").mkdir()
+                sparse_engram_tables(model, where)
             print(f"built {experts}/{dense} in {time.perf_counter() - t0:.1f} s", flush=True)
             slices.append(Slice(experts, dense, model, rmodel, params))
         return measure(a, slices)
@@ -340,7 +340,8 @@ def measure(a, slices: list) -> int:
     if roof:
         print(f"roofline: torch device copy {roof:.2f} TB/s", flush=True)
     several = len(slices) > 1
-    variants, nbytes = {}, {}   # name -> (run, switches); name -> weight bytes a step reads
+    slice_bytes = {sl.recipe: step_bytes(sl.params, args) for sl in slices}   # weight bytes a step reads
+    variants, nbytes = {}, {}   # name -> (run, switches); name -> its slice's bytes
     for sl in slices:
         model, rmodel = sl.model, sl.rmodel
         runs = {
@@ -357,7 +358,7 @@ def measure(a, slices: list) -> int:
                                       {"fixed_decode": "on", **ab_switches(spec)})
         for name, run in chosen.items():
             label = f"{sl.recipe} {name}" if several else name
-            variants[label], nbytes[label] = run, step_bytes(sl.params, args)
+            variants[label], nbytes[label] = run, slice_bytes[sl.recipe]
     # Warm-up: kernel builds and graph traces happen here, not in the measured runs.
     for name, (run, fl) in variants.items():
         t = time.perf_counter()
@@ -405,7 +406,7 @@ def measure(a, slices: list) -> int:
         top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))
         per_slice.append(
             (f"{sl.recipe}: " if several else "") +
-            f"weights read per step: {step_bytes(sl.params, args) / 1e9:.3f} GB. dsv4 primitives per layer "
+            f"weights read per step: {slice_bytes[sl.recipe] / 1e9:.3f} GB. dsv4 primitives per layer "
             f"(one decode step with its cache writes, `benchmarks/graph_ops.py`): reference path "
             f"{prims['reference']:.0f}, fixed-shape compiled step {prims['fixed']:.0f} (most frequent "
             f"per layer: {top}); without the view-only primitives (reshapes, broadcasts, slices): "

@@ -956,9 +956,8 @@ def kernel_supports(x, gate, up, down, shared) -> bool:
     # per expert are a decode's), where MLX's packs take gather_qmm beyond a decode's tokens.
     if x.ndim != 2 or x.dtype != mx.bfloat16 or (x.shape[0] > MAX_KERNEL_TOKENS and not gguf(gate)):
         return False
-    # the integer units' limbs (if act_quant)
-    ints = gate.integer or (shared is not None and gguf(shared[0]) and shared[0].integer)
-    stride = X_INTS if ints else X_STRIDE
+    # x's copy as the integer units' limbs, if they take it (under act_quant)
+    stride = X_INTS if any(integer_kinds(gate, None if shared is None else shared[0], True)) else X_STRIDE
     if gate_up_shared_bytes(x.shape[-1], stride) > shared_memory_limit(backend()):
         return False
     if not all(matrix_supported(m) for m in mats):
