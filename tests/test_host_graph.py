@@ -1,0 +1,14 @@
+"""benchmarks/host_graph.py's harness (the times themselves are measured, not tested)."""
+
+import json
+
+from benchmarks import host_graph
+
+
+def test_report_times_the_call_and_its_parts(tmp_path):
+    assert host_graph.main(["--steps", "5", "--out", str(tmp_path)]) == 0
+    t = json.loads(next(tmp_path.glob("*-host-graph.json")).read_text())
+    assert set(t) == {"call", "snapshot", "compiled call"}
+    # the call holds a snapshot and a compiled call of its own
+    assert 0 < t["snapshot"] < t["call"] and 0 < t["compiled call"] < t["call"]
+    assert "| decoder call |" in next(tmp_path.glob("*-host-graph.md")).read_text()
