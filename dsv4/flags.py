@@ -523,6 +523,13 @@ define("kernel_cache", "auto",
        "slice (benchmarks/results/2026-12-02-0406-cold-start.md), and the kernels a step first "
        "asks for build in parallel; off: MLX builds them in every process, one at a time "
        "(dsv4/kernels/cuda_cache.py)")
+define("kernel_source_files", "auto",
+       "CUDA: each custom kernel's header and body reach MLX as two #include lines of files named "
+       "by their content (beside the kernel cache, else in /tmp; dsv4/kernels/source_files.py), not "
+       "inline: MLX hashes a kernel's whole source at every launch, ~0.28 µs a KB on an H100's host "
+       "(a 30 KB source 14.5 µs to encode against 6.0; benchmarks/results/2026-12-06-1123-primitive-cost.md), "
+       "~580 KB a decode step. The same text compiled. auto (default): on; on, off (inline)",
+       choices=AUTO_ON_OFF)
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")

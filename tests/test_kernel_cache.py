@@ -44,9 +44,11 @@ def test_module_hash_is_libstdcxx_std_hash():
     assert cuda_cache.std_hash(b"hello") != cuda_cache.std_hash(b"hellp")
 
 
-def test_source_is_mlx_build_kernel_text():
-    header, body = PROBE.source("cuda")
-    name, text = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 2)], [mx.float32], TEMPLATE)
+@pytest.mark.parametrize("files", [False, True], ids=["inline", "source files"])
+def test_source_is_mlx_build_kernel_text(files):
+    header, body = PROBE.launch_source("cuda", files)
+    with flags.override(kernel_source_files="on" if files else "off"):
+        name, text = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 2)], [mx.float32], TEMPLATE)
     assert name == "custom_kernel_dsv4_cache_probe_bfloat16_t_3_t"
     # custom_kernel.cpp: default header, the kernel's header, the namespace, the signature (a
     # shape argument only for the input whose name+'_shape' the body names), the constants.
@@ -61,7 +63,8 @@ def test_source_is_mlx_build_kernel_text():
         "  using T = __nv_bfloat16;\n  constexpr int ADD = 3;\n  constexpr bool FLAG = true;\n\n"
         + body + "\n}\n\n} // namespace mlx::core::cu\n")
     # a 0-d input gets no shape argument; no template, no constants block
-    _, scalar = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 0)], [mx.float32], [])
+    with flags.override(kernel_source_files="on" if files else "off"):
+        _, scalar = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 0)], [mx.float32], [])
     assert "s_shape" not in scalar.split(") {")[0] and "constexpr" not in scalar
 
 
@@ -131,7 +134,8 @@ def test_ensure_builds_once_what_mlx_will_look_for(tmp_path, monkeypatch):
     full, lowered = ptx.with_suffix(".txt").read_text().rstrip("\n").split("\t")
     assert full == "mlx::core::cu::" + name and lowered.startswith("_ZN3mlx4core2cu") and name in lowered
     assert lowered.encode() in cubin   # the symbol MLX's cuModuleGetFunction asks for
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".ptx", ".ptx", ".txt", ".txt"]   # no .partial
+    builds = [p for p in tmp_path.iterdir() if p.is_file()]   # (sources/: source_files' includes)
+    assert sorted(p.suffix for p in builds) == [".ptx", ".ptx", ".txt", ".txt"]   # no .partial
 
     # a later process finds the build and compiles nothing
     monkeypatch.setattr(cuda_cache, "_seen", set())
@@ -148,7 +152,8 @@ def test_a_child_process_builds_what_this_process_would(monkeypatch):
     from tools.metal_syntax_check import nvrtc_paths
 
     library, includes = nvrtc_paths()
-    name, text = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 1)], [mx.float32], TEMPLATE)
+    with flags.override(kernel_source_files="off"):   # the body inline, for the broken copy below
+        name, text = cuda_cache.mlx_source(PROBE, [(mx.bfloat16, 1), (mx.int32, 1)], [mx.float32], TEMPLATE)
     here = nvrtc.build(text, name, "sm_90a", str(library), includes)
     assert nvrtc.build_in_child(text, name, "sm_90a", str(library), includes) == here
     assert here[0][:4] == b"\x7fELF"
@@ -211,7 +216,7 @@ def test_a_build_that_fails_warns_once_and_leaves_it_to_mlx(tmp_path, monkeypatc
     with flags.override(kernel_cache="auto"), pytest.warns(RuntimeWarning, match="MLX builds the CUDA kernels"):
         cuda_cache.ensure(broken, [Inputs(mx.float32, 1)], [mx.float32], [])
     cuda_cache.ensure(PROBE, [Inputs(mx.float32, 1)] * 2, [mx.float32], TEMPLATE)   # no second warning
-    assert list(tmp_path.iterdir()) == []
+    assert [p for p in tmp_path.iterdir() if p.name != "sources"] == []   # no build
 
 
 GPU_SCRIPT = textwrap.dedent("""
@@ -245,5 +250,6 @@ def test_mlx_loads_the_build_dsv4_wrote(tmp_path):
                                           capture_output=True, text=True, check=True).stdout.split()
     assert run(True) == ["-2.0", "True"]    # 3 - 5: MLX took dsv4's file instead of compiling
     for p in tmp_path.iterdir():
-        p.unlink()
+        if p.is_file():   # the builds (sources/ holds the includes, named by their content)
+            p.unlink()
     assert run(False) == ["8.0", "True"]    # dsv4's own build, written before MLX's first launch

@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.atomic_file import atomic_file
+from dsv4.kernels import source_files
 from dsv4.kernels.nvrtc import build_in_child
 
 # mlx/backend/cuda/utils.cpp dtype_to_cuda_type (the source's types) and
@@ -77,7 +78,7 @@ def kernel_name(name: str, template) -> str:
 def mlx_source(kernel, inputs, output_dtypes, template) -> tuple[str, str]:
     """(kernel name, the CUDA source MLX generates) for one instantiation of `kernel`;
     `inputs` are (dtype, ndim) pairs, in input order (custom_kernel.cpp build_kernel)."""
-    header, body = kernel.source("cuda")
+    header, body = kernel.launch_source("cuda", source_files.in_use())
     name = kernel_name(kernel.name, template)
     lines = [DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
              f"__global__ void {name}(\n"]

@@ -50,7 +50,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import cuda_cache
+from dsv4.kernels import cuda_cache, source_files
 
 cuda_cache.configure()   # before MLX's first build reads $MLX_PTX_CACHE_DIR
 
@@ -290,6 +290,16 @@ class Kernel:
         body = compact(body)
         return used_only(compact(header), body), body
 
+    def launch_source(self, dialect: str, files: bool) -> tuple[str, str]:
+        """(header, body) as MLX gets them: `source`, or with `files` (CUDA only) two #include
+        lines of it (dsv4/kernels/source_files.py)."""
+        header, body = self.source(dialect)
+        if not files:
+            return header, body
+        if dialect != "cuda":
+            raise ValueError(f"kernel {self.name}: source files are for CUDA, not {dialect}")
+        return source_files.stub(self.name, header, body, self.input_names)
+
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=(), init_value=None):
         dialect = backend()
@@ -304,7 +314,8 @@ class Kernel:
             cuda_cache.ensure(self, inputs, output_dtypes, template)
             _cached.add(key)
         try:
-            fn = functools.partial(_pretend[1], self) if _pretend is not None else _compiled(self, dialect)
+            fn = functools.partial(_pretend[1], self) if _pretend is not None else \
+                _compiled(self, dialect, dialect == "cuda" and source_files.in_use())
             outputs = fn(inputs=list(inputs), output_shapes=list(output_shapes),
                          output_dtypes=list(output_dtypes), grid=grid, threadgroup=threadgroup,
                          template=list(template), init_value=float("nan") if _poison else init_value)
@@ -450,8 +461,8 @@ def used_only(header: str, body: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _compiled(kernel: Kernel, dialect: str):
-    header, body = kernel.source(dialect)
+def _compiled(kernel: Kernel, dialect: str, files: bool):
+    header, body = kernel.launch_source(dialect, files)
     make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
     return make(name=kernel.name, input_names=list(kernel.input_names),
                 output_names=list(kernel.output_names), source=body, header=header)
