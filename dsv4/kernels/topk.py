@@ -7,7 +7,7 @@ as `topk_indices` (scores and rows packed into one int64 key, MLX's argpartition
 followed by the visibility `where`: ~4 launches in plain MLX, the partition a full sort on the
 GPU. Here one threadgroup per query finds the k-th largest score by radix selection (four
 passes over 8-bit digits of the score's order-preserving 32-bit code, a 256-bin histogram in
-threadgroup memory each), then writes every row above it and the lowest rows equal to it, in
+threadgroup memory each, its threshold digit found by one SIMD group's scan), then writes every row above it and the lowest rows equal to it, in
 row order (threadgroup prefix sums over contiguous chunks of rows). The set of rows is the
 reference's exactly; their order within the k is unspecified in both (every consumer sums
 over them).
@@ -64,16 +64,23 @@ _BODY = r"""
       if ((u & high) == (prefix & high)) ATOMIC_ADD(hist[(u >> shift) & 255u], 1u);
     }
     BARRIER();
-    if (tid == 0) {
-      uint32_t above = 0u;
-      int d = 255;
-      for (; d > 0; --d) {
-        const uint32_t c = ATOMIC_LOAD(hist[d]);
-        if (above + c >= need) break;
-        above += c;
+    if (warp == 0) {
+      // The largest digit d with (rows above d) + hist[d] >= need: lane l holds the digits
+      // 255 - 8l down to 248 - 8l, a scan over the lanes counts the rows above each lane's,
+      // and the one lane whose digits reach `need` walks its 8 (one thread walked all 256).
+      uint32_t c[8], mine = 0u;
+      for (int j = 0; j < 8; ++j) {
+        c[j] = ATOMIC_LOAD(hist[255 - 8 * (int)lane - j]);
+        mine += c[j];
       }
-      pick[0] = prefix | ((uint32_t)d << shift);
-      pick[1] = need - above;
+      const uint32_t through = lane_scan(mine, lane);
+      uint32_t above = through - mine;
+      if (above < need && need <= through) {
+        int j = 0;
+        for (; j < 7 && above + c[j] < need; ++j) above += c[j];
+        pick[0] = prefix | ((uint32_t)(255 - 8 * (int)lane - j) << shift);
+        pick[1] = need - above;
+      }
     }
     BARRIER();
     prefix = pick[0];
