@@ -254,3 +254,38 @@ def test_wide_path_launches(cuda_launches):
     with flags.override(kernel_mhc_wide=False):
         mhc.hc_mixes_collapse_norm(X, *args)
         assert [c[0] for c in calls[7:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
+
+
+def test_fused_site_launches_once(cuda_launches, monkeypatch):
+    """DSV4_KERNEL_MHC_FUSED (off by default): the attention site's entry on the wide path is one
+    launch, the partials' SIMD groups 8 a threadgroup (ceil(D/32 / 8) threadgroups a token) with
+    the finish's outputs after the partials'; the FFN site's entry, whose partials the expand
+    made, keeps its finish launch; Metal and the per-token path never take it."""
+    rng = np.random.default_rng()
+    X, fn, scale, base = random_site(rng, 1, 3, 5120 // 8)
+    pre_in = mx.array(rng.uniform(0, 1, (1, 3, 4)).astype(np.float32))
+    weight = mx.ones((640,), mx.bfloat16)
+    args = (pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    calls = cuda_launches()
+    with flags.override(kernel_mhc_wide=True):
+        mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=True)
+        assert [c[0] for c in calls] == ["dsv4_hc_entry_partials", "dsv4_hc_entry_finish_fp8"], "off by default"
+        with flags.override(kernel_mhc_fused="on"):
+            x, x_fp8, pre, post, comb = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=True)
+            name, kw = calls[2]
+            assert name == "dsv4_hc_site_fp8" and len(calls) == 3
+            assert kw["grid"] == (256 * 3, 3, 1) and kw["threadgroup"] == (256, 1, 1)   # 20 splits: 3 threadgroups
+            assert kw["output_shapes"][:2] == [(3 * 20 * 26,), (3, 640)] and ("SPLITS", 20) in kw["template"]
+            assert (x.shape, x_fp8.shape, pre.shape, comb.shape) == ((1, 3, 640), (1, 3, 640), (1, 3, 4), (1, 3, 4, 4))
+            mhc.hc_mixes_collapse_norm(X, *args)
+            assert calls[3][0] == "dsv4_hc_site"
+            streams, projection = mhc.hc_expand(X[:, :, 0], X, post, comb, fn, pre_in)
+            mhc.hc_mixes_collapse_norm(streams, *args, projection=projection)
+            assert [c[0] for c in calls[4:]] == ["dsv4_hc_expand_partials", "dsv4_hc_entry_finish"]
+    with flags.override(kernel_mhc_wide=False, kernel_mhc_fused="on"):
+        mhc.hc_mixes_collapse_norm(X, *args)
+        assert [c[0] for c in calls[6:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
+    monkeypatch.setattr(mhc, "backend", lambda: "metal")   # the fused body is CUDA's only
+    with flags.override(kernel_mhc_wide=True, kernel_mhc_fused="on"):
+        mhc.hc_mixes_collapse_norm(X, *args)
+        assert [c[0] for c in calls[8:]] == ["dsv4_hc_entry_partials", "dsv4_hc_entry_finish"]

@@ -72,6 +72,23 @@ def test_wide_attention_site_entry(launched, tokens, D, dtype, fp8):
         assert np.mean(f32(got[0]) == f32(old[0])) > 0.95
 
 
+@pytest.mark.parametrize("tokens,D,dtype,fp8", [
+    (1, 5120, mx.bfloat16, True), (8, 5120, mx.bfloat16, False), (3, 100, mx.float32, False), (2, 96, mx.float32, True)])
+def test_fused_site_entry_is_the_wide_launches(launched, tokens, D, dtype, fp8):
+    """DSV4_KERNEL_MHC_FUSED: the one launch writes the two wide launches' outputs bit for bit,
+    twice in a row (its counters reset), and never waits on a threadgroup that is not there."""
+    X, args = site(tokens, D, dtype)
+    with flags.override(kernel_mhc_wide=True):
+        want = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=fp8)
+        with flags.override(kernel_mhc_fused="on"):
+            for _ in range(2):
+                got = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=fp8)
+                mx.eval(got)
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(f32(g), f32(w))
+    assert launched.count("dsv4_hc_site_fp8" if fp8 else "dsv4_hc_site") == 2
+
+
 @pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (4, 5120, mx.bfloat16), (5, 100, mx.float32)])
 def test_wide_ffn_site_from_the_expand(launched, tokens, D, dtype):
     """The FFN site: the attention's expand makes the new streams (the plain expand kernel's bit
@@ -95,17 +112,20 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-mhc") / "ckpt", seed=0)
 
 
-def test_fp32_fixed_decode_with_wide_mhc_equals_reference_over_64_greedy_steps(ckpt, launched):
-    """The lean decode with the wide mHC path against the plain reference path without kernels
-    (test_model_gpu's check): fp32, roundings off, the same greedy tokens, logits within 1e-4."""
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_fp32_fixed_decode_with_wide_mhc_equals_reference_over_64_greedy_steps(ckpt, launched, fused):
+    """The lean decode with the wide mHC path (and DSV4_KERNEL_MHC_FUSED's one launch for the
+    attention sites) against the plain reference path without kernels (test_model_gpu's check):
+    fp32, roundings off, the same greedy tokens, logits within 1e-4."""
     model, _ = dsv4.load(ckpt, dtype=mx.float32)
     prompt = np.random.default_rng(3).integers(7, 500, (1, 24))
     with flags.override(kv_qdq=False, act_quant=False):
-        with flags.override(kernel_mhc_wide=True):
+        with flags.override(kernel_mhc_wide=True, kernel_mhc_fused=fused):
             fast_tokens, fast_logits = fixed_greedy(model, prompt, 64)
         with flags.override(fixed_decode="off", **KERNELS_OFF):
             ref_tokens, ref_logits = greedy(model, prompt, 64)
-    assert {"dsv4_hc_entry_partials", "dsv4_hc_expand_partials", "dsv4_hc_entry_finish"} <= set(launched)
+    first = "dsv4_hc_site" if fused == "on" else "dsv4_hc_entry_partials"
+    assert {first, "dsv4_hc_expand_partials", "dsv4_hc_entry_finish"} <= set(launched)
     assert fast_tokens == ref_tokens
     err = float(mx.max(mx.abs(fast_logits - ref_logits)) / mx.max(mx.abs(ref_logits)))
     assert err < 1e-4, err

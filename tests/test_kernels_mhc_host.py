@@ -34,6 +34,14 @@ struct bf16 {
 };
 """
 
+# The fused site's CUDA words: threadgroups run one after another here, so the last to arrive
+# is the last launched, and a fence has nothing to order.
+SITE_SHIMS = r"""
+#define __device__
+#define __threadfence() ((void)0)
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { const unsigned int old = *p; *p += v; return old; }
+"""
+
 MAIN = r"""
 void entry_partials(const T* streams, const float* fn, const float* pre_in, float* partial, T* collapsed,
                     uint32_t tid, uint32_t group_x, uint32_t group_y) {
@@ -74,6 +82,14 @@ void write_f(const std::vector<float>& f) { std::fwrite(f.data(), 4, f.size(), s
 // Outputs start as NaN, as the GPU tests poison them.
 std::vector<T> nan_t(size_t n) { return std::vector<T>(n, T(NAN)); }
 
+template <bool FP8>
+void site(const T* streams, const float* fn, const float* pre_in, const float* scale, const float* base,
+          const float* params, const T* weight, float* partial, T* collapsed, float* pre, float* post, float* comb,
+          T* out, T* out_q, uint32_t tid, uint32_t group_x, uint32_t group_y) {
+  EMULATED_IDS(tid)
+  if (FP8) { @SITE_FP8@ } else { @SITE@ }
+}
+
 int main() {
   const int mode = read_int(), tok = read_int();
   constexpr int K = HC * D, P = SPLITS * (NM + 2);
@@ -105,6 +121,25 @@ int main() {
       });
       write_t(out);
     }
+  } else if (mode == 5 || mode == 6) {
+    // The fused site, launched twice: the second launch finds its counters reset by the first.
+    auto streams = read_t((size_t)tok * K);
+    auto fn = read_f((size_t)NM * K), pre_in = read_f(tok * HC);
+    auto scale = read_f(3), base = read_f(NM), params = read_f(3);
+    auto weight = read_t(D);
+    for (int again = 0; again < 2; ++again) {
+      std::vector<float> partial((size_t)tok * P, NAN), pre(tok * HC, NAN), post(tok * HC, NAN), comb(tok * HC * HC, NAN);
+      auto collapsed = nan_t((size_t)tok * D), out = nan_t((size_t)tok * D), out_q = nan_t((size_t)tok * D);
+      launch(256, (SPLITS + 7) / 8, tok, [&](int t, int g, int z, int) {
+        if (mode == 6) site<true>(streams.data(), fn.data(), pre_in.data(), scale.data(), base.data(), params.data(),
+                                  weight.data(), partial.data(), collapsed.data(), pre.data(), post.data(), comb.data(),
+                                  out.data(), out_q.data(), t, g, z);
+        else site<false>(streams.data(), fn.data(), pre_in.data(), scale.data(), base.data(), params.data(),
+                         weight.data(), partial.data(), collapsed.data(), pre.data(), post.data(), comb.data(),
+                         out.data(), out.data(), t, g, z);
+      });
+      write_f(partial); write_t(collapsed); write_f(pre); write_f(post); write_f(comb); write_t(out); write_t(out_q);
+    }
   } else {
     auto partial = read_f((size_t)tok * P), scale = read_f(3), base = read_f(NM), params = read_f(3);
     auto collapsed = read_t((size_t)tok * D), weight = read_t(D);
@@ -131,12 +166,13 @@ class Emulated:
         consts = dict(HC=HC, NM=NM, D=D, ITERS=ITERS, SPLITS=self.splits)
         bodies = dict(ENTRY_PARTIALS=mhc.ENTRY_PARTIALS_KERNEL, EXPAND_PARTIALS=mhc.EXPAND_PARTIALS_KERNEL,
                       EXPAND=mhc.EXPAND_KERNEL, FINISH_FP8=mhc.ENTRY_FINISH_FP8_KERNEL,
-                      FINISH=mhc.ENTRY_FINISH_KERNEL)
+                      FINISH=mhc.ENTRY_FINISH_KERNEL, SITE=mhc.SITE_KERNEL, SITE_FP8=mhc.SITE_FP8_KERNEL)
         main = MAIN
         for key, kernel in bodies.items():
             main = main.replace(f"@{key}@", "{" + kernel.body + "}")
         source = (EMULATOR + EXTRAS + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
-                  + f"using T = {'bf16' if bf16 else 'float'};\n" + mhc._WIDE_HEADER + main)
+                  + f"using T = {'bf16' if bf16 else 'float'};\n" + mhc._WIDE_HEADER + SITE_SHIMS
+                  + mhc._SITE_HEADER + main)
         self.exe = build_host(folder, f"mhc_{D}_{int(bf16)}", source)
 
     def run(self, mode: int, tokens: int, *arrays, sizes):
@@ -158,6 +194,14 @@ class Emulated:
 
     def expand(self, y, R, post, comb):
         return self.run(2, R.shape[0], y, R, post, comb, sizes=[R.size])[0]
+
+    def site(self, fp8, X, fn, pre_in, scale, base, weight):
+        """Two launches of the fused site: each (partial, collapsed, pre, post, comb, x, x_q)."""
+        t = X.shape[0]
+        one = [t * self.splits * (NM + 2), t * self.D, t * HC, t * HC, t * HC * HC, t * self.D, t * self.D]
+        out = self.run(6 if fp8 else 5, t, X, fn, pre_in, scale, base, [NORM_EPS, HC_EPS, RMS_EPS], weight,
+                       sizes=one * 2)
+        return out[:7], out[7:]
 
     def finish(self, fp8, partial, scale, base, collapsed, weight):
         t = collapsed.shape[0]
@@ -284,3 +328,26 @@ def test_expand_partials_on_the_host(builds, tokens, D, bf16):
     np.testing.assert_allclose(X, want, rtol=rtol, atol=1e-5)
     check_partials(partial, collapsed, X, fn, pre_in, em.splits, bf16)
 
+
+
+@pytest.mark.parametrize("tokens,D,bf16,fp8", [
+    (2, 96, True, True),        # one threadgroup a token (3 splits): it is its own last
+    (1, 100, False, False),     # 4 splits; D % 32 != 0: no fp8 copy
+    (3, 5120, True, True),      # V4.1: 160 splits in 20 threadgroups a token, 3 tokens' counters
+])
+def test_fused_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf16, fp8):
+    """DSV4_KERNEL_MHC_FUSED's one launch (the partials 8 SIMD groups a threadgroup, the last
+    threadgroup running the finish) writes what the partials and finish launches write, bit for
+    bit, and resets its counters: a second launch does it again."""
+    rng = np.random.default_rng()
+    em = builds(D, bf16)
+    X, fn, pre_in = site(rng, tokens, D, bf16)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    base = rng.standard_normal(NM).astype(np.float32)
+    weight = rounded(rng.uniform(0.5, 1.5, D).astype(np.float32), bf16)
+    partial, collapsed = em.entry_partials(X, fn, pre_in)
+    pre, post, comb, x, x_q = em.finish(fp8, partial, scale, base, collapsed.reshape(tokens, D), weight)
+    for got in em.site(fp8, X, fn, pre_in, scale, base, weight):
+        want = [partial, collapsed, pre, post, comb, x] + ([x_q] if fp8 else [])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)

@@ -331,8 +331,9 @@ _PARTIALS_BODY = r"""
   constexpr int NM = HC * (2 + HC);
   constexpr int QW = 32 / HC;
   const int qi = group_y;
+  const int split = SPLIT_INDEX;
   const int j = (int)lane / QW, q = (int)lane % QW;
-  const int d = ((int)group_x * QW + q) * 4;
+  const int d = (split * QW + q) * 4;
   const bool live = d < D;
   float x[4];
   STREAM_VALUES
@@ -358,9 +359,24 @@ _PARTIALS_BODY = r"""
       acc[NM + 1] += float(h) * float(h);
     }
   }
-  SHARED float red[NM + 2];
-  store_partials<NM + 2>(acc, red, lane, warp, tid, 1, partial + ((size_t)qi * SPLITS + group_x) * (NM + 2));
+  STORE_PARTIALS
 """
+# The partials launch: a threadgroup (one SIMD group) per split.
+_PARTIALS_OF_GROUP = {"SPLIT_INDEX": "(int)group_x", "STORE_PARTIALS": r"""SHARED float red[NM + 2];
+  store_partials<NM + 2>(acc, red, lane, warp, tid, 1, partial + ((size_t)qi * SPLITS + split) * (NM + 2));"""}
+# DSV4_KERNEL_MHC_FUSED's site launch: SIMD group w of threadgroup g is split 8g + w, summed alone.
+_PARTIALS_OF_WARP = {"SPLIT_INDEX": "(int)group_x * 8 + (int)warp", "STORE_PARTIALS": r"""for (int o = 0; o < NM + 2; ++o) {
+    const float v = simd_sum_f(acc[o]);
+    if (lane == 0 && split < SPLITS) partial[((size_t)qi * SPLITS + split) * (NM + 2) + o] = v;
+  }"""}
+
+
+def _filled(body: str, parts: dict) -> str:
+    for name, text in parts.items():
+        body = body.replace(name, text)
+    return body
+
+
 # x[e]: the site's streams as they are.
 _LOADED_VALUES = r"""
   for (int e = 0; e < 4; ++e) x[e] = live ? float(streams[((size_t)qi * HC + j) * D + d + e]) : 0.0f;
@@ -379,21 +395,20 @@ _EXPANDED_VALUES = r"""
   }
 """
 
-_FINISH_BODY = r"""
-  // grid (256 * (ceil(D / 256) + 1), tokens, 1): threadgroup g < ceil(D / 256) normalises
-  // columns 256 g + tid of token qi with the sum of h^2 over the partials (each SIMD group sums
-  // them alike: the same factor everywhere); the last one sums the projection partials (SIMD
-  // group w the splits w, w + 8, ...) and its SIMD group 0 runs the Sinkhorn.
-  constexpr int NM = HC * (2 + HC);
-  const int qi = group_y;
-  if ((int)group_x * 256 < D) {
+# The finish's RMS factor n from the sum of h^2 over the partials (each SIMD group sums them
+# alike: the same factor everywhere), then one threadgroup's columns (COLUMN_GROUP: which 256).
+_FINISH_FACTOR = r"""
     float ss = 0.0f;
     for (int s = (int)lane; s < SPLITS; s += 32) ss += partial[((size_t)qi * SPLITS + s) * (NM + 2) + NM + 1];
     const float n = RSQRT(simd_sum_f(ss) / (float)D + params[2]);
-    const int d = (int)(group_x * 256 + tid);
-    if (d < D) norm_store<T, D, FP8_COPY>(float(collapsed[(size_t)qi * D + d]), n, weight, qi, d, out, OUT_Q);
-    return;
-  }
+"""
+_FINISH_COLUMN = r"""
+      const int d = COLUMN_GROUP * 256 + (int)tid;
+      if (d < D) norm_store<T, D, FP8_COPY>(float(collapsed[(size_t)qi * D + d]), n, weight, qi, d, out, OUT_Q);
+"""
+# The finish's mixes: the projection partials summed (SIMD group w the splits w, w + 8, ...),
+# then SIMD group 0 runs the Sinkhorn.
+_FINISH_MIXES = r"""
   SHARED float red[8 * (NM + 1)];
   SHARED float mv[NM + 1];
   if ((int)lane <= NM) {
@@ -410,6 +425,49 @@ _FINISH_BODY = r"""
   BARRIER();
   if (warp == 0)
     mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, pre, post, comb);
+"""
+_FINISH_BODY = r"""
+  // grid (256 * (ceil(D / 256) + 1), tokens, 1): threadgroup g < ceil(D / 256) normalises
+  // columns 256 g + tid of token qi; the last one makes the mixes.
+  constexpr int NM = HC * (2 + HC);
+  const int qi = group_y;
+  if ((int)group_x * 256 < D) {""" + _FINISH_FACTOR + _FINISH_COLUMN.replace("COLUMN_GROUP", "(int)group_x") + r"""    return;
+  }""" + _FINISH_MIXES
+
+# DSV4_KERNEL_MHC_FUSED (CUDA): a site's entry in one launch. The partials launch's SIMD groups,
+# 8 a threadgroup; the token's last threadgroup to finish its partials (counted in a global of
+# the module, reset by that threadgroup) then runs the finish launch's threadgroups in turn:
+# the same arithmetic in the same order, so the same bits as the two launches (the RMS factor,
+# the same in every finish threadgroup, made once; the columns' loop unrolled, so that their
+# loads are in flight together).
+_SITE_HEADER = r"""
+__device__ unsigned int dsv4_hc_site_arrivals[8];   // WIDE_MAX_TOKENS; zero at the module's load
+
+// After every thread's stores and a barrier: whether this threadgroup is the last of `total`.
+__device__ bool last_to_arrive(unsigned int* count, unsigned int total) {
+  __threadfence();
+  return atomicAdd(count, 1u) == total - 1u;
+}
+"""
+_SITE_BODY = r"""
+  // grid (256 * ceil(SPLITS / 8), tokens, 1), threadgroup 256.
+  {
+PARTIALS
+  }
+  __threadfence();                              // this thread's partials, seen by the last one
+  BARRIER();
+  SHARED unsigned int last_one[1];
+  if (tid == 0) last_one[0] = last_to_arrive(dsv4_hc_site_arrivals + group_y, (SPLITS + 7) / 8) ? 1u : 0u;
+  BARRIER();
+  if (last_one[0] == 0u) return;
+  __threadfence();
+  {
+    constexpr int NM = HC * (2 + HC);
+    const int qi = group_y;
+""" + _FINISH_FACTOR + r"""
+#pragma unroll
+    for (int g = 0; g < (D + 255) / 256; ++g) {""" + _FINISH_COLUMN.replace("COLUMN_GROUP", "g") + r"""    }""" + _FINISH_MIXES + r"""  }
+  if (tid == 0) dsv4_hc_site_arrivals[group_y] = 0u;
 """
 
 _F = mx.float32
@@ -461,13 +519,13 @@ _WIDE_HEADER = _STREAM_HEADER + _ROW_HEADER
 ENTRY_PARTIALS_KERNEL = Kernel(
     name="dsv4_hc_entry_partials", input_names=("streams", "fn", "pre_in"),
     output_names=("partial", "collapsed"), header=_WIDE_HEADER,
-    body=_PARTIALS_BODY.replace("STREAM_VALUES", _LOADED_VALUES),
+    body=_filled(_PARTIALS_BODY, {"STREAM_VALUES": _LOADED_VALUES, **_PARTIALS_OF_GROUP}),
     checks=(((mx.bfloat16, _F, _F), (_F, mx.bfloat16), (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 160))),
             ((_F, _F, _F), (_F, _F), (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 4)))))
 EXPAND_PARTIALS_KERNEL = Kernel(
     name="dsv4_hc_expand_partials", input_names=("y", "residual", "post", "comb", "fn", "pre_in"),
     output_names=("out", "partial", "collapsed"), header=_WIDE_HEADER,
-    body=_PARTIALS_BODY.replace("STREAM_VALUES", _EXPANDED_VALUES),
+    body=_filled(_PARTIALS_BODY, {"STREAM_VALUES": _EXPANDED_VALUES, **_PARTIALS_OF_GROUP}),
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16, _F, mx.bfloat16),
              (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 160))),
             ((_F,) * 6, (_F,) * 3, (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 4)))))
@@ -485,6 +543,21 @@ ENTRY_FINISH_FP8_KERNEL = Kernel(
     output_names=("pre", "post", "comb", "out", "out_q"), header=_ROW_HEADER,
     body=_FINISH_BODY.replace("FP8_COPY", "true").replace("OUT_Q", "out_q"),
     checks=tuple((i, (*o, o[-1]), t) for i, o, t in _FINISH_CHECKS))
+
+_SITE_CHECKS = (
+    ((mx.bfloat16, _F, _F, _F, _F, _F, mx.bfloat16), (_F, mx.bfloat16, _F, _F, _F, mx.bfloat16),
+     (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 160))),
+    ((_F,) * 7, (_F,) * 6, (("T", _F), ("HC", 4), ("D", 96), ("ITERS", 20), ("SPLITS", 3))))
+_SITE = _filled(_SITE_BODY, {"PARTIALS": _filled(_PARTIALS_BODY, {"STREAM_VALUES": _LOADED_VALUES, **_PARTIALS_OF_WARP})})
+SITE_KERNEL = Kernel(
+    name="dsv4_hc_site", input_names=("streams", "fn", "pre_in", "scale", "base", "params", "weight"),
+    output_names=("partial", "collapsed", "pre", "post", "comb", "out"), header=_WIDE_HEADER + _SITE_HEADER,
+    body=_SITE.replace("FP8_COPY", "false").replace("OUT_Q", "out"), checks=_SITE_CHECKS, dialects=("cuda",))
+SITE_FP8_KERNEL = Kernel(
+    name="dsv4_hc_site_fp8", input_names=("streams", "fn", "pre_in", "scale", "base", "params", "weight"),
+    output_names=("partial", "collapsed", "pre", "post", "comb", "out", "out_q"), header=_WIDE_HEADER + _SITE_HEADER,
+    body=_SITE.replace("FP8_COPY", "true").replace("OUT_Q", "out_q"),
+    checks=tuple((i, (*o, o[-1]), t) for i, o, t in _SITE_CHECKS), dialects=("cuda",))
 
 
 def _float32(a):
@@ -630,6 +703,17 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     outputs = dict(output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape] + [x_shape] * fused_copy,
                    output_dtypes=[mx.float32] * 3 + [streams.dtype] * (1 + fused_copy))
     params = constant((float(norm_eps), float(hc_eps), float(rms_eps)))
+    if projection is None and _wide(streams) and flags.switch("kernel_mhc_fused", False) and backend() == "cuda":
+        tokens, splits = math.prod(lead), _column_blocks(hc, D)
+        _, _, pre, post, comb, x, *copy = (SITE_FP8_KERNEL if fused_copy else SITE_KERNEL)(
+            inputs=[streams, _float32(fn), _float32(pre_in), _float32(scale), _float32(base), params, norm_weight],
+            output_shapes=[(tokens * splits * (hc * (2 + hc) + 2),), (tokens, D)] + outputs["output_shapes"],
+            output_dtypes=[mx.float32, streams.dtype] + outputs["output_dtypes"],
+            grid=(ROW_THREADS * math.ceil(splits / 8), tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
+            template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
+        if fp8_copy and not fused_copy:
+            copy = [qdq_fp8(x)]
+        return (x, *copy, pre, post, comb)
     if projection is None and _wide(streams):
         projection = _entry_partials(streams, fn, pre_in)
     if projection is not None and projection.collapsed is not None:
