@@ -8,10 +8,11 @@
 #   D=540 bash tools/device_steps.sh "python -m pytest -q -m gpu tests/test_kernels_gpu.py" \
 #       "python -m benchmarks.slice_decode --contexts 512 --variants dsv4 --ab kernel_moe_mma=on --out \$OUT"
 #
-# KC=scratch_gpu/kc (a directory of the checkout, carried with the call): the kernel cache
-# (DSV4_KERNEL_CACHE) lives there, and when the commands added to it, it comes back as
-# $OUT/kc.tgz; unpack that into the directory before the next call, so that a fresh machine
-# loads the kernels instead of spending ~60-70 s of NVRTC on the slice's.
+# KC=scratch_gpu/kc: the kernel cache (DSV4_KERNEL_CACHE) lives in that directory, unpacked
+# first from $KC.tgz when the call carried one; when the commands added to it, it comes back as
+# $OUT/kc.tgz: copy that to $KC.tgz before the next call (the archive, ~8x smaller than the
+# directory, fits the call's 64 MiB with .dev/), so that a fresh machine loads the kernels
+# instead of spending ~60-70 s of NVRTC on the slice's.
 start=$(date +%s)
 D=${D:-540}
 TAIL=${TAIL:-25}
@@ -21,6 +22,7 @@ bash .dev/install.sh > "$OUT/install.log" 2>&1 || { echo "install failed:"; tail
 export PYTHONPATH=/tmp/site:$PWD
 if [ -n "$KC" ]; then
   mkdir -p "$KC" && export DSV4_KERNEL_CACHE=$(realpath "$KC")
+  [ -f "$KC.tgz" ] && tar xzf "$KC.tgz" -C "$KC"
   cached=$(ls "$KC" | wc -l)
 fi
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
