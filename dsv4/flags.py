@@ -534,12 +534,14 @@ define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
 define("kernel_mhc_fused", "off",
-       "CUDA, on the wide path (DSV4_KERNEL_MHC_WIDE): a site's entry that is not made by an expand "
-       "(the attention site's) in one launch instead of two: the partials' SIMD groups 8 a "
-       "threadgroup, and the token's last threadgroup to finish them (a counter in the module, "
-       "reset by it) runs the finish's threadgroups in turn; the same arithmetic and order, the "
-       "same bits (dsv4/kernels/mhc.py SITE_KERNEL). off (default) until a GPU measures it; "
-       "auto (= off), on", choices=AUTO_ON_OFF)
+       "CUDA, on the wide path (DSV4_KERNEL_MHC_WIDE): each mHC site's entry in the launch of its "
+       "partials instead of a finish launch of its own (the attention site's: the entry partials; "
+       "the FFN site's: the expand that makes its streams), 14 launches fewer a step of the slice: "
+       "the partials' SIMD groups 8 a threadgroup, and the token's last threadgroup to finish them "
+       "(a counter in the kernel's module, reset by it) runs the finish's threadgroups in turn; the "
+       "same arithmetic in the same order, the same bits (dsv4/kernels/mhc.py SITE_KERNEL, "
+       "EXPAND_SITE_KERNEL). off (default) until a GPU measures it; auto (= off), on",
+       choices=AUTO_ON_OFF)
 define("kernel_mhc_wide", "auto",
        "decode (1-8 tokens): each mHC site entry's two launches spread a token over the whole GPU "
        "(partials of the projection and collapse on D/32 SIMD groups, the expand's included; then "

@@ -281,11 +281,23 @@ def test_fused_site_launches_once(cuda_launches, monkeypatch):
             assert calls[3][0] == "dsv4_hc_site"
             streams, projection = mhc.hc_expand(X[:, :, 0], X, post, comb, fn, pre_in)
             mhc.hc_mixes_collapse_norm(streams, *args, projection=projection)
-            assert [c[0] for c in calls[4:]] == ["dsv4_hc_expand_partials", "dsv4_hc_entry_finish"]
+            assert [c[0] for c in calls[4:]] == ["dsv4_hc_expand_partials", "dsv4_hc_entry_finish"], "no site given"
+            # The FFN site's entry made by its expand: one launch; the entry then launches nothing.
+            streams, projection = mhc.hc_expand(X[:, :, 0], X, post, comb, fn, pre_in, mhc.Site(scale, base, weight, *args[5:]))
+            name, kw = calls[6]
+            assert name == "dsv4_hc_expand_site" and kw["grid"] == (256 * 3, 3, 1)
+            assert kw["inputs"][-2].tolist() == pytest.approx([1e-20, 1e-6, 1e-6])   # norm_eps, hc_eps, rms_eps
+            x, pre, post2, comb2 = mhc.hc_mixes_collapse_norm(streams, *args, projection=projection)
+            assert len(calls) == 7 and all(a is b for a, b in zip((x, pre, post2, comb2), projection.finished))
+            x, x_q, *_ = mhc.hc_mixes_collapse_norm(streams, *args, projection=projection, fp8_copy=True,
+                                                    x_shape=(1, 3, 640))
+            assert x.shape == x_q.shape == (1, 3, 640)
     with flags.override(kernel_mhc_wide=False, kernel_mhc_fused="on"):
         mhc.hc_mixes_collapse_norm(X, *args)
-        assert [c[0] for c in calls[6:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
-    monkeypatch.setattr(mhc, "backend", lambda: "metal")   # the fused body is CUDA's only
+        assert [c[0] for c in calls[-2:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
+    monkeypatch.setattr(mhc, "backend", lambda: "metal")   # the fused bodies are CUDA's only
     with flags.override(kernel_mhc_wide=True, kernel_mhc_fused="on"):
         mhc.hc_mixes_collapse_norm(X, *args)
-        assert [c[0] for c in calls[8:]] == ["dsv4_hc_entry_partials", "dsv4_hc_entry_finish"]
+        assert [c[0] for c in calls[-2:]] == ["dsv4_hc_entry_partials", "dsv4_hc_entry_finish"]
+        mhc.hc_expand(X[:, :, 0], X, post, comb, fn, pre_in, mhc.Site(scale, base, weight, *args[5:]))
+        assert calls[-1][0] == "dsv4_hc_expand_partials"

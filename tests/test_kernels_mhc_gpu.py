@@ -89,6 +89,27 @@ def test_fused_site_entry_is_the_wide_launches(launched, tokens, D, dtype, fp8):
     assert launched.count("dsv4_hc_site_fp8" if fp8 else "dsv4_hc_site") == 2
 
 
+@pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (8, 5120, mx.bfloat16), (3, 100, mx.float32)])
+def test_fused_expand_site_is_the_wide_launches(launched, tokens, D, dtype):
+    """DSV4_KERNEL_MHC_FUSED: the expand that makes the FFN site's streams also makes its entry,
+    bit for bit what the expand partials and the finish launches write, twice in a row."""
+    X, (pre_in, fn, scale, base, weight, *eps) = site(tokens, D, dtype)
+    y = arr(RNG.standard_normal((tokens, D)), dtype)
+    post, comb = arr(RNG.uniform(0, 2, (tokens, 4))), arr(RNG.uniform(0, 1, (tokens, 4, 4)))
+    entry = (pre_in, fn, scale, base, weight, *eps)
+    with flags.override(kernel_mhc_wide=True):
+        streams, projection = mhc.hc_expand(y, X, post, comb, fn, pre_in)
+        want = (streams, *mhc.hc_mixes_collapse_norm(streams, *entry, projection=projection))
+        with flags.override(kernel_mhc_fused="on"):
+            for _ in range(2):
+                streams, projection = mhc.hc_expand(y, X, post, comb, fn, pre_in, mhc.Site(scale, base, weight, *eps))
+                got = (streams, *mhc.hc_mixes_collapse_norm(streams, *entry, projection=projection))
+                mx.eval(got)
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(f32(g), f32(w))
+    assert launched.count("dsv4_hc_expand_site") == 2
+
+
 @pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (4, 5120, mx.bfloat16), (5, 100, mx.float32)])
 def test_wide_ffn_site_from_the_expand(launched, tokens, D, dtype):
     """The FFN site: the attention's expand makes the new streams (the plain expand kernel's bit
@@ -124,8 +145,9 @@ def test_fp32_fixed_decode_with_wide_mhc_equals_reference_over_64_greedy_steps(c
             fast_tokens, fast_logits = fixed_greedy(model, prompt, 64)
         with flags.override(fixed_decode="off", **KERNELS_OFF):
             ref_tokens, ref_logits = greedy(model, prompt, 64)
-    first = "dsv4_hc_site" if fused == "on" else "dsv4_hc_entry_partials"
-    assert {first, "dsv4_hc_expand_partials", "dsv4_hc_entry_finish"} <= set(launched)
+    wide = {"dsv4_hc_site", "dsv4_hc_expand_site"} if fused == "on" else \
+        {"dsv4_hc_entry_partials", "dsv4_hc_expand_partials", "dsv4_hc_entry_finish"}
+    assert wide <= set(launched)
     assert fast_tokens == ref_tokens
     err = float(mx.max(mx.abs(fast_logits - ref_logits)) / mx.max(mx.abs(ref_logits)))
     assert err < 1e-4, err

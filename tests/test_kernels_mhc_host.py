@@ -90,6 +90,14 @@ void site(const T* streams, const float* fn, const float* pre_in, const float* s
   if (FP8) { @SITE_FP8@ } else { @SITE@ }
 }
 
+void expand_site(const T* y, const T* residual, const float* post, const float* comb, const float* fn,
+                 const float* pre_in, const float* scale, const float* base, const float* params, const T* weight,
+                 T* out, float* partial, T* collapsed, float* site_pre, float* site_post, float* site_comb, T* x,
+                 uint32_t tid, uint32_t group_x, uint32_t group_y) {
+  EMULATED_IDS(tid)
+  @EXPAND_SITE@
+}
+
 int main() {
   const int mode = read_int(), tok = read_int();
   constexpr int K = HC * D, P = SPLITS * (NM + 2);
@@ -120,6 +128,24 @@ int main() {
         expand(y.data(), residual.data(), post.data(), comb.data(), out.data(), t, g, z, threads);
       });
       write_t(out);
+    }
+  } else if (mode == 7) {
+    // The fused expand site, launched twice as the site above.
+    auto y = read_t((size_t)tok * D), residual = read_t((size_t)tok * K);
+    auto post = read_f(tok * HC), comb = read_f(tok * HC * HC);
+    auto fn = read_f((size_t)NM * K), pre_in = read_f(tok * HC);
+    auto scale = read_f(3), base = read_f(NM), params = read_f(3);
+    auto weight = read_t(D);
+    for (int again = 0; again < 2; ++again) {
+      std::vector<float> partial((size_t)tok * P, NAN), f_pre(tok * HC, NAN), f_post(tok * HC, NAN),
+          f_comb(tok * HC * HC, NAN);
+      auto out = nan_t((size_t)tok * K), collapsed = nan_t((size_t)tok * D), x = nan_t((size_t)tok * D);
+      launch(256, (SPLITS + 7) / 8, tok, [&](int t, int g, int z, int) {
+        expand_site(y.data(), residual.data(), post.data(), comb.data(), fn.data(), pre_in.data(), scale.data(),
+                    base.data(), params.data(), weight.data(), out.data(), partial.data(), collapsed.data(),
+                    f_pre.data(), f_post.data(), f_comb.data(), x.data(), t, g, z);
+      });
+      write_t(out); write_f(partial); write_t(collapsed); write_f(f_pre); write_f(f_post); write_f(f_comb); write_t(x);
     }
   } else if (mode == 5 || mode == 6) {
     // The fused site, launched twice: the second launch finds its counters reset by the first.
@@ -166,7 +192,8 @@ class Emulated:
         consts = dict(HC=HC, NM=NM, D=D, ITERS=ITERS, SPLITS=self.splits)
         bodies = dict(ENTRY_PARTIALS=mhc.ENTRY_PARTIALS_KERNEL, EXPAND_PARTIALS=mhc.EXPAND_PARTIALS_KERNEL,
                       EXPAND=mhc.EXPAND_KERNEL, FINISH_FP8=mhc.ENTRY_FINISH_FP8_KERNEL,
-                      FINISH=mhc.ENTRY_FINISH_KERNEL, SITE=mhc.SITE_KERNEL, SITE_FP8=mhc.SITE_FP8_KERNEL)
+                      FINISH=mhc.ENTRY_FINISH_KERNEL, SITE=mhc.SITE_KERNEL, SITE_FP8=mhc.SITE_FP8_KERNEL,
+                      EXPAND_SITE=mhc.EXPAND_SITE_KERNEL)
         main = MAIN
         for key, kernel in bodies.items():
             main = main.replace(f"@{key}@", "{" + kernel.body + "}")
@@ -200,6 +227,14 @@ class Emulated:
         t = X.shape[0]
         one = [t * self.splits * (NM + 2), t * self.D, t * HC, t * HC, t * HC * HC, t * self.D, t * self.D]
         out = self.run(6 if fp8 else 5, t, X, fn, pre_in, scale, base, [NORM_EPS, HC_EPS, RMS_EPS], weight,
+                       sizes=one * 2)
+        return out[:7], out[7:]
+
+    def expand_site(self, y, R, post, comb, fn, pre_in, scale, base, weight):
+        """Two launches of the fused expand site: each (out, partial, collapsed, pre, post, comb, x)."""
+        t = R.shape[0]
+        one = [t * HC * self.D, t * self.splits * (NM + 2), t * self.D, t * HC, t * HC, t * HC * HC, t * self.D]
+        out = self.run(7, t, y, R, post, comb, fn, pre_in, scale, base, [NORM_EPS, HC_EPS, RMS_EPS], weight,
                        sizes=one * 2)
         return out[:7], out[7:]
 
@@ -350,4 +385,24 @@ def test_fused_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf16, fp8
     for got in em.site(fp8, X, fn, pre_in, scale, base, weight):
         want = [partial, collapsed, pre, post, comb, x] + ([x_q] if fp8 else [])
         for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("tokens,D,bf16", [(2, 96, True), (1, 100, False), (3, 5120, True)])
+def test_fused_expand_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf16):
+    """The FFN site made by its expand (hc_expand with `site`, DSV4_KERNEL_MHC_FUSED): the expand
+    partials' and the finish's outputs bit for bit, twice in a row."""
+    rng = np.random.default_rng()
+    em = builds(D, bf16)
+    R, fn, pre_in = site(rng, tokens, D, bf16)
+    y = rounded(rng.standard_normal((tokens, D)).astype(np.float32), bf16)
+    post = rng.uniform(0, 2, (tokens, HC)).astype(np.float32)
+    comb = rng.uniform(0, 1, (tokens, HC, HC)).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    base = rng.standard_normal(NM).astype(np.float32)
+    weight = rounded(rng.uniform(0.5, 1.5, D).astype(np.float32), bf16)
+    out, partial, collapsed = em.expand_partials(y, R, post, comb, fn, pre_in)
+    f_pre, f_post, f_comb, x, _ = em.finish(False, partial, scale, base, collapsed.reshape(tokens, D), weight)
+    for got in em.expand_site(y, R, post, comb, fn, pre_in, scale, base, weight):
+        for g, w in zip(got, [out, partial, collapsed, f_pre, f_post, f_comb, x]):
             np.testing.assert_array_equal(g, w)

@@ -190,11 +190,13 @@ def v41_calls():
                                            fp8_copy=fp8_copy)
             mhc.hc_expand(_zeros(1, t, D), streams, post, comb)
             mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn)
-        with flags.override(kernel_mhc_wide=True):   # the wide decode path's launches
-            for fp8_copy in (False, True):
-                mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,
-                                           fp8_copy=fp8_copy)
-            mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn, pre=pre)
+        for fused in ("off", "on"):   # the wide decode path's launches, and DSV4_KERNEL_MHC_FUSED's
+            with flags.override(kernel_mhc_wide=True, kernel_mhc_fused=fused):
+                for fp8_copy in (False, True):
+                    mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,
+                                               fp8_copy=fp8_copy)
+                mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn, pre=pre,
+                              site=mhc.Site(scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps))
 
         for compressed, selected in ((None, None), (_zeros(1, CONTEXT // 2, Dh), a.index_topk),
                                      (_zeros(1, CONTEXT, Dh), a.index_topk)):

@@ -17,7 +17,8 @@ hundred), and the projection's 2 MB of fp32 on 16-20 threadgroups. DSV4_KERNEL_M
 the partials (the projection with 16-byte loads, the sum of squares, and the collapse with
 the previous site's pre, its sum of squares) over D / 32 SIMD groups, made by the expand
 itself at the FFN site; then the finish, whose threadgroups each normalise 256 columns while
-one more reduces the projection and runs the Sinkhorn.
+one more reduces the projection and runs the Sinkhorn. DSV4_KERNEL_MHC_FUSED (CUDA) folds the
+finish into the partials' launch: its last threadgroup to finish a token's partials runs it.
 """
 
 from __future__ import annotations
@@ -44,10 +45,24 @@ WIDE_MAX_TOKENS = 8   # decode and verify; prefill keeps the per-token launches
 class Projection(NamedTuple):
     """What `hc_expand` with the next site's fn hands that site's entry: the projection partials
     (`splits` per token) and, from the wide path, the new streams' collapse with the site's
-    pre_in (else None)."""
+    pre_in (else None); with DSV4_KERNEL_MHC_FUSED and the site's `Site`, the entry itself:
+    `finished` = (x, pre, post, comb)."""
     partial: mx.array
     splits: int
     collapsed: Optional[mx.array] = None
+    finished: Optional[tuple] = None
+
+
+class Site(NamedTuple):
+    """A site's own arguments of `hc_mixes_collapse_norm` (after the streams, pre_in and fn),
+    for the expand that can make its entry in the same launch."""
+    scale: mx.array
+    base: mx.array
+    norm_weight: mx.array
+    rms_eps: float
+    norm_eps: float
+    hc_eps: float
+    iterations: int = 20
 
 
 def hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
@@ -77,9 +92,9 @@ def hc_collapse_norm_reference(streams, pre, weight, eps, shape=None):
     return out if shape is None else out.reshape(shape)
 
 
-def hc_expand_reference(y, residual, post, comb, fn=None, pre=None):
+def hc_expand_reference(y, residual, post, comb, fn=None, pre=None, site=None):
     """Plain-MLX definition; see `hc_expand` (with fn: (streams, None), no projection made;
-    `pre` is not used)."""
+    `pre` and `site` are not used)."""
     y = y.reshape(*residual.shape[:-2], y.shape[-1])   # the same tokens, maybe laid out otherwise
     mixed = comb.swapaxes(-1, -2) @ residual.astype(mx.float32)
     out = (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
@@ -372,6 +387,7 @@ _PARTIALS_OF_WARP = {"SPLIT_INDEX": "(int)group_x * 8 + (int)warp", "STORE_PARTI
 
 
 def _filled(body: str, parts: dict) -> str:
+    """body with each placeholder of `parts` replaced by its text."""
     for name, text in parts.items():
         body = body.replace(name, text)
     return body
@@ -404,7 +420,7 @@ _FINISH_FACTOR = r"""
 """
 _FINISH_COLUMN = r"""
       const int d = COLUMN_GROUP * 256 + (int)tid;
-      if (d < D) norm_store<T, D, FP8_COPY>(float(collapsed[(size_t)qi * D + d]), n, weight, qi, d, out, OUT_Q);
+      if (d < D) norm_store<T, D, FP8_COPY>(float(collapsed[(size_t)qi * D + d]), n, weight, qi, d, X_OUT, OUT_Q);
 """
 # The finish's mixes: the projection partials summed (SIMD group w the splits w, w + 8, ...),
 # then SIMD group 0 runs the Sinkhorn.
@@ -424,7 +440,7 @@ _FINISH_MIXES = r"""
   }
   BARRIER();
   if (warp == 0)
-    mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, pre, post, comb);
+    mixes_from_projections<HC, D, ITERS>(mv, scale, base, params[0], params[1], qi, lane, MIXES_OUT);
 """
 _FINISH_BODY = r"""
   // grid (256 * (ceil(D / 256) + 1), tokens, 1): threadgroup g < ceil(D / 256) normalises
@@ -456,7 +472,7 @@ PARTIALS
   }
   __threadfence();                              // this thread's partials, seen by the last one
   BARRIER();
-  SHARED unsigned int last_one[1];
+  SHARED uint32_t last_one[1];
   if (tid == 0) last_one[0] = last_to_arrive(dsv4_hc_site_arrivals + group_y, (SPLITS + 7) / 8) ? 1u : 0u;
   BARRIER();
   if (last_one[0] == 0u) return;
@@ -529,6 +545,8 @@ EXPAND_PARTIALS_KERNEL = Kernel(
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16, _F, mx.bfloat16),
              (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 160))),
             ((_F,) * 6, (_F,) * 3, (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 4)))))
+# The finish's outputs: a site entry's x and mixes (the fused expand site names its own).
+_ENTRY_OUTPUTS = {"X_OUT": "out", "MIXES_OUT": "pre, post, comb"}
 _FINISH_CHECKS = (
     ((_F, _F, _F, _F, mx.bfloat16, mx.bfloat16), (_F, _F, _F, mx.bfloat16),
      (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 160))),
@@ -536,12 +554,12 @@ _FINISH_CHECKS = (
 ENTRY_FINISH_KERNEL = Kernel(
     name="dsv4_hc_entry_finish", input_names=("partial", "scale", "base", "params", "collapsed", "weight"),
     output_names=("pre", "post", "comb", "out"), header=_ROW_HEADER,
-    body=_FINISH_BODY.replace("FP8_COPY", "false").replace("OUT_Q", "out"), checks=_FINISH_CHECKS)
+    body=_filled(_FINISH_BODY, {"FP8_COPY": "false", "OUT_Q": "out", **_ENTRY_OUTPUTS}), checks=_FINISH_CHECKS)
 # The same, also writing x rounded to fp8 per 32 values (the attention's wq_a/wkv input).
 ENTRY_FINISH_FP8_KERNEL = Kernel(
     name="dsv4_hc_entry_finish_fp8", input_names=("partial", "scale", "base", "params", "collapsed", "weight"),
     output_names=("pre", "post", "comb", "out", "out_q"), header=_ROW_HEADER,
-    body=_FINISH_BODY.replace("FP8_COPY", "true").replace("OUT_Q", "out_q"),
+    body=_filled(_FINISH_BODY, {"FP8_COPY": "true", "OUT_Q": "out_q", **_ENTRY_OUTPUTS}),
     checks=tuple((i, (*o, o[-1]), t) for i, o, t in _FINISH_CHECKS))
 
 _SITE_CHECKS = (
@@ -552,12 +570,28 @@ _SITE = _filled(_SITE_BODY, {"PARTIALS": _filled(_PARTIALS_BODY, {"STREAM_VALUES
 SITE_KERNEL = Kernel(
     name="dsv4_hc_site", input_names=("streams", "fn", "pre_in", "scale", "base", "params", "weight"),
     output_names=("partial", "collapsed", "pre", "post", "comb", "out"), header=_WIDE_HEADER + _SITE_HEADER,
-    body=_SITE.replace("FP8_COPY", "false").replace("OUT_Q", "out"), checks=_SITE_CHECKS, dialects=("cuda",))
+    body=_filled(_SITE, {"FP8_COPY": "false", "OUT_Q": "out", **_ENTRY_OUTPUTS}), checks=_SITE_CHECKS,
+    dialects=("cuda",))
 SITE_FP8_KERNEL = Kernel(
     name="dsv4_hc_site_fp8", input_names=("streams", "fn", "pre_in", "scale", "base", "params", "weight"),
     output_names=("partial", "collapsed", "pre", "post", "comb", "out", "out_q"), header=_WIDE_HEADER + _SITE_HEADER,
-    body=_SITE.replace("FP8_COPY", "true").replace("OUT_Q", "out_q"),
+    body=_filled(_SITE, {"FP8_COPY": "true", "OUT_Q": "out_q", **_ENTRY_OUTPUTS}),
     checks=tuple((i, (*o, o[-1]), t) for i, o, t in _SITE_CHECKS), dialects=("cuda",))
+# The FFN site's entry inside the expand that makes its streams (hc_expand with `site`): the
+# expand's partials launch and the site's finish in one, as SITE_KERNEL does for the attention's.
+EXPAND_SITE_KERNEL = Kernel(
+    name="dsv4_hc_expand_site",
+    input_names=("y", "residual", "post", "comb", "fn", "pre_in", "scale", "base", "params", "weight"),
+    output_names=("out", "partial", "collapsed", "site_pre", "site_post", "site_comb", "x"),
+    header=_WIDE_HEADER + _SITE_HEADER,
+    body=_filled(_SITE_BODY, {"PARTIALS": _filled(_PARTIALS_BODY, {"STREAM_VALUES": _EXPANDED_VALUES, **_PARTIALS_OF_WARP}),
+                              "FP8_COPY": "false", "OUT_Q": "x", "X_OUT": "x",
+                              "MIXES_OUT": "site_pre, site_post, site_comb"}),
+    checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F, _F, _F, _F, _F, mx.bfloat16),
+             (mx.bfloat16, _F, mx.bfloat16, _F, _F, _F, mx.bfloat16),
+             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 160))),
+            ((_F,) * 10, (_F,) * 7, (("T", _F), ("HC", 4), ("D", 96), ("ITERS", 20), ("SPLITS", 3)))),
+    dialects=("cuda",))
 
 
 def _float32(a):
@@ -630,7 +664,7 @@ def hc_mixes(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
                 streams, fn, scale, base)
         return hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations)
     *lead, hc, D = streams.shape
-    partial, splits, _ = _project(streams, fn)
+    partial, splits, *_ = _project(streams, fn)
     pre, post, comb = SINKHORN_KERNEL(
         inputs=[partial, _float32(scale), _float32(base), constant((float(norm_eps), float(hc_eps)))],
         output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc)], output_dtypes=[mx.float32] * 3,
@@ -703,7 +737,7 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     outputs = dict(output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape] + [x_shape] * fused_copy,
                    output_dtypes=[mx.float32] * 3 + [streams.dtype] * (1 + fused_copy))
     params = constant((float(norm_eps), float(hc_eps), float(rms_eps)))
-    if projection is None and _wide(streams) and flags.switch("kernel_mhc_fused", False) and backend() == "cuda":
+    if projection is None and _fused(_wide(streams)):
         tokens, splits = math.prod(lead), _column_blocks(hc, D)
         _, _, pre, post, comb, x, *copy = (SITE_FP8_KERNEL if fused_copy else SITE_KERNEL)(
             inputs=[streams, _float32(fn), _float32(pre_in), _float32(scale), _float32(base), params, norm_weight],
@@ -716,6 +750,10 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         return (x, *copy, pre, post, comb)
     if projection is None and _wide(streams):
         projection = _entry_partials(streams, fn, pre_in)
+    if projection is not None and projection.finished is not None:
+        x, pre, post, comb = projection.finished
+        x = x if x.shape == tuple(x_shape) else x.reshape(x_shape)
+        return (x, *([qdq_fp8(x)] if fp8_copy else []), pre, post, comb)
     if projection is not None and projection.collapsed is not None:
         kernel = ENTRY_FINISH_FP8_KERNEL if fused_copy else ENTRY_FINISH_KERNEL
         groups = math.ceil(D / ROW_THREADS) + 1
@@ -727,7 +765,7 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         if fp8_copy and not fused_copy:
             copy = [qdq_fp8(x)]
         return (x, *copy, pre, post, comb)
-    partial, splits, _ = projection if projection is not None else _project(streams, fn)
+    partial, splits, *_ = projection if projection is not None else _project(streams, fn)
     kernel = SINKHORN_COLLAPSE_NORM_FP8_KERNEL if fused_copy else SINKHORN_COLLAPSE_NORM_KERNEL
     pre, post, comb, x, *copy = kernel(
         inputs=[partial, _float32(scale), _float32(base), params, streams, _float32(pre_in), norm_weight],
@@ -739,8 +777,13 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     return (x, *copy, pre, post, comb)
 
 
+def _fused(wide: bool) -> bool:
+    """DSV4_KERNEL_MHC_FUSED applies (CUDA, on the wide path)."""
+    return wide and flags.switch("kernel_mhc_fused", False) and backend() == "cuda"
+
+
 @falls_back(hc_expand_reference, "kernel_mhc")
-def hc_expand(y, residual, post, comb, fn=None, pre=None):
+def hc_expand(y, residual, post, comb, fn=None, pre=None, site=None):
     """New streams X'_j = post_j y + sum_i comb[i, j] R_i, computed in fp32.
 
     y [B, S, D] (sublayer output); residual [B, S, hc, D] (streams that entered the site);
@@ -752,12 +795,29 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None):
     on the kernel path the same launch also makes the next site's projection partials, for
     `hc_mixes_collapse_norm(..., projection=...)`; elsewhere projection is None. `pre`: that
     site's pre_in ([B, S, hc] fp32, the pre of the site these streams entered), with which the
-    wide path (DSV4_KERNEL_MHC_WIDE) also collapses the new streams in the same launch.
+    wide path (DSV4_KERNEL_MHC_WIDE) also collapses the new streams in the same launch. `site`
+    (a `Site`: that site's scale, base, norm weight and epsilons): with DSV4_KERNEL_MHC_FUSED
+    the same launch also makes that site's entry, which its `hc_mixes_collapse_norm` then
+    returns (x laid out [B, S, D] as the streams' tokens).
     """
     if not _use_kernel(residual.dtype) or y.dtype != residual.dtype:
         return hc_expand_reference(y, residual, post, comb, fn)
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
+    if fn is not None and pre is not None and site is not None and _fused(_wide(residual)) \
+            and site.norm_weight.dtype in (mx.bfloat16, mx.float16, mx.float32):
+        splits = _column_blocks(hc, D)
+        params = constant((float(site.norm_eps), float(site.hc_eps), float(site.rms_eps)))
+        out, partial, collapsed, f_pre, f_post, f_comb, x = EXPAND_SITE_KERNEL(
+            inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre),
+                    _float32(site.scale), _float32(site.base), params, site.norm_weight],
+            output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 2),), (tokens, D),
+                           (*lead, hc), (*lead, hc), (*lead, hc, hc), (*lead, D)],
+            output_dtypes=[residual.dtype, mx.float32, residual.dtype] + [mx.float32] * 3 + [residual.dtype],
+            grid=(ROW_THREADS * math.ceil(splits / 8), tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
+            template=[("T", residual.dtype), ("HC", hc), ("D", D), ("ITERS", int(site.iterations)),
+                      ("SPLITS", splits)])
+        return out, Projection(partial, splits, collapsed, (x, f_pre, f_post, f_comb))
     if fn is not None and pre is not None and _wide(residual):
         splits = _column_blocks(hc, D)
         out, partial, collapsed = EXPAND_PARTIALS_KERNEL(
