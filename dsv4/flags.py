@@ -308,6 +308,13 @@ define("kernel_attention_rows8", "auto",
        "(default): on under CUDA, where the slice's step at 512 took 2.60 ms against 2.70 on an H100 "
        "(benchmarks/results/2026-12-06-0355-slice-decode.md); off on Metal until a Mac measures it; "
        "on, off (the 4-row kernels)", choices=AUTO_ON_OFF)
+define("kernel_attention_fused", "off",
+       "CUDA, with DSV4_KERNEL_ATTENTION_ROWS8 (1-8 queries): sparse attention's partial and merge "
+       "in one launch, the last threadgroup of a query's head group to finish its split (a counter "
+       "in the kernel's module, reset by it) merging those heads as the merge launch's SIMD groups "
+       "would, one after another: the same arithmetic in the same order, the same bits, one launch "
+       "fewer a layer (dsv4/kernels/sparse_attention.py ROWS8_FUSED_KERNEL). off (default) until a "
+       "GPU measures it; auto (= off), on", choices=AUTO_ON_OFF)
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")

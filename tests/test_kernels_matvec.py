@@ -324,6 +324,15 @@ template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
 }
 """
 
+# The CUDA words of a launch whose last threadgroup finishes the work (dialect's last_to_arrive,
+# a module's __device__ counters): threadgroups run one after another here, so the last to arrive
+# is the last launched, and a fence has nothing to order.
+ARRIVALS_EMULATED = r"""
+#define __device__
+#define __threadfence() ((void)0)
+inline bool last_to_arrive(unsigned int* count, unsigned int total) { return ++*count == total; }
+"""
+
 EMULATOR_MAIN = r"""
 void body(const float* x, const uint32_t* w, Shape2 w_shape, const SCALE* s, const SCALE* b, float* y,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {

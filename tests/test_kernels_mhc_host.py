@@ -15,7 +15,7 @@ import pytest
 from dsv4.kernels import mhc
 from dsv4.quant import qdq_fp8
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_matvec import EMULATOR
+from tests.test_kernels_matvec import ARRIVALS_EMULATED, EMULATOR
 from tests.test_kernels_mhc import oracle_mixes
 
 HC, NM, ITERS = 4, 24, 20
@@ -32,14 +32,6 @@ struct bf16 {
   explicit bf16(float f) { const uint32_t u = host_as_uint(f); bits = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16); }
   explicit operator float() const { return host_as_float((uint32_t)bits << 16); }
 };
-"""
-
-# The fused site's CUDA words: threadgroups run one after another here, so the last to arrive
-# is the last launched, and a fence has nothing to order.
-SITE_SHIMS = r"""
-#define __device__
-#define __threadfence() ((void)0)
-inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { const unsigned int old = *p; *p += v; return old; }
 """
 
 MAIN = r"""
@@ -198,7 +190,7 @@ class Emulated:
         for key, kernel in bodies.items():
             main = main.replace(f"@{key}@", "{" + kernel.body + "}")
         source = (EMULATOR + EXTRAS + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
-                  + f"using T = {'bf16' if bf16 else 'float'};\n" + mhc._WIDE_HEADER + SITE_SHIMS
+                  + f"using T = {'bf16' if bf16 else 'float'};\n" + mhc._WIDE_HEADER + ARRIVALS_EMULATED
                   + mhc._SITE_HEADER + main)
         self.exe = build_host(folder, f"mhc_{D}_{int(bf16)}", source)
 

@@ -202,8 +202,9 @@ def v41_calls():
                                      (_zeros(1, CONTEXT, Dh), a.index_topk)):
             topk_idx = None if compressed is None else _zeros(1, t, selected, dtype=mx.int32)
             angles = _zeros(1, t, R, dtype=mx.float32)
-            for rows8 in (False, True):   # rows8: the 8-row kernels
-                with flags.override(kernel_attention_rows8=rows8):
+            # the 4-row kernels, the 8-row ones, and those in one launch (CUDA)
+            for rows8, fused in ((False, "off"), (True, "off"), (True, "on")):
+                with flags.override(kernel_attention_rows8=rows8, kernel_attention_fused=fused):
                     sparse_attention.sparse_attention(
                         _zeros(1, t, H, Dh), _zeros(1, a.sliding_window, Dh),
                         _zeros(1, t, a.sliding_window, dtype=mx.int32), compressed, topk_idx,

@@ -33,6 +33,7 @@ Vocabulary available to bodies:
   H2_SUB_BITS(a, b)          the fp16 pairs a - b (rounded to nearest even), as bits
   H2_MUL_BF16_BITS(a, b)     (CUDA) the bf16 pairs a * b (rounded to nearest even), as bits
   mma_16816(d, a, b)         (CUDA) d[4] += A B of one warp-wide mma.sync m16n8k16 (fp16 a[4], b[2])
+  last_to_arrive(count, n)   (CUDA) whether this threadgroup is the last of n at a module counter
   mma_16816_bf16(d, a, b)    (CUDA) the same with bf16 a and b
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
 """
@@ -170,6 +171,14 @@ __device__ inline uint32_t h2_mul_bf16_bits(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 #define H2_MUL_BF16_BITS(a, b) h2_mul_bf16_bits(a, b)
+// (CUDA) After each thread's stores, __threadfence() and a barrier, thread 0 asks whether its
+// threadgroup is the last of `total` to arrive at *count (a global of the kernel's module, which
+// that last threadgroup resets to 0 when done): its reads of the others' stores then see them.
+KFN bool last_to_arrive(unsigned int* count, unsigned int total) {
+  __threadfence();
+  return atomicAdd(count, 1u) == total - 1u;
+}
+
 __device__ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

@@ -458,12 +458,6 @@ _FINISH_BODY = r"""
 # loads are in flight together).
 _SITE_HEADER = r"""
 __device__ unsigned int dsv4_hc_site_arrivals[8];   // WIDE_MAX_TOKENS; zero at the module's load
-
-// After every thread's stores and a barrier: whether this threadgroup is the last of `total`.
-__device__ bool last_to_arrive(unsigned int* count, unsigned int total) {
-  __threadfence();
-  return atomicAdd(count, 1u) == total - 1u;
-}
 """
 _SITE_BODY = r"""
   // grid (256 * ceil(SPLITS / 8), tokens, 1), threadgroup 256.

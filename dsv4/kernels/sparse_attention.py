@@ -424,10 +424,8 @@ _ROWS8_PARTIAL_BODY = r"""
   }
 """
 
-_ROWS8_MERGE_BODY = r"""
-  // grid (32*D/128, H, B*S): D/128 SIMD groups merge one (query, head), 4 dims a lane.
-  const int qi = group_z;
-  const int h = group_y;
+# The merge of query qi's head h over its splits, dims 128 CHUNK.. by one SIMD group, 4 a lane.
+_ROWS8_MERGE_CORE = r"""
   const size_t first = ((size_t)qi * H + h) * SPLITS;
   float top = -1e30f;
   for (int s = (int)lane; s < SPLITS; s += 32) top = FMAX(top, part_ml[(first + s) * 2]);
@@ -436,7 +434,7 @@ _ROWS8_MERGE_BODY = r"""
   for (int s = (int)lane; s < SPLITS; s += 32)
     denom += EXP(part_ml[(first + s) * 2] - top) * part_ml[(first + s) * 2 + 1];
   denom = simd_sum_f(denom) + EXP(sinks[h] - top);
-  const int d0 = 128 * (int)warp + 4 * (int)lane;
+  const int d0 = 128 * CHUNK + 4 * (int)lane;
   float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int s = 0; s < SPLITS; ++s) {
     const float w = EXP(part_ml[(first + s) * 2] - top);
@@ -450,6 +448,41 @@ _ROWS8_MERGE_BODY = r"""
   for (int i = 0; i < 4; i += 2) rotate_pair<D, ROPE_HALF, true>(o + i, d0 + i, rope_cos, rope_sin, qi);
   for (int i = 0; i < 4; ++i) out[out_off + i] = static_cast<T>(o[i]);
 """
+_ROWS8_MERGE_BODY = r"""
+  // grid (32*D/128, H, B*S): D/128 SIMD groups merge one (query, head), 4 dims a lane.
+  const int qi = group_z;
+  const int h = group_y;""" + _ROWS8_MERGE_CORE.replace("CHUNK", "(int)warp")
+
+# DSV4_KERNEL_ATTENTION_FUSED (CUDA): the partial launch, whose last threadgroup of a query's
+# head group to finish its split (counted in a global of the module, reset by it) then merges
+# those G heads, SIMD group w the merge launch's SIMD groups w, w + G, ... in turn: the same
+# arithmetic in the same order, so the same bits as the two launches, one launch fewer a layer.
+_ROWS8_FUSED_HEADER = r"""
+__device__ unsigned int dsv4_attention_arrivals[FUSED_COUNTERS];   // zero at the module's load
+"""
+_ROWS8_FUSED_BODY = r"""
+  // grid (32*G, n_head_groups*splits, B*S) as the partial's.
+  {
+""" + _ROWS8_PARTIAL_BODY.replace("  if (h >= H) return;\n", "  if (h < H) {\n") + r"""  }
+  }
+  __threadfence();                              // this thread's partials, seen by the last one
+  BARRIER();
+  SHARED uint32_t last_one[1];
+  const int head_group = (int)group_y / SPLITS;
+  const int at = (int)group_z * ((H + G - 1) / G) + head_group;
+  if (tid == 0) last_one[0] = last_to_arrive(dsv4_attention_arrivals + at, SPLITS) ? 1u : 0u;
+  BARRIER();
+  if (last_one[0] == 0u) return;
+  __threadfence();
+  for (int pair = (int)warp; pair < G * (D / 128); pair += G) {
+    const int qi = group_z;
+    const int h = head_group * G + pair / (D / 128);
+    const int chunk = pair % (D / 128);
+    if (h < H) {""" + _ROWS8_MERGE_CORE.replace("CHUNK", "chunk") + r"""    }
+  }
+  if (tid == 0) dsv4_attention_arrivals[at] = 0u;
+"""
+FUSED_COUNTERS = MAX_KERNEL_QUERIES * 64   # queries x head groups (H <= 64 G)
 
 
 def _vector_loads(dtype, D: int) -> bool:
@@ -505,6 +538,26 @@ ROWS8_MERGE_KERNEL = Kernel(
         ((mx.float32,) * 5, (mx.bfloat16,), (("T", mx.bfloat16), ("D", d), ("H", h), ("ROPE_HALF", r), ("SPLITS", s)))
         for (d, h, r), s in zip(_ROWS8_CHECKS, (32, 37))),
 )
+ROWS8_FUSED_KERNEL = Kernel(
+    name="dsv4_sparse_attention_rows8_fused",
+    input_names=PARTIAL_KERNEL.input_names + ("sinks",), output_names=PARTIAL_KERNEL.output_names + ("out",),
+    body=_ROWS8_FUSED_BODY, header=_HEADER + _ROWS8_HEADER + _ROWS8_FUSED_HEADER.replace("FUSED_COUNTERS", str(FUSED_COUNTERS)),
+    checks=tuple(
+        ((mx.bfloat16, mx.bfloat16, mx.int32, mx.bfloat16, mx.int32, mx.float32, mx.float32, mx.float32, mx.float32),
+         (mx.float32, mx.float32, mx.bfloat16),
+         (("T", mx.bfloat16), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", s), ("ROPE_Q", r),
+          ("ROPE_HALF", r)))
+        for (d, h, r), s in zip(_ROWS8_CHECKS, (32, 37))),
+    dialects=("cuda",),
+)
+
+
+def fused_applies(q, rows8: bool) -> bool:
+    """Whether the partial and merge launches are one (DSV4_KERNEL_ATTENTION_FUSED): CUDA, the
+    8-row kernels, queries and head groups within the module's counters."""
+    B, S, H, _ = q.shape
+    return (rows8 and flags.switch("kernel_attention_fused", False) and backend() == "cuda"
+            and B * S <= MAX_KERNEL_QUERIES and math.ceil(H / HEADS_PER_GROUP) <= FUSED_COUNTERS // MAX_KERNEL_QUERIES)
 
 
 def rows8_applies(q) -> bool:
@@ -565,11 +618,20 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     rows8 = rows8_applies(q)
     template = [("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits),
                 ("ROPE_Q", rope_half if rotate_queries else 0)]
+    partial_outputs = dict(output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
+                           output_dtypes=[mx.float32, mx.float32])
+    inputs = [q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx), constant((float(scale),)),
+              rope_cos, rope_sin]
+    if fused_applies(q, rows8):
+        *_, out = ROWS8_FUSED_KERNEL(
+            inputs=inputs + [_float32(sinks)],
+            output_shapes=partial_outputs["output_shapes"] + [q.shape if shape is None else shape],
+            output_dtypes=partial_outputs["output_dtypes"] + [q.dtype],
+            grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
+            template=template + [("ROPE_HALF", rope_half)])
+        return out
     part_acc, part_ml = (ROWS8_PARTIAL_KERNEL if rows8 else PARTIAL_KERNEL)(
-        inputs=[q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx),
-                constant((float(scale),)), rope_cos, rope_sin],
-        output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
-        output_dtypes=[mx.float32, mx.float32],
+        inputs=inputs, **partial_outputs,
         grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
         template=template if rows8 else template + [("VEC", _vector_loads(q.dtype, D))])
     merge_threads = 32 * D // 128 if rows8 else 32
