@@ -259,6 +259,18 @@ def site(rng, tokens, D, bf16):
     return X, fn, pre_in
 
 
+def finish_inputs(rng, D, bf16):
+    """A site's scale, base and norm weight."""
+    return (rng.uniform(0.5, 2.0, 3).astype(np.float32), rng.standard_normal(NM).astype(np.float32),
+            rounded(rng.uniform(0.5, 1.5, D).astype(np.float32), bf16))
+
+
+def expand_inputs(rng, tokens, D, bf16):
+    """An expand's sublayer output y and the site's post and comb."""
+    return (rounded(rng.standard_normal((tokens, D)).astype(np.float32), bf16),
+            rng.uniform(0, 2, (tokens, HC)).astype(np.float32), rng.uniform(0, 1, (tokens, HC, HC)).astype(np.float32))
+
+
 def collapse_in_order(X, pre, bf16):
     """The collapse as fp32 sums in index order (c = 0..HC-1), rounded to T: the same roundings
     the kernels are written to make (the host build contracts no FMA)."""
@@ -314,9 +326,7 @@ def test_site_entry_on_the_host(builds, tokens, D, bf16, fp8):
     X, fn, pre_in = site(rng, tokens, D, bf16)
     partial, collapsed = em.entry_partials(X, fn, pre_in)
     check_partials(partial, collapsed, X, fn, pre_in, em.splits, bf16)
-    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
-    base = rng.standard_normal(NM).astype(np.float32)
-    weight = rounded(rng.uniform(0.5, 1.5, D).astype(np.float32), bf16)
+    scale, base, weight = finish_inputs(rng, D, bf16)
     got = em.finish(fp8, partial, scale, base, collapsed.reshape(tokens, D), weight)
     check_finish(got, fn, scale, base, collapsed, weight, X, fp8, bf16)
     # The reference of the whole entry (plain MLX, fp32): x within one rounding to T of it, plus
@@ -343,9 +353,7 @@ def test_expand_partials_on_the_host(builds, tokens, D, bf16):
     rng = np.random.default_rng()
     em = builds(D, bf16)
     R, fn, pre_in = site(rng, tokens, D, bf16)
-    y = rounded(rng.standard_normal((tokens, D)).astype(np.float32), bf16)
-    post = rng.uniform(0, 2, (tokens, HC)).astype(np.float32)
-    comb = rng.uniform(0, 1, (tokens, HC, HC)).astype(np.float32)
+    y, post, comb = expand_inputs(rng, tokens, D, bf16)
     out, partial, collapsed = em.expand_partials(y, R, post, comb, fn, pre_in)
     np.testing.assert_array_equal(out, em.expand(y, R, post, comb))
     X = out.reshape(tokens, HC, D)
@@ -354,7 +362,6 @@ def test_expand_partials_on_the_host(builds, tokens, D, bf16):
     rtol = 2.0 ** -8 if bf16 else 1e-6
     np.testing.assert_allclose(X, want, rtol=rtol, atol=1e-5)
     check_partials(partial, collapsed, X, fn, pre_in, em.splits, bf16)
-
 
 
 @pytest.mark.parametrize("tokens,D,bf16,fp8", [
@@ -369,9 +376,7 @@ def test_fused_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf16, fp8
     rng = np.random.default_rng()
     em = builds(D, bf16)
     X, fn, pre_in = site(rng, tokens, D, bf16)
-    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
-    base = rng.standard_normal(NM).astype(np.float32)
-    weight = rounded(rng.uniform(0.5, 1.5, D).astype(np.float32), bf16)
+    scale, base, weight = finish_inputs(rng, D, bf16)
     partial, collapsed = em.entry_partials(X, fn, pre_in)
     pre, post, comb, x, x_q = em.finish(fp8, partial, scale, base, collapsed.reshape(tokens, D), weight)
     for got in em.site(fp8, X, fn, pre_in, scale, base, weight):
@@ -387,12 +392,8 @@ def test_fused_expand_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf
     rng = np.random.default_rng()
     em = builds(D, bf16)
     R, fn, pre_in = site(rng, tokens, D, bf16)
-    y = rounded(rng.standard_normal((tokens, D)).astype(np.float32), bf16)
-    post = rng.uniform(0, 2, (tokens, HC)).astype(np.float32)
-    comb = rng.uniform(0, 1, (tokens, HC, HC)).astype(np.float32)
-    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
-    base = rng.standard_normal(NM).astype(np.float32)
-    weight = rounded(rng.uniform(0.5, 1.5, D).astype(np.float32), bf16)
+    y, post, comb = expand_inputs(rng, tokens, D, bf16)
+    scale, base, weight = finish_inputs(rng, D, bf16)
     out, partial, collapsed = em.expand_partials(y, R, post, comb, fn, pre_in)
     f_pre, f_post, f_comb, x, _ = em.finish(False, partial, scale, base, collapsed.reshape(tokens, D), weight)
     for got in em.expand_site(y, R, post, comb, fn, pre_in, scale, base, weight):

@@ -9,6 +9,7 @@ reference within the bound the GPU tests use (both round probabilities to bf16, 
 different running maxima), and the float64 oracle of model-spec §3.7 within bf16 rounding.
 """
 
+import functools
 import subprocess
 
 import numpy as np
@@ -27,6 +28,13 @@ from tests.test_kernels_sparse_attention import as_np, oracle
 MAX = "using std::max;\n"
 
 # Inputs on stdin: the input shapes, sizes, then the arrays in the kernel's input order.
+_SHAPES = {"  READ_SHAPES\n": """  int qs[4], ws[3], wis[3], cs[3], tis[3];
+  for (int* shape : {qs, ws, wis, cs, tis})
+    for (int i = 0; i < (shape == qs ? 4 : 3); ++i) shape[i] = read_int();
+""", "  INPUT_ARRAYS\n": """  std::vector<T> q((size_t)qs[0] * qs[1] * qs[2] * qs[3]), wkv((size_t)ws[0] * ws[1] * ws[2]);
+  std::vector<T> ckv((size_t)cs[0] * cs[1] * cs[2]);
+  std::vector<int> wi((size_t)wis[0] * wis[1] * wis[2]), ti((size_t)tis[0] * tis[1] * tis[2]);
+"""}
 PARTIAL_MAIN = r"""
 void body(const T* q, const T* window_kv, const int* window_idx, const T* compressed_kv, const int* topk_idx,
           const float* params, const float* rope_cos, const float* rope_sin, float* part_acc, float* part_ml,
@@ -37,16 +45,9 @@ void body(const T* q, const T* window_kv, const int* window_idx, const T* compre
   BODY
 }
 int main() {
-  int qs[4], ws[3], wis[3], cs[3], tis[3];
-  for (int& v : qs) v = read_int();
-  for (int& v : ws) v = read_int();
-  for (int& v : wis) v = read_int();
-  for (int& v : cs) v = read_int();
-  for (int& v : tis) v = read_int();
+  READ_SHAPES
   const int n_rope = read_int(), n_acc = read_int(), gy = read_int(), gz = read_int(), threads = read_int();
-  std::vector<T> q((size_t)qs[0] * qs[1] * qs[2] * qs[3]), wkv((size_t)ws[0] * ws[1] * ws[2]);
-  std::vector<T> ckv((size_t)cs[0] * cs[1] * cs[2]);
-  std::vector<int> wi((size_t)wis[0] * wis[1] * wis[2]), ti((size_t)tis[0] * tis[1] * tis[2]);
+  INPUT_ARRAYS
   std::vector<float> params(1), cosv(n_rope), sinv(n_rope), acc(n_acc, NAN), ml(n_acc / D * 2, NAN);
   read(q); read(wkv); read(wi); read(ckv); read(ti); read(params); read(cosv); read(sinv);
   launch(threads, gy, gz, [&](int t, int g, int z, int n) {
@@ -92,17 +93,10 @@ void body(const T* q, const T* window_kv, const int* window_idx, const T* compre
   BODY
 }
 int main() {
-  int qs[4], ws[3], wis[3], cs[3], tis[3];
-  for (int& v : qs) v = read_int();
-  for (int& v : ws) v = read_int();
-  for (int& v : wis) v = read_int();
-  for (int& v : cs) v = read_int();
-  for (int& v : tis) v = read_int();
+  READ_SHAPES
   const int n_rope = read_int(), n_acc = read_int(), n_out = read_int(), gy = read_int(), gz = read_int();
   const int threads = read_int();
-  std::vector<T> q((size_t)qs[0] * qs[1] * qs[2] * qs[3]), wkv((size_t)ws[0] * ws[1] * ws[2]);
-  std::vector<T> ckv((size_t)cs[0] * cs[1] * cs[2]);
-  std::vector<int> wi((size_t)wis[0] * wis[1] * wis[2]), ti((size_t)tis[0] * tis[1] * tis[2]);
+  INPUT_ARRAYS
   std::vector<float> params(1), cosv(n_rope), sinv(n_rope), sinks(H);
   read(q); read(wkv); read(wi); read(ckv); read(ti); read(params); read(cosv); read(sinv); read(sinks);
   for (int again = 0; again < 2; ++again) {
@@ -117,6 +111,10 @@ int main() {
   return 0;
 }
 """
+
+
+PARTIAL_MAIN, FUSED_MAIN = (functools.reduce(lambda m, kv: m.replace(*kv), _SHAPES.items(), main)
+                            for main in (PARTIAL_MAIN, FUSED_MAIN))
 
 
 def bf16_bytes(a) -> bytes:
