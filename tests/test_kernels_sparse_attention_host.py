@@ -28,7 +28,14 @@ from tests.test_kernels_sparse_attention import as_np, oracle
 MAX = "using std::max;\n"
 
 # Inputs on stdin: the input shapes, sizes, then the arrays in the kernel's input order.
-_SHAPES = {"  READ_SHAPES\n": """  int qs[4], ws[3], wis[3], cs[3], tis[3];
+_SHAPES = {"          SHAPES_AND_IDS\n": """          const int* q_shape, const int* window_kv_shape, const int* window_idx_shape,
+          const int* compressed_kv_shape, const int* topk_idx_shape,
+          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+""", "  READ_SHAPES\n": """  int qs[4], ws[3], wis[3], cs[3], tis[3];
   for (int* shape : {qs, ws, wis, cs, tis})
     for (int i = 0; i < (shape == qs ? 4 : 3); ++i) shape[i] = read_int();
 """, "  INPUT_ARRAYS\n": """  std::vector<T> q((size_t)qs[0] * qs[1] * qs[2] * qs[3]), wkv((size_t)ws[0] * ws[1] * ws[2]);
@@ -38,13 +45,7 @@ _SHAPES = {"  READ_SHAPES\n": """  int qs[4], ws[3], wis[3], cs[3], tis[3];
 PARTIAL_MAIN = r"""
 void body(const T* q, const T* window_kv, const int* window_idx, const T* compressed_kv, const int* topk_idx,
           const float* params, const float* rope_cos, const float* rope_sin, float* part_acc, float* part_ml,
-          const int* q_shape, const int* window_kv_shape, const int* window_idx_shape,
-          const int* compressed_kv_shape, const int* topk_idx_shape,
-          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
-  EMULATED_IDS(tid)
-  BODY
-}
-int main() {
+          SHAPES_AND_IDS
   READ_SHAPES
   const int n_rope = read_int(), n_acc = read_int(), gy = read_int(), gz = read_int(), threads = read_int();
   INPUT_ARRAYS
@@ -86,13 +87,7 @@ FUSED_MAIN = r"""
 void body(const T* q, const T* window_kv, const int* window_idx, const T* compressed_kv, const int* topk_idx,
           const float* params, const float* rope_cos, const float* rope_sin, const float* sinks,
           float* part_acc, float* part_ml, T* out,
-          const int* q_shape, const int* window_kv_shape, const int* window_idx_shape,
-          const int* compressed_kv_shape, const int* topk_idx_shape,
-          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
-  EMULATED_IDS(tid)
-  BODY
-}
-int main() {
+          SHAPES_AND_IDS
   READ_SHAPES
   const int n_rope = read_int(), n_acc = read_int(), n_out = read_int(), gy = read_int(), gz = read_int();
   const int threads = read_int();
@@ -139,10 +134,9 @@ class Emulated:
         key = (kernel.name, tuple(template))
         if key not in self.built:
             consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            fused = ARRIVALS_EMULATED + sa._ROWS8_FUSED_HEADER.replace("FUSED_COUNTERS", str(sa.FUSED_COUNTERS))
+            fused = ARRIVALS_EMULATED + sa._ROWS8_FUSED_HEADER if kernel is sa.ROWS8_FUSED_KERNEL else ""
             self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
-                                         EMULATOR + BF16 + MAX + consts + sa._HEADER + sa._ROWS8_HEADER
-                                         + (fused if kernel is sa.ROWS8_FUSED_KERNEL else "")
+                                         EMULATOR + BF16 + MAX + consts + sa._HEADER + sa._ROWS8_HEADER + fused
                                          + main.replace("BODY", kernel.body))
         return self.built[key]
 

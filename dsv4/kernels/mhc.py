@@ -456,8 +456,8 @@ _FINISH_BODY = r"""
 # the same arithmetic in the same order, so the same bits as the two launches (the RMS factor,
 # the same in every finish threadgroup, made once; the columns' loop unrolled, so that their
 # loads are in flight together).
-_SITE_HEADER = r"""
-__device__ unsigned int dsv4_hc_site_arrivals[8];   // WIDE_MAX_TOKENS; zero at the module's load
+_SITE_HEADER = f"""
+__device__ unsigned int dsv4_hc_site_arrivals[{WIDE_MAX_TOKENS}];   // a token's; zero at the module's load
 """
 _SITE_BODY = r"""
   // grid (256 * ceil(SPLITS / 8), tokens, 1), threadgroup 256.
@@ -617,12 +617,22 @@ def _column_blocks(hc: int, D: int) -> int:
     return math.ceil(D / (128 // hc))
 
 
+def _partials_shape(tokens: int, splits: int, hc: int) -> tuple:
+    """The wide path's partials: per token and split, the NM projections and two sums of squares."""
+    return (tokens * splits * (hc * (2 + hc) + 2),)
+
+
+def _site_grid(splits: int, tokens: int) -> tuple:
+    """DSV4_KERNEL_MHC_FUSED's grid: the splits' SIMD groups 8 a threadgroup of ROW_THREADS."""
+    return (ROW_THREADS * math.ceil(splits / (ROW_THREADS // 32)), tokens, 1)
+
+
 def _entry_partials(streams, fn, pre_in) -> Projection:
     *lead, hc, D = streams.shape
     tokens, splits = math.prod(lead), _column_blocks(hc, D)
     partial, collapsed = ENTRY_PARTIALS_KERNEL(
         inputs=[streams, _float32(fn), _float32(pre_in)],
-        output_shapes=[(tokens * splits * (hc * (2 + hc) + 2),), (tokens, D)],
+        output_shapes=[_partials_shape(tokens, splits, hc), (tokens, D)],
         output_dtypes=[mx.float32, streams.dtype], grid=(32 * splits, tokens, 1), threadgroup=(32, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits)])
     return Projection(partial, splits, collapsed)
@@ -731,44 +741,40 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
     outputs = dict(output_shapes=[(*lead, hc), (*lead, hc), (*lead, hc, hc), x_shape] + [x_shape] * fused_copy,
                    output_dtypes=[mx.float32] * 3 + [streams.dtype] * (1 + fused_copy))
     params = constant((float(norm_eps), float(hc_eps), float(rms_eps)))
+
+    def entry(pre, post, comb, x, *copy):
+        """The kernel's outputs as returned: the fp8 copy rounded after it where it made none."""
+        return (x, *(copy or ([qdq_fp8(x)] if fp8_copy else [])), pre, post, comb)
+
     if projection is None and _fused(_wide(streams)):
         tokens, splits = math.prod(lead), _column_blocks(hc, D)
-        _, _, pre, post, comb, x, *copy = (SITE_FP8_KERNEL if fused_copy else SITE_KERNEL)(
+        _, _, *made = (SITE_FP8_KERNEL if fused_copy else SITE_KERNEL)(
             inputs=[streams, _float32(fn), _float32(pre_in), _float32(scale), _float32(base), params, norm_weight],
-            output_shapes=[(tokens * splits * (hc * (2 + hc) + 2),), (tokens, D)] + outputs["output_shapes"],
+            output_shapes=[_partials_shape(tokens, splits, hc), (tokens, D)] + outputs["output_shapes"],
             output_dtypes=[mx.float32, streams.dtype] + outputs["output_dtypes"],
-            grid=(ROW_THREADS * math.ceil(splits / 8), tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
+            grid=_site_grid(splits, tokens), threadgroup=(ROW_THREADS, 1, 1),
             template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
-        if fp8_copy and not fused_copy:
-            copy = [qdq_fp8(x)]
-        return (x, *copy, pre, post, comb)
+        return entry(*made)
     if projection is None and _wide(streams):
         projection = _entry_partials(streams, fn, pre_in)
     if projection is not None and projection.finished is not None:
         x, pre, post, comb = projection.finished
-        x = x if x.shape == tuple(x_shape) else x.reshape(x_shape)
-        return (x, *([qdq_fp8(x)] if fp8_copy else []), pre, post, comb)
+        return entry(pre, post, comb, x if x.shape == tuple(x_shape) else x.reshape(x_shape))
     if projection is not None and projection.collapsed is not None:
         kernel = ENTRY_FINISH_FP8_KERNEL if fused_copy else ENTRY_FINISH_KERNEL
         groups = math.ceil(D / ROW_THREADS) + 1
-        pre, post, comb, x, *copy = kernel(
+        return entry(*kernel(
             inputs=[projection.partial, _float32(scale), _float32(base), params, projection.collapsed, norm_weight],
             grid=(ROW_THREADS * groups, math.prod(lead), 1), threadgroup=(ROW_THREADS, 1, 1),
             template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations),
-                      ("SPLITS", projection.splits)], **outputs)
-        if fp8_copy and not fused_copy:
-            copy = [qdq_fp8(x)]
-        return (x, *copy, pre, post, comb)
+                      ("SPLITS", projection.splits)], **outputs))
     partial, splits, *_ = projection if projection is not None else _project(streams, fn)
     kernel = SINKHORN_COLLAPSE_NORM_FP8_KERNEL if fused_copy else SINKHORN_COLLAPSE_NORM_KERNEL
-    pre, post, comb, x, *copy = kernel(
+    return entry(*kernel(
         inputs=[partial, _float32(scale), _float32(base), params, streams, _float32(pre_in), norm_weight],
         grid=(ROW_THREADS + 32, math.prod(lead), 1), threadgroup=(ROW_THREADS + 32, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)],
-        **outputs)
-    if fp8_copy and not fused_copy:
-        copy = [qdq_fp8(x)]
-    return (x, *copy, pre, post, comb)
+        **outputs))
 
 
 def _fused(wide: bool) -> bool:
@@ -805,10 +811,10 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None, site=None):
         out, partial, collapsed, f_pre, f_post, f_comb, x = EXPAND_SITE_KERNEL(
             inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre),
                     _float32(site.scale), _float32(site.base), params, site.norm_weight],
-            output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 2),), (tokens, D),
+            output_shapes=[residual.shape, _partials_shape(tokens, splits, hc), (tokens, D),
                            (*lead, hc), (*lead, hc), (*lead, hc, hc), (*lead, D)],
             output_dtypes=[residual.dtype, mx.float32, residual.dtype] + [mx.float32] * 3 + [residual.dtype],
-            grid=(ROW_THREADS * math.ceil(splits / 8), tokens, 1), threadgroup=(ROW_THREADS, 1, 1),
+            grid=_site_grid(splits, tokens), threadgroup=(ROW_THREADS, 1, 1),
             template=[("T", residual.dtype), ("HC", hc), ("D", D), ("ITERS", int(site.iterations)),
                       ("SPLITS", splits)])
         return out, Projection(partial, splits, collapsed, (x, f_pre, f_post, f_comb))
@@ -816,7 +822,7 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None, site=None):
         splits = _column_blocks(hc, D)
         out, partial, collapsed = EXPAND_PARTIALS_KERNEL(
             inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre)],
-            output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 2),), (tokens, D)],
+            output_shapes=[residual.shape, _partials_shape(tokens, splits, hc), (tokens, D)],
             output_dtypes=[residual.dtype, mx.float32, residual.dtype],
             grid=(32 * splits, tokens, 1), threadgroup=(32, 1, 1),
             template=[("T", residual.dtype), ("HC", hc), ("D", D), ("SPLITS", splits)])

@@ -457,8 +457,9 @@ _ROWS8_MERGE_BODY = r"""
 # head group to finish its split (counted in a global of the module, reset by it) then merges
 # those G heads, SIMD group w the merge launch's SIMD groups w, w + G, ... in turn: the same
 # arithmetic in the same order, so the same bits as the two launches, one launch fewer a layer.
-_ROWS8_FUSED_HEADER = r"""
-__device__ unsigned int dsv4_attention_arrivals[FUSED_COUNTERS];   // zero at the module's load
+FUSED_COUNTERS = MAX_KERNEL_QUERIES * 64   # queries x head groups (H <= 64 G)
+_ROWS8_FUSED_HEADER = f"""
+__device__ unsigned int dsv4_attention_arrivals[{FUSED_COUNTERS}];   // zero at the module's load
 """
 _ROWS8_FUSED_BODY = r"""
   // grid (32*G, n_head_groups*splits, B*S) as the partial's.
@@ -482,7 +483,6 @@ _ROWS8_FUSED_BODY = r"""
   }
   if (tid == 0) dsv4_attention_arrivals[at] = 0u;
 """
-FUSED_COUNTERS = MAX_KERNEL_QUERIES * 64   # queries x head groups (H <= 64 G)
 
 
 def _vector_loads(dtype, D: int) -> bool:
@@ -541,7 +541,7 @@ ROWS8_MERGE_KERNEL = Kernel(
 ROWS8_FUSED_KERNEL = Kernel(
     name="dsv4_sparse_attention_rows8_fused",
     input_names=PARTIAL_KERNEL.input_names + ("sinks",), output_names=PARTIAL_KERNEL.output_names + ("out",),
-    body=_ROWS8_FUSED_BODY, header=_HEADER + _ROWS8_HEADER + _ROWS8_FUSED_HEADER.replace("FUSED_COUNTERS", str(FUSED_COUNTERS)),
+    body=_ROWS8_FUSED_BODY, header=_HEADER + _ROWS8_HEADER + _ROWS8_FUSED_HEADER,
     checks=tuple(
         ((mx.bfloat16, mx.bfloat16, mx.int32, mx.bfloat16, mx.int32, mx.float32, mx.float32, mx.float32, mx.float32),
          (mx.float32, mx.float32, mx.bfloat16),
@@ -622,17 +622,16 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
                            output_dtypes=[mx.float32, mx.float32])
     inputs = [q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx), constant((float(scale),)),
               rope_cos, rope_sin]
+    launch = dict(grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1))
     if fused_applies(q, rows8):
         *_, out = ROWS8_FUSED_KERNEL(
             inputs=inputs + [_float32(sinks)],
             output_shapes=partial_outputs["output_shapes"] + [q.shape if shape is None else shape],
             output_dtypes=partial_outputs["output_dtypes"] + [q.dtype],
-            grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
-            template=template + [("ROPE_HALF", rope_half)])
+            template=template + [("ROPE_HALF", rope_half)], **launch)
         return out
     part_acc, part_ml = (ROWS8_PARTIAL_KERNEL if rows8 else PARTIAL_KERNEL)(
-        inputs=inputs, **partial_outputs,
-        grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1),
+        inputs=inputs, **partial_outputs, **launch,
         template=template if rows8 else template + [("VEC", _vector_loads(q.dtype, D))])
     merge_threads = 32 * D // 128 if rows8 else 32
     (out,) = (ROWS8_MERGE_KERNEL if rows8 else MERGE_KERNEL)(
