@@ -1,7 +1,7 @@
 """Where one fixed-shape decode step's time goes: host encode vs GPU, and GPU time per kernel.
 
     python -m benchmarks.step_profile [--small] [--context 512] [--kernels] [--verify N | --propose K]
-                                      [--out DIR]
+                                      [--experts q2 --dense q8_0 --routed-experts 192] [--out DIR]
 
 On the shape-true slice of benchmarks/slice_decode.py (or `--small`), after a prefill and a
 warm-up, with the decode loop's run-ahead (one step in flight):
@@ -227,7 +227,8 @@ def kernel_table(a) -> list[str]:
         return ["", "--kernels: no ncu found; kernel table skipped."]
     cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable,
            "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context),
-           "--verify", str(a.verify), "--propose", str(a.propose)]
+           "--verify", str(a.verify), "--propose", str(a.propose), "--experts", a.experts, "--dense", a.dense]
+    cmd += ["--routed-experts", str(a.routed_experts)] if a.routed_experts else []
     out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
     rows = summarize_ncu(out.stdout)
     if not rows:
@@ -250,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", action="store_true", help="also profile one step's kernels under ncu")
     p.add_argument("--verify", type=int, default=0, help="profile a verify of N positions instead")
     p.add_argument("--propose", type=int, default=0, help="profile a fixed propose of K drafts instead")
+    p.add_argument("--experts", default="mxfp4", help="routed experts: mxfp4 or a ds4 GGUF recipe (slice_decode's)")
+    p.add_argument("--dense", default="mxfp8", help="dense projections: mxfp8 or q8_0 (slice_decode's)")
+    p.add_argument("--routed-experts", type=int, help="routed experts a layer holds (slice_decode's)")
     p.add_argument("--profiled-step", action="store_true", help=argparse.SUPPRESS)   # the run under ncu
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
@@ -257,14 +261,20 @@ def main(argv=None) -> int:
         p.error("--verify and --propose: one at a time")
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
-    from benchmarks.slice_decode import REAL, ROLES, SMALL, build
+    from benchmarks.slice_decode import REAL, ROLES, SMALL, build, parse_recipes
     from dsv4 import flags
 
     # The ncu run first: its process then has the GPU's memory to itself (this one, holding a
     # slice with draft stages and MLX's cache, left it too little).
     kernel_lines = kernel_table(a) if a.kernels and not a.profiled_step else []
+    recipes = parse_recipes(p, a.experts, a.dense)
+    if len(recipes) != 1:
+        p.error(f"--experts {a.experts}: one recipe at a time")
+    (experts, dense), = recipes
     config = {**(SMALL if a.small else REAL), **ROLES}
-    model, _, _ = build(config)
+    if a.routed_experts:
+        config["n_routed_experts"] = a.routed_experts
+    model, _, _ = build(config, experts, dense)
     if a.verify or a.propose:
         from benchmarks.speculative_steps import DRAFT, DRAFT_SMALL, with_draft
 
@@ -284,8 +294,9 @@ def main(argv=None) -> int:
     when = datetime.now()
     what = profiled_what(a) if a.verify or a.propose else "decode step"
     lines = [f"# {what[0].upper() + what[1:]} profile: {'toy-width' if a.small else 'shape-true'} V4.1 slice", "",
-             f"{when:%Y-%m-%d %H:%M}; context {a.context}, {a.steps} steps per run, 3 runs "
-             "(medians per step, ms).", ""]
+             f"{when:%Y-%m-%d %H:%M}; context {a.context}, experts {experts}, dense {dense}"
+             f"{f', {a.routed_experts} routed experts' if a.routed_experts else ''}, {a.steps} steps per run, "
+             "3 runs (medians per step, ms).", ""]
     first = "propose" if a.propose else "verify" if a.verify else None
     columns = ((first, "encode", "run") if first else
                ("loop", "encode", "graph", "wait", "chained", "alone encode", "alone run"))
@@ -297,7 +308,7 @@ def main(argv=None) -> int:
     lines += kernel_lines
     lines += ["", to_markdown(describe())]
     tag = (f"-verify{a.verify}" if a.verify else "") + (f"-propose{a.propose}" if a.propose else "") + \
-        ("-small" if a.small else "")
+        ("-small" if a.small else "") + ("" if (experts, dense) == ("mxfp4", "mxfp8") else f"-{experts}-{dense}")
     write_dated(a.out, when, f"step-profile{tag}", lines)
     return 0
 

@@ -423,6 +423,15 @@ define("kernel_prefill_attention_mma", "auto",
        "where it took 6.98 ms against 16.96 for 2048 queries (benchmarks/results/"
        "2026-12-04-0831-prefill-matmuls.md) and the slice's 4K prefill 0.49 s against 0.54 "
        "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
+define("kernel_matvec_long_threadgroups", "auto",
+       "the one-token matvec launch (DSV4_KERNEL_MATVEC; GGUF blocks always): fewer, longer "
+       "threadgroups, since each copies and rounds the whole x before its first load: K split over "
+       "SIMD groups only while a row a SIMD group leaves fewer than 32 threadgroups, and 4 or 2 rows "
+       "a SIMD group while that leaves 32 (dsv4/kernels/matvec.py work_split). On an H100, one "
+       "token: wq_a 8.0-8.2 against 12.0-12.3 µs (mxfp8, Q8_0), wkv 7.5-8.4 against 10.3-10.4 "
+       "(benchmarks/results/2026-12-06-1429-matvec-split.md); off: K split while fewer than 2048 rows "
+       "are in flight, 4 or 2 rows while 128 threadgroups remain. auto (default): on under CUDA, off "
+       "on Metal until a Mac measures it; on, off", choices=AUTO_ON_OFF)
 define("kernel_matvec_tokens", False,
        "GPU projections of 2-6 tokens (a DSpark verify, a batch of sessions) that take the matvec "
        "kernel (DSV4_KERNEL_MATVEC; GGUF blocks always) in one pass over the weight: each "

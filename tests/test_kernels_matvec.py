@@ -127,18 +127,40 @@ def test_kernel_supports_refuses_what_the_kernel_cannot_do():
         assert not mv.kernel_supports(x, affine5), "5-bit packing"
 
 
+@pytest.mark.parametrize("long_threadgroups", ["on", "off"])
 @pytest.mark.parametrize("n,k,gs", [(1280, 5120, 32), (512, 5120, 32), (32768, 1280, 32), (5120, 8192, 32),
                                     (96, 64, 32), (96, 128, 64), (96, 128, 128), (32, 32, 32), (200, 96, 32)])
-def test_work_split_keeps_what_the_kernel_assumes(n, k, gs):
+def test_work_split_keeps_what_the_kernel_assumes(n, k, gs, long_threadgroups):
     """Slices of K whole packs and whole scale groups, one row per SIMD group when split, rows
-    of a threadgroup within its shared partial sums, enough SIMD groups for small n."""
-    split, rows = mv.work_split(n, k, gs)
+    of a threadgroup within its shared partial sums, enough SIMD groups for small n, and more
+    rows a SIMD group only while the threadgroups stay at the policy's floor."""
+    with flags.override(kernel_matvec_long_threadgroups=long_threadgroups):
+        split, rows = mv.work_split(n, k, gs)
+        in_flight, floor = mv.split_limits()
+    assert (in_flight, floor) == ((mv.LONG_THREADGROUPS * mv.WARPS, mv.LONG_THREADGROUPS)
+                                  if long_threadgroups == "on" else (mv.IN_FLIGHT_ROWS, 128))
     assert split in (1, 2, 4) and rows in (1, 2, 4)
     assert k % (split * max(32, gs)) == 0
     assert split == 1 or rows == 1
     assert mv.WARPS <= 32
     if split == 1 and k % (2 * max(32, gs)) == 0:
-        assert n >= mv.IN_FLIGHT_ROWS / 2, "small n with K divisible should split"
+        assert n >= in_flight / 2, "small n with K divisible should split"
+    if rows > 1:
+        assert n // (mv.WARPS * rows) >= floor, "fewer threadgroups than the floor"
+    else:
+        assert n < 2 * floor * mv.WARPS, "a large n should take more rows a SIMD group"
+    assert mv.split_fits(n, k, gs, 1, split, rows), "work_split's pick is a shape the launch runs"
+
+
+def test_split_fits_what_the_launch_runs():
+    """benchmarks/matvec_split.py's shapes: a split row takes one row a SIMD group and whole packs
+    (and scale groups) a slice; a grouped projection's threadgroups stay in one group."""
+    assert mv.split_fits(1280, 5120, 32, 1, 4, 1) and mv.split_fits(1280, 5120, 32, 1, 1, 4)
+    assert not mv.split_fits(1280, 5120, 32, 1, 2, 2), "a split row with 2 rows"
+    assert not mv.split_fits(96, 64, 32, 1, 4, 1), "slices of half a pack"
+    assert not mv.split_fits(96, 128, 64, 1, 4, 1), "slices of half a scale group"
+    assert not mv.split_fits(1280, 5120, 32, 1, 8, 1) and not mv.split_fits(1280, 5120, 32, 1, 1, 8)
+    assert mv.split_fits(8192, 4096, 32, 8, 1, 4) and not mv.split_fits(48, 64, 32, 3, 1, 4)
 
 
 # rows: a SIMD group's, as mv.tokens_rows gives them (2 from TOKENS_ROWS2_MIN rows, here on fewer

@@ -24,8 +24,10 @@ RNG = np.random.default_rng()
 
 # (N, K), (mode, bits, group size, scale dtype of the source weight), x dtype, act_quant.
 # The first rows are dsv4's shapes (wq_a, wkv, the shared expert, the indexer's wq_b); the
-# others are small, odd and one-pack inputs. (SPLIT, ROWS) from matvec.work_split: (2, 1),
-# (4, 1), (4, 1), (1, 2), (1, 4), (1, 4), (2, 1), (2, 1), (1, 1), (1, 1), (2, 1), (4, 1).
+# others are small, odd and one-pack inputs. (SPLIT, ROWS) from matvec.work_split, CUDA's default
+# (DSV4_KERNEL_MATVEC_LONG_THREADGROUPS on): (1, 4), (1, 2), (1, 2), (1, 4), (1, 4), (1, 4),
+# (2, 1), (2, 1), (1, 1), (1, 1), (2, 1), (1, 2); off (test_previous_split_matches_reference):
+# (2, 1), (4, 1), (4, 1), (1, 2), (1, 4), (1, 4), (2, 1), (2, 1), (1, 1), (1, 1), (2, 1), (4, 1).
 CASES = [
     ((1280, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
     ((512, 5120), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),
@@ -95,6 +97,16 @@ def test_kernel_matches_reference(shape, layout, dtype, act_quant, tokens):
     assert np.all(err <= ulp * np.abs(want) + 2 * K * 2.0 ** -24 * mag), float(err.max())
     tight = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -16
     assert np.mean(err <= tight * np.abs(want) + 1e-30) > 0.9
+
+
+@pytest.mark.parametrize("shape,layout,dtype,act_quant", CASES[:3] + CASES[-1:],
+                         ids=["wq_a", "wkv-mxfp8", "wkv-mxfp4", "affine8"])
+def test_previous_split_matches_reference(shape, layout, dtype, act_quant):
+    """DSV4_KERNEL_MATVEC_LONG_THREADGROUPS off (its rollback): K split over 2 or 4 SIMD groups
+    at the shapes where the default now takes rows."""
+    with flags.override(kernel_matvec_long_threadgroups="off"):
+        assert mv.work_split(*shape, layout[2])[0] > 1
+        test_kernel_matches_reference(shape, layout, dtype, act_quant, 1)
 
 
 def test_fp8_linear_dispatches_to_the_kernel():

@@ -45,6 +45,7 @@ MAX_TOKENS = 8
 WARPS = 8
 MAX_SPLIT = 4
 IN_FLIGHT_ROWS = 2048   # ~16 SIMD groups on each of the H200's 132 SMs
+LONG_THREADGROUPS = 32  # DSV4_KERNEL_MATVEC_LONG_THREADGROUPS: split K or shorten rows only below this many
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 _BODY = r"""
@@ -338,19 +339,37 @@ MMA_MATVEC_KERNEL = Kernel(
 
 def work_split(n: int, k: int, group_size: int, groups: int = 1) -> tuple[int, int]:
     """(SPLIT, ROWS) for an [n, k] matrix: SIMD groups per row when n is small, so that about
-    IN_FLIGHT_ROWS rows' packs are in flight; rows per SIMD group when n is large, while
-    that still leaves >= 128 threadgroups. With `groups` > 1 (a grouped projection) a
+    `in_flight` rows' packs are in flight; rows per SIMD group when n is large, while that still
+    leaves `floor` threadgroups (split_limits). With `groups` > 1 (a grouped projection) a
     threadgroup's rows must lie in one group: `grouped_fits` says whether the split keeps them so."""
+    in_flight, floor = split_limits()
     fits = lambda split, rows: grouped_fits(n, groups, split, rows)
     split = MAX_SPLIT
-    while split > 1 and (n * split // 2 >= IN_FLIGHT_ROWS or k % (split * max(32, group_size)) or not fits(split, 1)):
+    while split > 1 and (n * split // 2 >= in_flight or k % (split * max(32, group_size)) or not fits(split, 1)):
         split //= 2
     if split > 1:
         return split, 1
     for rows in (4, 2):
-        if n >= 128 * WARPS * rows and fits(1, rows):
+        if n >= floor * WARPS * rows and fits(1, rows):
             return 1, rows
     return 1, 1
+
+
+def split_limits() -> tuple[int, int]:
+    """(rows in flight that stop splitting K, threadgroups that stop more rows a SIMD group):
+    DSV4_KERNEL_MATVEC_LONG_THREADGROUPS's fewer, longer threadgroups (each copies and rounds
+    the whole x before its first load, so more of them cost more than their loads gain:
+    benchmarks/results/2026-12-06-1429-matvec-split.md), else the H200's first guess."""
+    if flags.switch("kernel_matvec_long_threadgroups", backend() == "cuda"):
+        return LONG_THREADGROUPS * WARPS, LONG_THREADGROUPS
+    return IN_FLIGHT_ROWS, 128
+
+
+def split_fits(n: int, k: int, group_size: int, groups: int, split: int, rows: int) -> bool:
+    """Whether the one-token launch can run an [n, k] matrix as (SPLIT, ROWS) (benchmarks/
+    matvec_split.py tries each): a split row needs ROWS 1 and whole packs a slice."""
+    return (split in (1, 2, 4) and rows in (1, 2, 4) and (split == 1 or rows == 1)
+            and k % (split * max(32, group_size)) == 0 and grouped_fits(n, groups, split, rows))
 
 
 def grouped_fits(n: int, groups: int, split: int, rows: int) -> bool:
@@ -377,11 +396,12 @@ def kernel_supports(x: mx.array, q: QuantizedMatrix, groups: int = 1) -> bool:
             <= shared_memory_limit(backend()))   # x's copy + partial sums
 
 
-def matvec_reference(x: mx.array, q, act_quant: bool, groups: int = 1) -> mx.array:
+def matvec_reference(x: mx.array, q, act_quant: bool, groups: int = 1, work=None) -> mx.array:
     """Plain MLX: the quantized matmul on the (fp8-rounded) input in fp32, so that it
     accumulates in fp32 on every backend, rounded to x's dtype (as in experts_reference);
     GGUF blocks decoded exactly, then a fp32 matmul. With `groups` G > 1 (GGUF blocks), x is
-    [..., G, K] and group j meets W's rows j N/G .. (j+1) N/G - 1: y [..., N] (a grouped projection)."""
+    [..., G, K] and group j meets W's rows j N/G .. (j+1) N/G - 1: y [..., N] (a grouped projection).
+    `work` (the kernel's launch shape) changes nothing here."""
     xin = (qdq_fp8(x) if act_quant else x).astype(mx.float32)
     if groups > 1:
         w = q.dequantized() if isinstance(q, GGUFMatrix) else mx.dequantize(
@@ -395,10 +415,12 @@ def matvec_reference(x: mx.array, q, act_quant: bool, groups: int = 1) -> mx.arr
 
 
 @falls_back(matvec_reference, "kernel_matvec")
-def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: int = 1) -> mx.array:
+def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: int = 1,
+                     work: tuple[int, int] | None = None) -> mx.array:
     """x [..., K] (at most MAX_TOKENS rows), or [..., G, K] with `groups` G -> y [..., N] in x's
     dtype, one launch; the same contract as `matvec_reference`. Call only where
-    `kernel_supports(x, q, groups)`."""
+    `kernel_supports(x, q, groups)`. `work`: the one-token launch's (SPLIT, ROWS) where
+    `split_fits` (benchmarks), instead of `work_split`'s."""
     K, N = x.shape[-1], q.out_features
     tokens = x.size // (K * groups)
     lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
@@ -426,7 +448,7 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
             threadgroup=(experts_mma.MATVEC_THREADS, 1, 1),
             template=[("T", x.dtype)] + q.template() + [("MKSPLIT", split), ("K", K), ("ACTQ", bool(act_quant))])
         return y
-    split, rows = work_split(N, K, q.block_values, groups)
+    split, rows = work or work_split(N, K, q.block_values, groups)
     (y,) = (GGUF_MATVEC_KERNEL if gguf else MATVEC_KERNEL)(
         inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
         grid=(32 * WARPS, math.ceil(N * split / (WARPS * rows)), tokens), threadgroup=(32 * WARPS, 1, 1),
