@@ -953,8 +953,6 @@ GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names
                                 body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
 
 
-
-
 def _gguf_sums_checks():
     """The down launch with h's chunk sums shared (DSV4_KERNEL_GGUF_DOWN_SUMS) in ds4's q2 and q4
     recipes at V4.1's widths: Q2_K and Q4_K routed (their fp16-subnormal units, CUDA's), the Q8_0

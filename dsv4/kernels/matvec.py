@@ -15,7 +15,10 @@ flight per lane). A decode matvec is bound by the bytes in flight, about N packs
 so a small N splits K: with SPLIT > 1, SPLIT SIMD groups share each row, one slice of K/SPLIT
 each (slice j of row r is row r*SPLIT + j of W seen as [N*SPLIT, K/SPLIT], so `rows_dot`
 takes it as it is), and their partial sums are added in slice order through threadgroup
-memory. A large N instead gives each SIMD group ROWS rows (fewer, longer threadgroups).
+memory. A large N instead gives each SIMD group ROWS rows (fewer, longer threadgroups). Since
+every threadgroup copies and rounds the whole x before its first load, fewer threadgroups
+measured faster at every V4.1 shape: under DSV4_KERNEL_MATVEC_LONG_THREADGROUPS (CUDA's default)
+only an N under 32 threadgroups' rows splits K (`split_limits`).
 
 A grouped projection (GGUF blocks: V4.1's wo_a, 8 groups of heads each through its own block of
 1024 rows) is one launch too: x [tokens, G, K], each threadgroup's rows in one group, whose x it
