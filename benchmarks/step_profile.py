@@ -48,6 +48,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
+# One pass of ncu's counters: metrics needing more passes (the stall reasons) replay every launch
+# and save and restore the slice's ~30 GB of buffers each time, which outlasted a 555 s device call
+# on 2026-12-06; profile those on a single launch (benchmarks/ncu_experts.py) instead.
 NCU_METRICS = "gpu__time_duration.sum,dram__bytes_read.sum"
 
 
