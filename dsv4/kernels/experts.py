@@ -759,6 +759,17 @@ def _down_shape():
 _ROUTING_CHECK = [("E", 384), ("NORM", True)]
 
 
+# The down launch's last three inputs (residual, post, comb) without the mHC expand (placeholders)
+# and with it (HC 4): the compile gates check both.
+_DOWN_EXPANDS = ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32)))
+
+
+def _gguf_down_instances(h_dtype, tmpl: list) -> list:
+    """A GGUF down launch's compile-gate instances of `tmpl`: h of h_dtype, without and with the expand."""
+    return [((h_dtype, mx.int32) + (mx.uint8, mx.uint32, mx.uint32) * 2 + extra, (mx.bfloat16,), tuple(tmpl + [("HC", hc)]))
+            for hc, extra in _DOWN_EXPANDS]
+
+
 def _check_instances(stage):
     """(mode, bits, group_size, scale dtype) pairs the offline compile gates instantiate."""
     variants = [(("mxfp4", 4, 32, mx.uint8), ("mxfp8", 8, 32, mx.uint8)),
@@ -782,7 +793,7 @@ def _check_instances(stage):
             ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
             out += [(ins, (mx.bfloat16, mx.int32), tuple(t + _ROUTING_CHECK)) for t in gate_up_tmpls]
         else:
-            for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
+            for hc, extra in _DOWN_EXPANDS:
                 ins = (mx.bfloat16, mx.int32, mx.uint32, st, bt, mx.uint32, sst, sbt) + extra
                 out.append((ins, (mx.bfloat16,), tuple(tmpl + _down_shape() + [("I", 2304), ("DO", 5120), ("HC", hc)])))
     return tuple(out)
@@ -823,7 +834,7 @@ MMA_DOWN_KERNEL = Kernel(name="dsv4_experts_down_mma", input_names=_DOWN_INPUTS,
                          body=experts_mma.DOWN_DOTS + _DOWN_SUM, header=_HEADER + experts_mma.HEADER,
                          checks=tuple(((mx.bfloat16, mx.int32) + (mx.uint32, mx.uint8, mx.uint8) * 2 + extra, (mx.bfloat16,),
                                        tuple(experts_mma.check_template() + [("I", 2304), ("DO", 5120), ("HC", hc)]))
-                                      for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32)))),
+                                      for hc, extra in _DOWN_EXPANDS),
                          dialects=("cuda",))
 
 
@@ -870,10 +881,7 @@ def _gguf_checks(stage):
             out.append((ins, (mx.bfloat16, mx.int32), tuple(gate_up_tmpl + _ROUTING_CHECK)))
         else:
             rows, lanes = GGUF_DOWN_SHAPES[routed]
-            for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
-                ins = (mx.bfloat16, mx.int32) + (mx.uint8, mx.uint32, mx.uint32) * 2 + extra
-                out.append((ins, (mx.bfloat16,), tuple(tmpl + [("ROWS", rows), ("LANES", lanes), ("I", 2304),
-                                                               ("DO", 5120), ("HC", hc)])))
+            out += _gguf_down_instances(mx.bfloat16, tmpl + [("ROWS", rows), ("LANES", lanes), ("I", 2304), ("DO", 5120)])
     return tuple(out)
 
 
@@ -894,9 +902,7 @@ def _gguf_limbs_checks(stage):
             rows, lanes = GGUF_DOWN_SHAPES[down]
             tmpl = common + [("MODE", ints[down]), ("SMODE", ints["Q8_0"]), ("ROWS", rows), ("LANES", lanes),
                              ("I", 2304), ("DO", 5120)]
-            for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
-                ins = (mx.uint32, mx.int32) + (mx.uint8, mx.uint32, mx.uint32) * 2 + extra
-                out.append((ins, (mx.bfloat16,), tuple(tmpl + [("HC", hc)])))
+            out += _gguf_down_instances(mx.uint32, tmpl)
             continue
         rows, lanes = GGUF_GATE_UP_SHAPES[gate]
         tmpl = common + [("MODE", mode), ("SMODE", smode), ("ROWS", rows), ("LANES", lanes), ("XS", xs),
@@ -963,9 +969,7 @@ def _gguf_sums_checks():
         tmpl = [("T", mx.bfloat16), ("MODE", gguf_dot.HALVES_MODE_IDS[routed]), ("BITS", 0), ("GS", 0),
                 ("SMODE", gguf_dot.Q8_0_HSUB), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6),
                 ("ROWS", rows), ("LANES", lanes), ("I", 2304), ("DO", 5120)]
-        for hc, extra in ((0, (mx.uint32,) * 3), (4, (mx.bfloat16, mx.float32, mx.float32))):
-            ins = (mx.bfloat16, mx.int32) + (mx.uint8, mx.uint32, mx.uint32) * 2 + extra
-            out.append((ins, (mx.bfloat16,), tuple(tmpl + [("HC", hc)])))
+        out += _gguf_down_instances(mx.bfloat16, tmpl)
     return tuple(out)
 
 

@@ -346,9 +346,9 @@ def work_split(n: int, k: int, group_size: int, groups: int = 1) -> tuple[int, i
     leaves `floor` threadgroups (split_limits). With `groups` > 1 (a grouped projection) a
     threadgroup's rows must lie in one group: `grouped_fits` says whether the split keeps them so."""
     in_flight, floor = split_limits()
-    fits = lambda split, rows: grouped_fits(n, groups, split, rows)
+    fits = lambda split, rows: split_fits(n, k, group_size, groups, split, rows)
     split = MAX_SPLIT
-    while split > 1 and (n * split // 2 >= in_flight or k % (split * max(32, group_size)) or not fits(split, 1)):
+    while split > 1 and (n * split // 2 >= in_flight or not fits(split, 1)):
         split //= 2
     if split > 1:
         return split, 1
