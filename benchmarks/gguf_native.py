@@ -96,7 +96,7 @@ def expert_bytes(m) -> float:
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
 _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
                  kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False,
-                 kernel_gguf_iq2_staged=False, kernel_gguf_down_sums=False)
+                 kernel_gguf_iq2_staged=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
@@ -117,7 +117,6 @@ EXPERT_VARIANTS["dp4a, staged"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_iq2_
 # (DSV4_KERNEL_MOE_SHARED_SPLITS=0: by its row's bytes).
 EXPERT_VARIANTS["default"] = {}
 EXPERT_VARIANTS["default, split"] = dict(kernel_moe_shared_splits=0)
-EXPERT_VARIANTS["default, sums"] = dict(kernel_gguf_down_sums=True)   # h's chunk sums made once (Q2_K, Q4_K down)
 # The official mxfp4 experts: the float unit, and the integer one (DSV4_KERNEL_MOE_DP4A).
 MX_VARIANTS = {"mx": {}, "mx dp4a": dict(kernel_moe_dp4a=True), "mx split": dict(kernel_moe_shared_splits=0)}
 
@@ -301,9 +300,8 @@ def main(argv=None) -> int:
              "(DSV4_KERNEL_GGUF_DP4A_DOWN: and h handed over as limbs, the down launch in the integer "
              "units), hsub / dp4a, staged (DSV4_KERNEL_GGUF_IQ2_STAGED: q2's IQ2_XXS tables in threadgroup "
              "memory), default (the "
-             "backend's defaults), default, split (with DSV4_KERNEL_MOE_SHARED_SPLITS=0: the down launch's "
-             "shared expert over several SIMD groups; for mxfp4: mx split) and default, sums "
-             "(DSV4_KERNEL_GGUF_DOWN_SUMS: h's chunk sums made once for Q2_K's and Q4_K's mins). 'same' = "
+             "backend's defaults) and default, split (with DSV4_KERNEL_MOE_SHARED_SPLITS=0: the down launch's "
+             "shared expert over several SIMD groups; for mxfp4: mx split). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

@@ -35,9 +35,7 @@ PAIRS = [("experts gate/up", "GATE_UP_KERNEL", "MMA_GATE_UP_KERNEL"),
 GGUF = [("experts gate/up", "GGUF_GATE_UP_KERNEL"), ("experts gate/up with the router's tail", "GGUF_ROUTED_GATE_UP_KERNEL"),
         ("experts down", "GGUF_DOWN_KERNEL"), ("projection matvec", "GGUF_MATVEC_KERNEL"),
         ("experts gate/up writing h as limbs", "GGUF_LIMBS_GATE_UP_KERNEL"),
-        ("experts down over h as limbs", "GGUF_LIMBS_DOWN_KERNEL"),
-        ("experts down, h's chunk sums shared", "GGUF_SUMS_DOWN_KERNEL"),
-        ("experts down at those templates, h's sums added by each lane group", "GGUF_DOWN_KERNEL", "GGUF_SUMS_DOWN_KERNEL")]
+        ("experts down over h as limbs", "GGUF_LIMBS_DOWN_KERNEL")]
 
 
 # One GGUF unit alone (gguf_dot.py's GgufUnit<MODE>: its load and every chunk's dot8), for counting
@@ -90,13 +88,11 @@ def unit_counts(paths, mode: int) -> dict:
     return dict(loads=loads, cvt=cvt, total=len(body) * per)
 
 
-def resources(kernel, paths, check: int = 0, checks=None) -> dict:
-    """ptxas's resources of `kernel` at its instantiation `check` (of `checks`, default its own)."""
+def resources(kernel, paths, check: int = 0) -> dict:
     from dsv4.kernels import nvrtc
     from tools.metal_syntax_check import cuda_source
 
-    checks = checks or kernel.checks
-    name, text = cuda_source(kernel, checks[check])
+    name, text = cuda_source(kernel, kernel.checks[check])
     log: list = []
     start = time.perf_counter()
     cubin, _ = nvrtc.build(text, name, "sm_90a", str(paths[0]), paths[1], options=("--ptxas-options=-v",), log=log)
@@ -106,7 +102,7 @@ def resources(kernel, paths, check: int = 0, checks=None) -> dict:
     spill = sum(int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
     smem = re.search(r"(\d+) bytes smem", info)
     return dict(registers=regs, spill=spill, smem=int(smem.group(1)) if smem else 0, seconds=seconds,
-                template=", ".join(f"{n}={v}" for n, v in checks[check][2] if isinstance(v, int)),
+                template=", ".join(f"{n}={v}" for n, v in kernel.checks[check][2] if isinstance(v, int)),
                 cubin=cubin)
 
 
@@ -154,11 +150,10 @@ def main(argv=None) -> int:
     lines = [f"# CUDA kernel resources at V4.1's widths (ptxas, sm_90a){': GGUF blocks' if a.gguf else ''}", "",
              f"{when:%Y-%m-%d %H:%M}.", "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     if a.gguf:
-        for what, attr, *at in GGUF:   # at: another kernel's instantiations, to compare at the same templates
+        for what, attr in GGUF:
             kernel = getattr(experts, attr, None) or getattr(matvec, attr)
-            checks = getattr(experts, at[0]).checks if at else kernel.checks
-            for i in range(len(checks)):
-                r = resources(kernel, paths, i, checks)
+            for i in range(len(kernel.checks)):
+                r = resources(kernel, paths, i)
                 sizes = [", ".join(map(str, innermost_loops(r["cubin"], a.nvdisasm)))] if loops else []
                 lines.append("| " + " | ".join([what, f"`{kernel.name}`", r["template"], str(r["registers"]), str(r["spill"]),
                                                  str(r["smem"]), f"{r['seconds']:.1f}", *sizes]) + " |")

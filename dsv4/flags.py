@@ -472,13 +472,6 @@ define("kernel_gguf_dp4a_down", False,
        "Off (default): the H200 measured Q4_K's down 36.8 against 43.9 µs at one token (202 against "
        "220 at eight) but Q2_K's 42.4 against 41.7 (245 against 219), and the q4 slice's A/B within "
        "its noise (benchmarks/results/2026-12-05-1229-gguf-native.md, 2026-12-05-1232-slice-decode-q4-q8_0.md)")
-define("kernel_gguf_down_sums", False,
-       "GPU: the fused experts' down launch over Q2_K or Q4_K routed experts (ds4's q2 and q4 recipes) "
-       "with each routed slot's sums of h over 8 values, which their mins take, made once by the slot's "
-       "SIMD group in threadgroup memory, where every lane group added them again for each of its rows "
-       "(~1 instruction a weight of Q2_K's ~7: the launch is bound by its instructions, "
-       "benchmarks/results/2026-12-06-0613-ncu-experts-down.md); the same sums in the same order, the "
-       "same bits (dsv4/kernels/experts.py GGUF_SUMS_DOWN_KERNEL). Off (default) until a GPU measures it")
 define("kernel_gguf_iq2_staged", False,
        "CUDA: the fused experts' gate/up launch over IQ2_XXS routed experts (ds4's q2 recipe) copies "
        "IQ2_XXS's tables (grid, fp16 pairs: 6.3 KB) into threadgroup memory, where every lane's "

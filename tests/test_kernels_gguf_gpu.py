@@ -101,26 +101,6 @@ def test_gguf_down_with_the_shared_expert_split(experts, tokens, splits):
         experts_against_their_stages(experts, tokens, True)
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 8])
-def test_gguf_down_with_h_sums_shared(experts, tokens):
-    """The down launch with each routed slot's sums of h over 8 values made once
-    (DSV4_KERNEL_GGUF_DOWN_SUMS; q2's Q2_K and q4's Q4_K have mins), the default units: the
-    plain launch's output bit for bit (the same sums in the same order), with the mHC expand too."""
-    gate, up, down, shared = experts
-    h = arr(RNG.standard_normal((tokens, 7, gate.out_features)), mx.bfloat16)
-    idx = mx.array(np.stack([RNG.choice(gate.weight.shape[0], 6, replace=False) for _ in range(tokens)]).astype(np.int32))
-    hc = 4
-    expand = (arr(RNG.standard_normal((tokens, hc, down.out_features)), mx.bfloat16),
-              arr(RNG.uniform(0.1, 1.0, (tokens, hc))), arr(RNG.uniform(0.1, 1.0, (tokens, hc, hc))))
-    plain = [ex.down_kernel(h, idx, down, shared[2], e) for e in (None, expand)]
-    with flags.override(kernel_gguf_down_sums=True):
-        assert ex.down_launch(down, False)[0] is ex.GGUF_SUMS_DOWN_KERNEL
-        summed = [ex.down_kernel(h, idx, down, shared[2], e) for e in (None, expand)]
-    check_down(summed[0], h, idx, down, shared[2])
-    for a, b in zip(summed, plain):
-        np.testing.assert_array_equal(f32(a), f32(b))
-
-
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("mma", [False, True])
 def test_gguf_routed_experts_with_expand(experts, tokens, mma):

@@ -233,21 +233,6 @@ def test_gguf_down_body_splits_the_shared_expert(tmp_path, splits, expected, uni
         experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, 2, True)
 
 
-@pytest.mark.parametrize("routed,tokens", [(("IQ2_XXS", "IQ2_XXS", "Q2_K"), 1), (("Q4_K", "Q4_K", "Q4_K"), 2),
-                                           (("IQ2_XXS", "IQ2_XXS", "Q2_K"), 3)])
-def test_gguf_down_body_shares_h_sums(tmp_path, routed, tokens):
-    """ds4's q2 (Q2_K down) and q4 (Q4_K down) recipes with each routed slot's sums of h over 8
-    values made once in threadgroup memory (DSV4_KERNEL_GGUF_DOWN_SUMS; the fp16-subnormal units
-    CUDA takes): within the reference's bounds, and the plain down launch's output bit for bit."""
-    with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
-                        kernel_gguf_dp4a=False, kernel_gguf_down_sums=True):
-        down = gguf_matrix(np.random.default_rng(), (1, 768, 512), routed[2])
-        assert ex.down_launch(down, False)[0] is ex.GGUF_SUMS_DOWN_KERNEL
-        assert ex.down_launch(down, True)[0] is ex.GGUF_LIMBS_DOWN_KERNEL
-        experts_bodies(tmp_path, routed, "Q8_0", 512, 768, tokens, True)
-    assert ex.down_launch(down, False)[0] is ex.GGUF_DOWN_KERNEL, "off by default"
-
-
 def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     rng = np.random.default_rng()
     E, K = 4, 3
@@ -282,19 +267,15 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     h = limbs_values(h_bytes, (tokens, K + hs, I)) if limbs else from_bf16_bits(h_bytes, (tokens, K + hs, I))
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared_m, limit, act_quant), act_quant)
 
-    kernel, (rows, lanes) = ex.down_launch(down, limbs)
-    assert (rows, lanes) == ex.GGUF_DOWN_SHAPES[down.qtype]
+    rows, lanes = ex.GGUF_DOWN_SHAPES[down.qtype]
     consts.update(MODE=mode(down, limbs), SMODE=mode(s_down or down, limbs))
     groups = K + ex.shared_splits(down, s_down, K)   # the launch's SIMD groups
+    exe = build(tmp_path, "down", ex.GGUF_LIMBS_DOWN_KERNEL if limbs else ex.GGUF_DOWN_KERNEL, DOWN_MAIN,
+                dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0, GROUPS=groups), limbs)
     data = (np.array([tokens, E], np.int32).tobytes() + h_bytes + np.array(idx).tobytes()
             + matrix_bytes(down, down, E * D) + matrix_bytes(s_down, down, D))
-    run_down = lambda kernel, name: subprocess.run(
-        [str(build(tmp_path, name, kernel, DOWN_MAIN, dict(consts, ROWS=rows, LANES=lanes, DO=D, HC=0, GROUPS=groups),
-                   limbs))], input=data, capture_output=True, check=True).stdout
-    out = run_down(kernel, "down")
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
     check_down(from_bf16_bits(out, (tokens, D)), h, idx, down, s_down)
-    if kernel is ex.GGUF_SUMS_DOWN_KERNEL:   # the same sums in the same order as the plain launch's
-        assert out == run_down(ex.GGUF_DOWN_KERNEL, "plain_down")
 
 
 def limbs_values(data: bytes, shape) -> mx.array:

@@ -53,7 +53,6 @@ ROWS_GATE_UP = 4
 LANES_GATE_UP = 32
 X_STRIDE = 9        # uint4s per pack in the gate/up kernel's shared copy of x (see XChunk)
 X_INTS = 11         # the same as integer limbs, for gguf_dot.py's integer units (see XStore<X_INTS>)
-X_SUMS = -1         # a bf16 row in device memory with its chunks' sums made once (see XChunk<X_SUMS>)
 ROWS_DOWN = 2
 LANES_DOWN = 8
 MODE_IDS = {"affine": 0, "mxfp4": 1, "mxfp8": 2}
@@ -186,8 +185,7 @@ def down_reference(h, indices, down, s_down=None):
 # What every decode kernel of a few tokens shares: the official fp8 rounding, bf16 loads, the
 # threadgroup copy of x (XChunk) and lane-group sums. The matrix decoders come on top: MLX's
 # packs here (PACKS_HEADER), GGUF blocks in gguf_dot.py; each defines rows_dot.
-X_HEADER = (f"constexpr int X_INTS = {X_INTS};\nconstexpr int X_STRIDE = {X_STRIDE};\n"
-            f"constexpr int X_SUMS = {X_SUMS};\n") + r"""
+X_HEADER = f"constexpr int X_INTS = {X_INTS};\nconstexpr int X_STRIDE = {X_STRIDE};\n" + r"""
 KFN float e4m3_round(float x) {
   const float a = FABS(x);
   float r;
@@ -232,44 +230,18 @@ KFN void load_bf16_8(P row, int p, int c, LOCAL float* v) {
   unpack_bf16_8(LOAD_U4(row + 32 * p, c), v);
 }
 
-// A chunk's 8 values added in order from 0: the GGUF K-quants' sum of x for their mins.
-KFN float chunk_sum8(LOCAL const float* v) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-
 // Chunk c of pack p of the input row: XS == 0 reads a row of bf16 in device memory; XS > 0
 // reads the threadgroup's fp32 copy, 4 floats (as bits) per uint4 and XS uint4s per pack
-// (XS = 9 puts the 16-byte reads of 8 consecutive lanes on distinct banks); X_SUMS reads a row of
-// bf16 with its chunks' sums made once (RowSums). sum() is the chunk's chunk_sum8.
+// (XS = 9 puts the 16-byte reads of 8 consecutive lanes on distinct banks).
 template <int XS> struct XChunk {
   template <typename P> static KFN void load(P x4, int p, int c, LOCAL float* v) {
     const uint4 a = x4[p * XS + 2 * c], b = x4[p * XS + 2 * c + 1];
     v[0] = AS_FLOAT(a.x); v[1] = AS_FLOAT(a.y); v[2] = AS_FLOAT(a.z); v[3] = AS_FLOAT(a.w);
     v[4] = AS_FLOAT(b.x); v[5] = AS_FLOAT(b.y); v[6] = AS_FLOAT(b.z); v[7] = AS_FLOAT(b.w);
   }
-  template <typename P> static KFN float sum(P x4, int p, int c, LOCAL const float* v) { return chunk_sum8(v); }
 };
 template <> struct XChunk<0> {
   template <typename P> static KFN void load(P x, int p, int c, LOCAL float* v) { load_bf16_8(x, p, c, v); }
-  template <typename P> static KFN float sum(P x, int p, int c, LOCAL const float* v) { return chunk_sum8(v); }
-};
-// A bf16 row in device memory and its chunks' chunk_sum8s (chunk 4p + c at sums[4p + c]), made
-// once for the lane groups that all read it (DSV4_KERNEL_GGUF_DOWN_SUMS).
-template <typename P, typename S> struct RowSums {
-  P row;
-  S sums;
-};
-template <typename P, typename S> KFN RowSums<P, S> row_sums(P row, S sums) {
-  RowSums<P, S> r;
-  r.row = row;
-  r.sums = sums;
-  return r;
-}
-template <> struct XChunk<X_SUMS> {
-  template <typename R> static KFN void load(R x, int p, int c, LOCAL float* v) { load_bf16_8(x.row, p, c, v); }
-  template <typename R> static KFN float sum(R x, int p, int c, LOCAL const float* v) { return x.sums[4 * p + c]; }
 };
 
 // Pack p (the 32 values v; s their fp8 scale when rounded) into the threadgroup copy of x that
@@ -684,28 +656,6 @@ _DOWN_LIMBS_BODY = (_DOWN_DOTS.replace("GLOBAL T* hrow = h + ((size_t)t * (K + H
                                        "GLOBAL uint4* hrow = (GLOBAL uint4*)h + ((size_t)t * (K + HS) + slot) * (I / 32) * X_INTS;")
                     .replace("I, 0, false>", "I, X_INTS, false>") + _DOWN_SUM)
 
-# The down launch with the routed slots' chunk sums of h made once (DSV4_KERNEL_GGUF_DOWN_SUMS):
-# each SIMD group adds its slot's chunks of 8 (as rows_dot would, XChunk::sum) into threadgroup
-# memory, where every lane group then reads the sums its K-quant's mins take, instead of adding
-# them again for each of its rows.
-_DOWN_SUMS_BODY = _DOWN_DOTS.replace(
-    """  float acc[ROWS], unused[ROWS];
-  if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, LANES, I, 0, false>(hrow, down_w,""",
-    """  SHARED float h_sums[K * (I / 8)];
-  if ((int)warp < K) {
-    for (int j = (int)lane; j < I / 8; j += 32) {
-      float v[8];
-      load_bf16_8(hrow, j / 4, j % 4, v);
-      h_sums[(int)warp * (I / 8) + j] = chunk_sum8(v);
-    }
-  }
-  BARRIER();
-  float acc[ROWS], unused[ROWS];
-  if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, LANES, I, X_SUMS, false>(row_sums(hrow, h_sums + slot * (I / 8)), down_w,""") + _DOWN_SUM
-assert _DOWN_SUMS_BODY != _DOWN_DOTS + _DOWN_SUM
-
 # Where the gate/up kernel gets slot `slot`'s expert and router weight: from the router's
 # outputs, or (the routed variant) by running the router's tail itself, SIMD group 0 of every
 # threadgroup for its token while the others copy x; the first threadgroup of each token also
@@ -959,38 +909,6 @@ GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names
                                 body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
 
 
-def _gguf_sums_checks():
-    """The down launch with h's chunk sums shared (DSV4_KERNEL_GGUF_DOWN_SUMS) in ds4's q2 and q4
-    recipes at V4.1's widths: Q2_K and Q4_K routed (their fp16-subnormal units, CUDA's), the Q8_0
-    shared expert by int8s2."""
-    out = []
-    for routed in ("Q2_K", "Q4_K"):
-        rows, lanes = GGUF_DOWN_SHAPES[routed]
-        tmpl = [("T", mx.bfloat16), ("MODE", gguf_dot.HALVES_MODE_IDS[routed]), ("BITS", 0), ("GS", 0),
-                ("SMODE", gguf_dot.Q8_0_HSUB), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6),
-                ("ROWS", rows), ("LANES", lanes), ("I", 2304), ("DO", 5120)]
-        out += _gguf_down_instances(mx.bfloat16, tmpl)
-    return tuple(out)
-
-
-GGUF_SUMS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_sums", input_names=_DOWN_INPUTS, output_names=("y",),
-                               body=_DOWN_SUMS_BODY, header=_GGUF_HEADER, checks=_gguf_sums_checks())
-
-
-def down_launch(down, limbs: bool):
-    """(kernel, (ROWS, LANES)) of the portable down launch over routed experts `down`: MLX's packs,
-    GGUF blocks, over h as limbs, or with h's chunk sums shared."""
-    *_, kernel, _, shape = _kernels(down)
-    return GGUF_LIMBS_DOWN_KERNEL if limbs else GGUF_SUMS_DOWN_KERNEL if down_sums(down, limbs) else kernel, shape
-
-
-def down_sums(down, limbs: bool) -> bool:
-    """Whether the GGUF down launch shares h's chunk sums (DSV4_KERNEL_GGUF_DOWN_SUMS): routed
-    experts of a type with mins (Q2_K, Q4_K), h as T (not limbs)."""
-    return (isinstance(down, GGUFMatrix) and not limbs and down.qtype in ("Q2_K", "Q4_K")
-            and bool(flags.get("kernel_gguf_down_sums")))
-
-
 # The gate/up launch over GGUF blocks on CUDA tensor cores (gguf_mma.py), checked at ds4's q2
 # recipe (IQ2_XXS routed, Q8_0 shared; GGUF operands: bytes, tables, placeholder); the down
 # launch stays the portable one above.
@@ -1210,7 +1128,8 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     if not limbs and experts_mma.down_applies(h, down, s_down):
         kernel, per_group, groups = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS, slots
     else:
-        kernel, (rows, lanes) = down_launch(down, limbs)
+        *_, kernel, _, (rows, lanes) = _kernels(down)
+        kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
         per_group, groups = rows * 32 // lanes, K + shared_splits(down, s_down, K)
         template += [("ROWS", rows), ("LANES", lanes)]
     (y,) = kernel(

@@ -574,9 +574,9 @@ template <> struct RowsDot<false> {
       }
       for (int c = 0; c < U::VALUES / 8; ++c) {
         float xv[8];
-        const int p = u * (U::VALUES / 32) + c / 4;
-        XChunk<XS>::load(x, p, c % 4, xv);
-        const float x_sum = XChunk<XS>::sum(x, p, c % 4, xv);   // the mins' (dead code for the others)
+        XChunk<XS>::load(x, u * (U::VALUES / 32) + c / 4, c % 4, xv);
+        float x_sum = 0.0f;
+        for (int i = 0; i < 8; ++i) x_sum += xv[i];
         for (int r = 0; r < ROWS; ++r) {
           acc0[r] += a[r].dot8(c, xv, x_sum, s0);
           if (TWO) acc1[r] += b[TWO ? r : 0].dot8(c, xv, x_sum, s1);
