@@ -176,7 +176,9 @@ def main(argv=None) -> int:
                 ("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
                 ("prefill routed experts, pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH)", experts_prefill.KERNEL_PREFETCH),
                 ("prefill routed experts (x made once, DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)", experts_prefill.KERNEL_PAIRS),
-                ("prefill routed experts, bf16 mma (DSV4_KERNEL_PREFILL_EXPERTS_BF16)", experts_prefill.KERNEL_BF16)]]
+                ("prefill routed experts, bf16 mma (DSV4_KERNEL_PREFILL_EXPERTS_BF16)", experts_prefill.KERNEL_BF16),
+                ("prefill routed experts, bf16 fed a chunk ahead (DSV4_KERNEL_PREFILL_EXPERTS_STREAM)",
+                 experts_prefill.KERNEL_STREAM)]]
     for what, kernel, check in [] if a.gguf else kernels:
         r = resources(kernel, paths, check)
         sizes = [", ".join(map(str, innermost_loops(r["cubin"], a.nvdisasm)))] if loops else []

@@ -10,7 +10,8 @@ For each chunk size T:
 - the routed experts (mxfp4, 384 experts, top-6, the T x 6 (token, expert) pairs sorted by
   expert, as RoutedExperts takes them): gather_qmm, dsv4's tensor-core kernel
   (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), plain and software
-  pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH) and in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16),
+  pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH), in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16) and in
+  bf16 fed by cp.async (DSV4_KERNEL_PREFILL_EXPERTS_STREAM),
   and gather_mm on bf16 weights dequantized beforehand;
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
@@ -106,7 +107,8 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         rows.append((f"experts {name} {d_in}->{d_out}", "dsv4 tensor-core kernel (experts_prefill)", flops,
                      _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True), repeats)))
 
-        for switch, way in (("prefetch", "the same, pipelined"), ("bf16", "the same in bf16")):
+        for switch, way in (("prefetch", "the same, pipelined"), ("bf16", "the same in bf16"),
+                            ("stream", "bf16, fed by cp.async a chunk ahead")):
             def switched(xs=xs, q=q, s=s, switch=switch):
                 with flags.override(**{f"kernel_prefill_experts_{switch}": True}):
                     return experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True)

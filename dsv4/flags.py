@@ -415,6 +415,16 @@ define("kernel_prefill_experts_bf16", "auto",
        "(benchmarks/results/2026-12-06-0352-prefill-matmuls.md), and the slice's prefill ran 16493 "
        "tokens/s against 12858 at 4K, 12944 against 10644 at 32K (2026-12-06-0353-slice-prefill.md); "
        "on, off (the fp16 launch)", choices=AUTO_ON_OFF)
+define("kernel_prefill_experts_stream", "off",
+       "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_BF16: its tiles and exact products fed without "
+       "waiting (dsv4/kernels/experts_prefill.py KERNEL_STREAM): a lane loads a whole group of each "
+       "of its rows in 16-byte words a chunk ahead, and each chunk's x comes by cp.async into one of "
+       "two buffers while the chunk before multiplies, where the bf16 launch waits out a load's "
+       "latency every group and chunk. The same products summed in fp32 in another order. Its first "
+       "form took 2.68 against 3.12 ms on an H100 for the gate at 2048 tokens, 3.92 against 4.62 at "
+       "4096, down 2.65 against 3.18 and 3.87 against 4.58 (benchmarks/results/"
+       "2026-12-06-1717-prefill-matmuls.md). off (default) until its final text passes the GPU "
+       "test; on; auto: on under CUDA", choices=AUTO_ON_OFF)
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "

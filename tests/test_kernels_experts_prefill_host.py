@@ -25,6 +25,35 @@ from tests.test_kernels_matvec import EMULATOR
 from dsv4.kernels import experts as ex
 from dsv4.kernels import experts_mma
 
+# cp.async as the host runs it, at the two ends of what the GPU may do: each thread's copies wait
+# in its queue until a cp_async_wait lets them land (all but the newest N committed groups), so a
+# body that reads a buffer before waiting for it, or before the barrier after the others' waits,
+# reads what was there before; or, with CP_ASYNC_EARLY defined, they land as they are issued.
+CP_ASYNC_EMULATOR = r"""
+struct PendingCopy { void* dst; const void* src; };
+std::vector<PendingCopy> cp_queue[1024];
+std::vector<size_t> cp_groups[1024];   // each committed group's end in the thread's queue
+inline int cp_thread() { return (int)(t_warp * 32 + t_lane); }
+inline void cp_async16(void* dst, const void* src) {
+#ifdef CP_ASYNC_EARLY
+  std::memcpy(dst, src, 16);
+#else
+  cp_queue[cp_thread()].push_back({dst, src});
+#endif
+}
+inline void cp_async_commit() { cp_groups[cp_thread()].push_back(cp_queue[cp_thread()].size()); }
+template <int N> inline void cp_async_wait() {
+  std::vector<PendingCopy>& queue = cp_queue[cp_thread()];
+  std::vector<size_t>& groups = cp_groups[cp_thread()];
+  if ((int)groups.size() <= N) return;
+  const size_t landed = groups[groups.size() - 1 - N];
+  for (size_t i = 0; i < landed; ++i) std::memcpy(queue[i].dst, queue[i].src, 16);
+  queue.erase(queue.begin(), queue.begin() + landed);
+  groups.erase(groups.begin(), groups.end() - N);
+  for (size_t& end : groups) end -= landed;
+}
+"""
+
 MAIN = r"""
 void body(const T* x, const uint32_t* w, const uint8_t* s, const int* tiles, T* y,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
@@ -90,8 +119,9 @@ int main() {
 """
 
 
-def host_launch(folder, mutation=""):
-    """A pretend_gpu launch that builds (once per kernel and template) and runs the body on the host."""
+def host_launch(folder, mutation="", body_mutations=()):
+    """A pretend_gpu launch that builds (once per kernel and template) and runs the body on the
+    host; `body_mutations`: (old, new) replacements in the source built."""
     built = {}
 
     def exe(kernel, values, main):
@@ -99,9 +129,12 @@ def host_launch(folder, mutation=""):
         key = (kernel.name, tuple(sorted(values.items())))
         if key not in built:
             consts = "".join(f"constexpr int {n} = {int(v)};\n" for n, v in values.items())
-            source = (EMULATOR + BF16 + mutation + MMA_EMULATOR + consts
+            source = (EMULATOR + BF16 + mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR + consts
                       + f"constexpr int THREADS = {experts_prefill.THREADS};\n"
                       + kernel.header + main.replace("BODY", kernel.body))
+            for old, new in body_mutations:
+                assert old in source, old
+                source = source.replace(old, new)
             built[key] = build_host(folder, f"prefill{len(built)}", source)
         return built[key]
 
@@ -119,7 +152,7 @@ def host_launch(folder, mutation=""):
             return [mx.array(np.frombuffer(out[:4 * n_pairs], np.uint32)),
                     mx.array(np.frombuffer(out[4 * n_pairs:], np.float32))]
         assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PREFETCH, experts_prefill.KERNEL_PAIRS,
-                          experts_prefill.KERNEL_BF16)
+                          experts_prefill.KERNEL_BF16, experts_prefill.KERNEL_STREAM)
         assert threadgroup == (experts_prefill.THREADS, 1, 1)
         *xin, w, s, tiles = inputs
         (pairs, n), = output_shapes
@@ -138,7 +171,8 @@ def host_launch(folder, mutation=""):
 
 
 def launch_rows(kernel) -> int:
-    return experts_prefill.BF16_TILE_ROWS if kernel is experts_prefill.KERNEL_BF16 else experts_prefill.TILE_ROWS
+    bf16_tiles = kernel in (experts_prefill.KERNEL_BF16, experts_prefill.KERNEL_STREAM)
+    return experts_prefill.BF16_TILE_ROWS if bf16_tiles else experts_prefill.TILE_ROWS
 
 
 def problem(rng, mode, experts, n, k, pairs, tile=experts_prefill.TILE_PAIRS):
@@ -175,14 +209,18 @@ def check(y, layer, x, ids):
 # Staging: x made in the launch, made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS), or the
 # launch software pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH).
 # Or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles are 64 pairs by 128 rows; the
-# others turn it off, and `default` leaves every switch as it is (bf16: on under CUDA).
+# others turn it off. Or the bf16 tiles fed by cp.async and loads a chunk ahead
+# (DSV4_KERNEL_PREFILL_EXPERTS_STREAM); `default` leaves every switch as it is (under CUDA: the
+# bf16 launch).
 STAGINGS = {"launch": dict(kernel_prefill_experts_bf16=False),
             "pairs": dict(kernel_prefill_experts_bf16=False, kernel_prefill_experts_pairs=True),
             "prefetch": dict(kernel_prefill_experts_bf16=False, kernel_prefill_experts_prefetch=True),
-            "bf16": dict(kernel_prefill_experts_bf16=True), "default": {}}
+            "bf16": dict(kernel_prefill_experts_bf16=True, kernel_prefill_experts_stream=False),
+            "stream": dict(kernel_prefill_experts_bf16=True, kernel_prefill_experts_stream=True), "default": {}}
 LAUNCHES = {"launch": [experts_prefill.KERNEL.name], "prefetch": [experts_prefill.KERNEL_PREFETCH.name],
             "pairs": [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name],
-            "bf16": [experts_prefill.KERNEL_BF16.name], "default": [experts_prefill.KERNEL_BF16.name]}
+            "bf16": [experts_prefill.KERNEL_BF16.name], "stream": [experts_prefill.KERNEL_STREAM.name],
+            "default": [experts_prefill.KERNEL_BF16.name]}
 
 
 def host_prefill(tmp_path, layer, x, ids, sort, staging):
@@ -202,11 +240,13 @@ def host_prefill(tmp_path, layer, x, ids, sort, staging):
                                                    ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 40, 256, True, "pairs"),
                                                    ("mxfp8", 72, 384, False, "pairs"), ("mxfp4", 40, 256, False, "prefetch"),
                                                    ("mxfp8", 72, 384, True, "prefetch"), ("mxfp4", 136, 256, False, "bf16"),
-                                                   ("mxfp8", 72, 384, True, "bf16"),
+                                                   ("mxfp8", 72, 384, True, "bf16"), ("mxfp4", 136, 384, False, "stream"),
+                                                   ("mxfp8", 72, 256, True, "stream"),
                                                    ("mxfp4", 40, 256, True, "default")])
 def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     rng = np.random.default_rng()
-    tile = experts_prefill.BF16_TILE_PAIRS if LAUNCHES[staging] == LAUNCHES["bf16"] else experts_prefill.TILE_PAIRS
+    bf16_tiles = LAUNCHES[staging] in (LAUNCHES["bf16"], LAUNCHES["stream"])
+    tile = experts_prefill.BF16_TILE_PAIRS if bf16_tiles else experts_prefill.TILE_PAIRS
     layer, x, ids = problem(rng, mode, 6, n, k, 2 * tile + 6, tile)
     if sort:
         order = np.argsort(ids, kind="stable")
@@ -221,14 +261,45 @@ def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
         assert np.array_equal(np.array(y.view(mx.uint16)), np.array(plain.view(mx.uint16)))
 
 
+@pytest.mark.parametrize("staging", ["bf16", "stream"])
 @pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
-def test_the_bf16_launch_takes_every_scale(tmp_path, mode):
+def test_the_bf16_launch_takes_every_scale(tmp_path, mode, staging):
     """Scale codes 100-199 (weights from 2^-27 to 2^72): those past 128 (134) take the bf16
     launch's second power of two, and each group's weights meet x at their own scale."""
     rng = np.random.default_rng(7)
-    layer, x, ids = problem(rng, mode, 3, 40, 128, 70, experts_prefill.BF16_TILE_PAIRS)
+    layer, x, ids = problem(rng, mode, 3, 40, 256, 70, experts_prefill.BF16_TILE_PAIRS)
     layer.scales = mx.array(rng.integers(100, 200, layer.scales.shape).astype(np.uint8))
-    check(host_prefill(tmp_path, layer, x, ids, False, "bf16"), layer, x, ids)
+    check(host_prefill(tmp_path, layer, x, ids, False, staging), layer, x, ids)
+
+
+EARLY = "#define CP_ASYNC_EARLY\n"
+# (The barrier that keeps a buffer until every SIMD group has read it is not among them: the
+# emulator's SIMD groups take turns an exchange at a time, so none runs a chunk ahead of another.)
+STREAM_MUTATIONS = {"no wait for the chunk": [("cp_async_wait<1>();", "")],
+                    "the last chunk not waited for": [("cp_async_wait<0>();", "cp_async_wait<1>();")]}
+
+
+def stream_on_the_host(tmp_path, layer, x, ids, mutation="", body_mutations=()):
+    launch = host_launch(tmp_path, mutation, body_mutations)
+    with (flags.override(kernel_prefill_experts_mma=True, **STAGINGS["stream"]),
+          dialect.pretend_gpu("cuda", launch)):
+        return experts_prefill.prefill_experts(x, layer.weight, layer.scales, mx.array(ids), 32, 4, "mxfp4")
+
+
+def test_the_stream_launch_with_copies_landing_early(tmp_path):
+    rng = np.random.default_rng(3)
+    layer, x, ids = problem(rng, "mxfp4", 3, 40, 384, 70, experts_prefill.BF16_TILE_PAIRS)
+    check(stream_on_the_host(tmp_path, layer, x, ids, EARLY), layer, x, ids)
+
+
+@pytest.mark.parametrize("mutation", list(STREAM_MUTATIONS), ids=list(STREAM_MUTATIONS))
+def test_the_stream_launch_needs_its_waits(tmp_path, mutation):
+    """The stream launch without one of its waits must fail the same check, its copies landing
+    at the waits: the passes above are no accident of when the copies land."""
+    rng = np.random.default_rng(3)
+    layer, x, ids = problem(rng, "mxfp4", 3, 40, 384, 70, experts_prefill.BF16_TILE_PAIRS)
+    with pytest.raises(AssertionError):
+        check(stream_on_the_host(tmp_path, layer, x, ids, body_mutations=STREAM_MUTATIONS[mutation]), layer, x, ids)
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))

@@ -9,7 +9,8 @@ and then a CUDA backend (dialect.pretend_gpu); each launch they make is recorded
 and must keep, for its backend (the numbers are dialect's):
 
   threadgroup memory  the sum of the body's `SHARED type name[n]...;` arrays (n evaluated
-                      with the launch's template values and the body's `constexpr int`s),
+                      with the launch's template values and the header's and body's
+                      `constexpr int`s),
                       each rounded up to 16 bytes, <= SHARED_MEMORY_BYTES[backend]
   threads             threadgroup x * y * z <= MAX_THREADS
   SIMD groups         threadgroup (a multiple of SIMD_WIDTH, 1, 1), grid whole threadgroups
@@ -81,6 +82,11 @@ def threadgroup_bytes(kernel: Kernel, template) -> int:
     body = compact(kernel.body)
     names = {"true": 1, "false": 0}
     names.update({n: int(v) for n, v in template if isinstance(v, int)})
+    for name, expr in _CONSTEXPR.findall(compact(kernel.header)):   # the header's, then the body's
+        try:
+            names[name] = _integer(expr, names)
+        except (ValueError, SyntaxError):
+            pass   # C beyond _integer's arithmetic (a helper's own constants)
     for name, expr in _CONSTEXPR.findall(body):
         try:
             names[name] = _integer(expr, names)
@@ -281,11 +287,12 @@ def v41_calls():
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
         pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):
-            # x's fp16 pairs made per threadgroup, or once; the pipelined launch; the bf16 launch
-            for made_once, prefetch, bf16 in ((False, False, False), (True, False, False), (False, True, False),
-                                              (False, False, True)):
+            # x's fp16 pairs made per threadgroup, or once; the pipelined launch; the bf16 launch, plain or streamed
+            for made_once, prefetch, bf16, stream in ((False, False, False, False), (True, False, False, False),
+                                                      (False, True, False, False), (False, False, True, False),
+                                                      (False, False, True, True)):
                 with flags.override(kernel_prefill_experts_pairs=made_once, kernel_prefill_experts_prefetch=prefetch,
-                                    kernel_prefill_experts_bf16=bf16):
+                                    kernel_prefill_experts_bf16=bf16, kernel_prefill_experts_stream=stream):
                     experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs,
                                                     32, 4, "mxfp4", sorted_indices=True)
 

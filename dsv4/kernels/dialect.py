@@ -36,6 +36,11 @@ Vocabulary available to bodies:
   last_to_arrive(count, n)   (CUDA) whether this threadgroup is the last of n at a module counter
   mma_16816_bf16(d, a, b)    (CUDA) the same with bf16 a and b
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
+  cp_async16(dst, src)       (CUDA) copy 16 bytes from global src to shared dst without the
+                             registers (both 16-byte aligned), in flight until waited for
+  cp_async_commit()          (CUDA) close the thread's copies issued since the last commit into a group
+  cp_async_wait<N>()         (CUDA) wait until at most the N newest groups are in flight (then a
+                             BARRIER() before reading what other threads copied)
 """
 
 from __future__ import annotations
@@ -189,6 +194,12 @@ __device__ inline void mma_16816_bf16(float* d, const uint32_t* a, const uint32_
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ inline void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 """
 
 CUDA_BODY_PRELUDE = r"""

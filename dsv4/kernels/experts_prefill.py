@@ -24,7 +24,8 @@ step s (0, 1) of a group, lane t's A registers hold weight pairs 8s + 2t and 8s 
 rows, so its B registers hold x at those pairs' places.
 
 KERNEL_BF16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16) takes the same fragments in bf16, where the
-weights carry their scales and x needs no power of two: see its comment below.
+weights carry their scales and x needs no power of two, and KERNEL_STREAM
+(DSV4_KERNEL_PREFILL_EXPERTS_STREAM) its tiles with the loads a chunk ahead: see their comments.
 """
 
 from __future__ import annotations
@@ -263,6 +264,164 @@ STAGE
       }
 """
 
+# DSV4_KERNEL_PREFILL_EXPERTS_STREAM: KERNEL_BF16's tiles, products and sums, fed without
+# waiting. There every group starts with its weights' loads (a word per lane and row, 8 rows a
+# load instruction) and every chunk with its x's, so a SIMD group waits out a load's latency a
+# group at a time for a few dozen mma.syncs (at 2048 tokens, 32 pairs an expert: 4 blocks of 8).
+# Here a lane holds a whole group of each of its rows in a chunk (group 4 c + t: its 16 or 32
+# bytes in one or two 16-byte loads, a chunk ahead in registers), and the chunk's x comes by
+# cp.async into one of two buffers while the chunk before multiplies, moved, not reordered: mma
+# step S (0-7) of a chunk gives lane t values 32 t + 4 S .. + 3 of the chunk, so the weights' codes
+# become bf16 pairs of neighbours (stream_pair) and x's pairs are its bf16 words as they lie.
+# A pair's chunk of x is 16 pieces of 16 bytes, piece 4 t + i (values 32 t + 8 i ..) stored at
+# place (4 t + i) ^ (t & 2) ^ (pair & 1): the 8 lanes of a 16-byte read (pairs q, q + 1, lanes t
+# 0-3) then meet 8 distinct bank quads, with no padding (two buffers in 32 KB).
+STREAM_X_WORDS = 64   # uint32 per pair's chunk of x in a buffer
+
+_STREAM_HEADER = f"constexpr int STREAM_X_WORDS = {STREAM_X_WORDS};\n" + r"""
+// The bf16 pair of a group's values 2b and 2b + 1 (byte b of word w, MODE 1; bytes 2b, 2b + 1 of w,
+// MODE 2) in slot_bits' fields (the same values, times 2^-126 or 2^-120), low value first.
+template <int MODE> KFN uint32_t stream_pair(uint32_t w, uint32_t w4, int b) {
+  if (MODE == 1) {   // w4 = w << 4: byte b's low nibble to the low half, its high one to the high half
+    const uint32_t z = BYTE_PERM(w4, w, (uint32_t)(b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)));
+    return ((z & 0x00f000f0u) * 0x104u) & 0x81c081c0u;
+  }
+  const uint32_t z = BYTE_PERM(w, 0u, (uint32_t)((2 * b) | (4 << 4) | ((2 * b + 1) << 8) | (4 << 12)));
+  return ((z & 0x007f007fu) << 4) | ((z & 0x00800080u) << 8);
+}
+// A pair's weights times their group's scale 2^m (m: the code less MODE's bias) as scaled_slot
+// makes it: the power past bf16's largest in a second step, which only HUGE chunks take.
+template <bool HUGE> KFN uint32_t stream_scaled(uint32_t v, int m) {
+  const uint32_t r = H2_MUL_BF16_BITS(v, bf16_pow2_pair(min(m, 127)));
+  return HUGE ? H2_MUL_BF16_BITS(r, bf16_pow2_pair(m > 127 ? m - 127 : 0)) : r;
+}
+// Piece i (0-3) of lane t's group in the chunk of x of a pair of parity odd: its place in the buffer row.
+KFN int stream_piece(int t, int i, int odd) { return (4 * t + i) ^ (t & 2) ^ odd; }
+"""
+
+_STREAM_STAGE = r"""
+    {   // chunk AT of the tile's pairs into buffer (AT) & 1: thread tid copies piece tid % 16 of pairs tid / 16 + 8 r
+      const int piece = (int)tid & 15;
+      for (int r = 0; r < 8; ++r) {
+        const int pr = ((int)tid >> 4) + 8 * r, place = stream_piece(piece >> 2, piece & 3, pr & 1);
+        if (pr < count)
+          cp_async16(xs + ((AT) & 1) * 64 * STREAM_X_WORDS + pr * STREAM_X_WORDS + 4 * place,
+                     x + (size_t)(first + pr) * K + 128 * (AT) + 8 * piece);
+      }
+      cp_async_commit();
+    }
+"""
+
+# One chunk's products, from the lane's words wc[row][word] and its groups' scale powers m[row],
+# over x in buffer xb: for each pair of mma steps (2 i, 2 i + 1), a 16-byte read of x per block of
+# 8 pairs and the A fragments of both sets.
+_STREAM_CHUNK = r"""
+template <int MODE, int BITS, bool HUGE>
+KFN void stream_chunk(const uint32_t (&wc)[4][BITS], const int* m,
+                      const uint32_t* xb, int blocks, int q, int t, float (&acc)[2][8][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t a[2][2][4];   // [set][step 2 i + s][register]
+#pragma unroll
+    for (int set = 0; set < 2; ++set)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int ra = 2 * set, rb = 2 * set + 1;   // rows q + 16 set and q + 8 + 16 set
+        uint32_t wa, wb, wa4 = 0u, wb4 = 0u;
+        int lo;
+        if (MODE == 1) { wa = wc[ra][i]; wb = wc[rb][i]; wa4 = wa << 4; wb4 = wb << 4; lo = 2 * s; }
+        else { wa = wc[ra][2 * i + s]; wb = wc[rb][2 * i + s]; lo = 0; }
+        a[set][s][0] = stream_scaled<HUGE>(stream_pair<MODE>(wa, wa4, lo), m[ra]);
+        a[set][s][1] = stream_scaled<HUGE>(stream_pair<MODE>(wb, wb4, lo), m[rb]);
+        a[set][s][2] = stream_scaled<HUGE>(stream_pair<MODE>(wa, wa4, lo + 1), m[ra]);
+        a[set][s][3] = stream_scaled<HUGE>(stream_pair<MODE>(wb, wb4, lo + 1), m[rb]);
+      }
+    const uint32_t* xr = xb + q * STREAM_X_WORDS + 4 * stream_piece(t, i, q & 1);
+#pragma unroll
+    for (int j = 0; j < 8; j += 2)
+      if (j < blocks) {   // the same for the whole threadgroup; block j + 1 too (past the tile: unstored)
+        const uint4 v = *reinterpret_cast<const uint4*>(xr + 8 * j * STREAM_X_WORDS);
+        const uint4 u = *reinterpret_cast<const uint4*>(xr + 8 * (j + 1) * STREAM_X_WORDS);
+        const uint32_t b[2][2][2] = {{{v.x, v.y}, {v.z, v.w}}, {{u.x, u.y}, {u.z, u.w}}};   // [block][step]
+#pragma unroll
+        for (int s = 0; s < 2; ++s)   // four sums apart: each mma.sync's sum is not the next one's input
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            mma_16816_bf16(acc[0][j + jj], a[0][s], b[jj][s]);
+            mma_16816_bf16(acc[1][j + jj], a[1][s], b[jj][s]);
+          }
+      }
+  }
+}
+"""
+
+_STREAM_BODY = r"""
+  // grid (THREADS, ceil(N / 128), tiles); tile z = (expert, first pair, pairs <= 64) in `tiles`.
+  constexpr int GROUPS = K / 32;
+  constexpr int CHUNKS = K / 128;
+  const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
+  const int count = tiles[3 * (int)group_z + 2];
+  if (count <= 0) return;   // a slot past the last tile (the grid is sized for the most there can be)
+  const int q = (int)lane >> 2, t = (int)lane & 3, blocks = (count + 7) / 8;
+  const int row0 = min((int)group_y * 128 + 32 * (int)warp, N - 32);   // as KERNEL_BF16's
+  // The lane's rows q, q + 8, q + 16, q + 24 (row r: 8 r further), its group t of each chunk.
+  GLOBAL uint32_t* wl = w + ((size_t)expert * N + row0 + q) * GROUPS * BITS + BITS * t;
+  GLOBAL uint8_t* sl = s + ((size_t)expert * N + row0 + q) * GROUPS + t;
+  alignas(16) SHARED uint32_t xs[2 * 64 * STREAM_X_WORDS];
+  float acc[2][8][4];
+  for (int set = 0; set < 2; ++set)
+    for (int j = 0; j < 8; ++j) for (int i = 0; i < 4; ++i) acc[set][j][i] = 0.0f;
+  uint32_t wc[4][BITS], wn[4][BITS], code[4], next[4];
+STAGE0
+  for (int r = 0; r < 4; ++r) {
+    for (int h = 0; h < BITS / 4; ++h) {
+      const uint4 u = LOAD_U4(wl + (size_t)8 * r * GROUPS * BITS, h);
+      wc[r][4 * h] = u.x; wc[r][4 * h + 1] = u.y; wc[r][4 * h + 2] = u.z; wc[r][4 * h + 3] = u.w;
+    }
+    code[r] = sl[(size_t)8 * r * GROUPS];
+  }
+  for (int c = 0; c < CHUNKS; ++c) {
+    if (c + 1 < CHUNKS) {   // the next chunk's x and weights in flight while this one multiplies
+STAGE1
+      for (int r = 0; r < 4; ++r) {
+        for (int h = 0; h < BITS / 4; ++h) {
+          const uint4 u = LOAD_U4(wl + (size_t)8 * r * GROUPS * BITS + 4 * BITS * (c + 1), h);
+          wn[r][4 * h] = u.x; wn[r][4 * h + 1] = u.y; wn[r][4 * h + 2] = u.z; wn[r][4 * h + 3] = u.w;
+        }
+        next[r] = sl[(size_t)8 * r * GROUPS + 4 * (c + 1)];
+      }
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    int m[4];
+    bool huge = false;
+    for (int r = 0; r < 4; ++r) {
+      m[r] = (int)code[r] - (MODE == 1 ? 1 : 7);
+      huge = huge || m[r] > 127;
+    }
+    huge = simd_max_f(huge ? 1.0f : 0.0f) > 0.0f;   // the SIMD group's one path
+    BARRIER();
+    const uint32_t* xb = xs + (c & 1) * 64 * STREAM_X_WORDS;
+    if (huge) stream_chunk<MODE, BITS, true>(wc, m, xb, blocks, q, t, acc);
+    else stream_chunk<MODE, BITS, false>(wc, m, xb, blocks, q, t, acc);
+    BARRIER();   // the buffer is the next chunk's but one
+    for (int r = 0; r < 4; ++r) {
+      for (int i = 0; i < BITS; ++i) wc[r][i] = wn[r][i];
+      code[r] = next[r];
+    }
+  }
+#pragma unroll
+  for (int set = 0; set < 2; ++set)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int pr = 8 * j + 2 * t + (i & 1), row = row0 + 16 * set + q + (i >= 2 ? 8 : 0);
+        if (pr < count) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[set][j][i]);
+      }
+"""
+
 X_BODY = r"""
   // grid (packs rounded up to the threadgroup, 1, 1): thread i makes pack i % (K / 32) of pair
   // i / (K / 32), as _CONVERT does for one threadgroup: its 16 fp16 pairs and power of two.
@@ -371,6 +530,14 @@ KERNEL_BF16 = Kernel(
     name="dsv4_prefill_experts_mma_bf16", input_names=("x", "w", "s", "tiles"), output_names=("y",),
     body=_BF16_BODY.replace("STAGE\n", _BF16_STAGE), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
+STREAM_HEADER = HEADER + _STREAM_HEADER + _STREAM_CHUNK
+
+KERNEL_STREAM = Kernel(
+    name="dsv4_prefill_experts_mma_stream", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    body=_STREAM_BODY.replace("STAGE0\n", _STREAM_STAGE.replace("AT", "0")).replace(
+        "STAGE1\n", _STREAM_STAGE.replace("AT", "c + 1")),
+    header=STREAM_HEADER, dialects=("cuda",), checks=_X_CHECKS)
+
 X_KERNEL = Kernel(
     name="dsv4_prefill_experts_x", input_names=("x",), output_names=("x_pairs", "x_scales"), body=X_BODY,
     header=HEADER, dialects=("cuda",),
@@ -440,7 +607,7 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     work = tiles(flat, weight.shape[0], size)
     inputs, kernel = [x], KERNEL_PREFETCH if flags.get("kernel_prefill_experts_prefetch") else KERNEL
     if bf16:
-        kernel = KERNEL_BF16
+        kernel = KERNEL_STREAM if flags.switch("kernel_prefill_experts_stream", True) else KERNEL_BF16
     elif flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
         packs = P * K // 32
         inputs, kernel = X_KERNEL(
