@@ -348,11 +348,17 @@ template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
 
 # The CUDA words of a launch whose last threadgroup finishes the work (dialect's last_to_arrive,
 # a module's __device__ counters): threadgroups run one after another here, so the last to arrive
-# is the last launched, and a fence has nothing to order.
+# is the last launched, and a fence has nothing to order; the barriers and the threadgroup's one
+# answer are the dialect's.
 ARRIVALS_EMULATED = r"""
 #define __device__
-#define __threadfence() ((void)0)
-inline bool last_to_arrive(unsigned int* count, unsigned int total) { return ++*count == total; }
+inline bool last_to_arrive(unsigned int* count, unsigned int total, uint32_t tid) {
+  static uint32_t last;
+  BARRIER();
+  if (tid == 0) last = ++*count == total ? 1u : 0u;
+  BARRIER();
+  return last != 0u;
+}
 """
 
 EMULATOR_MAIN = r"""

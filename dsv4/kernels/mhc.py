@@ -464,13 +464,7 @@ _SITE_BODY = r"""
   {
 PARTIALS
   }
-  __threadfence();                              // this thread's partials, seen by the last one
-  BARRIER();
-  SHARED uint32_t last_one[1];
-  if (tid == 0) last_one[0] = last_to_arrive(dsv4_hc_site_arrivals + group_y, (SPLITS + 7) / 8) ? 1u : 0u;
-  BARRIER();
-  if (last_one[0] == 0u) return;
-  __threadfence();
+  if (!last_to_arrive(dsv4_hc_site_arrivals + group_y, (SPLITS + 7) / 8, tid)) return;   // the partials' last
   {
     constexpr int NM = HC * (2 + HC);
     const int qi = group_y;

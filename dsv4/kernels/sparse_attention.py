@@ -466,15 +466,9 @@ _ROWS8_FUSED_BODY = r"""
   {
 """ + _ROWS8_PARTIAL_BODY.replace("  if (h >= H) return;\n", "  if (h < H) {\n") + r"""  }
   }
-  __threadfence();                              // this thread's partials, seen by the last one
-  BARRIER();
-  SHARED uint32_t last_one[1];
   const int head_group = (int)group_y / SPLITS;
   const int at = (int)group_z * ((H + G - 1) / G) + head_group;
-  if (tid == 0) last_one[0] = last_to_arrive(dsv4_attention_arrivals + at, SPLITS) ? 1u : 0u;
-  BARRIER();
-  if (last_one[0] == 0u) return;
-  __threadfence();
+  if (!last_to_arrive(dsv4_attention_arrivals + at, SPLITS, tid)) return;   // the partials' last
   for (int pair = (int)warp; pair < G * (D / 128); pair += G) {
     const int qi = group_z;
     const int h = head_group * G + pair / (D / 128);
