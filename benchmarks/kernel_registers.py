@@ -174,8 +174,6 @@ def main(argv=None) -> int:
     kernels.insert(1, ("experts gate/up, mxfp4 in the integer unit (DSV4_KERNEL_MOE_DP4A)", experts.GATE_UP_KERNEL, ints))
     kernels += [(what, kernel, 0) for what, kernel in [
                 ("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
-                ("prefill routed experts, pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH)", experts_prefill.KERNEL_PREFETCH),
-                ("prefill routed experts (x made once, DSV4_KERNEL_PREFILL_EXPERTS_PAIRS)", experts_prefill.KERNEL_PAIRS),
                 ("prefill routed experts, bf16 mma (DSV4_KERNEL_PREFILL_EXPERTS_BF16)", experts_prefill.KERNEL_BF16),
                 ("prefill routed experts, bf16 fed a chunk ahead (DSV4_KERNEL_PREFILL_EXPERTS_STREAM)",
                  experts_prefill.KERNEL_STREAM)]]

@@ -9,9 +9,8 @@ For each chunk size T:
   dequantized beforehand (the floor of that route);
 - the routed experts (mxfp4, 384 experts, top-6, the T x 6 (token, expert) pairs sorted by
   expert, as RoutedExperts takes them): gather_qmm, dsv4's tensor-core kernel
-  (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), plain and software
-  pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH), in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16) and in
-  bf16 fed by cp.async (DSV4_KERNEL_PREFILL_EXPERTS_STREAM),
+  (dsv4/kernels/experts_prefill.py, which tiles the sorted pairs itself), in fp16, in bf16
+  (DSV4_KERNEL_PREFILL_EXPERTS_BF16) and in bf16 fed by cp.async (DSV4_KERNEL_PREFILL_EXPERTS_STREAM),
   and gather_mm on bf16 weights dequantized beforehand;
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
@@ -104,16 +103,13 @@ def expert_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         rows.append((f"experts {name} {d_in}->{d_out}", "gather_qmm (sorted)", flops, _mlx_seconds(
             lambda: mx.gather_qmm(xs, q, s, rhs_indices=e, transpose=True, group_size=32, bits=4, mode="mxfp4",
                                   sorted_indices=True), repeats)))
-        rows.append((f"experts {name} {d_in}->{d_out}", "dsv4 tensor-core kernel (experts_prefill)", flops,
-                     _mlx_seconds(lambda: experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True), repeats)))
-
-        for switch, way in (("prefetch", "the same, pipelined"), ("bf16", "the same in bf16"),
-                            ("stream", "bf16, fed by cp.async a chunk ahead")):
-            def switched(xs=xs, q=q, s=s, switch=switch):
-                with flags.override(**{f"kernel_prefill_experts_{switch}": True}):
+        for way, bf16, stream in (("dsv4 tensor-core kernel in fp16 (experts_prefill)", False, False),
+                                  ("the same in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16)", True, False),
+                                  ("bf16, fed by cp.async a chunk ahead (DSV4_KERNEL_PREFILL_EXPERTS_STREAM)", True, True)):
+            def switched(xs=xs, q=q, s=s, bf16=bf16, stream=stream):
+                with flags.override(kernel_prefill_experts_bf16=bf16, kernel_prefill_experts_stream=stream):
                     return experts_prefill.prefill_experts(xs, q, s, e, 32, 4, "mxfp4", True)
-            rows.append((f"experts {name} {d_in}->{d_out}", f"{way} (DSV4_KERNEL_PREFILL_EXPERTS_{switch.upper()})",
-                         flops, _mlx_seconds(switched, repeats)))
+            rows.append((f"experts {name} {d_in}->{d_out}", way, flops, _mlx_seconds(switched, repeats)))
         rows.append((f"experts {name} {d_in}->{d_out}", "dequantize every expert to bf16 (no product)", 0,
                      _mlx_seconds(lambda: dequantized(q, s, 4, "mxfp4"), 1)))
         w = dequantized(q, s, 4, "mxfp4").swapaxes(-1, -2)

@@ -390,27 +390,11 @@ define("kernel_prefill_experts_mma", "auto",
        "the slice's 32K prefill 3.31 s against 3.85 without both kernels "
        "(2026-12-04-0848-slice-prefill.md); with chunks of 512 (8 pairs an expert) it was "
        "slower (5.84 s against 5.16); on: from 64 pairs; off", choices=AUTO_ON_OFF)
-define("kernel_prefill_experts_pairs", False,
-       "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: x's fp16 pairs and powers of two made once per "
-       "projection by their own launch (dsv4/kernels/experts_prefill.py X_KERNEL) and copied by each "
-       "threadgroup, where every row block of a tile converts them again (36 blocks for gate/up, 80 "
-       "for down); the same values. Off: slower on the H200 slice, 4K 0.34 vs 0.32 s, 32K 3.31 vs "
-       "3.17 s (benchmarks/results/2026-12-04-1254-slice-prefill.md)")
-define("kernel_prefill_experts_prefetch", False,
-       "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA (x staged in the launch, not with "
-       "DSV4_KERNEL_PREFILL_EXPERTS_PAIRS): the launch software pipelined, each group's weight words "
-       "loaded while the group before multiplies and each chunk's x while the chunk before runs "
-       "(dsv4/kernels/experts_prefill.py), where the plain launch waits out every load's latency "
-       "(its group loop is not unrolled: an HMMA waits on the LDG right before it); the same values "
-       "and sums, the same bits. Off (default): no faster on an H100, gate 4.78 against 4.70 ms at 2048 "
-       "tokens, the slice's 4K prefill 12684 against 12858 tokens/s "
-       "(benchmarks/results/2026-12-06-0352-prefill-matmuls.md, 2026-12-06-0353-slice-prefill.md)")
 define("kernel_prefill_experts_bf16", "auto",
        "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_MMA: the launch's mma in bf16, where each weight "
        "times its group's scale and each value of x are exact, so the tensor core sums a pair's "
        "row over the whole input with no per-group scaling, and tiles of 64 pairs by 128 rows "
-       "(dsv4/kernels/experts_prefill.py KERNEL_BF16; matrices of 32 rows or more); takes the "
-       "place of _PAIRS and _PREFETCH. Exact products summed in fp32 as before, in another order. auto (default): on, where an H100 "
+       "(dsv4/kernels/experts_prefill.py KERNEL_BF16; matrices of 32 rows or more). Exact products summed in fp32 as before, in another order. auto (default): on, where an H100 "
        "took 2.91 ms against 4.70 for gate 5120->2304 at 2048 tokens, 2.77 against 4.62 for down "
        "(benchmarks/results/2026-12-06-0352-prefill-matmuls.md), and the slice's prefill ran 16493 "
        "tokens/s against 12858 at 4K, 12944 against 10644 at 32K (2026-12-06-0353-slice-prefill.md); "

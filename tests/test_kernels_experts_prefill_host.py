@@ -76,49 +76,6 @@ int main() {
 """
 
 
-MAIN_PAIRS = r"""
-void body(const uint32_t* x_pairs, const float* x_scales, const uint32_t* w, const uint8_t* s, const int* tiles,
-          T* y, uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
-  EMULATED_IDS(tid)
-  BODY
-}
-int main() {
-  const int pairs = read_int(), rows = read_int(), n_tiles = read_int();
-  std::vector<uint32_t> xh((size_t)pairs * K / 2), w((size_t)rows * K * BITS / 32);
-  std::vector<float> xs((size_t)pairs * K / 32);
-  std::vector<T> y((size_t)pairs * N, T(NAN));
-  std::vector<uint8_t> s((size_t)rows * K / 32);
-  std::vector<int> tiles(3 * n_tiles);
-  read(xh); read(xs); read(w); read(s); read(tiles);
-  launch(THREADS, (N + ROWS - 1) / ROWS, n_tiles, [&](int t, int g, int z, int threads) {
-    body(xh.data(), xs.data(), w.data(), s.data(), tiles.data(), y.data(), t, g, z, threads);
-  });
-  std::fwrite(y.data(), 2, y.size(), stdout);
-  return 0;
-}
-"""
-
-MAIN_X = r"""
-void body(const T* x, uint32_t* x_pairs, float* x_scales, const int* x_shape, uint32_t tid, uint32_t group_x,
-          uint32_t group_threads) {
-  EMULATED_IDS(tid)
-  BODY
-}
-int main() {
-  const int pairs = read_int(), blocks = read_int(), threads = read_int();
-  std::vector<T> x((size_t)pairs * K);
-  std::vector<uint32_t> xh((size_t)pairs * K / 2, 0xffffffffu);
-  std::vector<float> xs((size_t)pairs * K / 32, NAN);
-  read(x);
-  const int shape[1] = {pairs};
-  launch(threads, blocks, 1, [&](int t, int g, int z, int n) { body(x.data(), xh.data(), xs.data(), shape, t, g, n); });
-  std::fwrite(xh.data(), 4, xh.size(), stdout);
-  std::fwrite(xs.data(), 4, xs.size(), stdout);
-  return 0;
-}
-"""
-
-
 def host_launch(folder, mutation="", body_mutations=()):
     """A pretend_gpu launch that builds (once per kernel and template) and runs the body on the
     host; `body_mutations`: (old, new) replacements in the source built."""
@@ -141,29 +98,14 @@ def host_launch(folder, mutation="", body_mutations=()):
     def launch(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
         launch.kernels.append(kernel.name)
         values = {n: v for n, v in template if isinstance(v, int)}
-        if kernel is experts_prefill.X_KERNEL:
-            (x,) = inputs
-            blocks = grid[0] // threadgroup[0]
-            assert grid[0] % threadgroup[0] == 0 and blocks * threadgroup[0] >= x.size // 32
-            data = np.array([x.shape[0], blocks, threadgroup[0]], np.int32).tobytes() + bf16_bits(x)
-            out = subprocess.run([str(exe(kernel, values, MAIN_X))], input=data, capture_output=True,
-                                 check=True).stdout
-            (n_pairs,), (n_scales,) = output_shapes
-            return [mx.array(np.frombuffer(out[:4 * n_pairs], np.uint32)),
-                    mx.array(np.frombuffer(out[4 * n_pairs:], np.float32))]
-        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_PREFETCH, experts_prefill.KERNEL_PAIRS,
-                          experts_prefill.KERNEL_BF16, experts_prefill.KERNEL_STREAM)
+        assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_BF16, experts_prefill.KERNEL_STREAM)
         assert threadgroup == (experts_prefill.THREADS, 1, 1)
-        *xin, w, s, tiles = inputs
+        x, w, s, tiles = inputs
         (pairs, n), = output_shapes
         assert grid == (experts_prefill.THREADS, -(-n // launch_rows(kernel)), tiles.shape[0])
         head = np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes()
-        if kernel is not experts_prefill.KERNEL_PAIRS:
-            data, main = head + bf16_bits(xin[0]), MAIN
-        else:
-            data, main = head + np.array(xin[0]).tobytes() + np.array(xin[1]).tobytes(), MAIN_PAIRS
-        data += np.array(w).tobytes() + np.array(s).tobytes() + np.array(tiles).tobytes()
-        out = subprocess.run([str(exe(kernel, values, main))], input=data, capture_output=True, check=True).stdout
+        data = head + bf16_bits(x) + np.array(w).tobytes() + np.array(s).tobytes() + np.array(tiles).tobytes()
+        out = subprocess.run([str(exe(kernel, values, MAIN))], input=data, capture_output=True, check=True).stdout
         return [from_bf16_bits(out, (pairs, n))]
 
     launch.kernels = []
@@ -206,19 +148,14 @@ def check(y, layer, x, ids):
 # 128; 70 pairs: expert 1's 37 (a full tile and 5), the others' short tiles (bf16: N = 136, two
 # threadgroups of 128 rows; 134 pairs, expert 1's 69). The pairs in any
 # order (sorted by the dispatcher) or sorted by expert, as RoutedExperts passes them.
-# Staging: x made in the launch, made once by X_KERNEL (DSV4_KERNEL_PREFILL_EXPERTS_PAIRS), or the
-# launch software pipelined (DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH).
-# Or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles are 64 pairs by 128 rows; the
-# others turn it off. Or the bf16 tiles fed by cp.async and loads a chunk ahead
+# The launch in fp16 ("launch"), or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles
+# are 64 pairs by 128 rows, or the bf16 tiles fed by cp.async and loads a chunk ahead
 # (DSV4_KERNEL_PREFILL_EXPERTS_STREAM); `default` leaves every switch as it is (under CUDA: the
 # bf16 launch).
 STAGINGS = {"launch": dict(kernel_prefill_experts_bf16=False),
-            "pairs": dict(kernel_prefill_experts_bf16=False, kernel_prefill_experts_pairs=True),
-            "prefetch": dict(kernel_prefill_experts_bf16=False, kernel_prefill_experts_prefetch=True),
             "bf16": dict(kernel_prefill_experts_bf16=True, kernel_prefill_experts_stream=False),
             "stream": dict(kernel_prefill_experts_bf16=True, kernel_prefill_experts_stream=True), "default": {}}
-LAUNCHES = {"launch": [experts_prefill.KERNEL.name], "prefetch": [experts_prefill.KERNEL_PREFETCH.name],
-            "pairs": [experts_prefill.X_KERNEL.name, experts_prefill.KERNEL_PAIRS.name],
+LAUNCHES = {"launch": [experts_prefill.KERNEL.name],
             "bf16": [experts_prefill.KERNEL_BF16.name], "stream": [experts_prefill.KERNEL_STREAM.name],
             "default": [experts_prefill.KERNEL_BF16.name]}
 
@@ -237,9 +174,7 @@ def host_prefill(tmp_path, layer, x, ids, sort, staging):
 
 
 @pytest.mark.parametrize("mode,n,k,sort,staging", [("mxfp4", 40, 256, False, "launch"), ("mxfp8", 72, 384, False, "launch"),
-                                                   ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 40, 256, True, "pairs"),
-                                                   ("mxfp8", 72, 384, False, "pairs"), ("mxfp4", 40, 256, False, "prefetch"),
-                                                   ("mxfp8", 72, 384, True, "prefetch"), ("mxfp4", 136, 256, False, "bf16"),
+                                                   ("mxfp4", 40, 256, True, "launch"), ("mxfp4", 136, 256, False, "bf16"),
                                                    ("mxfp8", 72, 384, True, "bf16"), ("mxfp4", 136, 384, False, "stream"),
                                                    ("mxfp8", 72, 256, True, "stream"),
                                                    ("mxfp4", 40, 256, True, "default")])
@@ -254,11 +189,6 @@ def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     y = host_prefill(tmp_path, layer, x, ids, sort, staging)
     assert y.shape == (2 * tile + 6, 1, n) and y.dtype == mx.bfloat16
     check(y, layer, x, ids)
-    if staging == "prefetch":   # the same values in the same order: the plain launch's bits
-        body = experts_prefill.KERNEL_PREFETCH.body   # staged from the registers loaded a chunk ahead
-        assert "unpack_bf16_8(xr[i]" in body and "load_bf16_8(" not in body
-        plain = host_prefill(tmp_path, layer, x, ids, sort, "launch")
-        assert np.array_equal(np.array(y.view(mx.uint16)), np.array(plain.view(mx.uint16)))
 
 
 @pytest.mark.parametrize("staging", ["bf16", "stream"])
@@ -360,21 +290,16 @@ def test_the_switch_takes_prefill_chunks_on_cuda_only():
 @pytest.mark.parametrize("staging", list(STAGINGS))
 @pytest.mark.parametrize("mode,n,k", [("mxfp4", 2304, 5120), ("mxfp4", 5120, 2304), ("mxfp8", 2304, 5120)])
 def test_prefill_experts_on_the_gpu(mode, n, k, staging):
-    """The CUDA build at V4.1's expert shapes against the same float64 products; the pipelined
-    launch bit for bit the plain one's."""
+    """The CUDA build at V4.1's expert shapes against the same float64 products."""
     if dialect.backend() != "cuda":
         pytest.skip("CUDA only")
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 8, n, k, 300)
-    out = {}
-    for name in {"launch", staging}:
-        with flags.override(kernel_prefill_experts_mma=True, **STAGINGS[name]), warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert experts_prefill.applies(layer, x, mx.array(ids))
-            out[name] = layer(x, mx.array(ids))
-    check(out[staging], layer, x, ids)
-    if staging == "prefetch":
-        assert mx.array_equal(out["prefetch"].view(mx.uint16), out["launch"].view(mx.uint16)).item()
+    with flags.override(kernel_prefill_experts_mma=True, **STAGINGS[staging]), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert experts_prefill.applies(layer, x, mx.array(ids))
+        y = layer(x, mx.array(ids))
+    check(y, layer, x, ids)
 
 
 @pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])

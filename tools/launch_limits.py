@@ -287,12 +287,9 @@ def v41_calls():
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
         pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):
-            # x's fp16 pairs made per threadgroup, or once; the pipelined launch; the bf16 launch, plain or streamed
-            for made_once, prefetch, bf16, stream in ((False, False, False, False), (True, False, False, False),
-                                                      (False, True, False, False), (False, False, True, False),
-                                                      (False, False, True, True)):
-                with flags.override(kernel_prefill_experts_pairs=made_once, kernel_prefill_experts_prefetch=prefetch,
-                                    kernel_prefill_experts_bf16=bf16, kernel_prefill_experts_stream=stream):
+            # the fp16 launch; the bf16 launch, plain or streamed
+            for bf16, stream in ((False, False), (True, False), (True, True)):
+                with flags.override(kernel_prefill_experts_bf16=bf16, kernel_prefill_experts_stream=stream):
                     experts_prefill.prefill_experts(_zeros(PREFILL_TOKENS * k, 1, width), m.weight, m.scales, pairs,
                                                     32, 4, "mxfp4", sorted_indices=True)
 

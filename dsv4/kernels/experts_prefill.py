@@ -109,45 +109,8 @@ GROUP
   }
 """.replace("GROUP\n", _GROUP) + _STORE
 
-# DSV4_KERNEL_PREFILL_EXPERTS_PREFETCH: software pipelined. In _BODY each load sits right before
-# its use, so a warp waits out the memory's latency at every group (the loop is not unrolled) and
-# at every chunk's staging. Here each group's weight words and scale codes are loaded while the
-# group before multiplies, and each chunk's x while the chunk before runs its groups: the same
-# values in the same order (the same bits), more registers.
-_X_LOAD = ("if (xs_pair < count) for (int i = 0; i < 4; ++i) "
-           "xr[i] = LOAD_U4(x + (size_t)(first + xs_pair) * K + 32 * (4 * (CHUNK) + xs_group), i);")
-
-_BODY_PREFETCH = _PREAMBLE + r"""
-  const int xs_pair = (int)tid >> 2, xs_group = (int)tid & 3;   // the pack this thread stages
-  uint4 xr[4];
-  LOAD_X0
-  uint32_t wa[BITS], wb[BITS];
-  load_words<BITS>(w + wa_row * BITS, wa);
-  load_words<BITS>(w + wb_row * BITS, wb);
-  uint32_t ca = s[wa_row], cb = s[wb_row];
-  for (int c = 0; c < GROUPS / 4; ++c) {
-STAGE
-    if (c + 1 < GROUPS / 4) { LOAD_X1 }
-    BARRIER();
-    for (int gl = 0; gl < 4; ++gl) {
-      const int g = 4 * c + gl, gn = min(g + 1, GROUPS - 1);   // the last group loads itself again
-      uint32_t na[BITS], nb[BITS];
-      load_words<BITS>(w + (wa_row + gn) * BITS, na);
-      load_words<BITS>(w + (wb_row + gn) * BITS, nb);
-      const uint32_t nca = s[wa_row + gn], ncb = s[wb_row + gn];
-      const float sa = e8m0_scale(ca), sb = e8m0_scale(cb);
-GROUP
-      for (int i = 0; i < BITS; ++i) { wa[i] = na[i]; wb[i] = nb[i]; }
-      ca = nca; cb = ncb;
-    }
-    BARRIER();
-  }
-""".replace("GROUP\n", _GROUP).replace("LOAD_X0", _X_LOAD.replace("CHUNK", "0")).replace(
-    "LOAD_X1", _X_LOAD.replace("CHUNK", "c + 1")) + _STORE
-
 # The staging of a chunk: thread tid makes group tid % 4 of the chunk for pair tid / 4 of the tile
-# (zeros past its end) as fp16 pairs in the A fragments' order and the pack's power of two: from
-# x itself, or copied from the pairs and powers X_KERNEL made once for every threadgroup.
+# (zeros past its end) as fp16 pairs in the A fragments' order and the pack's power of two.
 _CONVERT = r"""
     {
       const int pr = (int)tid >> 2, gl = (int)tid & 3;
@@ -162,27 +125,6 @@ _CONVERT = r"""
       }
     }
 """
-# The same from the chunk's x already in registers (xr: _BODY_PREFETCH loads it a chunk ahead).
-_LOAD_BF16 = "for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);"
-_CONVERT_PREFETCHED = _CONVERT.replace(_LOAD_BF16, "for (int i = 0; i < 4; ++i) unpack_bf16_8(xr[i], v + 8 * i);")
-_COPY = r"""
-    {
-      const int pr = (int)tid >> 2, gl = (int)tid & 3;
-      uint4 h[4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
-      float xs = 0.0f;
-      if (pr < count) {
-        const size_t pack = (size_t)(first + pr) * GROUPS + 4 * c + gl;
-        for (int i = 0; i < 4; ++i) h[i] = LOAD_U4(x_pairs + 16 * pack, i);
-        xs = x_scales[pack];
-      }
-      for (int i = 0; i < 4; ++i) {
-        uint32_t* to = xp + pr * XSTRIDE + 16 * gl + 4 * i;
-        to[0] = h[i].x; to[1] = h[i].y; to[2] = h[i].z; to[3] = h[i].w;
-      }
-      xsc[pr * 4 + gl] = xs;
-    }
-"""
-
 # DSV4_KERNEL_PREFILL_EXPERTS_BF16: the mma in bf16, where each weight with its group's e8m0
 # scale and each value of x are exact, so nothing is scaled per group: a lane's A fragments are
 # its share of the codes (one word of fp4) moved into bf16's fields and multiplied by the group's
@@ -422,18 +364,7 @@ STAGE1
       }
 """
 
-X_BODY = r"""
-  // grid (packs rounded up to the threadgroup, 1, 1): thread i makes pack i % (K / 32) of pair
-  // i / (K / 32), as _CONVERT does for one threadgroup: its 16 fp16 pairs and power of two.
-  constexpr int PACKS = K / 32;
-  const size_t i = (size_t)group_x * group_threads + tid;
-  if (i >= (size_t)x_shape[0] * PACKS) return;
-  float v[32];
-  for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (i / PACKS) * K, (int)(i % PACKS), c8, v + 8 * c8);
-  x_scales[i] = pack_x_pairs<MODE>(x_pairs + 16 * i, v);
-"""
-
-# What both stagings share: a pack's fp16 pairs in the A fragments' order and its power of two;
+# The fp16 launch's staging: a pack's fp16 pairs in the A fragments' order and its power of two;
 # and the word of a group's codes a lane's A fragments take.
 _PACK_HEADER = r"""
 // The word of a group's codes (w) holding this lane's pairs 8 st + 2t and 8 st + 2t + 1 in mma
@@ -512,20 +443,6 @@ KERNEL = Kernel(
     name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles"), output_names=("y",),
     body=_BODY.replace("STAGE", _CONVERT), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
-KERNEL_PREFETCH = Kernel(
-    name="dsv4_prefill_experts_mma_prefetch", input_names=("x", "w", "s", "tiles"), output_names=("y",),
-    body=_BODY_PREFETCH.replace("STAGE", _CONVERT_PREFETCHED), header=HEADER, dialects=("cuda",),
-    checks=_X_CHECKS)
-
-KERNEL_PAIRS = Kernel(
-    name="dsv4_prefill_experts_mma_pairs", input_names=("x_pairs", "x_scales", "w", "s", "tiles"),
-    output_names=("y",), body=_BODY.replace("STAGE", _COPY), header=HEADER,
-    dialects=("cuda",),
-    checks=tuple(((mx.uint32, mx.float32, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
-                  (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
-                   ("N", n), ("K", k)))
-                 for mode, bits, n, k in _SHAPES))
-
 KERNEL_BF16 = Kernel(
     name="dsv4_prefill_experts_mma_bf16", input_names=("x", "w", "s", "tiles"), output_names=("y",),
     body=_BF16_BODY.replace("STAGE\n", _BF16_STAGE), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
@@ -538,12 +455,6 @@ KERNEL_STREAM = Kernel(
         "STAGE1\n", _STREAM_STAGE.replace("AT", "c + 1")),
     header=STREAM_HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
-X_KERNEL = Kernel(
-    name="dsv4_prefill_experts_x", input_names=("x",), output_names=("x_pairs", "x_scales"), body=X_BODY,
-    header=HEADER, dialects=("cuda",),
-    checks=tuple(((mx.bfloat16,), (mx.uint32, mx.float32), (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("K", k)))
-                 for mode, k in (("mxfp4", 5120), ("mxfp4", 2304), ("mxfp8", 5120))))
-X_THREADS = 128
 
 
 def applies(layer, x: mx.array, indices: mx.array) -> bool:
@@ -605,17 +516,11 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     bf16 = flags.switch("kernel_prefill_experts_bf16", True) and N >= 32   # (a SIMD group's rows)
     size, rows = (BF16_TILE_PAIRS, BF16_TILE_ROWS) if bf16 else (TILE_PAIRS, TILE_ROWS)
     work = tiles(flat, weight.shape[0], size)
-    inputs, kernel = [x], KERNEL_PREFETCH if flags.get("kernel_prefill_experts_prefetch") else KERNEL
+    kernel = KERNEL
     if bf16:
         kernel = KERNEL_STREAM if flags.switch("kernel_prefill_experts_stream", True) else KERNEL_BF16
-    elif flags.get("kernel_prefill_experts_pairs"):   # x's fp16 pairs made once, not per row block
-        packs = P * K // 32
-        inputs, kernel = X_KERNEL(
-            inputs=[x], output_shapes=[(packs * 16,), (packs,)], output_dtypes=[mx.uint32, mx.float32],
-            grid=(math.ceil(packs / X_THREADS) * X_THREADS, 1, 1), threadgroup=(X_THREADS, 1, 1),
-            template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("K", K)]), KERNEL_PAIRS
     (y,) = kernel(
-        inputs=[*inputs, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
+        inputs=[x, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
         grid=(THREADS, math.ceil(N / rows), work.shape[0]), threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE), ("N", N),
                   ("K", K)])
