@@ -313,8 +313,9 @@ define("kernel_attention_fused", "off",
        "in one launch, the last threadgroup of a query's head group to finish its split (a counter "
        "in the kernel's module, reset by it) merging those heads as the merge launch's SIMD groups "
        "would, one after another: the same arithmetic in the same order, the same bits, one launch "
-       "fewer a layer (dsv4/kernels/sparse_attention.py ROWS8_FUSED_KERNEL). off (default) until a "
-       "GPU measures it; auto (= off), on", choices=AUTO_ON_OFF)
+       "fewer a layer (dsv4/kernels/sparse_attention.py ROWS8_FUSED_KERNEL). off (default): slower "
+       "on an H100, 2.46 against 2.37 ms a step of the slice "
+       "(benchmarks/results/2026-12-06-1426-slice-decode.md); auto (= off), on", choices=AUTO_ON_OFF)
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
@@ -437,7 +438,10 @@ define("kernel_matvec_tokens", False,
        "DSV4_KERNEL_GGUF_DP4A): the same where a unit is 32 values, else within the fp32 bound "
        "(dsv4/kernels/matvec.py, gguf_dot.py's TokensDot; statically 1.8-2.7x fewer instructions a "
        "weight a token at 4 tokens: benchmarks/results/2026-12-05-0150-gguf-tokens-static.md). Off "
-       "(default) until the H200 measures it")
+       "(default): its gains at a verify so far are small against the noise (the H200: verify(3) "
+       "5.40 -> 4.91 ms, verify(5) 6.98 -> 6.51, verify(2) and (4) unchanged, "
+       "2026-12-05-0507-verify-matvec-tokens.md; an H100 with DSV4_KERNEL_MATVEC=on: verify(4) 6.35 "
+       "against 6.82, 2026-12-06-0552-verify-matvec.md)")
 define("kernel_matvec_mma", False,
        "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
        "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
@@ -483,8 +487,10 @@ define("kernel_gguf_mma", False,
 define("kernel_gguf_q8_pairs", False,
        "GPU kernels over GGUF Q8_0 rows (the dense projections and shared experts of ds4's files) "
        "read two blocks at a time: 68 bytes from a 4-byte boundary in 17 u32 loads, where one block "
-       "takes 17 u16 loads (dsv4/kernels/gguf_dot.py); the same values and sums. Off (default) "
-       "until the H200 measures it (benchmarks/gguf_native.py)")
+       "takes 17 u16 loads (dsv4/kernels/gguf_dot.py); the same values and sums. Off (default): no "
+       "faster on the H200 (q2's experts 214.9 µs against 219.3 with the plain units, q4's 228.4 "
+       "against 221.5, a 5120x8192 matvec 72.4 against 60.0: "
+       "benchmarks/results/2026-12-03-1318-gguf-native.md); a Mac has not measured it")
 define("kernel_gguf_wide", "auto",
        "GPU kernels over GGUF rows read Q8_0, IQ2_XXS and Q2_K blocks with 16-byte loads of the "
        "aligned words that hold them, realigned in registers (3 loads a Q8_0 block where it took 17; "
@@ -537,7 +543,7 @@ define("kernel_source_files", "auto",
        "CUDA: each custom kernel's header and body reach MLX as two #include lines of files named "
        "by their content (beside the kernel cache, else in /tmp; dsv4/kernels/source_files.py), not "
        "inline: MLX hashes a kernel's whole source at every launch, ~0.28 µs a KB on an H100's host "
-       "(a 30 KB source 14.5 µs to encode against 6.0; benchmarks/results/2026-12-06-1123-primitive-cost.md), "
+       "(a 30 KB source 14.5 µs to encode against 6.0; the notes of benchmarks/results/2026-12-06-1138-primitive-cost.md), "
        "~580 KB a decode step. The same text compiled. auto (default): on; on, off (inline)",
        choices=AUTO_ON_OFF)
 define("kernel_mhc", True,
@@ -550,7 +556,9 @@ define("kernel_mhc_fused", "off",
        "the partials' SIMD groups 8 a threadgroup, and the token's last threadgroup to finish them "
        "(a counter in the kernel's module, reset by it) runs the finish's threadgroups in turn; the "
        "same arithmetic in the same order, the same bits (dsv4/kernels/mhc.py SITE_KERNEL, "
-       "EXPAND_SITE_KERNEL). off (default) until a GPU measures it; auto (= off), on",
+       "EXPAND_SITE_KERNEL). off (default): slower on an H100, 2.50 against 2.37 ms a step of the "
+       "slice (benchmarks/results/2026-12-06-1426-slice-decode.md; the serial finish costs more "
+       "than the launch it saves); auto (= off), on",
        choices=AUTO_ON_OFF)
 define("kernel_mhc_wide", "auto",
        "decode (1-8 tokens): each mHC site entry's two launches spread a token over the whole GPU "

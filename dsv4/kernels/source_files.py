@@ -3,7 +3,7 @@
 MLX's CUDA backend (0.32.4, custom_kernel.cpp) hashes the whole source of a custom kernel at
 every launch (std::hash, to name its module), and a decode step launches ~100 of them: ~580 KB
 of text a step at ~0.28 µs a KB on an H100's host, where the step waits on the host's encoding
-(benchmarks/results/2026-12-06-1123-primitive-cost.md, 2026-12-06-0845-host-encode.md). So the
+(benchmarks/results/2026-12-06-1138-primitive-cost.md, 2026-12-06-0845-host-encode.md). So the
 header and the body are written once to files named by their content, and MLX gets
 `#include "<file>"` in their place: NVRTC reads the files (an absolute path needs no include
 directory), the compiler sees the same text, and MLX hashes ~1 KB a kernel.
