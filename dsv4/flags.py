@@ -308,14 +308,6 @@ define("kernel_attention_rows8", "auto",
        "(default): on under CUDA, where the slice's step at 512 took 2.60 ms against 2.70 on an H100 "
        "(benchmarks/results/2026-12-06-0355-slice-decode.md); off on Metal until a Mac measures it; "
        "on, off (the 4-row kernels)", choices=AUTO_ON_OFF)
-define("kernel_attention_fused", "off",
-       "CUDA, with DSV4_KERNEL_ATTENTION_ROWS8 (1-8 queries): sparse attention's partial and merge "
-       "in one launch, the last threadgroup of a query's head group to finish its split (a counter "
-       "in the kernel's module, reset by it) merging those heads as the merge launch's SIMD groups "
-       "would, one after another: the same arithmetic in the same order, the same bits, one launch "
-       "fewer a layer (dsv4/kernels/sparse_attention.py ROWS8_FUSED_KERNEL). off (default): slower "
-       "on an H100, 2.46 against 2.37 ms a step of the slice "
-       "(benchmarks/results/2026-12-06-1426-slice-decode.md); auto (= off), on", choices=AUTO_ON_OFF)
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
@@ -549,17 +541,6 @@ define("kernel_source_files", "auto",
 define("kernel_mhc", True,
        "mHC mixes (Sinkhorn), collapse+RMSNorm and expand through custom GPU kernels; off runs "
        "the plain-MLX reference")
-define("kernel_mhc_fused", "off",
-       "CUDA, on the wide path (DSV4_KERNEL_MHC_WIDE): each mHC site's entry in the launch of its "
-       "partials instead of a finish launch of its own (the attention site's: the entry partials; "
-       "the FFN site's: the expand that makes its streams), 14 launches fewer a step of the slice: "
-       "the partials' SIMD groups 8 a threadgroup, and the token's last threadgroup to finish them "
-       "(a counter in the kernel's module, reset by it) runs the finish's threadgroups in turn; the "
-       "same arithmetic in the same order, the same bits (dsv4/kernels/mhc.py SITE_KERNEL, "
-       "EXPAND_SITE_KERNEL). off (default): slower on an H100, 2.50 against 2.37 ms a step of the "
-       "slice (benchmarks/results/2026-12-06-1426-slice-decode.md; the serial finish costs more "
-       "than the launch it saves); auto (= off), on",
-       choices=AUTO_ON_OFF)
 define("kernel_mhc_wide", "auto",
        "decode (1-8 tokens): each mHC site entry's two launches spread a token over the whole GPU "
        "(partials of the projection and collapse on D/32 SIMD groups, the expand's included; then "

@@ -21,7 +21,7 @@ from .engram import Engram, NgramHasher
 from .linear import Linear
 from .kernels import cuda_cache, head as head_kernel
 from .kernels.dialect import backend
-from .kernels.mhc import Site, hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
+from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
 from .moe import MoE
 
 
@@ -83,9 +83,7 @@ class Block(nn.Module):
             fp8_copy=bool(flags.get("act_quant")))
         x = profiler.mark("attention", self.attn(x, state, *x_fp8))
         # The expand also projects the new streams for the FFN site's mixes (kernel path).
-        streams, projection = hc_expand(x, streams, a_post, a_comb, self.hc_ffn_fn, a_pre,
-                                        Site(self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm.weight,
-                                             self.ffn_norm.eps, *mixes))
+        streams, projection = hc_expand(x, streams, a_post, a_comb, self.hc_ffn_fn, a_pre)
         streams = profiler.mark("mhc", streams)
         x, f_pre, f_post, f_comb = hc_mixes_collapse_norm(
             streams, a_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,

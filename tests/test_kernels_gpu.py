@@ -147,22 +147,6 @@ def test_attention_rows8_kernels(S):
         assert np.all(compare_attention(case)[0, 0] == 0)
 
 
-@pytest.mark.parametrize("S", [1, 8])
-def test_attention_fused_launch_is_the_two_launches(S, monkeypatch):
-    """DSV4_KERNEL_ATTENTION_FUSED: the one launch's output is the partial and merge launches'
-    bit for bit (the real shape with the fused RoPE, an odd one with a partial head group),
-    twice in a row (its counters reset)."""
-    names, call = [], sa.Kernel.__call__
-    monkeypatch.setattr(sa.Kernel, "__call__", lambda kernel, **kw: names.append(kernel.name) or call(kernel, **kw))
-    for case in (attention_case(1, S, 64, 512, 128, 8192, 128, 512, mx.bfloat16, rope=32, rotate_queries=True),
-                 attention_case(2, min(S // 2 + 1, 4), 11, 256, 13, 37, 9, 29, mx.bfloat16, rope=8)):
-        with flags.override(kernel_attention_rows8=True):
-            want = f32(sa.sparse_attention_kernel(**case))
-            with flags.override(kernel_attention_fused="on"):
-                for _ in range(2):
-                    np.testing.assert_array_equal(f32(sa.sparse_attention_kernel(**case)), want)
-    assert names.count(sa.ROWS8_FUSED_KERNEL.name) == 4
-
 
 # --- mHC ----------------------------------------------------------------------------------------
 

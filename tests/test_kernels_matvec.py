@@ -346,21 +346,6 @@ template <class F> void launch(int threads, int groups_y, int groups_z, F run) {
 }
 """
 
-# The CUDA words of a launch whose last threadgroup finishes the work (dialect's last_to_arrive,
-# a module's __device__ counters): threadgroups run one after another here, so the last to arrive
-# is the last launched, and a fence has nothing to order; the barriers and the threadgroup's one
-# answer are the dialect's.
-ARRIVALS_EMULATED = r"""
-#define __device__
-inline bool last_to_arrive(unsigned int* count, unsigned int total, uint32_t tid) {
-  static uint32_t last;
-  BARRIER();
-  if (tid == 0) last = ++*count == total ? 1u : 0u;
-  BARRIER();
-  return last != 0u;
-}
-"""
-
 EMULATOR_MAIN = r"""
 void body(const float* x, const uint32_t* w, Shape2 w_shape, const SCALE* s, const SCALE* b, float* y,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {

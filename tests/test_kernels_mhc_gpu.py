@@ -72,44 +72,6 @@ def test_wide_attention_site_entry(launched, tokens, D, dtype, fp8):
         assert np.mean(f32(got[0]) == f32(old[0])) > 0.95
 
 
-@pytest.mark.parametrize("tokens,D,dtype,fp8", [
-    (1, 5120, mx.bfloat16, True), (8, 5120, mx.bfloat16, False), (3, 100, mx.float32, False), (2, 96, mx.float32, True)])
-def test_fused_site_entry_is_the_wide_launches(launched, tokens, D, dtype, fp8):
-    """DSV4_KERNEL_MHC_FUSED: the one launch writes the two wide launches' outputs bit for bit,
-    twice in a row (its counters reset), and never waits on a threadgroup that is not there."""
-    X, args = site(tokens, D, dtype)
-    with flags.override(kernel_mhc_wide=True):
-        want = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=fp8)
-        with flags.override(kernel_mhc_fused="on"):
-            for _ in range(2):
-                got = mhc.hc_mixes_collapse_norm(X, *args, fp8_copy=fp8)
-                mx.eval(got)
-                for g, w in zip(got, want):
-                    np.testing.assert_array_equal(f32(g), f32(w))
-    assert launched.count("dsv4_hc_site_fp8" if fp8 else "dsv4_hc_site") == 2
-
-
-@pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (8, 5120, mx.bfloat16), (3, 100, mx.float32)])
-def test_fused_expand_site_is_the_wide_launches(launched, tokens, D, dtype):
-    """DSV4_KERNEL_MHC_FUSED: the expand that makes the FFN site's streams also makes its entry,
-    bit for bit what the expand partials and the finish launches write, twice in a row."""
-    X, (pre_in, fn, scale, base, weight, *eps) = site(tokens, D, dtype)
-    y = arr(RNG.standard_normal((tokens, D)), dtype)
-    post, comb = arr(RNG.uniform(0, 2, (tokens, 4))), arr(RNG.uniform(0, 1, (tokens, 4, 4)))
-    entry = (pre_in, fn, scale, base, weight, *eps)
-    with flags.override(kernel_mhc_wide=True):
-        streams, projection = mhc.hc_expand(y, X, post, comb, fn, pre_in)
-        want = (streams, *mhc.hc_mixes_collapse_norm(streams, *entry, projection=projection))
-        with flags.override(kernel_mhc_fused="on"):
-            for _ in range(2):
-                streams, projection = mhc.hc_expand(y, X, post, comb, fn, pre_in, mhc.Site(scale, base, weight, *eps))
-                got = (streams, *mhc.hc_mixes_collapse_norm(streams, *entry, projection=projection))
-                mx.eval(got)
-                for g, w in zip(got, want):
-                    np.testing.assert_array_equal(f32(g), f32(w))
-    assert launched.count("dsv4_hc_expand_site") == 2
-
-
 @pytest.mark.parametrize("tokens,D,dtype", [(1, 5120, mx.bfloat16), (4, 5120, mx.bfloat16), (5, 100, mx.float32)])
 def test_wide_ffn_site_from_the_expand(launched, tokens, D, dtype):
     """The FFN site: the attention's expand makes the new streams (the plain expand kernel's bit
@@ -133,21 +95,17 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-mhc") / "ckpt", seed=0)
 
 
-@pytest.mark.parametrize("fused", ["off", "on"])
-def test_fp32_fixed_decode_with_wide_mhc_equals_reference_over_64_greedy_steps(ckpt, launched, fused):
-    """The lean decode with the wide mHC path (and DSV4_KERNEL_MHC_FUSED's one launch for the
-    attention sites) against the plain reference path without kernels (test_model_gpu's check):
-    fp32, roundings off, the same greedy tokens, logits within 1e-4."""
+def test_fp32_fixed_decode_with_wide_mhc_equals_reference_over_64_greedy_steps(ckpt, launched):
+    """The lean decode with the wide mHC path against the plain reference path without kernels
+    (test_model_gpu's check): fp32, roundings off, the same greedy tokens, logits within 1e-4."""
     model, _ = dsv4.load(ckpt, dtype=mx.float32)
     prompt = np.random.default_rng(3).integers(7, 500, (1, 24))
     with flags.override(kv_qdq=False, act_quant=False):
-        with flags.override(kernel_mhc_wide=True, kernel_mhc_fused=fused):
+        with flags.override(kernel_mhc_wide=True):
             fast_tokens, fast_logits = fixed_greedy(model, prompt, 64)
         with flags.override(fixed_decode="off", **KERNELS_OFF):
             ref_tokens, ref_logits = greedy(model, prompt, 64)
-    wide = {"dsv4_hc_site", "dsv4_hc_expand_site"} if fused == "on" else \
-        {"dsv4_hc_entry_partials", "dsv4_hc_expand_partials", "dsv4_hc_entry_finish"}
-    assert wide <= set(launched)
+    assert {"dsv4_hc_entry_partials", "dsv4_hc_expand_partials", "dsv4_hc_entry_finish"} <= set(launched)
     assert fast_tokens == ref_tokens
     err = float(mx.max(mx.abs(fast_logits - ref_logits)) / mx.max(mx.abs(ref_logits)))
     assert err < 1e-4, err

@@ -15,7 +15,7 @@ import pytest
 from dsv4.kernels import mhc
 from dsv4.quant import qdq_fp8
 from tests.test_kernels_decode_host import build_host
-from tests.test_kernels_matvec import ARRIVALS_EMULATED, EMULATOR
+from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_mhc import oracle_mixes
 
 HC, NM, ITERS = 4, 24, 20
@@ -74,22 +74,6 @@ void write_f(const std::vector<float>& f) { std::fwrite(f.data(), 4, f.size(), s
 // Outputs start as NaN, as the GPU tests poison them.
 std::vector<T> nan_t(size_t n) { return std::vector<T>(n, T(NAN)); }
 
-template <bool FP8>
-void site(const T* streams, const float* fn, const float* pre_in, const float* scale, const float* base,
-          const float* params, const T* weight, float* partial, T* collapsed, float* pre, float* post, float* comb,
-          T* out, T* out_q, uint32_t tid, uint32_t group_x, uint32_t group_y) {
-  EMULATED_IDS(tid)
-  if (FP8) { @SITE_FP8@ } else { @SITE@ }
-}
-
-void expand_site(const T* y, const T* residual, const float* post, const float* comb, const float* fn,
-                 const float* pre_in, const float* scale, const float* base, const float* params, const T* weight,
-                 T* out, float* partial, T* collapsed, float* site_pre, float* site_post, float* site_comb, T* x,
-                 uint32_t tid, uint32_t group_x, uint32_t group_y) {
-  EMULATED_IDS(tid)
-  @EXPAND_SITE@
-}
-
 int main() {
   const int mode = read_int(), tok = read_int();
   constexpr int K = HC * D, P = SPLITS * (NM + 2);
@@ -121,43 +105,6 @@ int main() {
       });
       write_t(out);
     }
-  } else if (mode == 7) {
-    // The fused expand site, launched twice as the site above.
-    auto y = read_t((size_t)tok * D), residual = read_t((size_t)tok * K);
-    auto post = read_f(tok * HC), comb = read_f(tok * HC * HC);
-    auto fn = read_f((size_t)NM * K), pre_in = read_f(tok * HC);
-    auto scale = read_f(3), base = read_f(NM), params = read_f(3);
-    auto weight = read_t(D);
-    for (int again = 0; again < 2; ++again) {
-      std::vector<float> partial((size_t)tok * P, NAN), f_pre(tok * HC, NAN), f_post(tok * HC, NAN),
-          f_comb(tok * HC * HC, NAN);
-      auto out = nan_t((size_t)tok * K), collapsed = nan_t((size_t)tok * D), x = nan_t((size_t)tok * D);
-      launch(256, (SPLITS + 7) / 8, tok, [&](int t, int g, int z, int) {
-        expand_site(y.data(), residual.data(), post.data(), comb.data(), fn.data(), pre_in.data(), scale.data(),
-                    base.data(), params.data(), weight.data(), out.data(), partial.data(), collapsed.data(),
-                    f_pre.data(), f_post.data(), f_comb.data(), x.data(), t, g, z);
-      });
-      write_t(out); write_f(partial); write_t(collapsed); write_f(f_pre); write_f(f_post); write_f(f_comb); write_t(x);
-    }
-  } else if (mode == 5 || mode == 6) {
-    // The fused site, launched twice: the second launch finds its counters reset by the first.
-    auto streams = read_t((size_t)tok * K);
-    auto fn = read_f((size_t)NM * K), pre_in = read_f(tok * HC);
-    auto scale = read_f(3), base = read_f(NM), params = read_f(3);
-    auto weight = read_t(D);
-    for (int again = 0; again < 2; ++again) {
-      std::vector<float> partial((size_t)tok * P, NAN), pre(tok * HC, NAN), post(tok * HC, NAN), comb(tok * HC * HC, NAN);
-      auto collapsed = nan_t((size_t)tok * D), out = nan_t((size_t)tok * D), out_q = nan_t((size_t)tok * D);
-      launch(256, (SPLITS + 7) / 8, tok, [&](int t, int g, int z, int) {
-        if (mode == 6) site<true>(streams.data(), fn.data(), pre_in.data(), scale.data(), base.data(), params.data(),
-                                  weight.data(), partial.data(), collapsed.data(), pre.data(), post.data(), comb.data(),
-                                  out.data(), out_q.data(), t, g, z);
-        else site<false>(streams.data(), fn.data(), pre_in.data(), scale.data(), base.data(), params.data(),
-                         weight.data(), partial.data(), collapsed.data(), pre.data(), post.data(), comb.data(),
-                         out.data(), out.data(), t, g, z);
-      });
-      write_f(partial); write_t(collapsed); write_f(pre); write_f(post); write_f(comb); write_t(out); write_t(out_q);
-    }
   } else {
     auto partial = read_f((size_t)tok * P), scale = read_f(3), base = read_f(NM), params = read_f(3);
     auto collapsed = read_t((size_t)tok * D), weight = read_t(D);
@@ -184,14 +131,12 @@ class Emulated:
         consts = dict(HC=HC, NM=NM, D=D, ITERS=ITERS, SPLITS=self.splits)
         bodies = dict(ENTRY_PARTIALS=mhc.ENTRY_PARTIALS_KERNEL, EXPAND_PARTIALS=mhc.EXPAND_PARTIALS_KERNEL,
                       EXPAND=mhc.EXPAND_KERNEL, FINISH_FP8=mhc.ENTRY_FINISH_FP8_KERNEL,
-                      FINISH=mhc.ENTRY_FINISH_KERNEL, SITE=mhc.SITE_KERNEL, SITE_FP8=mhc.SITE_FP8_KERNEL,
-                      EXPAND_SITE=mhc.EXPAND_SITE_KERNEL)
+                      FINISH=mhc.ENTRY_FINISH_KERNEL)
         main = MAIN
         for key, kernel in bodies.items():
             main = main.replace(f"@{key}@", "{" + kernel.body + "}")
         source = (EMULATOR + EXTRAS + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
-                  + f"using T = {'bf16' if bf16 else 'float'};\n" + mhc._WIDE_HEADER + ARRIVALS_EMULATED
-                  + mhc._SITE_HEADER + main)
+                  + f"using T = {'bf16' if bf16 else 'float'};\n" + mhc._WIDE_HEADER + main)
         self.exe = build_host(folder, f"mhc_{D}_{int(bf16)}", source)
 
     def run(self, mode: int, tokens: int, *arrays, sizes):
@@ -213,22 +158,6 @@ class Emulated:
 
     def expand(self, y, R, post, comb):
         return self.run(2, R.shape[0], y, R, post, comb, sizes=[R.size])[0]
-
-    def site(self, fp8, X, fn, pre_in, scale, base, weight):
-        """Two launches of the fused site: each (partial, collapsed, pre, post, comb, x, x_q)."""
-        t = X.shape[0]
-        one = [t * self.splits * (NM + 2), t * self.D, t * HC, t * HC, t * HC * HC, t * self.D, t * self.D]
-        out = self.run(6 if fp8 else 5, t, X, fn, pre_in, scale, base, [NORM_EPS, HC_EPS, RMS_EPS], weight,
-                       sizes=one * 2)
-        return out[:7], out[7:]
-
-    def expand_site(self, y, R, post, comb, fn, pre_in, scale, base, weight):
-        """Two launches of the fused expand site: each (out, partial, collapsed, pre, post, comb, x)."""
-        t = R.shape[0]
-        one = [t * HC * self.D, t * self.splits * (NM + 2), t * self.D, t * HC, t * HC, t * HC * HC, t * self.D]
-        out = self.run(7, t, y, R, post, comb, fn, pre_in, scale, base, [NORM_EPS, HC_EPS, RMS_EPS], weight,
-                       sizes=one * 2)
-        return out[:7], out[7:]
 
     def finish(self, fp8, partial, scale, base, collapsed, weight):
         t = collapsed.shape[0]
@@ -362,40 +291,3 @@ def test_expand_partials_on_the_host(builds, tokens, D, bf16):
     rtol = 2.0 ** -8 if bf16 else 1e-6
     np.testing.assert_allclose(X, want, rtol=rtol, atol=1e-5)
     check_partials(partial, collapsed, X, fn, pre_in, em.splits, bf16)
-
-
-@pytest.mark.parametrize("tokens,D,bf16,fp8", [
-    (2, 96, True, True),        # one threadgroup a token (3 splits): it is its own last
-    (1, 100, False, False),     # 4 splits; D % 32 != 0: no fp8 copy
-    (3, 5120, True, True),      # V4.1: 160 splits in 20 threadgroups a token, 3 tokens' counters
-])
-def test_fused_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf16, fp8):
-    """DSV4_KERNEL_MHC_FUSED's one launch (the partials 8 SIMD groups a threadgroup, the last
-    threadgroup running the finish) writes what the partials and finish launches write, bit for
-    bit, and resets its counters: a second launch does it again."""
-    rng = np.random.default_rng()
-    em = builds(D, bf16)
-    X, fn, pre_in = site(rng, tokens, D, bf16)
-    scale, base, weight = finish_inputs(rng, D, bf16)
-    partial, collapsed = em.entry_partials(X, fn, pre_in)
-    pre, post, comb, x, x_q = em.finish(fp8, partial, scale, base, collapsed.reshape(tokens, D), weight)
-    for got in em.site(fp8, X, fn, pre_in, scale, base, weight):
-        want = [partial, collapsed, pre, post, comb, x] + ([x_q] if fp8 else [])
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
-
-
-@pytest.mark.parametrize("tokens,D,bf16", [(2, 96, True), (1, 100, False), (3, 5120, True)])
-def test_fused_expand_site_is_the_two_launches_bit_for_bit(builds, tokens, D, bf16):
-    """The FFN site made by its expand (hc_expand with `site`, DSV4_KERNEL_MHC_FUSED): the expand
-    partials' and the finish's outputs bit for bit, twice in a row."""
-    rng = np.random.default_rng()
-    em = builds(D, bf16)
-    R, fn, pre_in = site(rng, tokens, D, bf16)
-    y, post, comb = expand_inputs(rng, tokens, D, bf16)
-    scale, base, weight = finish_inputs(rng, D, bf16)
-    out, partial, collapsed = em.expand_partials(y, R, post, comb, fn, pre_in)
-    f_pre, f_post, f_comb, x, _ = em.finish(False, partial, scale, base, collapsed.reshape(tokens, D), weight)
-    for got in em.expand_site(y, R, post, comb, fn, pre_in, scale, base, weight):
-        for g, w in zip(got, [out, partial, collapsed, f_pre, f_post, f_comb, x]):
-            np.testing.assert_array_equal(g, w)

@@ -9,7 +9,6 @@ reference within the bound the GPU tests use (both round probabilities to bf16, 
 different running maxima), and the float64 oracle of model-spec §3.7 within bf16 rounding.
 """
 
-import functools
 import subprocess
 
 import numpy as np
@@ -22,33 +21,29 @@ from dsv4.kernels import dialect
 from dsv4.kernels import sparse_attention as sa
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts_host import BF16
-from tests.test_kernels_matvec import ARRIVALS_EMULATED, EMULATOR
+from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_sparse_attention import as_np, oracle
 
 MAX = "using std::max;\n"
 
 # Inputs on stdin: the input shapes, sizes, then the arrays in the kernel's input order.
-_SHAPES = {"          SHAPES_AND_IDS\n": """          const int* q_shape, const int* window_kv_shape, const int* window_idx_shape,
+PARTIAL_MAIN = r"""
+void body(const T* q, const T* window_kv, const int* window_idx, const T* compressed_kv, const int* topk_idx,
+          const float* params, const float* rope_cos, const float* rope_sin, float* part_acc, float* part_ml,
+          const int* q_shape, const int* window_kv_shape, const int* window_idx_shape,
           const int* compressed_kv_shape, const int* topk_idx_shape,
           uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
   EMULATED_IDS(tid)
   BODY
 }
 int main() {
-""", "  READ_SHAPES\n": """  int qs[4], ws[3], wis[3], cs[3], tis[3];
+  int qs[4], ws[3], wis[3], cs[3], tis[3];
   for (int* shape : {qs, ws, wis, cs, tis})
     for (int i = 0; i < (shape == qs ? 4 : 3); ++i) shape[i] = read_int();
-""", "  INPUT_ARRAYS\n": """  std::vector<T> q((size_t)qs[0] * qs[1] * qs[2] * qs[3]), wkv((size_t)ws[0] * ws[1] * ws[2]);
+  const int n_rope = read_int(), n_acc = read_int(), gy = read_int(), gz = read_int(), threads = read_int();
+  std::vector<T> q((size_t)qs[0] * qs[1] * qs[2] * qs[3]), wkv((size_t)ws[0] * ws[1] * ws[2]);
   std::vector<T> ckv((size_t)cs[0] * cs[1] * cs[2]);
   std::vector<int> wi((size_t)wis[0] * wis[1] * wis[2]), ti((size_t)tis[0] * tis[1] * tis[2]);
-"""}
-PARTIAL_MAIN = r"""
-void body(const T* q, const T* window_kv, const int* window_idx, const T* compressed_kv, const int* topk_idx,
-          const float* params, const float* rope_cos, const float* rope_sin, float* part_acc, float* part_ml,
-          SHAPES_AND_IDS
-  READ_SHAPES
-  const int n_rope = read_int(), n_acc = read_int(), gy = read_int(), gz = read_int(), threads = read_int();
-  INPUT_ARRAYS
   std::vector<float> params(1), cosv(n_rope), sinv(n_rope), acc(n_acc, NAN), ml(n_acc / D * 2, NAN);
   read(q); read(wkv); read(wi); read(ckv); read(ti); read(params); read(cosv); read(sinv);
   launch(threads, gy, gz, [&](int t, int g, int z, int n) {
@@ -82,36 +77,6 @@ int main() {
 """
 
 
-# The fused launch (DSV4_KERNEL_ATTENTION_FUSED), run twice: the second finds its counters reset.
-FUSED_MAIN = r"""
-void body(const T* q, const T* window_kv, const int* window_idx, const T* compressed_kv, const int* topk_idx,
-          const float* params, const float* rope_cos, const float* rope_sin, const float* sinks,
-          float* part_acc, float* part_ml, T* out,
-          SHAPES_AND_IDS
-  READ_SHAPES
-  const int n_rope = read_int(), n_acc = read_int(), n_out = read_int(), gy = read_int(), gz = read_int();
-  const int threads = read_int();
-  INPUT_ARRAYS
-  std::vector<float> params(1), cosv(n_rope), sinv(n_rope), sinks(H);
-  read(q); read(wkv); read(wi); read(ckv); read(ti); read(params); read(cosv); read(sinv); read(sinks);
-  for (int again = 0; again < 2; ++again) {
-    std::vector<float> acc(n_acc, NAN), ml(n_acc / D * 2, NAN);
-    std::vector<T> out(n_out, T(NAN));
-    launch(threads, gy, gz, [&](int t, int g, int z, int n) {
-      body(q.data(), wkv.data(), wi.data(), ckv.data(), ti.data(), params.data(), cosv.data(), sinv.data(),
-           sinks.data(), acc.data(), ml.data(), out.data(), qs, ws, wis, cs, tis, t, g, z, n);
-    });
-    std::fwrite(out.data(), 2, out.size(), stdout);
-  }
-  return 0;
-}
-"""
-
-
-PARTIAL_MAIN, FUSED_MAIN = (functools.reduce(lambda m, kv: m.replace(*kv), _SHAPES.items(), main)
-                            for main in (PARTIAL_MAIN, FUSED_MAIN))
-
-
 def bf16_bytes(a) -> bytes:
     return np.array(a.astype(mx.bfloat16).view(mx.uint16)).tobytes()
 
@@ -134,9 +99,8 @@ class Emulated:
         key = (kernel.name, tuple(template))
         if key not in self.built:
             consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            fused = ARRIVALS_EMULATED + sa._ROWS8_FUSED_HEADER if kernel is sa.ROWS8_FUSED_KERNEL else ""
             self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
-                                         EMULATOR + BF16 + MAX + consts + sa._HEADER + sa._ROWS8_HEADER + fused
+                                         EMULATOR + BF16 + MAX + consts + sa._HEADER + sa._ROWS8_HEADER
                                          + main.replace("BODY", kernel.body))
         return self.built[key]
 
@@ -153,17 +117,6 @@ class Emulated:
             out = self.run(kernel, template, PARTIAL_MAIN, data)
             acc = np.frombuffer(out, np.float32)
             return [mx.array(acc[:n_acc]), mx.array(acc[n_acc:])]
-        if kernel is sa.ROWS8_FUSED_KERNEL:
-            q, wkv, wi, ckv, ti, params, cos, sin, sinks = inputs
-            n_acc, n_out = output_shapes[0][0], int(np.prod(output_shapes[2]))
-            head = i32_bytes(*q.shape, *wkv.shape, *wi.shape, *ckv.shape, *ti.shape, cos.size, n_acc, n_out,
-                             grid[1], grid[2], threadgroup[0])
-            data = (head + bf16_bytes(q) + bf16_bytes(wkv) + np.array(wi).tobytes() + bf16_bytes(ckv)
-                    + np.array(ti).tobytes() + f32_bytes(params) + f32_bytes(cos) + f32_bytes(sin) + f32_bytes(sinks))
-            first, again = np.split(np.frombuffer(self.run(kernel, template, FUSED_MAIN, data), np.uint16), 2)
-            assert np.array_equal(first, again), "the second launch differs: counters not reset"
-            out = mx.array(again.reshape(output_shapes[2])).view(mx.bfloat16)
-            return [mx.zeros(output_shapes[0], mx.float32), mx.zeros(output_shapes[1], mx.float32), out]
         assert kernel is sa.ROWS8_MERGE_KERNEL, kernel.name
         part_acc, part_ml, sinks, cos, sin = inputs
         n_out = int(np.prod(output_shapes[0]))
@@ -267,35 +220,3 @@ def test_rows8_applies_only_to_its_shapes(monkeypatch):
         assert bool(sa.rows8_applies(q(512))) is default
         with flags.override(kernel_attention_rows8="off"):
             assert not sa.rows8_applies(q(512))
-
-
-@pytest.mark.parametrize("B,S,H,D,W,N,w,k,threadgroups,rope", [
-    (1, 1, 11, 256, 13, 37, 9, 20, 1, 0),      # one split: every threadgroup is its own last
-    (1, 2, 11, 256, 20, 70, 16, 54, 8, 16),    # 8 splits a head group, a partial group of 3 heads
-    (2, 1, 3, 512, 21, 50, 16, 43, 64, 32),    # D = 512: 4 merge SIMD groups a head on 3
-])
-def test_rows8_fused_launch_is_the_two_launches_bit_for_bit(emulated, B, S, H, D, W, N, w, k, threadgroups, rope):
-    """DSV4_KERNEL_ATTENTION_FUSED: the one launch (its last threadgroup of each head group
-    merging) writes the partial and merge launches' output bit for bit, twice in a row."""
-    c = case(np.random.default_rng(), B, S, H, D, W, N, w, k, rope=rope, rotate_queries=bool(rope))
-    want = run_rows8(emulated, c, threadgroups)
-    emulated.launches.clear()
-    with flags.override(kernel_attention_rows8=True, attention_threadgroups=threadgroups, kernel_attention_fused="on"), \
-            dialect.pretend_gpu("cuda", emulated):
-        got = np.array(sa.sparse_attention_kernel(**c).astype(mx.float32))
-    assert [name for name, *_ in emulated.launches] == [sa.ROWS8_FUSED_KERNEL.name]
-    np.testing.assert_array_equal(got, want)
-
-
-def test_fused_applies_under_cuda_to_the_8_row_kernels_only(monkeypatch):
-    """Off by default; on: CUDA, the 8-row kernels, at most MAX_KERNEL_QUERIES queries."""
-    q = lambda B, S, H=64: mx.zeros((B, S, H, 512), mx.bfloat16)
-    monkeypatch.setattr(sa, "backend", lambda: "cuda")
-    assert not sa.fused_applies(q(1, 1), True), "off by default"
-    with flags.override(kernel_attention_fused="on"):
-        assert sa.fused_applies(q(1, 1), True) and sa.fused_applies(q(2, 4), True)
-        assert not sa.fused_applies(q(1, 1), False), "the 4-row kernels keep their merge launch"
-        assert not sa.fused_applies(q(1, sa.MAX_KERNEL_QUERIES + 1), True)
-        assert not sa.fused_applies(q(1, 1, H=sa.HEADS_PER_GROUP * 64 + 1), True), "more head groups than counters"
-        monkeypatch.setattr(sa, "backend", lambda: "metal")
-        assert not sa.fused_applies(q(1, 1), True)

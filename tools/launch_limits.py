@@ -196,21 +196,18 @@ def v41_calls():
                                            fp8_copy=fp8_copy)
             mhc.hc_expand(_zeros(1, t, D), streams, post, comb)
             mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn)
-        for fused in ("off", "on"):   # the wide decode path's launches, and DSV4_KERNEL_MHC_FUSED's
-            with flags.override(kernel_mhc_wide=True, kernel_mhc_fused=fused):
-                for fp8_copy in (False, True):
-                    mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,
-                                               fp8_copy=fp8_copy)
-                mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn, pre=pre,
-                              site=mhc.Site(scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps))
+        with flags.override(kernel_mhc_wide=True):   # the wide decode path's launches
+            for fp8_copy in (False, True):
+                mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps,
+                                           fp8_copy=fp8_copy)
+            mhc.hc_expand(_zeros(1, t, D), streams, post, comb, fn=fn, pre=pre)
 
         for compressed, selected in ((None, None), (_zeros(1, CONTEXT // 2, Dh), a.index_topk),
                                      (_zeros(1, CONTEXT, Dh), a.index_topk)):
             topk_idx = None if compressed is None else _zeros(1, t, selected, dtype=mx.int32)
             angles = _zeros(1, t, R, dtype=mx.float32)
-            # the 4-row kernels, the 8-row ones, and those in one launch (CUDA)
-            for rows8, fused in ((False, "off"), (True, "off"), (True, "on")):
-                with flags.override(kernel_attention_rows8=rows8, kernel_attention_fused=fused):
+            for rows8 in (False, True):   # the 4-row kernels and the 8-row ones
+                with flags.override(kernel_attention_rows8=rows8):
                     sparse_attention.sparse_attention(
                         _zeros(1, t, H, Dh), _zeros(1, a.sliding_window, Dh),
                         _zeros(1, t, a.sliding_window, dtype=mx.int32), compressed, topk_idx,

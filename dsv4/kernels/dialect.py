@@ -33,8 +33,6 @@ Vocabulary available to bodies:
   H2_SUB_BITS(a, b)          the fp16 pairs a - b (rounded to nearest even), as bits
   H2_MUL_BF16_BITS(a, b)     (CUDA) the bf16 pairs a * b (rounded to nearest even), as bits
   mma_16816(d, a, b)         (CUDA) d[4] += A B of one warp-wide mma.sync m16n8k16 (fp16 a[4], b[2])
-  last_to_arrive(count, n, tid)  (CUDA, every thread) whether this threadgroup is the last of n at a
-                             module counter; the last one then sees the others' stores
   mma_16816_bf16(d, a, b)    (CUDA) the same with bf16 a and b
   LOAD_U4(ptr, i)            the i-th 16-byte word at ptr (ptr must be 16-byte aligned)
   cp_async16(dst, src)       (CUDA) copy 16 bytes from global src to shared dst without the
@@ -177,19 +175,6 @@ __device__ inline uint32_t h2_mul_bf16_bits(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 #define H2_MUL_BF16_BITS(a, b) h2_mul_bf16_bits(a, b)
-// (CUDA) Called by every thread of a threadgroup after its stores: whether the threadgroup is the
-// last of `total` to arrive at *count (a global of the kernel's module, which that last
-// threadgroup resets to 0 when done); if so, its reads from here on see the others' stores.
-KFN bool last_to_arrive(unsigned int* count, unsigned int total, uint32_t tid) {
-  __shared__ uint32_t last;
-  __threadfence();   // this thread's stores, before its threadgroup counts itself in
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(count, 1u) == total - 1u ? 1u : 0u;
-  __syncthreads();
-  if (last == 0u) return false;
-  __threadfence();
-  return true;
-}
 
 __device__ inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"

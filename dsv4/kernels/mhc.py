@@ -17,8 +17,7 @@ hundred), and the projection's 2 MB of fp32 on 16-20 threadgroups. DSV4_KERNEL_M
 the partials (the projection with 16-byte loads, the sum of squares, and the collapse with
 the previous site's pre, its sum of squares) over D / 32 SIMD groups, made by the expand
 itself at the FFN site; then the finish, whose threadgroups each normalise 256 columns while
-one more reduces the projection and runs the Sinkhorn. DSV4_KERNEL_MHC_FUSED (CUDA) folds the
-finish into the partials' launch: its last threadgroup to finish a token's partials runs it.
+one more reduces the projection and runs the Sinkhorn.
 """
 
 from __future__ import annotations
@@ -45,24 +44,10 @@ WIDE_MAX_TOKENS = 8   # decode and verify; prefill keeps the per-token launches
 class Projection(NamedTuple):
     """What `hc_expand` with the next site's fn hands that site's entry: the projection partials
     (`splits` per token) and, from the wide path, the new streams' collapse with the site's
-    pre_in (else None); with DSV4_KERNEL_MHC_FUSED and the site's `Site`, the entry itself:
-    `finished` = (x, pre, post, comb)."""
+    pre_in (else None)."""
     partial: mx.array
     splits: int
     collapsed: Optional[mx.array] = None
-    finished: Optional[tuple] = None
-
-
-class Site(NamedTuple):
-    """A site's own arguments of `hc_mixes_collapse_norm` (after the streams, pre_in and fn),
-    for the expand that can make its entry in the same launch."""
-    scale: mx.array
-    base: mx.array
-    norm_weight: mx.array
-    rms_eps: float
-    norm_eps: float
-    hc_eps: float
-    iterations: int = 20
 
 
 def hc_mixes_reference(streams, fn, scale, base, norm_eps, hc_eps, iterations=20):
@@ -92,9 +77,9 @@ def hc_collapse_norm_reference(streams, pre, weight, eps, shape=None):
     return out if shape is None else out.reshape(shape)
 
 
-def hc_expand_reference(y, residual, post, comb, fn=None, pre=None, site=None):
+def hc_expand_reference(y, residual, post, comb, fn=None, pre=None):
     """Plain-MLX definition; see `hc_expand` (with fn: (streams, None), no projection made;
-    `pre` and `site` are not used)."""
+    `pre` is not used)."""
     y = y.reshape(*residual.shape[:-2], y.shape[-1])   # the same tokens, maybe laid out otherwise
     mixed = comb.swapaxes(-1, -2) @ residual.astype(mx.float32)
     out = (post[..., None] * y[..., None, :].astype(mx.float32) + mixed).astype(residual.dtype)
@@ -379,11 +364,6 @@ _PARTIALS_BODY = r"""
 # The partials launch: a threadgroup (one SIMD group) per split.
 _PARTIALS_OF_GROUP = {"SPLIT_INDEX": "(int)group_x", "STORE_PARTIALS": r"""SHARED float red[NM + 2];
   store_partials<NM + 2>(acc, red, lane, warp, tid, 1, partial + ((size_t)qi * SPLITS + split) * (NM + 2));"""}
-# DSV4_KERNEL_MHC_FUSED's site launch: SIMD group w of threadgroup g is split 8g + w, summed alone.
-_PARTIALS_OF_WARP = {"SPLIT_INDEX": "(int)group_x * 8 + (int)warp", "STORE_PARTIALS": r"""for (int o = 0; o < NM + 2; ++o) {
-    const float v = simd_sum_f(acc[o]);
-    if (lane == 0 && split < SPLITS) partial[((size_t)qi * SPLITS + split) * (NM + 2) + o] = v;
-  }"""}
 
 
 def _filled(body: str, parts: dict) -> str:
@@ -450,30 +430,6 @@ _FINISH_BODY = r"""
   if ((int)group_x * 256 < D) {""" + _FINISH_FACTOR + _FINISH_COLUMN.replace("COLUMN_GROUP", "(int)group_x") + r"""    return;
   }""" + _FINISH_MIXES
 
-# DSV4_KERNEL_MHC_FUSED (CUDA): a site's entry in one launch. The partials launch's SIMD groups,
-# 8 a threadgroup; the token's last threadgroup to finish its partials (counted in a global of
-# the module, reset by that threadgroup) then runs the finish launch's threadgroups in turn:
-# the same arithmetic in the same order, so the same bits as the two launches (the RMS factor,
-# the same in every finish threadgroup, made once; the columns' loop unrolled, so that their
-# loads are in flight together).
-_SITE_HEADER = f"""
-__device__ unsigned int dsv4_hc_site_arrivals[{WIDE_MAX_TOKENS}];   // a token's; zero at the module's load
-"""
-_SITE_BODY = r"""
-  // grid (256 * ceil(SPLITS / 8), tokens, 1), threadgroup 256.
-  {
-PARTIALS
-  }
-  if (!last_to_arrive(dsv4_hc_site_arrivals + group_y, (SPLITS + 7) / 8, tid)) return;   // the partials' last
-  {
-    constexpr int NM = HC * (2 + HC);
-    const int qi = group_y;
-""" + _FINISH_FACTOR + r"""
-#pragma unroll
-    for (int g = 0; g < (D + 255) / 256; ++g) {""" + _FINISH_COLUMN.replace("COLUMN_GROUP", "g") + r"""    }""" + _FINISH_MIXES + r"""  }
-  if (tid == 0) dsv4_hc_site_arrivals[group_y] = 0u;
-"""
-
 _F = mx.float32
 PROJECT_KERNEL = Kernel(
     name="dsv4_hc_project", input_names=("streams", "fn"), output_names=("partial",),
@@ -533,7 +489,7 @@ EXPAND_PARTIALS_KERNEL = Kernel(
     checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F, _F), (mx.bfloat16, _F, mx.bfloat16),
              (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 160))),
             ((_F,) * 6, (_F,) * 3, (("T", _F), ("HC", 4), ("D", 100), ("SPLITS", 4)))))
-# The finish's outputs: a site entry's x and mixes (the fused expand site names its own).
+# The finish's outputs: a site entry's x and mixes.
 _ENTRY_OUTPUTS = {"X_OUT": "out", "MIXES_OUT": "pre, post, comb"}
 _FINISH_CHECKS = (
     ((_F, _F, _F, _F, mx.bfloat16, mx.bfloat16), (_F, _F, _F, mx.bfloat16),
@@ -550,36 +506,6 @@ ENTRY_FINISH_FP8_KERNEL = Kernel(
     body=_filled(_FINISH_BODY, {"FP8_COPY": "true", "OUT_Q": "out_q", **_ENTRY_OUTPUTS}),
     checks=tuple((i, (*o, o[-1]), t) for i, o, t in _FINISH_CHECKS))
 
-_SITE_CHECKS = (
-    ((mx.bfloat16, _F, _F, _F, _F, _F, mx.bfloat16), (_F, mx.bfloat16, _F, _F, _F, mx.bfloat16),
-     (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 160))),
-    ((_F,) * 7, (_F,) * 6, (("T", _F), ("HC", 4), ("D", 96), ("ITERS", 20), ("SPLITS", 3))))
-_SITE = _filled(_SITE_BODY, {"PARTIALS": _filled(_PARTIALS_BODY, {"STREAM_VALUES": _LOADED_VALUES, **_PARTIALS_OF_WARP})})
-SITE_KERNEL = Kernel(
-    name="dsv4_hc_site", input_names=("streams", "fn", "pre_in", "scale", "base", "params", "weight"),
-    output_names=("partial", "collapsed", "pre", "post", "comb", "out"), header=_WIDE_HEADER + _SITE_HEADER,
-    body=_filled(_SITE, {"FP8_COPY": "false", "OUT_Q": "out", **_ENTRY_OUTPUTS}), checks=_SITE_CHECKS,
-    dialects=("cuda",))
-SITE_FP8_KERNEL = Kernel(
-    name="dsv4_hc_site_fp8", input_names=("streams", "fn", "pre_in", "scale", "base", "params", "weight"),
-    output_names=("partial", "collapsed", "pre", "post", "comb", "out", "out_q"), header=_WIDE_HEADER + _SITE_HEADER,
-    body=_filled(_SITE, {"FP8_COPY": "true", "OUT_Q": "out_q", **_ENTRY_OUTPUTS}),
-    checks=tuple((i, (*o, o[-1]), t) for i, o, t in _SITE_CHECKS), dialects=("cuda",))
-# The FFN site's entry inside the expand that makes its streams (hc_expand with `site`): the
-# expand's partials launch and the site's finish in one, as SITE_KERNEL does for the attention's.
-EXPAND_SITE_KERNEL = Kernel(
-    name="dsv4_hc_expand_site",
-    input_names=("y", "residual", "post", "comb", "fn", "pre_in", "scale", "base", "params", "weight"),
-    output_names=("out", "partial", "collapsed", "site_pre", "site_post", "site_comb", "x"),
-    header=_WIDE_HEADER + _SITE_HEADER,
-    body=_filled(_SITE_BODY, {"PARTIALS": _filled(_PARTIALS_BODY, {"STREAM_VALUES": _EXPANDED_VALUES, **_PARTIALS_OF_WARP}),
-                              "FP8_COPY": "false", "OUT_Q": "x", "X_OUT": "x",
-                              "MIXES_OUT": "site_pre, site_post, site_comb"}),
-    checks=(((mx.bfloat16, mx.bfloat16, _F, _F, _F, _F, _F, _F, _F, mx.bfloat16),
-             (mx.bfloat16, _F, mx.bfloat16, _F, _F, _F, mx.bfloat16),
-             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("ITERS", 20), ("SPLITS", 160))),
-            ((_F,) * 10, (_F,) * 7, (("T", _F), ("HC", 4), ("D", 96), ("ITERS", 20), ("SPLITS", 3)))),
-    dialects=("cuda",))
 
 
 def _float32(a):
@@ -614,11 +540,6 @@ def _column_blocks(hc: int, D: int) -> int:
 def _partials_shape(tokens: int, splits: int, hc: int) -> tuple:
     """The wide path's partials: per token and split, the NM projections and two sums of squares."""
     return (tokens * splits * (hc * (2 + hc) + 2),)
-
-
-def _site_grid(splits: int, tokens: int) -> tuple:
-    """DSV4_KERNEL_MHC_FUSED's grid: the splits' SIMD groups 8 a threadgroup of ROW_THREADS."""
-    return (ROW_THREADS * math.ceil(splits / (ROW_THREADS // 32)), tokens, 1)
 
 
 def _entry_partials(streams, fn, pre_in) -> Projection:
@@ -740,20 +661,8 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         """The kernel's outputs as returned: the fp8 copy rounded after it where it made none."""
         return (x, *(copy or ([qdq_fp8(x)] if fp8_copy else [])), pre, post, comb)
 
-    if projection is None and _fused(_wide(streams)):
-        tokens, splits = math.prod(lead), _column_blocks(hc, D)
-        _, _, *made = (SITE_FP8_KERNEL if fused_copy else SITE_KERNEL)(
-            inputs=[streams, _float32(fn), _float32(pre_in), _float32(scale), _float32(base), params, norm_weight],
-            output_shapes=[_partials_shape(tokens, splits, hc), (tokens, D)] + outputs["output_shapes"],
-            output_dtypes=[mx.float32, streams.dtype] + outputs["output_dtypes"],
-            grid=_site_grid(splits, tokens), threadgroup=(ROW_THREADS, 1, 1),
-            template=[("T", streams.dtype), ("HC", hc), ("D", D), ("ITERS", iterations), ("SPLITS", splits)])
-        return entry(*made)
     if projection is None and _wide(streams):
         projection = _entry_partials(streams, fn, pre_in)
-    if projection is not None and projection.finished is not None:
-        x, pre, post, comb = projection.finished
-        return entry(pre, post, comb, x if x.shape == tuple(x_shape) else x.reshape(x_shape))
     if projection is not None and projection.collapsed is not None:
         kernel = ENTRY_FINISH_FP8_KERNEL if fused_copy else ENTRY_FINISH_KERNEL
         groups = math.ceil(D / ROW_THREADS) + 1
@@ -771,13 +680,8 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         **outputs))
 
 
-def _fused(wide: bool) -> bool:
-    """DSV4_KERNEL_MHC_FUSED applies (CUDA, on the wide path)."""
-    return wide and flags.switch("kernel_mhc_fused", False) and backend() == "cuda"
-
-
 @falls_back(hc_expand_reference, "kernel_mhc")
-def hc_expand(y, residual, post, comb, fn=None, pre=None, site=None):
+def hc_expand(y, residual, post, comb, fn=None, pre=None):
     """New streams X'_j = post_j y + sum_i comb[i, j] R_i, computed in fp32.
 
     y [B, S, D] (sublayer output); residual [B, S, hc, D] (streams that entered the site);
@@ -789,29 +693,12 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None, site=None):
     on the kernel path the same launch also makes the next site's projection partials, for
     `hc_mixes_collapse_norm(..., projection=...)`; elsewhere projection is None. `pre`: that
     site's pre_in ([B, S, hc] fp32, the pre of the site these streams entered), with which the
-    wide path (DSV4_KERNEL_MHC_WIDE) also collapses the new streams in the same launch. `site`
-    (a `Site`: that site's scale, base, norm weight and epsilons): with DSV4_KERNEL_MHC_FUSED
-    the same launch also makes that site's entry, which its `hc_mixes_collapse_norm` then
-    returns (x laid out [B, S, D] as the streams' tokens).
+    wide path (DSV4_KERNEL_MHC_WIDE) also collapses the new streams in the same launch.
     """
     if not _use_kernel(residual.dtype) or y.dtype != residual.dtype:
         return hc_expand_reference(y, residual, post, comb, fn)
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
-    if fn is not None and pre is not None and site is not None and _fused(_wide(residual)) \
-            and site.norm_weight.dtype in (mx.bfloat16, mx.float16, mx.float32):
-        splits = _column_blocks(hc, D)
-        params = constant((float(site.norm_eps), float(site.hc_eps), float(site.rms_eps)))
-        out, partial, collapsed, f_pre, f_post, f_comb, x = EXPAND_SITE_KERNEL(
-            inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre),
-                    _float32(site.scale), _float32(site.base), params, site.norm_weight],
-            output_shapes=[residual.shape, _partials_shape(tokens, splits, hc), (tokens, D),
-                           (*lead, hc), (*lead, hc), (*lead, hc, hc), (*lead, D)],
-            output_dtypes=[residual.dtype, mx.float32, residual.dtype] + [mx.float32] * 3 + [residual.dtype],
-            grid=_site_grid(splits, tokens), threadgroup=(ROW_THREADS, 1, 1),
-            template=[("T", residual.dtype), ("HC", hc), ("D", D), ("ITERS", int(site.iterations)),
-                      ("SPLITS", splits)])
-        return out, Projection(partial, splits, collapsed, (x, f_pre, f_post, f_comb))
     if fn is not None and pre is not None and _wide(residual):
         splits = _column_blocks(hc, D)
         out, partial, collapsed = EXPAND_PARTIALS_KERNEL(

@@ -453,31 +453,6 @@ _ROWS8_MERGE_BODY = r"""
   const int qi = group_z;
   const int h = group_y;""" + _ROWS8_MERGE_CORE.replace("CHUNK", "(int)warp")
 
-# DSV4_KERNEL_ATTENTION_FUSED (CUDA): the partial launch, whose last threadgroup of a query's
-# head group to finish its split (counted in a global of the module, reset by it) then merges
-# those G heads, SIMD group w the merge launch's SIMD groups w, w + G, ... in turn: the same
-# arithmetic in the same order, so the same bits as the two launches, one launch fewer a layer.
-FUSED_COUNTERS = MAX_KERNEL_QUERIES * 64   # queries x head groups (H <= 64 G)
-_ROWS8_FUSED_HEADER = f"""
-__device__ unsigned int dsv4_attention_arrivals[{FUSED_COUNTERS}];   // zero at the module's load
-"""
-_ROWS8_FUSED_BODY = r"""
-  // grid (32*G, n_head_groups*splits, B*S) as the partial's.
-  {
-""" + _ROWS8_PARTIAL_BODY.replace("  if (h >= H) return;\n", "  if (h < H) {\n") + r"""  }
-  }
-  const int head_group = (int)group_y / SPLITS;
-  const int at = (int)group_z * ((H + G - 1) / G) + head_group;
-  if (!last_to_arrive(dsv4_attention_arrivals + at, SPLITS, tid)) return;   // the partials' last
-  for (int pair = (int)warp; pair < G * (D / 128); pair += G) {
-    const int qi = group_z;
-    const int h = head_group * G + pair / (D / 128);
-    const int chunk = pair % (D / 128);
-    if (h < H) {""" + _ROWS8_MERGE_CORE.replace("CHUNK", "chunk") + r"""    }
-  }
-  if (tid == 0) dsv4_attention_arrivals[at] = 0u;
-"""
-
 
 def _vector_loads(dtype, D: int) -> bool:
     """Whether the partial kernel's lanes read rows 8 bf16 values at a time."""
@@ -532,26 +507,6 @@ ROWS8_MERGE_KERNEL = Kernel(
         ((mx.float32,) * 5, (mx.bfloat16,), (("T", mx.bfloat16), ("D", d), ("H", h), ("ROPE_HALF", r), ("SPLITS", s)))
         for (d, h, r), s in zip(_ROWS8_CHECKS, (32, 37))),
 )
-ROWS8_FUSED_KERNEL = Kernel(
-    name="dsv4_sparse_attention_rows8_fused",
-    input_names=PARTIAL_KERNEL.input_names + ("sinks",), output_names=PARTIAL_KERNEL.output_names + ("out",),
-    body=_ROWS8_FUSED_BODY, header=_HEADER + _ROWS8_HEADER + _ROWS8_FUSED_HEADER,
-    checks=tuple(
-        ((mx.bfloat16, mx.bfloat16, mx.int32, mx.bfloat16, mx.int32, mx.float32, mx.float32, mx.float32, mx.float32),
-         (mx.float32, mx.float32, mx.bfloat16),
-         (("T", mx.bfloat16), ("D", d), ("H", h), ("G", min(h, HEADS_PER_GROUP)), ("SPLITS", s), ("ROPE_Q", r),
-          ("ROPE_HALF", r)))
-        for (d, h, r), s in zip(_ROWS8_CHECKS, (32, 37))),
-    dialects=("cuda",),
-)
-
-
-def fused_applies(q, rows8: bool) -> bool:
-    """Whether the partial and merge launches are one (DSV4_KERNEL_ATTENTION_FUSED): CUDA, the
-    8-row kernels, queries and head groups within the module's counters."""
-    B, S, H, _ = q.shape
-    return (rows8 and flags.switch("kernel_attention_fused", False) and backend() == "cuda"
-            and B * S <= MAX_KERNEL_QUERIES and math.ceil(H / HEADS_PER_GROUP) <= FUSED_COUNTERS // MAX_KERNEL_QUERIES)
 
 
 def rows8_applies(q) -> bool:
@@ -617,13 +572,6 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     inputs = [q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx), constant((float(scale),)),
               rope_cos, rope_sin]
     launch = dict(grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1))
-    if fused_applies(q, rows8):
-        *_, out = ROWS8_FUSED_KERNEL(
-            inputs=inputs + [_float32(sinks)],
-            output_shapes=partial_outputs["output_shapes"] + [q.shape if shape is None else shape],
-            output_dtypes=partial_outputs["output_dtypes"] + [q.dtype],
-            template=template + [("ROPE_HALF", rope_half)], **launch)
-        return out
     part_acc, part_ml = (ROWS8_PARTIAL_KERNEL if rows8 else PARTIAL_KERNEL)(
         inputs=inputs, **partial_outputs, **launch,
         template=template if rows8 else template + [("VEC", _vector_loads(q.dtype, D))])
