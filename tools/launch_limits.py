@@ -82,16 +82,14 @@ def threadgroup_bytes(kernel: Kernel, template) -> int:
     body = compact(kernel.body)
     names = {"true": 1, "false": 0}
     names.update({n: int(v) for n, v in template if isinstance(v, int)})
-    for name, expr in _CONSTEXPR.findall(compact(kernel.header)):   # the header's, then the body's
-        try:
-            names[name] = _integer(expr, names)
-        except (ValueError, SyntaxError):
-            pass   # C beyond _integer's arithmetic (a helper's own constants)
-    for name, expr in _CONSTEXPR.findall(body):
-        try:
-            names[name] = _integer(expr, names)
-        except ValueError:
-            pass   # a constant no array size needs
+    # The header's constants, then the body's; a constant no array size needs may fail to evaluate
+    # (a header helper's own ones may be C beyond _integer's arithmetic).
+    for text, skipped in ((compact(kernel.header), (ValueError, SyntaxError)), (body, ValueError)):
+        for name, expr in _CONSTEXPR.findall(text):
+            try:
+                names[name] = _integer(expr, names)
+            except skipped:
+                pass
     types = {n: v for n, v in template if not isinstance(v, int)}
     total = 0
     for kind, name, dims in _ARRAY.findall(body):

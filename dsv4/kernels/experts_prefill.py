@@ -239,19 +239,30 @@ template <bool HUGE> KFN uint32_t stream_scaled(uint32_t v, int m) {
 }
 // Piece i (0-3) of lane t's group in the chunk of x of a pair of parity odd: its place in the buffer row.
 KFN int stream_piece(int t, int i, int odd) { return (4 * t + i) ^ (t & 2) ^ odd; }
-"""
-
-_STREAM_STAGE = r"""
-    {   // chunk AT of the tile's pairs into buffer (AT) & 1: thread tid copies piece tid % 16 of pairs tid / 16 + 8 r
-      const int piece = (int)tid & 15;
-      for (int r = 0; r < 8; ++r) {
-        const int pr = ((int)tid >> 4) + 8 * r, place = stream_piece(piece >> 2, piece & 3, pr & 1);
-        if (pr < count)
-          cp_async16(xs + ((AT) & 1) * 64 * STREAM_X_WORDS + pr * STREAM_X_WORDS + 4 * place,
-                     x + (size_t)(first + pr) * K + 128 * (AT) + 8 * piece);
-      }
-      cp_async_commit();
+// Chunk c of the tile's x (its `count` pairs from `first`) into buffer c & 1 of xs by cp.async, one
+// group: thread tid copies piece tid % 16 of pairs tid / 16 + 8 r.
+template <int K, typename PX> KFN void stream_stage(uint32_t* xs, PX x, int first, int count, uint32_t tid, int c) {
+  const int piece = (int)tid & 15;
+  for (int r = 0; r < 8; ++r) {
+    const int pr = ((int)tid >> 4) + 8 * r;
+    if (pr < count)
+      cp_async16(xs + (c & 1) * 64 * STREAM_X_WORDS + pr * STREAM_X_WORDS + 4 * stream_piece(piece >> 2, piece & 3, pr & 1),
+                 x + (size_t)(first + pr) * K + 128 * c + 8 * piece);
+  }
+  cp_async_commit();
+}
+// The lane's words and scale codes of chunk c: its group 4 c + t of rows q, q + 8, q + 16, q + 24
+// (wl and sl at its first row's group t; row r 8 r rows further).
+template <int BITS, int GROUPS>
+KFN void stream_rows(GLOBAL uint32_t* wl, GLOBAL uint8_t* sl, int c, uint32_t (&w)[4][BITS], uint32_t* code) {
+  for (int r = 0; r < 4; ++r) {
+    for (int h = 0; h < BITS / 4; ++h) {
+      const uint4 u = LOAD_U4(wl + (size_t)8 * r * GROUPS * BITS + 4 * BITS * c, h);
+      w[r][4 * h] = u.x; w[r][4 * h + 1] = u.y; w[r][4 * h + 2] = u.z; w[r][4 * h + 3] = u.w;
     }
+    code[r] = sl[(size_t)8 * r * GROUPS + 4 * c];
+  }
+}
 """
 
 # One chunk's products, from the lane's words wc[row][word] and its groups' scale powers m[row],
@@ -314,24 +325,12 @@ _STREAM_BODY = r"""
   for (int set = 0; set < 2; ++set)
     for (int j = 0; j < 8; ++j) for (int i = 0; i < 4; ++i) acc[set][j][i] = 0.0f;
   uint32_t wc[4][BITS], wn[4][BITS], code[4], next[4];
-STAGE0
-  for (int r = 0; r < 4; ++r) {
-    for (int h = 0; h < BITS / 4; ++h) {
-      const uint4 u = LOAD_U4(wl + (size_t)8 * r * GROUPS * BITS, h);
-      wc[r][4 * h] = u.x; wc[r][4 * h + 1] = u.y; wc[r][4 * h + 2] = u.z; wc[r][4 * h + 3] = u.w;
-    }
-    code[r] = sl[(size_t)8 * r * GROUPS];
-  }
+  stream_stage<K>(xs, x, first, count, tid, 0);
+  stream_rows<BITS, GROUPS>(wl, sl, 0, wc, code);
   for (int c = 0; c < CHUNKS; ++c) {
     if (c + 1 < CHUNKS) {   // the next chunk's x and weights in flight while this one multiplies
-STAGE1
-      for (int r = 0; r < 4; ++r) {
-        for (int h = 0; h < BITS / 4; ++h) {
-          const uint4 u = LOAD_U4(wl + (size_t)8 * r * GROUPS * BITS + 4 * BITS * (c + 1), h);
-          wn[r][4 * h] = u.x; wn[r][4 * h + 1] = u.y; wn[r][4 * h + 2] = u.z; wn[r][4 * h + 3] = u.w;
-        }
-        next[r] = sl[(size_t)8 * r * GROUPS + 4 * (c + 1)];
-      }
+      stream_stage<K>(xs, x, first, count, tid, c + 1);
+      stream_rows<BITS, GROUPS>(wl, sl, c + 1, wn, next);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -451,10 +450,7 @@ STREAM_HEADER = HEADER + _STREAM_HEADER + _STREAM_CHUNK
 
 KERNEL_STREAM = Kernel(
     name="dsv4_prefill_experts_mma_stream", input_names=("x", "w", "s", "tiles"), output_names=("y",),
-    body=_STREAM_BODY.replace("STAGE0\n", _STREAM_STAGE.replace("AT", "0")).replace(
-        "STAGE1\n", _STREAM_STAGE.replace("AT", "c + 1")),
-    header=STREAM_HEADER, dialects=("cuda",), checks=_X_CHECKS)
-
+    body=_STREAM_BODY, header=STREAM_HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 
 def applies(layer, x: mx.array, indices: mx.array) -> bool:
