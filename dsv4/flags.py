@@ -197,11 +197,11 @@ define("dequant_matmul", "auto",
 
 define("prefill_chunk", 0,
        "tokens per prefill chunk of generate and chat (the server's scheduler picks its own); 0 "
-       "(default): 2048 under CUDA, 512 elsewhere. On the H200 slice chunks of 2048, evaluated "
-       "layer by layer (DSV4_PREFILL_EVAL_LAYERS), prefilled 4K tokens in 0.40 s against 0.54 "
-       "and 32K in 3.85 s against 5.16 (benchmarks/results/2026-12-04-0848-slice-prefill.md); "
-       "evaluated as one graph they took 16.6 s at 32K "
-       "(2026-12-04-0254-prefill-profile-32768-c2048.md). Metal keeps 512 until a Mac measures it",
+       "(default): 4096 under CUDA, 512 elsewhere. On an H100 slice chunks of 4096 prefilled 4K "
+       "tokens at 18782 tokens/s against 17692 in chunks of 2048, 32K at 14402 against 13594 "
+       "(benchmarks/results/2026-12-06-2007-slice-prefill.md); on the H200 chunks of 2048, evaluated "
+       "layer by layer (DSV4_PREFILL_EVAL_LAYERS), prefilled 32K in 3.85 s against 5.16 in chunks of "
+       "512 (2026-12-04-0848-slice-prefill.md). Metal keeps 512 until a Mac measures it",
        minimum=0)
 define("prefill_eval_layers", "auto",
        "a prefill chunk evaluated layer by layer (async: mx.async_eval after each layer, the "
@@ -392,16 +392,17 @@ define("kernel_prefill_experts_bf16", "auto",
        "(benchmarks/results/2026-12-06-0352-prefill-matmuls.md), and the slice's prefill ran 16493 "
        "tokens/s against 12858 at 4K, 12944 against 10644 at 32K (2026-12-06-0353-slice-prefill.md); "
        "on, off (the fp16 launch)", choices=AUTO_ON_OFF)
-define("kernel_prefill_experts_stream", "off",
+define("kernel_prefill_experts_stream", "auto",
        "CUDA, with DSV4_KERNEL_PREFILL_EXPERTS_BF16: its tiles and exact products fed without "
        "waiting (dsv4/kernels/experts_prefill.py KERNEL_STREAM): a lane loads a whole group of each "
        "of its rows in 16-byte words a chunk ahead, and each chunk's x comes by cp.async into one of "
        "two buffers while the chunk before multiplies, where the bf16 launch waits out a load's "
-       "latency every group and chunk. The same products summed in fp32 in another order. Its first "
-       "form took 2.68 against 3.12 ms on an H100 for the gate at 2048 tokens, 3.92 against 4.62 at "
-       "4096, down 2.65 against 3.18 and 3.87 against 4.58 (benchmarks/results/"
-       "2026-12-06-1717-prefill-matmuls.md). off (default) until its final text passes the GPU "
-       "test; on; auto: on under CUDA", choices=AUTO_ON_OFF)
+       "latency every group and chunk. The same products summed in fp32 in another order. auto "
+       "(default): on under CUDA, where an H100 took 2.49 against 3.41 ms for the gate at 2048 "
+       "tokens, 3.07 against 4.65 at 4096, down 2.39 against 3.20 and 3.10 against 4.58 "
+       "(benchmarks/results/2026-12-06-2006-prefill-matmuls.md), and the slice prefilled 4K tokens "
+       "at 17692 tokens/s against 16016, 32K at 13594 against 12628 (2026-12-06-2007-slice-prefill.md); "
+       "on; off (the bf16 launch)", choices=AUTO_ON_OFF)
 define("kernel_prefill_attention_mma", "auto",
        "CUDA: prefill's sparse attention (more queries than the decode kernel takes, bf16) on tensor "
        "cores, a threadgroup per query and 16 heads streaming the query's rows into bf16 mma.sync "

@@ -23,7 +23,7 @@ from .sampling import Sampling, check_max_tokens, check_seed, make_sampler, opti
 from .step import decoder
 
 PREFILL_CHUNK = 512   # tokens per prefill chunk unless flag prefill_chunk says otherwise
-CUDA_PREFILL_CHUNK = 2048   # under CUDA, each chunk evaluated layer by layer (see the flag)
+CUDA_PREFILL_CHUNK = 4096   # under CUDA, each chunk evaluated layer by layer (see the flag)
 # Why a fresh process's warm-up or first token can take minutes (MLX compiles kernels at their
 # first evaluation; on CUDA dsv4's own come from the kernel cache after the first start).
 KERNELS_WHY = "a process's first steps build their kernels; later ones reuse them"

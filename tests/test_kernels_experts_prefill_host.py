@@ -151,13 +151,13 @@ def check(y, layer, x, ids):
 # The launch in fp16 ("launch"), or the mma in bf16 (DSV4_KERNEL_PREFILL_EXPERTS_BF16), whose tiles
 # are 64 pairs by 128 rows, or the bf16 tiles fed by cp.async and loads a chunk ahead
 # (DSV4_KERNEL_PREFILL_EXPERTS_STREAM); `default` leaves every switch as it is (under CUDA: the
-# bf16 launch).
+# stream launch).
 STAGINGS = {"launch": dict(kernel_prefill_experts_bf16=False),
             "bf16": dict(kernel_prefill_experts_bf16=True, kernel_prefill_experts_stream=False),
             "stream": dict(kernel_prefill_experts_bf16=True, kernel_prefill_experts_stream=True), "default": {}}
 LAUNCHES = {"launch": [experts_prefill.KERNEL.name],
             "bf16": [experts_prefill.KERNEL_BF16.name], "stream": [experts_prefill.KERNEL_STREAM.name],
-            "default": [experts_prefill.KERNEL_BF16.name]}
+            "default": [experts_prefill.KERNEL_STREAM.name]}
 
 
 def host_prefill(tmp_path, layer, x, ids, sort, staging):
