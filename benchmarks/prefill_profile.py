@@ -1,6 +1,6 @@
 """Where a prefill's time goes on the shape-true V4.1 slice: wall time per piece of a layer.
 
-    python -m benchmarks.prefill_profile [--context 4096] [--chunk 512] [--small]
+    python -m benchmarks.prefill_profile [--context 4096] [--chunk 512] [--small] [--kernels]
 
 The slice and its random weights are benchmarks/slice_decode.py's. One prefill of `--context`
 random tokens in chunks of `--chunk` is timed whole (no instrumentation, after a warm-up), then
@@ -10,6 +10,11 @@ instrumented calls inside it (exclusive time). What no instrumented call covers 
 the head, graph building between pieces) is "other". The synchronisations serialize what MLX
 would otherwise overlap, so the instrumented total is larger than the plain prefill: use the
 shares for where the time goes, and the plain time for how much there is.
+
+`--kernels` (CUDA, needs Nsight Compute's `ncu`): first re-runs itself under ncu around one
+plain prefill (after a warm-up one) and lists every kernel family with its launches, GPU time
+and DRAM bytes read: where the GPU's time goes, with no synchronisations added
+(benchmarks/step_profile.py's table).
 """
 
 from __future__ import annotations
@@ -110,17 +115,40 @@ def prefill_seconds(model, context: int, chunk: int) -> float:
     return time.perf_counter() - start
 
 
+def profiled_prefill(model, context: int, chunk: int) -> None:
+    """One plain prefill between cuProfilerStart/Stop (what `ncu --profile-from-start off`
+    records), after a warm-up one."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    prefill_seconds(model, context, chunk)
+    cuda.cuProfilerStart()
+    prefill_seconds(model, context, chunk)
+    cuda.cuProfilerStop()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill chunk")
     p.add_argument("--small", action="store_true", help="toy widths (CPU)")
+    p.add_argument("--kernels", action="store_true", help="also profile one prefill's kernels under ncu")
+    p.add_argument("--profiled-prefill", action="store_true", help=argparse.SUPPRESS)   # the run under ncu
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
+    from benchmarks.step_profile import ncu_table
 
+    # The ncu run first, with the GPU's memory to itself.
+    shape = ["--context", str(a.context), "--chunk", str(a.chunk)] + (["--small"] if a.small else [])
+    kernel_lines = (ncu_table(["benchmarks.prefill_profile", "--profiled-prefill", *shape],
+                              f"one prefill of {a.context} tokens in chunks of {a.chunk}")
+                    if a.kernels and not a.profiled_prefill else [])
     model, _, _ = build({**(SMALL if a.small else REAL), **ROLES})
+    if a.profiled_prefill:
+        profiled_prefill(model, a.context, a.chunk)
+        return 0
     timer = Timer()
     instrument(timer)
     # at the full context: a shorter warm-up leaves the chunk's own shapes to build in "plain"
@@ -142,10 +170,11 @@ def main(argv=None) -> int:
              f"experts mxfp4, dense mxfp8; {a.context} tokens in chunks of {a.chunk}.", "",
              f"Plain prefill: {plain:.3f} s ({a.context / plain:.0f} tokens/s). Instrumented: "
              f"{profiled:.3f} s, split below (exclusive time; see the script's help).", "",
-             "| piece | calls | ms | share |", "|---|---|---|---|", *rows, "", to_markdown(describe())]
+             "| piece | calls | ms | share |", "|---|---|---|---|", *rows, *kernel_lines, "",
+             to_markdown(describe())]
     write_dated(a.out, when, f"prefill-profile-{a.context}-c{a.chunk}{'-small' if a.small else ''}", lines,
                 data=dict(plain=plain, profiled=profiled, seconds=timer.seconds, calls=timer.calls),
-                shown=8 + len(rows))
+                shown=8 + len(rows) + len(kernel_lines))
     return 0
 
 

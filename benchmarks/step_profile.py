@@ -222,28 +222,33 @@ def profiled_what(a) -> str:
             if a.verify else "one step")
 
 
-def kernel_table(a) -> list[str]:
-    """Report lines: every kernel family of one profiled step (or verify) under ncu, or why
-    there are none."""
+def ncu_table(args: list[str], what: str) -> list[str]:
+    """Report lines: every kernel family that `python -m <args>` runs between cuProfilerStart
+    and Stop, under ncu (one pass of NCU_METRICS), or why there are none."""
     ncu = ncu_path()
     if ncu is None:
         return ["", "--kernels: no ncu found; kernel table skipped."]
-    cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable,
-           "-m", "benchmarks.step_profile", "--profiled-step", "--context", str(a.context),
-           "--verify", str(a.verify), "--propose", str(a.propose), "--experts", a.experts, "--dense", a.dense]
-    cmd += ["--routed-experts", str(a.routed_experts)] if a.routed_experts else []
-    out = subprocess.run(cmd + (["--small"] if a.small else []), capture_output=True, text=True)
+    cmd = [ncu, "--profile-from-start", "off", "--metrics", NCU_METRICS, "--csv", sys.executable, "-m", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True)
     rows = summarize_ncu(out.stdout)
     if not rows:
         tail = (out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]
         print((out.stdout + out.stderr)[-3000:], file=sys.stderr)
         return ["", f"--kernels: ncu recorded no kernels (exit status {out.returncode}): {tail[0]}"]
     total = sum(t for _, _, t, _ in rows)
-    return ["", f"Kernels of {profiled_what(a)} under ncu: "
+    return ["", f"Kernels of {what} under ncu: "
             f"{sum(c for _, c, _, _ in rows)} launches, {total:.0f} µs of GPU time at ncu's locked clocks.", "",
             "| kernel | launches | µs | share | DRAM MB read | TB/s |", "|---|---|---|---|---|---|",
             *[f"| `{n}` | {c} | {t:.1f} | {100 * t / total:.1f}% | {b / 1e6:.2f} | "
               f"{b / (t * 1e-6) / 1e12 if t else 0:.2f} |" for n, c, t, b in rows]]
+
+
+def kernel_table(a) -> list[str]:
+    """ncu_table of one profiled step (or verify, or propose) of this script's slice."""
+    args = ["benchmarks.step_profile", "--profiled-step", "--context", str(a.context), "--verify", str(a.verify),
+            "--propose", str(a.propose), "--experts", a.experts, "--dense", a.dense]
+    args += ["--routed-experts", str(a.routed_experts)] if a.routed_experts else []
+    return ncu_table(args + (["--small"] if a.small else []), profiled_what(a))
 
 
 def main(argv=None) -> int:

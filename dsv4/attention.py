@@ -27,6 +27,7 @@ from .kernels.topk import topk_indices, topk_visible
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
 from .kernels import head as head_kernel
 from .kernels import rows
+from .kernels.dialect import backend
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
 from .linear import (GGUFLinear, Linear, QuantizedLinear, dequant_matmul, dequant_prefill, dequantize,
@@ -160,6 +161,14 @@ def window_indices(start: int, length: int, held_start: int, window: int) -> mx.
 
 # --- per-forward shared state ------------------------------------------------------------------
 
+def prefill_row_kernels(length: int) -> bool:
+    """Whether a reference-path forward of `length` positions runs its projection tails (norm,
+    RoPE, rounding) and the output's inverse RoPE as dsv4/kernels/rows.py launches with each
+    position's angles (flag `kernel_prefill_rows`), as the fixed-shape step does."""
+    return (length > 1 and bool(flags.get("kernel_rows")) and backend() is not None
+            and flags.switch("kernel_prefill_rows", backend() == "cuda"))
+
+
 @dataclass
 class ForwardState:
     """What layers of one forward hand to later layers (model-spec 3.6)."""
@@ -171,15 +180,27 @@ class ForwardState:
     topk: Optional[mx.array] = None          # [B, S, k] of the latest index source
     candidates: Optional[mx.array] = None    # [B, S, N] bool of the candidate source
     emitted: dict = field(default_factory=dict)  # kv source layer -> latents emitted now
-
-    fused = False    # the reference path runs every op on its own
+    # The projection tails as row kernels with each row's angles (prefill_row_kernels), else
+    # every op on its own.
+    fused: bool = False
+    angles: dict = field(default_factory=dict)   # (freqs, offset, scale) -> cos, sin [S, R]
 
     # What `Attention.__call__` asks of its state, here over the growing `Cache` (the
     # reference path); dsv4.step.StepState answers the same over fixed-shape buffers.
 
     def rotation(self, freqs: mx.array, offset=None, scale: float = 1.0) -> Rotation:
-        """RoPE placement of this chunk's rows (offset defaults to the chunk's start)."""
-        return Rotation(self.start if offset is None else offset, freqs, scale)
+        """RoPE placement of this chunk's rows (offset defaults to the chunk's start; the first
+        compressed row it completes, scale its ratio), with the cos/sin of their angles [S, R]
+        while `fused` (one launch each, made once per forward)."""
+        offset = self.start if offset is None else offset
+        if not self.fused:
+            return Rotation(offset, freqs, scale)
+        key = (id(freqs), offset, scale)
+        if key not in self.angles:
+            # From offset to the chunk's end: its positions, or the compressed rows it completes.
+            count = (self.start + self.length) // round(scale) - offset
+            self.angles[key] = rows.rope_angles(mx.array([offset], mx.int32), freqs, scale, count)
+        return Rotation(offset, freqs, scale, self.angles[key])
 
     def output_angles(self, attn: "Attention") -> None:
         """The cos/sin to de-rotate the output inside the attention: none here, the output is
@@ -393,7 +414,7 @@ class Attention(nn.Module):
             o = self.attend(q, window, window_idx, compressed, topk, *angles, shape=self._wo_a_input(b, s),
                             rotate_queries=True)
             return self.project_out(o, b, s)
-        return self.output(self.attend(q, window, window_idx, compressed, topk), state.start)
+        return self.output(self.attend(q, window, window_idx, compressed, topk), state)
 
     # The pieces below are the steps of __call__, written once for both states: positions may
     # be arrays, and the tails of the projections may run fused (state.fused).
@@ -423,9 +444,16 @@ class Attention(nn.Module):
         return sparse_attention(q, window, window_idx, compressed, topk, self.attn_sink,
                                 self.head_dim ** -0.5, rope_cos, rope_sin, shape, rotate_queries)
 
-    def output(self, o: mx.array, offset) -> mx.array:
-        """Attention output [B, S, H, Dh] -> [B, S, hidden]: inverse RoPE, then project_out."""
-        return self.project_out(rope(o, offset, self._freqs, inverse=True), *o.shape[:2])
+    def output(self, o: mx.array, state) -> mx.array:
+        """Attention output [B, S, H, Dh] -> [B, S, hidden]: inverse RoPE (with the queries'
+        angles negated, as a row kernel, where the state has them), then project_out."""
+        rot = state.rotation(self._freqs)
+        if rot.angles is not None and rows.kernel_applies(o, rows.NO_QDQ):
+            cos, sin = rot.angles
+            o = rows.row_tail(o, rope=(cos, -sin))
+        else:
+            o = rope(o, rot.offset, self._freqs, inverse=True)
+        return self.project_out(o, *o.shape[:2])
 
     def project_out(self, o: mx.array, b: int, s: int) -> mx.array:
         """De-rotated attention output [B, S, H, Dh] (or laid out as grouped wo_a takes it,

@@ -359,6 +359,15 @@ define("kernel_topk", True,
        "the indexer's top-k rows (ties to the lower row) and their visibility for 1-8 queries in "
        "one GPU launch by radix selection (~4 launches otherwise, the partition a full sort); "
        "off runs the plain-MLX ops")
+define("kernel_prefill_rows", "off",
+       "a prefill chunk (the reference path, more than one position) runs its projection tails "
+       "(norm, RoPE of the last dims, fp8/fp4 rounding) and the attention output's inverse RoPE "
+       "as dsv4/kernels/rows.py launches with each position's angles ([S, R] from one launch), as "
+       "the fixed-shape step does, instead of plain-MLX ops (RoPE: fp32 casts and transposes of "
+       "the whole [S, 64, 512] queries and output). The same roundings; cos/sin and the norm's "
+       "fp32 sums as the kernels compute them. off (default) until a GPU has run it; on; auto: on "
+       "under CUDA",
+       choices=AUTO_ON_OFF)
 define("kernel_rows_positions", True,
        "a fixed-shape step of several positions (DSpark's verify, a draft block) runs its "
        "projection tails (norm, RoPE, rounding) as dsv4/kernels/rows.py kernels with each "

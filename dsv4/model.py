@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import distributed, flags, profiler
-from .attention import Attention, ForwardState, RMSNorm, window_indices
+from .attention import Attention, ForwardState, RMSNorm, prefill_row_kernels, window_indices
 from .cache import Cache
 from .config import ModelArgs
 from .engram import Engram, NgramHasher
@@ -202,7 +202,7 @@ class Model(nn.Module):
         # Every layer's window holds the same positions, so one set of indices serves all.
         window = window_indices(start, s, cache[0].window_start, self.args.sliding_window)[None]
         return ForwardState(start=start, length=s, cache=cache, window_idx=window,
-                            positions=mx.arange(start, start + s, dtype=mx.int32))
+                            positions=mx.arange(start, start + s, dtype=mx.int32), fused=prefill_row_kernels(s))
 
     def forward(self, ids: mx.array, state, engram_rows: Callable[[int], mx.array],
                 hidden: Optional[list] = None, last: bool = False) -> mx.array:

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from dsv4 import flags
 from dsv4.kernels import dialect, rows
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_matvec import EMULATOR
@@ -26,7 +27,8 @@ from tests.test_kernels_mhc_host import EXTRAS
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 # What the emulator and EXTRAS lack here: the accurate fp32 cosine and sine (the dialect's
-# COS/SIN), and arrays of any element type read from fp32 (T and W values widen exactly).
+# COS/SIN), arrays of any element type read from fp32 (T and W values widen exactly), and an fp32
+# output that T values are stored into.
 PRELUDE = r"""
 #define COS(x) std::cos(x)
 #define SIN(x) std::sin(x)
@@ -35,13 +37,20 @@ template <class V> std::vector<V> read_as(size_t n) {
   read(f);
   return std::vector<V>(f.begin(), f.end());
 }
+struct Widened {   // an fp32 output the body stores its T values into (row_tail's dtype=)
+  float v = NAN;
+  Widened() = default;
+  template <class U> Widened(U u) : v(float(u)) {}
+  explicit operator float() const { return v; }
+};
 """
 
 # Inputs on stdin: threadgroup size, rows, the sizes of weight and cos/sin, then x, weight, cos,
-# sin, params; out (T values as fp32) on stdout, NaN where the body left it unwritten.
+# sin, params; out (O values, T's or their fp32 widening, as fp32) on stdout, NaN where the body
+# left it unwritten.
 ROW_TAIL_MAIN = r"""
-void body(const T* x, const W* weight, const float* cosv, const float* sinv, const float* params, T* out,
-          uint32_t tid, uint32_t group_y) {
+void body(const T* x, const W* weight, const float* cosv, const float* sinv, const float* params, O* out,
+          uint32_t tid, uint32_t group_x) {
   EMULATED_IDS(tid)
   BODY
 }
@@ -50,11 +59,11 @@ int main() {
   auto x = read_as<T>((size_t)n_rows * D);
   auto weight = read_as<W>(n_weight);
   auto cosv = read_as<float>(n_rope), sinv = read_as<float>(n_rope), params = read_as<float>(3);
-  std::vector<T> out((size_t)n_rows * D, T(NAN));
+  std::vector<O> out((size_t)n_rows * D, O(NAN));
   launch(threads, n_rows, 1, [&](int t, int g, int, int) {
     body(x.data(), weight.data(), cosv.data(), sinv.data(), params.data(), out.data(), t, g);
   });
-  for (const T& v : out) { const float f = float(v); std::fwrite(&f, 4, 1, stdout); }
+  for (const O& v : out) { const float f = float(v); std::fwrite(&f, 4, 1, stdout); }
   return 0;
 }
 """
@@ -99,7 +108,7 @@ class Emulated:
         key = (kernel.name, tuple(template), types)
         if key not in self.built:
             consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            aliases = "".join(f"using {name} = {TYPES[dtype]};\n" for name, dtype in types)
+            aliases = "".join(f"using {name} = {TYPES.get(dtype, dtype)};\n" for name, dtype in types)
             self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
                                          EMULATOR + EXTRAS + PRELUDE + consts + aliases + kernel.header
                                          + main.replace("BODY", kernel.body))
@@ -110,13 +119,14 @@ class Emulated:
         assert grid[0] % threadgroup[0] == 0 and grid[2] == 1 and threadgroup[1:] == (1, 1)
         if kernel is rows.ROW_TAIL_KERNEL:
             x, weight, cos, sin, params = inputs
-            T = dict(template)["T"]
-            assert x.dtype == T and output_dtypes == [T]   # the widened store (dtype=) is not emulated
-            assert grid[0] == threadgroup[0]
-            head = i32_bytes(threadgroup[0], grid[1], weight.size, cos.size)
-            out = self.run(kernel, template, (("T", T), ("W", weight.dtype)), ROW_TAIL_MAIN, head,
+            T, (O,) = dict(template)["T"], output_dtypes
+            assert x.dtype == T and O in (T, mx.float32)   # as stored, or widened (dtype=)
+            assert grid[1] == 1
+            head = i32_bytes(threadgroup[0], grid[0] // threadgroup[0], weight.size, cos.size)
+            stored = ("O", T if O == T else "Widened")
+            out = self.run(kernel, template, (("T", T), ("W", weight.dtype), stored), ROW_TAIL_MAIN, head,
                            x, weight, cos, sin, params)
-            return [mx.array(out.reshape(output_shapes[0])).astype(T)]
+            return [mx.array(out.reshape(output_shapes[0])).astype(O)]
         assert kernel is rows.ANGLES_KERNEL, kernel.name
         offset, freqs, params = inputs
         n = int(np.prod(output_shapes[0]))
@@ -141,7 +151,7 @@ def row_tail(emulated, x, norm, rope, qdq):
     emulated.launches.clear()
     with dialect.pretend_gpu("cuda", emulated), dialect.poisoned_outputs():
         got = rows.row_tail(x, norm, rope, qdq)
-    assert emulated.launches == [(rows.ROW_TAIL_KERNEL.name, (rows.THREADS, x.size // x.shape[-1], 1),
+    assert emulated.launches == [(rows.ROW_TAIL_KERNEL.name, (rows.THREADS * (x.size // x.shape[-1]), 1, 1),
                                   (rows.THREADS, 1, 1))]
     return got
 
@@ -265,3 +275,60 @@ def test_rope_angles_of_several_positions_on_the_host(emulated, R, scale):
             assert one[0].shape == (R,)
             np.testing.assert_array_equal(bits(cos[s]), bits(one[0]), err_msg=f"{offset} + {s}")
             np.testing.assert_array_equal(bits(sin[s]), bits(one[1]), err_msg=f"{offset} + {s}")
+
+
+def test_a_prefill_chunk_runs_its_tails_and_inverse_rope_as_row_kernels(emulated, monkeypatch):
+    """DSV4_KERNEL_PREFILL_ROWS: a prefill chunk of the toy-width slice (every role: window-only,
+    compressing, indexing and re-indexing layers; the indexer scoring) launches its projection
+    tails and its output's inverse RoPE as row kernels with each position's angles, and only
+    those (every other kernel is off). Each of those results is the plain ops' on the same input
+    within one ulp of its dtype, nearly all bit for bit: the angles are rope_angles' fp32 cos/sin,
+    not mx.fast.rope's own. (The logits are not compared: an ulp in one of 40960 query values
+    moved this random slice's logits by up to 1-2%.)"""
+    from benchmarks.slice_decode import ROLES, SMALL, build
+    from dsv4 import attention
+    from dsv4.generation import prefill
+    from tests.test_model_gpu import KERNELS_OFF
+
+    compared = []
+
+    def compare(got, want, rounded):   # rounded: the dtype the values were rounded to
+        g, w = (np.array(a.astype(mx.float32)) for a in (got, want))
+        assert g.shape == w.shape
+        assert np.all(np.abs(g - w) <= ulps(w) * (2 ** 16 if rounded == mx.bfloat16 else 1))
+        compared.append((g == w).mean())
+
+    finish_rows = attention.finish_rows
+
+    def finish_both(x, norm=None, rot=None, qdq=None, fused=False, shape=None, dtype=None):
+        got = finish_rows(x, norm, rot, qdq, fused, shape, dtype)
+        if fused and rot is not None:
+            plain = attention.Rotation(rot.offset, rot.freqs, rot.scale)   # no angles: plain ops
+            compare(got, finish_rows(x, norm, plain, qdq, False, shape, dtype), x.dtype)
+        return got
+
+    def output_both(self, o, state):   # the de-rotated output as project_out receives it
+        derotated = []
+        with monkeypatch.context() as m:
+            m.setattr(self, "project_out", lambda o, b, s: derotated.append(o) or project_out(self, o, b, s))
+            got = output(self, o, state)
+        compare(derotated[0], attention.rope(o, state.start, self._freqs, inverse=True), o.dtype)
+        return got
+
+    output, project_out = attention.Attention.output, attention.Attention.project_out
+    monkeypatch.setattr(attention, "finish_rows", finish_both)
+    monkeypatch.setattr(attention.Attention, "output", output_both)
+    mx.random.seed(2)
+    model = build({**SMALL, **ROLES})[0]
+    ids = np.random.default_rng(3).integers(7, SMALL["vocab_size"], (1, 40))
+    emulated.launches.clear()
+    with (dialect.pretend_gpu("cuda", emulated),
+          flags.override(**{**KERNELS_OFF, "kernel_rows": True, "kernel_prefill_rows": True},
+                         indexer_skip=False, kv_qdq=False, act_quant=False)):
+        mx.eval(prefill(model, ids, model.make_cache(), chunk=ids.shape[1]))
+    names = [name for name, _, _ in emulated.launches]
+    assert set(names) == {rows.ROW_TAIL_KERNEL.name, rows.ANGLES_KERNEL.name}
+    layers = model.args.num_hidden_layers
+    # per layer at least the q-LoRA latent, the queries, the window rows and the inverse RoPE
+    assert names.count(rows.ROW_TAIL_KERNEL.name) >= 4 * layers
+    assert len(compared) >= 3 * layers and min(compared) > 0.99, compared

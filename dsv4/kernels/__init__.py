@@ -8,7 +8,8 @@ Dispatchers the model calls (kernel or reference by backend and by flags.py's ke
                                       (router.route) run inside the gate/up kernel
   mhc.hc_mixes_collapse_norm / hc_mixes / hc_collapse_norm / hc_expand
   qdq (through dsv4.quant.qdq_fp8 / qdq_fp4_pow2)   fp8/fp4 rounding, power-of-two scale per 32
-  rows.row_tail (through dsv4.attention.finish_rows, fixed-shape step only)   norm -> RoPE -> rounding
+  rows.row_tail (through dsv4.attention.finish_rows: the fixed-shape step, prefill chunks)   norm -> RoPE
+                                      -> rounding; a prefill's inverse RoPE of the attention output
   matvec.quantized_matvec (through dsv4.linear: QuantizedLinear, fp8_linear)   quantized projection
                                       of 1-8 tokens, with the fp8 input rounding fused
   router.route (through dsv4.moe.Router)   scores, biased top-k and weights after the gate matmul

@@ -33,10 +33,11 @@ FP4_E4M3 = 2   # dsv4.quant.qdq_fp4_e4m3: e2m1 with an e4m3 scale per 16 (the co
 
 _BODY = f"""
   constexpr int FP4_E4M3 = {FP4_E4M3};""" + r"""
-  // grid (256, rows, 1), threadgroup 256: one row per threadgroup; lane values d = tid + 256 e,
-  // so each SIMD group holds whole blocks of 32 and both values of a RoPE pair.
+  // grid (256 rows, 1, 1), threadgroup 256: one row per threadgroup (on x: a prefill chunk's
+  // query rows outnumber CUDA's 65535 threadgroups on y); lane values d = tid + 256 e, so each
+  // SIMD group holds whole blocks of 32 and both values of a RoPE pair.
   constexpr int E = (D + 255) / 256;
-  const size_t row = group_y;
+  const size_t row = group_x;
   float h[E];
   float ss = 0.0f;
   for (int e = 0; e < E; ++e) {
@@ -199,7 +200,7 @@ def row_tail(x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ, shape: tuple 
     per_position = rows // (shape[0] * positions)
     (out,) = ROW_TAIL_KERNEL(
         inputs=[x, weight, cos, sin, constant((float(eps), float(per_position), float(positions)))],
-        output_shapes=[shape], output_dtypes=[dtype or x.dtype], grid=(THREADS, rows, 1),
+        output_shapes=[shape], output_dtypes=[dtype or x.dtype], grid=(THREADS * rows, 1, 1),
         threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("D", D), ("R", 0 if rope is None else cos.shape[-1]),
                   ("NORM", norm is not None), ("QDQ", 1 + qdq)])
