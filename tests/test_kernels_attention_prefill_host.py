@@ -1,6 +1,6 @@
 """Prefill's sparse attention on tensor cores (dsv4/kernels/attention_prefill.py) runs on the host,
 CPU, in CI: the body compiled with clang under the threadgroup emulator (test_kernels_matvec)
-and the mma.sync emulator (test_kernels_experts_mma_host, its bf16 variant), launched by the
+and the mma.sync emulator (tests/mma_emulator.py, its bf16 variant), launched by the
 dispatcher itself (`sparse_attention` under dialect.pretend_gpu, each launch running the host
 build), so the choice of path, the rotations around the kernel, the index broadcast and the
 stand-in for a missing compressed cache are checked with the body. The output must match the
@@ -20,9 +20,9 @@ from dsv4 import flags
 from dsv4.kernels import attention_prefill as ap
 from dsv4.kernels import dialect
 from dsv4.kernels import sparse_attention as sa
+from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts_host import BF16
-from tests.test_kernels_experts_mma_host import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_sparse_attention import as_np, oracle
 from tests.test_kernels_sparse_attention_host import bf16_bytes, case, f32_bytes, i32_bytes

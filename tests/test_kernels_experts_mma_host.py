@@ -1,15 +1,10 @@
 """The tensor-core bodies (dsv4/kernels/experts_mma.py: the experts' gate/up and down, the
 projection matvec) run on the host, CPU, in CI.
 
-mma.sync is warp-wide: here each lane posts its fragment registers and every lane computes its D
-elements from the whole A, B and C, which it reassembles by the PTX ISA's layout tables for
-m16n8k16 ("Matrix Fragments for mma.m16n8k16 with floating point type"), transcribed in
-MMA_EMULATOR with the products of the fp16 (bf16: mma_16816_bf16) values summed in fp32. The body is compiled with
-clang under that emulator and test_kernels_matvec's threadgroup emulator and run over the
+mma.sync runs under tests/mma_emulator.py. The body is compiled with
+clang under it and test_kernels_matvec's threadgroup emulator and run over the
 dispatcher's launch grid; h must match hidden_reference and y down_reference (plain MLX) within
-the portable kernels' bounds, the matvec the float64 product within fp32 summation's. Mutations of the tables (a register, a half or an output position swapped)
-must fail the same check: the kernel's placement of weights, x and sums depends on the layout,
-so the pass is no accident of symmetric data. Unverified here: the real instruction (ptxas and
+the portable kernels' bounds, the matvec the float64 product within fp32 summation's. Its MUTATIONS must fail the same check. Unverified here: the real instruction (ptxas and
 the GPU: the NVRTC gate compiles it, tests/test_kernels_gpu-style runs come with the H200).
 """
 
@@ -24,63 +19,12 @@ from dsv4 import flags
 from dsv4.kernels import dialect
 from dsv4.kernels import experts as ex
 from dsv4.kernels import experts_mma
+from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected, quantized
 from tests.test_kernels_experts_host import (BF16, DOWN_MAIN, GATE_UP_MAIN, bf16_bits, from_bf16_bits, layout,
                                              matrix_bytes)
 from tests.test_kernels_matvec import EMULATOR
-
-MMA_EMULATOR = r"""
-#ifndef A_REG
-#define A_REG(row, k) (((row) >= 8 ? 1 : 0) + ((k) >= 8 ? 2 : 0))
-#endif
-#ifndef B_HALF
-#define B_HALF(k) ((k) & 1)
-#endif
-#ifndef D_ROW
-#define D_ROW(i) ((i) >= 2 ? 8 : 0)
-#endif
-uint32_t mma_a[32][32][4], mma_b[32][32][2];
-inline float frag_half(uint32_t reg, int high) { return half_bits(high ? reg >> 16 : reg & 0xffffu); }
-inline float frag_bf16(uint32_t reg, int high) { return host_as_float((high ? reg >> 16 : reg & 0xffffu) << 16); }
-template <float (*VALUE)(uint32_t, int)>
-inline void mma_emulated(float* d, const uint32_t* a, const uint32_t* b) {
-  for (int i = 0; i < 4; ++i) mma_a[t_warp][t_lane][i] = a[i];
-  for (int i = 0; i < 2; ++i) mma_b[t_warp][t_lane][i] = b[i];
-  warp_bar[t_warp]->arrive_and_wait();
-  const int q = t_lane >> 2, t = t_lane & 3;
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = q + D_ROW(i), col = 2 * t + (i & 1);
-    float s = d[i];
-    for (int k = 0; k < 16; ++k) {
-      // A (row, k): lane 4 (row % 8) + (k % 8) / 2; B (k, col): lane 4 col + (k % 8) / 2
-      const float av = VALUE(mma_a[t_warp][4 * (row % 8) + (k % 8) / 2][A_REG(row, k)], k & 1);
-      const float bv = VALUE(mma_b[t_warp][4 * col + (k % 8) / 2][(k) >= 8 ? 1 : 0], B_HALF(k));
-      s += av * bv;
-    }
-    out[i] = s;
-  }
-  warp_bar[t_warp]->arrive_and_wait();
-  for (int i = 0; i < 4; ++i) d[i] = out[i];
-}
-inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) { mma_emulated<frag_half>(d, a, b); }
-inline void mma_16816_bf16(float* d, const uint32_t* a, const uint32_t* b) { mma_emulated<frag_bf16>(d, a, b); }
-inline uint32_t host_f2h_bits(float f) { _Float16 h = (_Float16)f; uint16_t u; std::memcpy(&u, &h, 2); return u; }
-#define F2H_BITS(x) host_f2h_bits(x)
-inline uint32_t host_bf16_rn(float f) { const uint32_t u = host_as_uint(f); return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; }
-inline uint32_t host_h2_mul_bf16_bits(uint32_t a, uint32_t b) {
-  return host_bf16_rn(frag_bf16(a, 0) * frag_bf16(b, 0)) | host_bf16_rn(frag_bf16(a, 1) * frag_bf16(b, 1)) << 16;
-}
-#define H2_MUL_BF16_BITS(a, b) host_h2_mul_bf16_bits(a, b)
-"""
-
-MUTATIONS = {
-    "A rows and k halves swapped": "#define A_REG(row, k) (((row) >= 8 ? 2 : 0) + ((k) >= 8 ? 1 : 0))\n",
-    "B halves swapped": "#define B_HALF(k) (1 - ((k) & 1))\n",
-    "D rows taken for columns": "#define D_ROW(i) ((i) & 1 ? 8 : 0)\n",
-}
-
 
 def run_body(tmp_path, name, x, idx, rw, gate, up, shared, limit, act_quant, mutation=""):
     tokens, D = x.shape

@@ -1,6 +1,6 @@
 """Prefill's routed experts on tensor cores (dsv4/kernels/experts_prefill.py) run on the host, CPU,
 in CI: the body compiled with clang under the threadgroup emulator (test_kernels_matvec) and
-the mma.sync emulator (test_kernels_experts_mma_host), and launched by the dispatcher itself
+the mma.sync emulator (tests/mma_emulator.py), and launched by the dispatcher itself
 (`prefill_experts` under dialect.pretend_gpu, each launch running the host build), so the pairs'
 sorting, the tiles and the order of the result are checked with the body. Each pair's row must
 match the float64 product of its x and its expert's dequantized weights, rounded to bf16,
@@ -17,10 +17,10 @@ import pytest
 from dsv4 import flags
 from dsv4.kernels import dialect, experts_prefill
 from dsv4.linear import ExpertLinear
+from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import dequantize_np
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
-from tests.test_kernels_experts_mma_host import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_matvec import EMULATOR
 from dsv4.kernels import experts as ex
 from dsv4.kernels import experts_mma

@@ -1,6 +1,6 @@
 """The GGUF tensor-core gate/up body (dsv4/kernels/gguf_mma.py under experts_mma.BODY: IQ2_XXS
 routed and Q8_0 shared experts) runs on the host, CPU, in CI: compiled with clang under the
-threadgroup emulator and the mma.sync emulator of test_kernels_experts_mma_host, over the
+threadgroup emulator and the mma.sync emulator of tests/mma_emulator.py, over the
 dispatcher's grid, on random valid GGUF blocks (and on IQ2_XXS rows that take every grid entry
 and sign pattern), against hidden_reference (gguf-py's decoding, fp32 matmuls) within the
 portable kernels' bounds. A mutated fragment layout must fail the same check."""
@@ -16,10 +16,10 @@ from dsv4 import flags
 from dsv4.kernels import experts as ex
 from dsv4.kernels import experts_mma, gguf_dot, gguf_mma
 from dsv4.kernels.gguf_dot import GGUFMatrix
+from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import check_hidden, hidden_expected
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
-from tests.test_kernels_experts_mma_host import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_gguf_host import (GATE_UP_MAIN, HOST_TYPES, READ_MATRIX, gguf_matrix, h_type,
                                           iq2_xxs_every_entry, matrix_bytes)
 from tests.test_kernels_matvec import EMULATOR
