@@ -94,7 +94,7 @@ def expert_bytes(m) -> float:
 
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
-_PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False, kernel_gguf_mma=False,
+_PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False,
                  kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False,
                  kernel_gguf_iq2_staged=False)
 VARIANTS = {"blocks": _PORTABLE,
@@ -102,10 +102,9 @@ VARIANTS = {"blocks": _PORTABLE,
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
             "Q8_0 hsub": dict(_PORTABLE, kernel_gguf_wide=True, kernel_gguf_q8_hsub=True),
             "dp4a": dict(_PORTABLE, kernel_gguf_wide=True, kernel_gguf_q8_hsub=True, kernel_gguf_dp4a=True)}
-# The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none),
-# and q2's gate/up on tensor cores (gguf_mma.py; q4's Q4_K keeps the halves units there).
+# The experts' units with fp16-subnormal codes (on the wide units; the dense Q8_0 matvec has none).
 _HALVES = dict(VARIANTS["wide"], kernel_gguf_halves=True)
-EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES, mma=dict(_HALVES, kernel_gguf_mma=True),
+EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES,
                        **{"Q8_0 hsub": dict(_HALVES, kernel_gguf_q8_hsub=True),   # the experts' on the halves units
                           "dp4a": dict(_HALVES, kernel_gguf_q8_hsub=True, kernel_gguf_dp4a=True)})
 # dp4a with h handed to the down launch as limbs, which it reads in the integer units; q2's IQ2_XXS
@@ -152,7 +151,7 @@ def decode_rows(name, weights, tokens_list, only=None):
         runs, outputs = {}, {}
         for label, switches in variants.items():
             with flags.override(**switches):   # h as this variant's down launch reads it (limbs or bf16)
-                limbs = ex.limbs_between(x, gate, shared[0], down, shared[2], True)
+                limbs = ex.limbs_between(down, shared[2], True)
                 h = ex.gate_up_kernel(x, perm, w, gate, up, shared, 10.0, True, limbs=limbs)[0]
             mx.eval(h)
             runs[f"{label} both"] = under(switches, lambda: ex.experts_kernel(x, perm, w, gate, up, down, shared, 10.0, True))
@@ -292,8 +291,7 @@ def main(argv=None) -> int:
              "## Fused experts, decode (6 distinct experts per token + the shared expert, act_quant)", "",
              "GGUF variants interleaved in one run: blocks (the units as they were), Q8_0 pairs "
              "(DSV4_KERNEL_GGUF_Q8_PAIRS), wide (DSV4_KERNEL_GGUF_WIDE: 16-byte loads for Q8_0, IQ2_XXS, "
-             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), mma "
-             "(DSV4_KERNEL_GGUF_MMA: q2's gate/up on tensor cores; q4 runs halves), Q8_0 hsub "
+             "Q2_K), halves (DSV4_KERNEL_GGUF_HALVES: codes as fp16 subnormals, on the wide units), Q8_0 hsub "
              "(DSV4_KERNEL_GGUF_Q8_HSUB: Q8_0's int8 bias off two at a time in fp16; the experts' on the "
              "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's and q4's gate/up and the Q8_0 matvec in "
              "integer units over x's fp8 values as limbs; the down launches run hsub), dp4a, down "

@@ -62,7 +62,7 @@ def run(launch: str, recipes: list[str], variants: list[str] | None, tokens: lis
             x, idx, w = decode_inputs(t)
             for label in [v for v in table if variants is None or v in variants]:
                 with flags.override(**table[label]):
-                    limbs = ex.limbs_between(x, gate, shared[0], down, shared[2], True)
+                    limbs = ex.limbs_between(down, shared[2], True)
                     h = ex.gate_up_kernel(x, idx, w, gate, up, shared, 10.0, True, limbs=limbs)[0]
                     mx.eval(h)
                     for call in range(2):

@@ -478,14 +478,6 @@ define("kernel_gguf_iq2_staged", False,
        "gathers of grid entries go, in place of L1-cached global memory; the "
        "same values and sums. Off (default): slower on the H200, q2's gate/up 84.3 against 79.0 µs at "
        "one token, 398 against 386 at eight (benchmarks/results/2026-12-05-1229-gguf-native.md)")
-define("kernel_gguf_mma", False,
-       "CUDA: the fused experts' gate/up launch over GGUF IQ2_XXS routed and Q8_0 shared experts "
-       "(ds4's q2 recipe) on tensor cores (mma.sync m16n8k16: the codes as exact fp16 pairs, IQ2_XXS's "
-       "grid from a threadgroup table and the signs in registers, fp32 sums; dsv4/kernels/gguf_mma.py); "
-       "the same outputs within the fp32 summation bound. Off (default): slower on the H200, gate/up "
-       "143.6 vs 124.3 µs at one token and 628 vs 488 at eight, latency-bound on threadgroup-memory "
-       "reads at 2 threadgroups an SM (benchmarks/results/2026-12-04-1322-gguf-native.md); the "
-       "portable GGUF units run")
 define("kernel_gguf_q8_pairs", False,
        "GPU kernels over GGUF Q8_0 rows (the dense projections and shared experts of ds4's files) "
        "read two blocks at a time: 68 bytes from a 4-byte boundary in 17 u32 loads, where one block "

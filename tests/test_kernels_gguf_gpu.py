@@ -13,7 +13,6 @@ import pytest
 
 from dsv4 import flags
 from dsv4.kernels import experts as ex
-from dsv4.kernels import gguf_mma
 from dsv4.kernels import matvec as mv
 from dsv4.kernels import mhc
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected
@@ -46,11 +45,10 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True, "halves", "mma", "hsub", "dp4a", "limbs", "staged", "staged dp4a"])
+@pytest.mark.parametrize("wide", [False, True, "halves", "hsub", "dp4a", "limbs", "staged", "staged dp4a"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
-    subnormals (DSV4_KERNEL_GGUF_HALVES); "mma": q2's gate/up on tensor cores (DSV4_KERNEL_GGUF_MMA);
-    "hsub": halves and the Q8_0 shared expert's int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); "dp4a":
+    subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": halves and the Q8_0 shared expert's int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); "dp4a":
     hsub and the gate/up (q2's IQ2_XXS, q4's Q4_K) in the integer units where act_quant rounds x
     (DSV4_KERNEL_GGUF_DP4A); "limbs": dp4a and h handed over as limbs, the down launch (q2's Q2_K,
     q4's Q4_K, the Q8_0 shared expert's) in the integer units (DSV4_KERNEL_GGUF_DP4A_DOWN); "staged":
@@ -59,15 +57,14 @@ def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     unit = str(wide).split()[-1] if wide else wide
     integer = unit in ("dp4a", "limbs")
     with flags.override(kernel_gguf_wide=bool(wide),
-                        kernel_gguf_halves=unit in ("halves", "mma", "hsub", "dp4a", "limbs", "staged"),
-                        kernel_gguf_mma=wide == "mma", kernel_gguf_q8_hsub=unit in ("hsub", "dp4a", "limbs", "staged"),
+                        kernel_gguf_halves=unit in ("halves", "hsub", "dp4a", "limbs", "staged"),
+                        kernel_gguf_q8_hsub=unit in ("hsub", "dp4a", "limbs", "staged"),
                         kernel_gguf_dp4a=integer,
                         kernel_gguf_dp4a_down=wide == "limbs", kernel_gguf_iq2_staged=staged):
         gate, _, down, shared = experts
         x = mx.zeros((tokens, gate.in_features), mx.bfloat16)
-        assert gguf_mma.applies(x, gate, shared[0]) == (wide == "mma" and gate.qtype == "IQ2_XXS")
         assert ex.integer_kinds(gate, shared[0], act_quant) == (integer and act_quant,) * 2
-        assert ex.limbs_between(x, gate, shared[0], down, shared[2], act_quant) == (wide == "limbs" and act_quant)
+        assert ex.limbs_between(down, shared[2], act_quant) == (wide == "limbs" and act_quant)
         assert ex.iq2_staged(x, gate, shared[0], act_quant) == (staged and gate.qtype == "IQ2_XXS")
         experts_against_their_stages(experts, tokens, act_quant)
 
@@ -80,7 +77,7 @@ def experts_against_their_stages(experts, tokens, act_quant):
     rw = arr(RNG.uniform(0.05, 1.0, (tokens, 6)))
     limit = 10.0
     assert ex.kernel_supports(x, gate, up, down, shared)
-    limbs = ex.limbs_between(x, gate, shared[0], down, shared[2], act_quant)
+    limbs = ex.limbs_between(down, shared[2], act_quant)
     h_given, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, limit, act_quant, limbs=limbs)
     h = limbs_values(np.array(h_given).tobytes(), (tokens, 7, gate.out_features)) if limbs else h_given
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, limit, act_quant), act_quant)
@@ -102,15 +99,9 @@ def test_gguf_down_with_the_shared_expert_split(experts, tokens, splits):
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
-@pytest.mark.parametrize("mma", [False, True])
-def test_gguf_routed_experts_with_expand(experts, tokens, mma):
+def test_gguf_routed_experts_with_expand(experts, tokens):
     """The router's tail and the mHC expand fused around the GGUF experts: the same as routing
-    with the router kernel, then the two launches, then hc_expand (`mma`: DSV4_KERNEL_GGUF_MMA)."""
-    with flags.override(kernel_gguf_mma=mma):
-        routed_experts_with_expand(experts, tokens)
-
-
-def routed_experts_with_expand(experts, tokens):
+    with the router kernel, then the two launches, then hc_expand."""
     from dsv4.kernels import router
     gate, up, down, shared = experts
     E, D = gate.weight.shape[0], gate.in_features

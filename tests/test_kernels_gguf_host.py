@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from dsv4 import flags, gguf_blocks
 from dsv4.kernels import experts as ex
-from dsv4.kernels import gguf_dot, gguf_mma
+from dsv4.kernels import gguf_dot
 from dsv4.kernels import matvec as mv
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.quant import qdq_fp8
@@ -249,7 +249,7 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     rows, lanes = ex.GGUF_GATE_UP_SHAPES[gate.qtype]
     routed_ints, shared_ints = ex.integer_kinds(gate, s_gate, act_quant)
     assert routed_ints == shared_ints
-    limbs = ex.limbs_between(x, gate, s_gate, down, s_down, act_quant)
+    limbs = ex.limbs_between(down, s_down, act_quant)
     assert limbs == (flags.get("kernel_gguf_dp4a_down") and act_quant)
     with mock.patch.object(ex, "backend", return_value="cuda"):
         staged = ex.iq2_staged(x, gate, s_gate, act_quant)
@@ -456,20 +456,16 @@ def test_integer_units_by_default_only_where_they_measured_faster():
 
 def test_limbs_between_the_launches_only_with_their_switch_act_quant_and_integer_downs():
     """DSV4_KERNEL_GGUF_DP4A_DOWN (off by default): h goes to the down launch as limbs where both
-    down matrices have integer units (Q2_K, Q4_K, Q8_0, IQ2_XXS; not MLX's packs), under act_quant,
-    and not beside the tensor-core gate/up (DSV4_KERNEL_GGUF_MMA), whose h is bf16."""
+    down matrices have integer units (Q2_K, Q4_K, Q8_0, IQ2_XXS; not MLX's packs), under act_quant."""
     rng = np.random.default_rng()
-    gate, q2k, q4k, q8 = (gguf_matrix(rng, (256, 256), t) for t in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0"))
+    q2k, q4k, q8 = (gguf_matrix(rng, (256, 256), t) for t in ("Q2_K", "Q4_K", "Q8_0"))
     mx4 = quantized(rng, (256, 256), "mxfp4", 4, 32, mx.bfloat16)
-    x = mx.zeros((1, 256), mx.bfloat16)
-    assert not ex.limbs_between(x, gate, q8, q2k, q8, True), "off by default"
+    assert not ex.limbs_between(q2k, q8, True), "off by default"
     with flags.override(kernel_gguf_dp4a_down=True):
-        assert ex.limbs_between(x, gate, q8, q2k, q8, True) and ex.limbs_between(x, q4k, q8, q4k, q8, True)
-        assert ex.limbs_between(x, q4k, None, q4k, None, True)
-        assert not ex.limbs_between(x, gate, q8, q2k, q8, False)
-        assert not ex.limbs_between(x, gate, mx4, q2k, mx4, True)
-        with flags.override(kernel_gguf_mma=True), mock.patch.object(gguf_mma, "backend", return_value="cuda"):
-            assert gguf_mma.applies(x, gate, q8) and not ex.limbs_between(x, gate, q8, q2k, q8, True)
+        assert ex.limbs_between(q2k, q8, True) and ex.limbs_between(q4k, q8, True)
+        assert ex.limbs_between(q4k, None, True)
+        assert not ex.limbs_between(q2k, q8, False)
+        assert not ex.limbs_between(q2k, mx4, True)
 
 
 def test_grouped_matvec_takes_whole_threadgroups_per_group():

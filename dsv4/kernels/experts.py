@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import experts_mma, gguf_dot, gguf_mma
+from dsv4.kernels import experts_mma, gguf_dot
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.kernels.mhc import hc_expand
@@ -760,10 +760,10 @@ DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_
 
 
 # The gate/up launch on CUDA tensor cores (experts_mma.py; MX layouts only, CUDA only).
-def _mma_checks(routed: bool, mats: tuple = (mx.uint32, mx.uint8, mx.uint8) * 4, common: list = None):
-    """The compile gate's instance of a tensor-core gate/up launch at V4.1's widths: the four
-    matrices' operand dtypes and the layouts' template values (V4.1's MX ones by default)."""
-    tmpl = experts_mma.template(common or experts_mma.check_template(), True, 2304, 5120)
+def _mma_checks(routed: bool):
+    """The compile gate's instance of a tensor-core gate/up launch at V4.1's widths and MX layouts."""
+    mats = (mx.uint32, mx.uint8, mx.uint8) * 4
+    tmpl = experts_mma.template(experts_mma.check_template(), True, 2304, 5120)
     if routed:
         ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
         return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + _ROUTING_CHECK)),)
@@ -909,25 +909,6 @@ GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names
                                 body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
 
 
-# The gate/up launch over GGUF blocks on CUDA tensor cores (gguf_mma.py), checked at ds4's q2
-# recipe (IQ2_XXS routed, Q8_0 shared; GGUF operands: bytes, tables, placeholder); the down
-# launch stays the portable one above.
-_GGUF_MMA_CHECK = ((mx.uint8, mx.uint32, mx.uint32) * 4,
-                   [("T", mx.bfloat16), ("MODE", gguf_mma.MODE_IDS["IQ2_XXS"]), ("BITS", 0), ("GS", 0),
-                    ("SMODE", gguf_mma.MODE_IDS["Q8_0"]), ("SBITS", 0), ("SGS", 0), ("HS", 1), ("K", 6)])
-_GGUF_MMA_HEADER = _HEADER + gguf_dot.BLOCK_LOADS + experts_mma.HEADER + gguf_mma.HEADER
-_GGUF_TABLES = {"MMA_TABLES": gguf_mma.STAGE_TABLES}
-GGUF_MMA_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_gguf_mma", input_names=_GATE_UP_INPUTS,
-                                 output_names=("h",), body=_gate_up_body(dict(_GIVEN, **_GGUF_TABLES), experts_mma.BODY),
-                                 header=_GGUF_MMA_HEADER, checks=_mma_checks(False, *_GGUF_MMA_CHECK),
-                                 dialects=("cuda",))
-GGUF_MMA_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_gguf_mma", input_names=_ROUTED_GATE_UP_INPUTS,
-                                        output_names=("h", "ids"),
-                                        body=_gate_up_body(dict(_ROUTED, **_GGUF_TABLES), experts_mma.BODY),
-                                        header=_GGUF_MMA_HEADER + ROUTER_HEADER, checks=_mma_checks(True, *_GGUF_MMA_CHECK),
-                                        dialects=("cuda",))
-
-
 def _kernels(m):
     """(gate/up, routed gate/up, down) kernels and the (gate/up, down) launch shapes for
     routed experts m."""
@@ -999,14 +980,13 @@ def integer_kinds(gate, s_gate, act_quant: bool) -> tuple[bool, bool]:
     return both, both
 
 
-def limbs_between(x, gate, s_gate, down, s_down, act_quant: bool) -> bool:
+def limbs_between(down, s_down, act_quant: bool) -> bool:
     """Whether the GGUF gate/up launch hands h to the down launch as X_INTS limbs, which the down
-    reads in gguf_dot's integer units (DSV4_KERNEL_GGUF_DP4A_DOWN): h fp8-rounded (act_quant), the
-    portable gate/up launch (not DSV4_KERNEL_GGUF_MMA's), and both down matrices of types that have
-    integer units."""
+    reads in gguf_dot's integer units (DSV4_KERNEL_GGUF_DP4A_DOWN): h fp8-rounded (act_quant) and
+    both down matrices of types that have integer units."""
     integer = lambda m: isinstance(m, GGUFMatrix) and m.qtype in gguf_dot.INT_MODE_IDS
     return (bool(act_quant) and bool(flags.get("kernel_gguf_dp4a_down")) and integer(down)
-            and (s_down is None or integer(s_down)) and not gguf_mma.applies(x, gate, s_gate))
+            and (s_down is None or integer(s_down)))
 
 
 def iq2_staged(x, gate, s_gate, act_quant: bool) -> bool:
@@ -1046,7 +1026,7 @@ def experts_kernel(x, indices, weights, gate, up, down, shared=None, swiglu_limi
     (logits, bias, k, temp, scale, norm) in place of indices and weights, the gate/up kernel
     runs the router's tail itself (`routed_experts`)."""
     s_gate, s_down = (shared[0], shared[2]) if shared is not None else (None, None)
-    limbs = limbs_between(x, gate, s_gate, down, s_down, act_quant)
+    limbs = limbs_between(down, s_down, act_quant)
     h, indices = gate_up_kernel(x, indices, weights, gate, up, shared, swiglu_limit, act_quant, routing, limbs)
     return down_kernel(h, indices, down, s_down, expand)
 
@@ -1071,10 +1051,6 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     template = _common_template(x.dtype, K, gate, s_gate)
     if experts_mma.applies(x, gate, s_gate):
         given_kernel, routed_kernel = MMA_GATE_UP_KERNEL, MMA_ROUTED_GATE_UP_KERNEL
-        threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
-    elif gguf_mma.applies(x, gate, s_gate):
-        given_kernel, routed_kernel = GGUF_MMA_GATE_UP_KERNEL, GGUF_MMA_ROUTED_GATE_UP_KERNEL
-        template = _common_template(x.dtype, K, gate, s_gate, gguf_mma.layouts(gate, s_gate))
         threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
     else:
         given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)

@@ -22,7 +22,7 @@ is block-diagonal: column n < 4 holds group n's x (its fp16 high part), column n
 elsewhere. D's column n is then group n's partial sum of each row, which its lane scales by the
 row's group scale (the one lane n of the lane group loaded, shuffled over) and x's power of two
 before summing; the lane group's four lanes sum last. x's parts sit in two fp16 planes.
-The codes are a trait (MmaCodes<MODE>: MX packs here, GGUF blocks in gguf_mma.py).
+The codes are a trait (MmaCodes<MODE>).
 
 The down launch does the same for each slot's h (one fp16 part: h is bf16, so it fits whole
 but for values below 2^-32 of their group's largest), a SIMD group per slot over 16 rows,
@@ -82,7 +82,7 @@ KFN void store_x_halves(PH xh, PS xscale, int p, LOCAL const float* v, int lo_at
 // grp of the row from a matrix's operands, `scale` is then the group's scale (times what the
 // pairs take out), and quad(e, out, tab) gives pairs 4e..4e+3 as fp16 bit pairs whose weights
 // are the group's places pair_k(p) and pair_k(p) + PAIR_GAP (tab: the launch's threadgroup
-// tables, for codes that decode through one). MX packs here; GGUF blocks in gguf_mma.py.
+// tables, for codes that decode through one).
 template <int MODE> struct MmaCodes {   // MODE 1 mxfp4, 2 mxfp8
   static constexpr int BITS = MODE == 1 ? 4 : 8;    // words per group of a row
   static constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;

@@ -59,8 +59,7 @@ IQ2_TABLE_WORDS = IQ2_PAIRS_AT + 256 * 16 // 4
 # Values a lane decodes per unit (see above).
 UNIT_VALUES = {"Q8_0": 32, "IQ2_XXS": 32, "Q4_K": 64, "Q2_K": 128}
 
-# Reading GGUF bytes: fp16 fields, codes as exact floats, u16/u32 and 16-byte realigned loads
-# (also the tensor-core launches' GGUF codes, gguf_mma.py).
+# Reading GGUF bytes: fp16 fields, codes as exact floats, u16/u32 and 16-byte realigned loads.
 BLOCK_LOADS = r"""
 KFN float f16_bits(uint32_t h) { return half2_bits_to_float2(h).x; }
 // The two integers at bits 0 and 16 of `w` (each < 1024), minus `offset`, as exact floats:
