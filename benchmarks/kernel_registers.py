@@ -1,7 +1,7 @@
 """Registers, spills and threadgroup memory of the CUDA kernels at V4.1's widths, from ptxas
 (NVRTC with --ptxas-options=-v, sm_90a, the text MLX builds: dsv4/kernels/cuda_cache.py), for
-the portable experts/matvec kernels against their tensor-core launches (DSV4_KERNEL_MOE_MMA,
-DSV4_KERNEL_MATVEC_MMA). Needs no GPU, only the test extra's NVRTC wheels.
+the portable experts kernels against their tensor-core launches (DSV4_KERNEL_MOE_MMA) and the
+projection matvec. Needs no GPU, only the test extra's NVRTC wheels.
 
     python -m benchmarks.kernel_registers [--gguf] [--nvdisasm PATH] [--out DIR]
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmar
 PAIRS = [("experts gate/up", "GATE_UP_KERNEL", "MMA_GATE_UP_KERNEL"),
          ("experts gate/up with the router's tail", "ROUTED_GATE_UP_KERNEL", "MMA_ROUTED_GATE_UP_KERNEL"),
          ("experts down", "DOWN_KERNEL", "MMA_DOWN_KERNEL"),
-         ("projection matvec", "MATVEC_KERNEL", "MMA_MATVEC_KERNEL")]
+         ("projection matvec", "MATVEC_KERNEL")]
 
 
 GGUF = [("experts gate/up", "GGUF_GATE_UP_KERNEL"), ("experts gate/up with the router's tail", "GGUF_ROUTED_GATE_UP_KERNEL"),

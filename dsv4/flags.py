@@ -444,10 +444,6 @@ define("kernel_matvec_tokens", False,
        "5.40 -> 4.91 ms, verify(5) 6.98 -> 6.51, verify(2) and (4) unchanged, "
        "2026-12-05-0507-verify-matvec-tokens.md; an H100 with DSV4_KERNEL_MATVEC=on: verify(4) 6.35 "
        "against 6.82, 2026-12-06-0552-verify-matvec.md)")
-define("kernel_matvec_mma", False,
-       "CUDA: the projections that take the matvec kernel (DSV4_KERNEL_MATVEC) in MX layouts on "
-       "tensor cores (mma.sync, dsv4/kernels/experts_mma.py); off (default: no faster on the H200, "
-       "the slice 2.84 vs 2.73 ms/token at 512) runs the portable matvec kernel")
 define("kernel_gguf_dp4a", "auto",
        "GPU: the fused experts' gate/up launch over IQ2_XXS, Q4_K, Q2_K or Q8_0 routed experts with a "
        "Q8_0 (or no) shared expert (ds4's q2 and q4 recipes), and the GGUF matvec over Q8_0, IQ2_XXS, "

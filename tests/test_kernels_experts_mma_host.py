@@ -1,10 +1,10 @@
-"""The tensor-core bodies (dsv4/kernels/experts_mma.py: the experts' gate/up and down, the
-projection matvec) run on the host, CPU, in CI.
+"""The tensor-core bodies (dsv4/kernels/experts_mma.py: the experts' gate/up and down) run on the
+host, CPU, in CI.
 
 mma.sync runs under tests/mma_emulator.py. The body is compiled with
 clang under it and test_kernels_matvec's threadgroup emulator and run over the
 dispatcher's launch grid; h must match hidden_reference and y down_reference (plain MLX) within
-the portable kernels' bounds, the matvec the float64 product within fp32 summation's. Its MUTATIONS must fail the same check. Unverified here: the real instruction (ptxas and
+the portable kernels' bounds. Its MUTATIONS must fail the same check. Unverified here: the real instruction (ptxas and
 the GPU: the NVRTC gate compiles it, tests/test_kernels_gpu-style runs come with the H200).
 """
 
@@ -131,37 +131,3 @@ def test_the_switch_picks_the_mma_launch_on_cuda_only():
             assert ("dsv4_experts_gate_up_mma" in names) == on and ("dsv4_experts_down_mma" in names) == on
             assert not {"dsv4_experts_gate_up_mma", "dsv4_experts_down_mma"} & {
                 launch.kernel.name for launch in record("metal", calls)}
-
-
-# N = 40 with 8 splits (16 rows a threadgroup, the last one clamped), as matvec_split gives a
-# small N; N = 72 with 4 (two row sets of 16, as for N > 4096); K = 384 / 256: 3 and 2 chunks
-# over the splits (some have none).
-@pytest.mark.parametrize("n,k,mode,bits,act_quant,split", [(40, 384, "mxfp8", 8, True, 8),
-                                                           (72, 256, "mxfp4", 4, False, 4)])
-def test_mma_matvec_body_on_the_host(tmp_path, n, k, mode, bits, act_quant, split):
-    from dsv4.kernels import matvec as mv
-    from tests.test_kernels_experts import dequantize_np
-    from tests.test_kernels_matvec import EMULATOR_MAIN, inputs
-    from tests.test_quant import ref_qdq_fp8
-
-    rng = np.random.default_rng()
-    q = quantized(rng, (n, k), mode, bits, 32, mx.float32)
-    x = inputs(rng, 2, k)
-    assert experts_mma.matvec_split(40) == 8 and experts_mma.matvec_split(4100) == 4
-    rows_per_group = 16 * (8 // split)
-    consts = dict(WARPS=8, MODE=ex.MODE_IDS[mode], BITS=bits, GS=32, SPLIT=1, ROWS=rows_per_group // 8, K=k,
-                  ACTQ=int(act_quant), MKSPLIT=split, GROUPS=1)   # EMULATOR_MAIN's grid: ceil(n / (WARPS * ROWS))
-    exe = build_host(tmp_path, "matvec", EMULATOR + MMA_EMULATOR
-                     + "".join(f"constexpr int {key} = {v};\n" for key, v in consts.items())
-                     + ex._HEADER + experts_mma.HEADER
-                     + EMULATOR_MAIN.replace("BODY", mv.MMA_MATVEC_KERNEL.body).replace("SCALE", "uint8_t"))
-    data = (np.array([n, 2], np.int32).tobytes() + x.tobytes() + np.array(q.weight).tobytes()
-            + np.array(q.scales).tobytes())
-    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
-    got = np.frombuffer(out, np.float32).reshape(2, n).astype(np.float64)
-    xin = (ref_qdq_fp8(x) if act_quant else x).astype(np.float64)
-    want, mag = xin @ dequantize_np(q).T, np.abs(xin) @ np.abs(dequantize_np(q)).T
-    # fp32 sums in some order, x in two fp16 parts (22 bits): within 2 K 2^-24 sum|w x| of the exact product.
-    assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
-    with flags.override(kernel_matvec_mma=True), dialect.pretend_gpu("cuda", None):
-        assert experts_mma.matvec_applies(mx.array(x), q)

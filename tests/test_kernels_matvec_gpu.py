@@ -119,20 +119,6 @@ def test_fp8_linear_dispatches_to_the_kernel():
         assert mx.array_equal(fp8_linear(layer, x), layer(qdq_fp8(x))).item()
 
 
-MMA_CASES = [c for c in CASES if c[1][0] != "affine" and c[0][1] % 128 == 0]
-
-
-@pytest.mark.parametrize("tokens", [1, 8])
-@pytest.mark.parametrize("shape,layout,dtype,act_quant", MMA_CASES)
-def test_tensor_core_matvec_matches_reference(shape, layout, dtype, act_quant, tokens):
-    """DSV4_KERNEL_MATVEC_MMA: the mma.sync launch (experts_mma.MATVEC_BODY) within the same
-    bounds (x in two fp16 parts carries 22 bits; its host emulation: test_kernels_experts_mma_host)."""
-    from dsv4.kernels import experts_mma
-    with flags.override(kernel_matvec_mma=True):
-        assert experts_mma.matvec_applies(activations(1, shape[1], dtype), quantized(shape, *layout))
-        test_kernel_matches_reference(shape, layout, dtype, act_quant, tokens)
-
-
 TOKENS_CASES = [CASES[0], CASES[3], CASES[5], CASES[9], CASES[11],
                 ((32768, 1280), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True),     # wq_b
                 ((5120, 8192), ("mxfp8", 8, 32, mx.bfloat16), mx.bfloat16, True)]      # wo_b

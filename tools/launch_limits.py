@@ -234,11 +234,9 @@ def v41_calls():
             for n, d in projections:
                 q = dense((n, d))
                 if matvec.kernel_supports(_zeros(t, d), q):
-                    for mma, tokens, dp4a in ((False, False, False), (True, False, False), (False, True, False),
-                                              (False, True, True)):
-                        # mma: the CUDA tensor-core matvec; tokens: the multi-token launch (2..6 tokens);
-                        # dp4a: GGUF rows in the integer units (x's limbs)
-                        with flags.override(kernel_matvec_mma=mma, kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
+                    for tokens, dp4a in ((False, False), (True, False), (True, True)):
+                        # tokens: the multi-token launch (2..6 tokens); dp4a: GGUF rows in the integer units (x's limbs)
+                        with flags.override(kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
                             matvec.quantized_matvec(_zeros(t, d), q, True)
             # The grouped wo_a: every group of heads through its rows in one launch (GGUF blocks;
             # MLX's packs through the multi-token launch only)

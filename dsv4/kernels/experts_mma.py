@@ -1,7 +1,6 @@
-"""The fused experts' gate/up and down launches on CUDA tensor cores (flag `kernel_moe_mma`), and
-the projection matvec's (`kernel_matvec_mma`, matvec.py); both off by default: within their
-bounds on the H200 but slower there; the portable kernels of experts.py and matvec.py are the
-rollback, and Metal's.
+"""The fused experts' gate/up and down launches on CUDA tensor cores (flag `kernel_moe_mma`); off
+by default: within their bounds on the H200 but slower there; the portable kernels of experts.py
+are the rollback, and Metal's.
 
 The portable kernel spends ~4.2 instructions per fp4 weight (decode to fp16, widen to fp32, one
 FMA per weight and token). Here the decoded fp16 pairs go straight into `mma.sync.m16n8k16`
@@ -255,58 +254,6 @@ DOWN_DOTS = r"""
   }
 """
 DOWN_ROWS = 16
-
-# quantized_matvec's projection on tensor cores (matvec.py, flag kernel_matvec_mma): a threadgroup
-# of 8 SIMD groups and one token, SETS = 8 / MKSPLIT row sets of 16 rows, MKSPLIT input splits each.
-MATVEC_BODY = r"""
-  // grid (32 * 8, ceil(N / (16 * SETS)), tokens); y is [tokens, N], x [tokens, K].
-  constexpr int SETS = 8 / MKSPLIT;
-  const int N = (int)w_shape[0];
-  const int t = group_z;
-  SHARED uint32_t xh_words[K];   // x's high and low fp16 planes, 4-byte aligned
-  uint16_t* xhl = (uint16_t*)xh_words;
-  SHARED float xscale[K / 32];
-  for (int p = (int)tid; p < K / 32; p += (int)group_threads) {
-    float v[32];
-    for (int i = 0; i < 32; ++i) v[i] = float(x[(size_t)t * K + 32 * p + i]);
-    if (ACTQ) qdq_fp8_32(v);
-    store_x_halves<true>(xhl, xscale, p, v, K);
-  }
-  BARRIER();
-  const int set = (int)warp % SETS, split = (int)warp / SETS;
-  float acc[2], unused[2];
-  rows_mma<MODE, K, false, true>(xhl, xscale, w, s, w, s, 0, ((int)group_y * SETS + set) * 16, N, split, MKSPLIT,
-                                 acc, unused, lane, 0);
-  SHARED float part[MKSPLIT][SETS * 16];
-  if ((lane & 3u) == 0u) {
-    part[split][16 * set + (int)(lane >> 2)] = acc[0];
-    part[split][16 * set + (int)(lane >> 2) + 8] = acc[1];
-  }
-  BARRIER();
-  const int r = (int)group_y * SETS * 16 + (int)tid;
-  if ((int)tid < SETS * 16 && r < N) {
-    float v = 0.0f;
-    for (int j = 0; j < MKSPLIT; ++j) v += part[j][tid];
-    y[(size_t)t * N + r] = static_cast<T>(v);
-  }
-"""
-MATVEC_THREADS = 256
-
-
-def matvec_split(n: int) -> int:
-    """Input splits per row set: all 8 SIMD groups on 16 rows for a small N (more bytes of each
-    row in flight), 4 (two row sets) otherwise."""
-    return 8 if n <= 4096 else 4
-
-
-def matvec_applies(x, q) -> bool:
-    """Whether quantized_matvec's projection takes the tensor-core launch: the flag, CUDA, an MX
-    matrix, K in chunks of 128 with x's fp16 parts in threadgroup memory."""
-    K = x.shape[-1]
-    dialect = backend()
-    return (flags.get("kernel_matvec_mma") and dialect == "cuda" and _mx(q) and K % 128 == 0
-            and 4 * K + K // 8 + 8 * 16 * 4 <= shared_memory_limit(dialect))
-
 
 def _mx(m) -> bool:
     return getattr(m, "mode", None) in MX_MODES and m.bits == MX_MODES[m.mode] and m.group_size == 32

@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from dsv4 import flags
 from dsv4.kernels.dialect import Kernel, backend, falls_back, shared_memory_limit
-from dsv4.kernels import experts_mma, gguf_dot
+from dsv4.kernels import gguf_dot
 from dsv4.kernels.experts import (_HEADER, MODE_IDS, X_HEADER, X_INTS, X_STRIDE, QuantizedMatrix,
                                   matrix_supported)
 from dsv4.kernels.gguf_dot import GGUFMatrix
@@ -328,18 +328,6 @@ GGUF_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec", input_names=("x", "w", "s",
                             checks=_gguf_checks())
 
 
-# The same projection on CUDA tensor cores (experts_mma.MATVEC_BODY; MX layouts, CUDA only).
-MMA_MATVEC_KERNEL = Kernel(
-    name="dsv4_quantized_matvec_mma", input_names=("x", "w", "s", "b"), output_names=("y",),
-    body=experts_mma.MATVEC_BODY, header=_HEADER + experts_mma.HEADER, dialects=("cuda",),
-    checks=tuple(((xt, mx.uint32, mx.uint8, mx.uint32), (xt,),
-                  (("T", xt), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("GS", 32), ("MKSPLIT", split), ("K", k),
-                   ("ACTQ", actq)))
-                 for xt, mode, bits, split, k, actq in ((mx.bfloat16, "mxfp8", 8, 8, 5120, True),
-                                                        (mx.bfloat16, "mxfp8", 8, 4, 1280, True),
-                                                        (mx.float32, "mxfp4", 4, 4, 8192, False))))
-
-
 def work_split(n: int, k: int, group_size: int, groups: int = 1) -> tuple[int, int]:
     """(SPLIT, ROWS) for an [n, k] matrix: SIMD groups per row when n is small, so that about
     `in_flight` rows' packs are in flight; rows per SIMD group when n is large, while that still
@@ -442,14 +430,6 @@ def quantized_matvec(x: mx.array, q: QuantizedMatrix, act_quant: bool, groups: i
             inputs=[x] + q.operands(), output_shapes=[(*lead, N)], output_dtypes=[x.dtype],
             grid=(32 * WARPS, math.ceil(N / (WARPS * rows * 32 // lanes)), 1), threadgroup=(32 * WARPS, 1, 1),
             template=template)
-        return y
-    if groups == 1 and experts_mma.matvec_applies(x, q):
-        split = experts_mma.matvec_split(N)
-        (y,) = MMA_MATVEC_KERNEL(
-            inputs=[x] + q.operands(), output_shapes=[(*x.shape[:-1], N)], output_dtypes=[x.dtype],
-            grid=(experts_mma.MATVEC_THREADS, math.ceil(N / (16 * (8 // split))), tokens),
-            threadgroup=(experts_mma.MATVEC_THREADS, 1, 1),
-            template=[("T", x.dtype)] + q.template() + [("MKSPLIT", split), ("K", K), ("ACTQ", bool(act_quant))])
         return y
     split, rows = work or work_split(N, K, q.block_values, groups)
     (y,) = (GGUF_MATVEC_KERNEL if gguf else MATVEC_KERNEL)(
