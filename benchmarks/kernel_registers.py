@@ -1,7 +1,6 @@
 """Registers, spills and threadgroup memory of the CUDA kernels at V4.1's widths, from ptxas
 (NVRTC with --ptxas-options=-v, sm_90a, the text MLX builds: dsv4/kernels/cuda_cache.py), for
-the portable experts kernels against their tensor-core launches (DSV4_KERNEL_MOE_MMA) and the
-projection matvec. Needs no GPU, only the test extra's NVRTC wheels.
+the experts and projection matvec kernels. Needs no GPU, only the test extra's NVRTC wheels.
 
     python -m benchmarks.kernel_registers [--gguf] [--nvdisasm PATH] [--out DIR]
 
@@ -26,10 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # python benchmarks/X.py runs too
 
-PAIRS = [("experts gate/up", "GATE_UP_KERNEL", "MMA_GATE_UP_KERNEL"),
-         ("experts gate/up with the router's tail", "ROUTED_GATE_UP_KERNEL", "MMA_ROUTED_GATE_UP_KERNEL"),
-         ("experts down", "DOWN_KERNEL", "MMA_DOWN_KERNEL"),
-         ("projection matvec", "MATVEC_KERNEL")]
+PORTABLE = [("experts gate/up", "GATE_UP_KERNEL"), ("experts gate/up with the router's tail", "ROUTED_GATE_UP_KERNEL"),
+            ("experts down", "DOWN_KERNEL"), ("projection matvec", "MATVEC_KERNEL")]
 
 
 GGUF = [("experts gate/up", "GGUF_GATE_UP_KERNEL"), ("experts gate/up with the router's tail", "GGUF_ROUTED_GATE_UP_KERNEL"),
@@ -169,7 +166,7 @@ def main(argv=None) -> int:
             widths = ", ".join(f"{n:g} x {w} B" for w, n in sorted(c["loads"].items()))
             lines.append(f"| {label} | {mode} | {sum(c['loads'].values()):g} | {widths} | {c['cvt']:g} | {c['total']:g} |")
             print(lines[-1], flush=True)
-    kernels = [(what, getattr(experts, attr, None) or getattr(matvec, attr), 0) for what, *pair in PAIRS for attr in pair]
+    kernels = [(what, getattr(experts, attr, None) or getattr(matvec, attr), 0) for what, attr in PORTABLE]
     ints = next(i for i, c in enumerate(experts.GATE_UP_KERNEL.checks) if ("MODE", experts.MXFP4_INT) in c[2])
     kernels.insert(1, ("experts gate/up, mxfp4 in the integer unit (DSV4_KERNEL_MOE_DP4A)", experts.GATE_UP_KERNEL, ints))
     kernels += [(what, kernel, 0) for what, kernel in [

@@ -311,12 +311,6 @@ define("kernel_attention_rows8", "auto",
 define("kernel_moe", True,
        "routed + shared experts for 1-8 tokens through the fused GPU kernel; off runs the "
        "gather_qmm reference")
-define("kernel_moe_mma", False,
-       "CUDA: the fused experts' gate/up and down launches on tensor cores (mma.sync m16n8k16, fp16 "
-       "weights decoded from mxfp4/mxfp8, fp32 sums; dsv4/kernels/experts_mma.py) for MX layouts; "
-       "off (default: within the bounds on the H200 but slower there, the slice 2.83 vs 2.73 "
-       "ms/token at 512, benchmarks/results/2026-12-02-0353-slice-decode.md) runs the portable "
-       "kernels, as Metal always does")
 define("kernel_moe_dp4a", False,
        "GPU, with act_quant: the fused experts' gate/up launch over mxfp4 routed experts in an integer "
        "unit (dsv4/kernels/experts.py, MXFP4_INT): twice a code's value is an integer, x's fp8 values "

@@ -23,7 +23,6 @@ from tests.test_kernels_experts import dequantize_np
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_matvec import EMULATOR
 from dsv4.kernels import experts as ex
-from dsv4.kernels import experts_mma
 
 # cp.async as the host runs it, at the two ends of what the GPU may do: each thread's copies wait
 # in its queue until a cp_async_wait lets them land (all but the newest N committed groups), so a
@@ -123,7 +122,7 @@ def problem(rng, mode, experts, n, k, pairs, tile=experts_prefill.TILE_PAIRS):
     `tile` pairs)."""
     stack = ExpertLinear(k, n, experts)
     stack.weight = mx.array(rng.standard_normal((experts, n, k)).astype(np.float32) * 0.05)
-    layer = stack.to_quantized(group_size=32, bits=experts_mma.MX_MODES[mode], mode=mode)
+    layer = stack.to_quantized(group_size=32, bits=experts_prefill.MX_MODES[mode], mode=mode)
     ids = np.concatenate([np.full(tile + 5, 1), rng.integers(2, experts, pairs - tile - 5)])
     ids = rng.permutation(ids).astype(np.uint32)
     spread = 2.0 ** rng.integers(-20, 3, (pairs, k // 32, 1))

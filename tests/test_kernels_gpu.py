@@ -363,70 +363,25 @@ def test_experts(mode, bits, gs, shared_mode, tokens, act_quant):
                                   f32(got))
 
 
-
-@pytest.mark.parametrize("mode,shared_mode,I,D", [("mxfp4", ("mxfp8", 8, 32), 256, 512), ("mxfp8", None, 256, 512),
-                                                  ("mxfp4", ("mxfp8", 8, 32), 2304, 5120)])   # V4.1's widths
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-@pytest.mark.parametrize("act_quant", [False, True])
-def test_tensor_core_gate_up(mode, shared_mode, I, D, tokens, act_quant):
-    """DSV4_KERNEL_MOE_MMA: the mma.sync gate/up launch (experts_mma.py) against hidden_reference
-    with the portable launch's bounds; the routed variant picks the router kernel's ids (its
-    host emulation: tests/test_kernels_experts_mma_host.py)."""
-    from dsv4.kernels import experts_mma
-    gate_up_against_reference(mode, shared_mode, I, D, tokens, act_quant, dict(kernel_moe_mma=True),
-                              lambda x, gate, s_gate: experts_mma.applies(x, gate, s_gate))
-
-
 @pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])   # V4.1's widths
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_mxfp4_integer_unit_gate_up(I, D, tokens):
     """DSV4_KERNEL_MOE_DP4A: the gate/up launch with mxfp4's routed experts in the integer unit
-    (x fp8-rounded, as limbs; the mxfp8 shared expert as floats) against hidden_reference with the
-    float unit's bounds (host emulation: tests/test_kernels_experts_host.py)."""
-    gate_up_against_reference("mxfp4", ("mxfp8", 8, 32), I, D, tokens, True, dict(kernel_moe_dp4a=True),
-                              lambda x, gate, s_gate: ex.integer_kinds(gate, s_gate, True) == (True, False))
-
-
-def gate_up_against_reference(mode, shared_mode, I, D, tokens, act_quant, switches, applies):
-    """The gate/up launch under `switches` (which `applies` must confirm), given ids and routed,
-    against hidden_reference with the portable launch's bounds; the routed launch picks the router
-    kernel's ids."""
+    (x fp8-rounded, as limbs; the mxfp8 shared expert as floats), given ids and routed, against
+    hidden_reference with the float unit's bounds; the routed launch picks the router kernel's ids
+    (host emulation: tests/test_kernels_experts_host.py)."""
     from dsv4.kernels import router
     E, K = (384 if D < 5120 else 16), 6   # 16 experts at V4.1's widths: 1.5 GB of host randoms, not 36
-    bits = 4 if mode == "mxfp4" else 8
-    gate, up = quantized((E, I, D), mode, bits, 32), quantized((E, I, D), mode, bits, 32)
-    shared = None if shared_mode is None else (quantized((I, D), *shared_mode), quantized((I, D), *shared_mode))
+    gate, up = quantized((E, I, D), "mxfp4", 4, 32), quantized((E, I, D), "mxfp4", 4, 32)
+    shared = (quantized((I, D), "mxfp8", 8, 32), quantized((I, D), "mxfp8", 8, 32))
     x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
     logits, bias = arr(RNG.standard_normal((tokens, E))), arr(RNG.standard_normal(E) * 0.1)
     idx, rw = router.route_kernel(logits, bias, K, 1.0, 1.5, True)
-    with flags.override(**switches):
-        assert applies(x, gate, shared[0] if shared else None)
-        h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
-        routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, act_quant,
+    with flags.override(kernel_moe_dp4a=True):
+        assert ex.integer_kinds(gate, shared[0], True) == (True, False)
+        h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, True)
+        routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, True,
                                           routing=(logits, bias, K, 1.0, 1.5, True))
-    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, act_quant), act_quant)
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, True), True)
     np.testing.assert_array_equal(np.array(ids), np.array(idx))
     np.testing.assert_array_equal(f32(routed_h), f32(h))
-
-
-@pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_tensor_core_down(I, D, tokens):
-    """DSV4_KERNEL_MOE_MMA: the mma.sync down launch against down_reference with the portable
-    launch's bounds, and its fused mHC expand against hc_expand of its own y."""
-    from dsv4.kernels import experts_mma
-    E, K = (384 if D < 5120 else 16), 6   # 16 experts at V4.1's widths (host randoms)
-    down, s_down = quantized((E, D, I), "mxfp4", 4, 32), quantized((D, I), "mxfp8", 8, 32)
-    h = arr(RNG.standard_normal((tokens, K + 1, I)) * 0.1, mx.bfloat16)
-    h = qdq_fp8(h)   # as the gate/up launch leaves it with act_quant
-    idx = mx.array(np.stack([RNG.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
-    expand = (arr(RNG.standard_normal((tokens, 4, D)), mx.bfloat16), arr(RNG.uniform(0, 2, (tokens, 4))),
-              arr(RNG.uniform(0, 1, (tokens, 4, 4))))
-    with flags.override(kernel_moe_mma=True):
-        assert experts_mma.down_applies(h, down, s_down)
-        y = ex.down_kernel(h, idx, down, s_down)
-        fused = f32(ex.down_kernel(h, idx, down, s_down, expand))
-    check_down(y, h, idx, down, s_down)
-    want = f32(mhc.hc_expand(y, *expand))
-    np.testing.assert_allclose(fused, want, rtol=2.0 ** -7, atol=1e-6)
-    assert np.mean(fused == want) > 0.99

@@ -6,7 +6,7 @@
 # than 20 s. Each command's output goes to $OUT/step-<n>.log, its last TAIL lines (default 25) here.
 #
 #   D=540 bash tools/device_steps.sh "python -m pytest -q -m gpu tests/test_kernels_gpu.py" \
-#       "python -m benchmarks.slice_decode --contexts 512 --variants dsv4 --ab kernel_moe_mma=on --out \$OUT"
+#       "python -m benchmarks.slice_decode --contexts 512 --variants dsv4 --ab kernel_moe_dp4a=on --out \$OUT"
 #
 # KC=scratch_gpu/kc: the kernel cache (DSV4_KERNEL_CACHE) lives in that directory, unpacked
 # first from $KC.tgz when the call carried one; when the commands added to it, it comes back as

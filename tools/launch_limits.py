@@ -218,10 +218,9 @@ def v41_calls():
         for routed, dense in layouts:
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
-            # the CUDA tensor-core gate/up; mxfp4's integer unit; h handed to the GGUF down as limbs;
-            # the IQ2_XXS tables in threadgroup memory (CUDA); both, over the halves units
-            for e, switches in ((None, {}), (expand, {}), (expand, dict(kernel_moe_mma=True)),
-                                (expand, dict(kernel_moe_dp4a=True)),
+            # mxfp4's integer unit; h handed to the GGUF down as limbs; the IQ2_XXS tables in
+            # threadgroup memory (CUDA); both, over the halves units
+            for e, switches in ((None, {}), (expand, {}), (expand, dict(kernel_moe_dp4a=True)),
                                 (expand, dict(kernel_gguf_dp4a_down=True)), (expand, dict(kernel_gguf_iq2_staged=True)),
                                 (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_iq2_staged=True,
                                               kernel_gguf_dp4a=False))):

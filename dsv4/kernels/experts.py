@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import experts_mma, gguf_dot
+from dsv4.kernels import gguf_dot
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
 from dsv4.kernels.gguf_dot import GGUFMatrix
 from dsv4.kernels.mhc import hc_expand
@@ -622,8 +622,7 @@ _DOWN_DOTS = r"""
       part[(int)warp * RW + (int)lane / LANES * ROWS + r] = slot < K ? float(static_cast<T>(acc[r])) : acc[r];
 """
 _DOWN_DOTS = _DOWN_DOTS.replace("MAX_SHARED_SPLITS", str(MAX_SHARED_SPLITS))
-# The down launch's sum of the slots' outputs and its epilogue, after part[slot * RW + row] (also
-# the tensor-core launch's, experts_mma.DOWN_DOTS).
+# The down launch's sum of the slots' outputs and its epilogue, after part[slot * RW + row].
 _DOWN_SUM = r"""
   BARRIER();
   const int o = row0 + (int)tid;
@@ -683,7 +682,8 @@ _IQ2_STAGED = {"STAGE_TABLES": f"""
   const uint32_t* iq2_tab = (const uint32_t*)iq2_tab4;"""}
 
 
-def _gate_up_body(parts: dict, body: str = _GATE_UP_BODY, store: dict = _STORE_T) -> str:
+def _gate_up_body(parts: dict, store: dict = _STORE_T) -> str:
+    body = _GATE_UP_BODY
     for name, code in dict({"STAGE_TABLES": ""}, **store, **parts).items():
         body = re.sub(rf"^ *{name}\n", lambda _: code.lstrip("\n") + "\n", body, flags=re.M)
     return body
@@ -757,35 +757,6 @@ ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up", input_names=_
                                header=_HEADER + ROUTER_HEADER, checks=_check_instances("routed_gate_up"))
 DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_names=("y",),
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
-
-
-# The gate/up launch on CUDA tensor cores (experts_mma.py; MX layouts only, CUDA only).
-def _mma_checks(routed: bool):
-    """The compile gate's instance of a tensor-core gate/up launch at V4.1's widths and MX layouts."""
-    mats = (mx.uint32, mx.uint8, mx.uint8) * 4
-    tmpl = experts_mma.template(experts_mma.check_template(), True, 2304, 5120)
-    if routed:
-        ins = (mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32) + mats
-        return ((ins, (mx.bfloat16, mx.int32), tuple(tmpl + _ROUTING_CHECK)),)
-    return (((mx.bfloat16, mx.int32, mx.float32, mx.float32) + mats, (mx.bfloat16,), tuple(tmpl)),)
-
-
-_NO_TABLES = {"MMA_TABLES": "  const uint4* mma_tab = 0;"}
-MMA_GATE_UP_KERNEL = Kernel(name="dsv4_experts_gate_up_mma", input_names=_GATE_UP_INPUTS, output_names=("h",),
-                            body=_gate_up_body(dict(_GIVEN, **_NO_TABLES), experts_mma.BODY),
-                            header=_HEADER + experts_mma.HEADER, checks=_mma_checks(False), dialects=("cuda",))
-MMA_ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up_mma", input_names=_ROUTED_GATE_UP_INPUTS,
-                                   output_names=("h", "ids"),
-                                   body=_gate_up_body(dict(_ROUTED, **_NO_TABLES), experts_mma.BODY),
-                                   header=_HEADER + experts_mma.HEADER + ROUTER_HEADER,
-                                   checks=_mma_checks(True), dialects=("cuda",))
-
-MMA_DOWN_KERNEL = Kernel(name="dsv4_experts_down_mma", input_names=_DOWN_INPUTS, output_names=("y",),
-                         body=experts_mma.DOWN_DOTS + _DOWN_SUM, header=_HEADER + experts_mma.HEADER,
-                         checks=tuple(((mx.bfloat16, mx.int32) + (mx.uint32, mx.uint8, mx.uint8) * 2 + extra, (mx.bfloat16,),
-                                       tuple(experts_mma.check_template() + [("I", 2304), ("DO", 5120), ("HC", hc)]))
-                                      for hc, extra in _DOWN_EXPANDS),
-                         dialects=("cuda",))
 
 
 # The same bodies over rows of GGUF blocks (gguf_dot.py's rows_dot). Launch shapes (ROWS, LANES)
@@ -1049,20 +1020,16 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     s_gate, s_up = shared[:2] if shared is not None else (None, None)
     slots = K + int(shared is not None)
     template = _common_template(x.dtype, K, gate, s_gate)
-    if experts_mma.applies(x, gate, s_gate):
-        given_kernel, routed_kernel = MMA_GATE_UP_KERNEL, MMA_ROUTED_GATE_UP_KERNEL
-        threads, template = experts_mma.THREADS, experts_mma.template(template, act_quant, I, D)
-    else:
-        given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
-        if isinstance(gate, GGUFMatrix):
-            given_kernel, routed_kernel = GGUF_GATE_UP_KERNELS[limbs, iq2_staged(x, gate, s_gate, act_quant)]
-        threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
-        routed_ints, shared_ints = integer_kinds(gate, s_gate, act_quant)
-        if routed_ints or shared_ints:
-            template = _common_template(x.dtype, K, gate, s_gate, gate.template(integer=routed_ints) +
-                                        (s_gate or gate).template("S", integer=shared_ints))
-        template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if routed_ints or shared_ints else X_STRIDE),
-                     ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
+    given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
+    if isinstance(gate, GGUFMatrix):
+        given_kernel, routed_kernel = GGUF_GATE_UP_KERNELS[limbs, iq2_staged(x, gate, s_gate, act_quant)]
+    threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
+    routed_ints, shared_ints = integer_kinds(gate, s_gate, act_quant)
+    if routed_ints or shared_ints:
+        template = _common_template(x.dtype, K, gate, s_gate, gate.template(integer=routed_ints) +
+                                    (s_gate or gate).template("S", integer=shared_ints))
+    template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if routed_ints or shared_ints else X_STRIDE),
+                 ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
     h_shape, h_dtype = ((T, slots, I // 32 * 4 * X_INTS), mx.uint32) if limbs else ((T, slots, I), x.dtype)
     launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),
@@ -1087,7 +1054,7 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     then the shared expert's when s_down is given) summed, and mHC-expanded with `expand`. h as
     limbs (uint32, gate_up_kernel's `limbs`) takes the integer units."""
     limbs = h.dtype == mx.uint32
-    T, slots = h.shape[:2]
+    T = h.shape[0]
     I = down.in_features
     dtype = mx.bfloat16 if limbs else h.dtype   # the kernels' activations are bf16 (kernel_supports)
     K = indices.shape[-1]
@@ -1101,13 +1068,10 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
         out_shape = (T, hc, DO)
     layouts = down.template(integer=True) + (s_down or down).template("S", integer=True) if limbs else None
     template = _common_template(dtype, K, down, s_down, layouts)
-    if not limbs and experts_mma.down_applies(h, down, s_down):
-        kernel, per_group, groups = MMA_DOWN_KERNEL, experts_mma.DOWN_ROWS, slots
-    else:
-        *_, kernel, _, (rows, lanes) = _kernels(down)
-        kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
-        per_group, groups = rows * 32 // lanes, K + shared_splits(down, s_down, K)
-        template += [("ROWS", rows), ("LANES", lanes)]
+    *_, kernel, _, (rows, lanes) = _kernels(down)
+    kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
+    per_group, groups = rows * 32 // lanes, K + shared_splits(down, s_down, K)
+    template += [("ROWS", rows), ("LANES", lanes)]
     (y,) = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
         output_shapes=[out_shape], output_dtypes=[dtype],

@@ -6,7 +6,7 @@ run of rows. MLX's gather_qmm multiplies them at 26 TFLOP/s on the H200, 3% of i
 (benchmarks/results/2026-12-04-0241-prefill-matmuls.md); its gather_mm on bf16 weights is no
 faster. Here a threadgroup multiplies a tile of up to 32 pairs of one expert by 64 rows of that
 expert's MX matrix with mma.sync m16n8k16: the weights as fp16 A fragments straight from their
-codes (experts_mma.pair_bits, exact), the pairs' x as fp16 B fragments, 8 pairs a fragment.
+codes (word_pair_bits, exact), the pairs' x as fp16 B fragments, 8 pairs a fragment.
 
 Numbers: a 32-value group of weights shares one e8m0 scale, and the pack of x it meets one power
 of two (store_x_halves, which keeps |x / s| <= 2^15, so every bf16 value of the pack but those
@@ -35,7 +35,6 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import experts_mma
 from dsv4.kernels.dialect import Kernel, backend, falls_back
 from dsv4.kernels.experts import _HEADER, MODE_IDS
 
@@ -45,6 +44,7 @@ THREADS = 128
 CHUNK = 128        # input values per shared-memory chunk (4 groups)
 X_STRIDE = 72      # uint32 per pair's row of the chunk: 64 fp16 pairs, padded off the bank period
 MIN_PAIRS = 64     # fewer pairs (decode, verification) keep gather_qmm
+MX_MODES = {"mxfp4": 4, "mxfp8": 8}   # the MX layouts (bits) the launches decode, in groups of 32
 
 _PREAMBLE = r"""
   // grid (THREADS, ceil(N / 64), tiles); tile z = (expert, first pair, pairs) in `tiles`.
@@ -363,6 +363,42 @@ _STREAM_BODY = r"""
       }
 """
 
+# The fp16 launch's A and B sides: MX codes as fp16 pairs, x's packs as fp16 with a power of two.
+_HALVES_HEADER = r"""
+// Pair p (< 16) of a 32-value group of MX codes, from the word holding it (MODE 1's word p/4,
+// MODE 2's p/2): two weights whose fp16 bits one mask-and-shift gives (unpack8's tricks: MODE 1
+// nibbles j and j+4 of the word, MODE 2 bytes j and j+2), scaled by 2^-14 (2^-8). pair_k: the
+// low weight's place in the group; the high one is PAIR_GAP (4, 2) further.
+template <int MODE> KFN uint32_t word_pair_bits(uint32_t word, int p) {
+  if (MODE == 1) {
+    const uint32_t q = word >> (4 * (p & 3));
+    return ((q & 0x00070007u) << 9) | ((q & 0x00080008u) << 12);
+  }
+  const uint32_t q = word >> (8 * (p & 1));
+  return ((q & 0x007f007fu) << 7) | ((q & 0x00800080u) << 8);
+}
+template <int MODE> KFN int pair_k(int p) { return MODE == 1 ? 8 * (p >> 2) + (p & 3) : 4 * (p >> 1) + (p & 1); }
+
+// Pack p (32 values v) of an input as the B side reads it: per value the fp16 bits of v / s,
+// s = the pack's power of two that keeps |v / s| <= 2^15, and with LO, lo_at values further (a
+// second plane), the fp16 bits of what that leaves (hi + lo carries 22 bits: a bf16 x exactly;
+// without LO, values below 2^-32 of the pack's largest lose bits, as fp16 subnormals).
+template <bool LO, typename PH, typename PS>
+KFN void store_x_halves(PH xh, PS xscale, int p, LOCAL const float* v, int lo_at = 0) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = FMAX(amax, FABS(v[i]));
+  const float s = pow2_ceil(FMAX(amax * (1.0f / 32768.0f), 1.17549435e-38f));
+  const float inv = 1.0f / s;   // exact: s is a power of two
+  xscale[p] = s;
+  for (int i = 0; i < 32; ++i) {
+    const float a = v[i] * inv;
+    const uint32_t hi = F2H_BITS(a);
+    xh[32 * p + i] = hi;
+    if (LO) xh[lo_at + 32 * p + i] = F2H_BITS(a - half2_bits_to_float2(hi).x);
+  }
+}
+"""
+
 # The fp16 launch's staging: a pack's fp16 pairs in the A fragments' order and its power of two;
 # and the word of a group's codes a lane's A fragments take.
 _PACK_HEADER = r"""
@@ -375,8 +411,8 @@ template <int MODE> KFN uint32_t step_word(LOCAL const uint32_t* w, int st, int 
   return (t & 2) ? hi : lo;
 }
 // Pack (32 values v) of an input row as the tiles' B side reads it: its 16 fp16 pairs at dst in
-// the order pair_bits holds the weights (pair_k; the high one PAIR_GAP further), and, returned,
-// the pack's power of two (store_x_halves) times the 2^14 (2^8) pair_bits takes out.
+// the order word_pair_bits holds the weights (pair_k; the high one PAIR_GAP further), and,
+// returned, the pack's power of two (store_x_halves) times the 2^14 (2^8) word_pair_bits takes out.
 template <int MODE, typename PD>
 KFN float pack_x_pairs(PD dst, LOCAL const float* v) {
   constexpr int PAIR_GAP = MODE == 1 ? 4 : 2;
@@ -429,7 +465,7 @@ template <int MODE, typename PD, typename PX> KFN void pack_bf16_pairs(PD dst, P
   }
 }
 """
-HEADER = _HEADER + experts_mma.HEADER + _PACK_HEADER + _BF16_HEADER
+HEADER = _HEADER + _HALVES_HEADER + _PACK_HEADER + _BF16_HEADER
 
 _SHAPES = (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304), ("mxfp8", 8, 2304, 5120))
 
@@ -453,12 +489,16 @@ KERNEL_STREAM = Kernel(
     body=_STREAM_BODY, header=STREAM_HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 
+def _mx(m) -> bool:
+    return getattr(m, "mode", None) in MX_MODES and m.bits == MX_MODES[m.mode] and m.group_size == 32
+
+
 def applies(layer, x: mx.array, indices: mx.array) -> bool:
     """Whether QuantizedExpertLinear's product of x [P, 1, K] (P = indices.size pairs) takes the
     tensor-core launch: CUDA, an MX layout of groups of 32, bf16 x with K in chunks of 128, and
     the flag: auto from a full tile's pairs per expert on average (fewer leave the tiles mostly
     empty: slower than gather_qmm on the H200 at 8 an expert), on from MIN_PAIRS."""
-    if not (backend() == "cuda" and experts_mma._mx(layer) and x.dtype == mx.bfloat16
+    if not (backend() == "cuda" and _mx(layer) and x.dtype == mx.bfloat16
             and x.shape[-1] % CHUNK == 0 and x.shape[:-2] == indices.shape):
         return False
     least = TILE_PAIRS * layer.weight.shape[0] if flags.get("kernel_prefill_experts_mma") == "auto" else MIN_PAIRS
