@@ -95,8 +95,7 @@ def expert_bytes(m) -> float:
 
 # The GGUF units' variants (switches read when a launch is made, so one process interleaves them).
 _PORTABLE = dict(kernel_gguf_q8_pairs=False, kernel_gguf_wide=False, kernel_gguf_halves=False,
-                 kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False,
-                 kernel_gguf_iq2_staged=False)
+                 kernel_gguf_q8_hsub=False, kernel_gguf_dp4a=False, kernel_gguf_dp4a_down=False)
 VARIANTS = {"blocks": _PORTABLE,
             "Q8_0 pairs": dict(_PORTABLE, kernel_gguf_q8_pairs=True),
             "wide": dict(_PORTABLE, kernel_gguf_wide=True),
@@ -107,11 +106,8 @@ _HALVES = dict(VARIANTS["wide"], kernel_gguf_halves=True)
 EXPERT_VARIANTS = dict(VARIANTS, halves=_HALVES,
                        **{"Q8_0 hsub": dict(_HALVES, kernel_gguf_q8_hsub=True),   # the experts' on the halves units
                           "dp4a": dict(_HALVES, kernel_gguf_q8_hsub=True, kernel_gguf_dp4a=True)})
-# dp4a with h handed to the down launch as limbs, which it reads in the integer units; q2's IQ2_XXS
-# tables in threadgroup memory for its halves and integer gate/up (q4's launches are as without).
+# dp4a with h handed to the down launch as limbs, which it reads in the integer units.
 EXPERT_VARIANTS["dp4a, down"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_dp4a_down=True)
-EXPERT_VARIANTS["hsub, staged"] = dict(EXPERT_VARIANTS["Q8_0 hsub"], kernel_gguf_iq2_staged=True)
-EXPERT_VARIANTS["dp4a, staged"] = dict(EXPERT_VARIANTS["dp4a"], kernel_gguf_iq2_staged=True)
 # The backend's defaults, and with the down launch's shared expert over several SIMD groups
 # (DSV4_KERNEL_MOE_SHARED_SPLITS=0: by its row's bytes).
 EXPERT_VARIANTS["default"] = {}
@@ -296,10 +292,9 @@ def main(argv=None) -> int:
              "halves units), dp4a (DSV4_KERNEL_GGUF_DP4A: q2's and q4's gate/up and the Q8_0 matvec in "
              "integer units over x's fp8 values as limbs; the down launches run hsub), dp4a, down "
              "(DSV4_KERNEL_GGUF_DP4A_DOWN: and h handed over as limbs, the down launch in the integer "
-             "units), hsub / dp4a, staged (DSV4_KERNEL_GGUF_IQ2_STAGED: q2's IQ2_XXS tables in threadgroup "
-             "memory), default (the "
-             "backend's defaults) and default, split (with DSV4_KERNEL_MOE_SHARED_SPLITS=0: the down launch's "
-             "shared expert over several SIMD groups; for mxfp4: mx split). 'same' = "
+             "units), default (the backend's defaults) and default, split (with "
+             "DSV4_KERNEL_MOE_SHARED_SPLITS=0: the down launch's shared expert over several SIMD groups; "
+             "for mxfp4: mx split). 'same' = "
              "the output equals the first variant's bit for bit.", "",
              "| experts | variant | tokens | µs/call | weights read (MB) | effective TB/s | gate/up alone µs (TB/s) "
              "| down alone µs (TB/s) | same |",

@@ -462,12 +462,6 @@ define("kernel_gguf_dp4a_down", False,
        "Off (default): the H200 measured Q4_K's down 36.8 against 43.9 µs at one token (202 against "
        "220 at eight) but Q2_K's 42.4 against 41.7 (245 against 219), and the q4 slice's A/B within "
        "its noise (benchmarks/results/2026-12-05-1229-gguf-native.md, 2026-12-05-1232-slice-decode-q4-q8_0.md)")
-define("kernel_gguf_iq2_staged", False,
-       "CUDA: the fused experts' gate/up launch over IQ2_XXS routed experts (ds4's q2 recipe) copies "
-       "IQ2_XXS's tables (grid, fp16 pairs: 6.3 KB) into threadgroup memory, where every lane's "
-       "gathers of grid entries go, in place of L1-cached global memory; the "
-       "same values and sums. Off (default): slower on the H200, q2's gate/up 84.3 against 79.0 µs at "
-       "one token, 398 against 386 at eight (benchmarks/results/2026-12-05-1229-gguf-native.md)")
 define("kernel_gguf_q8_pairs", False,
        "GPU kernels over GGUF Q8_0 rows (the dense projections and shared experts of ds4's files) "
        "read two blocks at a time: 68 bytes from a 4-byte boundary in 17 u32 loads, where one block "

@@ -45,27 +45,21 @@ def experts(request):
 
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("wide", [False, True, "halves", "hsub", "dp4a", "limbs", "staged", "staged dp4a"])
+@pytest.mark.parametrize("wide", [False, True, "halves", "hsub", "dp4a", "limbs"])
 def test_gguf_experts_against_their_stages(experts, tokens, act_quant, wide):
     """`wide`: the 16-byte-load units (DSV4_KERNEL_GGUF_WIDE); "halves": with the codes as fp16
-    subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": halves and the Q8_0 shared expert's int8s by int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); "dp4a":
-    hsub and the gate/up (q2's IQ2_XXS, q4's Q4_K) in the integer units where act_quant rounds x
-    (DSV4_KERNEL_GGUF_DP4A); "limbs": dp4a and h handed over as limbs, the down launch (q2's Q2_K,
-    q4's Q4_K, the Q8_0 shared expert's) in the integer units (DSV4_KERNEL_GGUF_DP4A_DOWN); "staged":
-    hsub (or dp4a) with q2's IQ2_XXS tables in threadgroup memory (DSV4_KERNEL_GGUF_IQ2_STAGED)."""
-    staged = bool(wide) and str(wide).startswith("staged")
-    unit = str(wide).split()[-1] if wide else wide
-    integer = unit in ("dp4a", "limbs")
-    with flags.override(kernel_gguf_wide=bool(wide),
-                        kernel_gguf_halves=unit in ("halves", "hsub", "dp4a", "limbs", "staged"),
-                        kernel_gguf_q8_hsub=unit in ("hsub", "dp4a", "limbs", "staged"),
-                        kernel_gguf_dp4a=integer,
-                        kernel_gguf_dp4a_down=wide == "limbs", kernel_gguf_iq2_staged=staged):
+    subnormals (DSV4_KERNEL_GGUF_HALVES); "hsub": halves and the Q8_0 shared expert's int8s by
+    int8s2 (DSV4_KERNEL_GGUF_Q8_HSUB); "dp4a": hsub and the gate/up (q2's IQ2_XXS, q4's Q4_K) in
+    the integer units where act_quant rounds x (DSV4_KERNEL_GGUF_DP4A); "limbs": dp4a and h handed
+    over as limbs, the down launch (q2's Q2_K, q4's Q4_K, the Q8_0 shared expert's) in the integer
+    units (DSV4_KERNEL_GGUF_DP4A_DOWN)."""
+    integer = wide in ("dp4a", "limbs")
+    with flags.override(kernel_gguf_wide=bool(wide), kernel_gguf_halves=wide in ("halves", "hsub", "dp4a", "limbs"),
+                        kernel_gguf_q8_hsub=wide in ("hsub", "dp4a", "limbs"), kernel_gguf_dp4a=integer,
+                        kernel_gguf_dp4a_down=wide == "limbs"):
         gate, _, down, shared = experts
-        x = mx.zeros((tokens, gate.in_features), mx.bfloat16)
         assert ex.integer_kinds(gate, shared[0], act_quant) == (integer and act_quant,) * 2
         assert ex.limbs_between(down, shared[2], act_quant) == (wide == "limbs" and act_quant)
-        assert ex.iq2_staged(x, gate, shared[0], act_quant) == (staged and gate.qtype == "IQ2_XXS")
         experts_against_their_stages(experts, tokens, act_quant)
 
 

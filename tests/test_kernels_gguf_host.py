@@ -209,17 +209,6 @@ def test_gguf_experts_bodies_on_the_host(tmp_path, routed, shared, I, D, tokens,
         experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant)
 
 
-@pytest.mark.parametrize("tokens,unit", [(2, "hsub"), (1, "limbs")])
-def test_gguf_experts_bodies_with_iq2_tables_staged(tmp_path, tokens, unit):
-    """ds4's q2 recipe with IQ2_XXS's tables in threadgroup memory (DSV4_KERNEL_GGUF_IQ2_STAGED: the
-    gate/up launch that CUDA takes under it) over the halves units (hsub), and over the integer ones
-    with h handed to the down as limbs."""
-    with flags.override(kernel_gguf_wide=True, kernel_gguf_halves=True, kernel_gguf_q8_hsub=True,
-                        kernel_gguf_dp4a=unit != "hsub", kernel_gguf_dp4a_down=unit == "limbs",
-                        kernel_gguf_iq2_staged=True):
-        experts_bodies(tmp_path, ("IQ2_XXS", "IQ2_XXS", "Q2_K"), "Q8_0", 512, 768, tokens, True)
-
-
 @pytest.mark.parametrize("splits,expected,unit", [(0, 3, "hsub"), (4, 4, "hsub"), (2, 2, "limbs")])
 def test_gguf_down_body_splits_the_shared_expert(tmp_path, splits, expected, unit):
     """ds4's q2 recipe with the Q8_0 shared expert's down rows over several SIMD groups
@@ -251,13 +240,10 @@ def experts_bodies(tmp_path, routed, shared, I, D, tokens, act_quant):
     assert routed_ints == shared_ints
     limbs = ex.limbs_between(down, s_down, act_quant)
     assert limbs == (flags.get("kernel_gguf_dp4a_down") and act_quant)
-    with mock.patch.object(ex, "backend", return_value="cuda"):
-        staged = ex.iq2_staged(x, gate, s_gate, act_quant)
-    assert staged == bool(flags.get("kernel_gguf_iq2_staged"))
     consts = dict(K=K, HS=hs, I=I, D=D, MODE=mode(gate, routed_ints), SMODE=mode(s_gate or gate, shared_ints), BITS=0,
                   GS=0, SBITS=0, SGS=0)
     xs = ex.X_INTS if routed_ints or shared_ints else ex.X_STRIDE
-    exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNELS[limbs, staged][0], GATE_UP_MAIN,
+    exe = build(tmp_path, "gate_up", ex.GGUF_GATE_UP_KERNELS[limbs][0], GATE_UP_MAIN,
                 dict(consts, ROWS=rows, LANES=lanes, XS=xs, ACTQ=act_quant), limbs)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
             + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()

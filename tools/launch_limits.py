@@ -218,12 +218,11 @@ def v41_calls():
         for routed, dense in layouts:
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
-            # mxfp4's integer unit; h handed to the GGUF down as limbs; the IQ2_XXS tables in
-            # threadgroup memory (CUDA); both, over the halves units
+            # mxfp4's integer unit; h handed to the GGUF down as limbs, from the integer and the
+            # halves units
             for e, switches in ((None, {}), (expand, {}), (expand, dict(kernel_moe_dp4a=True)),
-                                (expand, dict(kernel_gguf_dp4a_down=True)), (expand, dict(kernel_gguf_iq2_staged=True)),
-                                (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_iq2_staged=True,
-                                              kernel_gguf_dp4a=False))):
+                                (expand, dict(kernel_gguf_dp4a_down=True)),
+                                (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_dp4a=False))):
                 with flags.override(**switches):
                     experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up,
                                     down, shared, a.swiglu_limit, True, e)

@@ -549,7 +549,6 @@ _GATE_UP_BODY = r"""
     if (slot < K) store_x_pack<RXS>(xs, p, v, x_scale);
     else store_x_pack<SXS>(xs, p, v, x_scale);
   }
-  STAGE_TABLES
   BARRIER();
   SELECT_EXPERT
   float g[ROWS], u[ROWS];
@@ -673,18 +672,9 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
 
 
-# IQ2_XXS routed experts' tables (gguf_dot.iq2_xxs_tables: grid, signs, fp16 pairs; 6.3 KB)
-# copied into threadgroup memory, where the gate and up units then gather their grid entries
-# (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA: a generic pointer reaches either memory).
-_IQ2_STAGED = {"STAGE_TABLES": f"""
-  SHARED uint4 iq2_tab4[{gguf_dot.IQ2_TABLE_WORDS // 4}];
-  for (int i = (int)tid; i < {gguf_dot.IQ2_TABLE_WORDS // 4}; i += (int)group_threads) iq2_tab4[i] = LOAD_U4(gate_s, i);
-  const uint32_t* iq2_tab = (const uint32_t*)iq2_tab4;"""}
-
-
 def _gate_up_body(parts: dict, store: dict = _STORE_T) -> str:
     body = _GATE_UP_BODY
-    for name, code in dict({"STAGE_TABLES": ""}, **store, **parts).items():
+    for name, code in dict(store, **parts).items():
         body = re.sub(rf"^ *{name}\n", lambda _: code.lstrip("\n") + "\n", body, flags=re.M)
     return body
 
@@ -840,41 +830,25 @@ GGUF_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf", input_names=_DOWN_INPUT
                           body=_DOWN_BODY, header=_GGUF_HEADER, checks=_gguf_checks("down"))
 
 
-def _iq2_routed(checks: tuple) -> tuple:
-    """The instances whose routed experts are IQ2_XXS (any of its units)."""
-    iq2 = {gguf_dot.GGUF_MODE_IDS["IQ2_XXS"], gguf_dot.WIDE_MODE_IDS["IQ2_XXS"],
-           gguf_dot.HALVES_MODE_IDS["IQ2_XXS"], gguf_dot.INT_MODE_IDS["IQ2_XXS"]}
-    return tuple(c for c in checks if dict(c[2])["MODE"] in iq2)
-
-
-def _gguf_gate_up_kernels(limbs: bool, staged: bool) -> tuple:
+def _gguf_gate_up_kernels(limbs: bool) -> tuple:
     """The GGUF gate/up launches (given the route, routing themselves) writing h as T or, with
-    `limbs`, as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN); with `staged`, IQ2_XXS's tables in threadgroup
-    memory (DSV4_KERNEL_GGUF_IQ2_STAGED, CUDA)."""
-    suffix = ("_limbs" if limbs else "") + ("_staged" if staged else "")
+    `limbs`, as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN)."""
+    suffix = "_limbs" if limbs else ""
     store = _STORE_LIMBS if limbs else _STORE_T
     checks = _gguf_limbs_checks if limbs else _gguf_checks
     out = []
     for routed, inputs, outputs, header in ((False, _GATE_UP_INPUTS, ("h",), _GGUF_HEADER),
                                             (True, _ROUTED_GATE_UP_INPUTS, ("h", "ids"), _GGUF_HEADER + ROUTER_HEADER)):
-        parts = dict(_ROUTED if routed else _GIVEN, **(_IQ2_STAGED if staged else {}))
-        body = _gate_up_body(parts, store=store)
-        launch_checks = checks("routed_gate_up" if routed else "gate_up")
-        if staged:   # the routed experts' gate and up read the staged tables
-            body = body.replace("gate_w, gate_s, gate_b, up_w, up_s, up_b", "gate_w, iq2_tab, gate_b, up_w, iq2_tab, up_b")
-            launch_checks = _iq2_routed(launch_checks)
         out.append(Kernel(name=f"dsv4_experts{'_routed' if routed else ''}_gate_up_gguf{suffix}", input_names=inputs,
-                          output_names=outputs, body=body, header=header, checks=launch_checks,
-                          dialects=("cuda",) if staged else ("metal", "cuda")))
+                          output_names=outputs, body=_gate_up_body(_ROUTED if routed else _GIVEN, store=store),
+                          header=header, checks=checks("routed_gate_up" if routed else "gate_up")))
     return tuple(out)
 
 
-# (h as limbs, IQ2_XXS's tables staged) -> (gate/up, routed gate/up) launches.
-GGUF_GATE_UP_KERNELS = {(limbs, staged): _gguf_gate_up_kernels(limbs, staged)
-                        for limbs in (False, True) for staged in (False, True)}
-GGUF_GATE_UP_KERNEL, GGUF_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[False, False]
-GGUF_LIMBS_GATE_UP_KERNEL, GGUF_LIMBS_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[True, False]
-GGUF_STAGED_GATE_UP_KERNEL, GGUF_STAGED_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[False, True]
+# h as limbs -> (gate/up, routed gate/up) launches.
+GGUF_GATE_UP_KERNELS = {limbs: _gguf_gate_up_kernels(limbs) for limbs in (False, True)}
+GGUF_GATE_UP_KERNEL, GGUF_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[False]
+GGUF_LIMBS_GATE_UP_KERNEL, GGUF_LIMBS_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNELS[True]
 # The down launch over h as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN): rows_dot's integer units read them.
 GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names=_DOWN_INPUTS, output_names=("y",),
                                 body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
@@ -960,16 +934,6 @@ def limbs_between(down, s_down, act_quant: bool) -> bool:
             and (s_down is None or integer(s_down)))
 
 
-def iq2_staged(x, gate, s_gate, act_quant: bool) -> bool:
-    """Whether the GGUF gate/up launch copies IQ2_XXS routed experts' tables into threadgroup
-    memory (DSV4_KERNEL_GGUF_IQ2_STAGED; CUDA), where they fit beside x's copy."""
-    stride = X_INTS if any(integer_kinds(gate, s_gate, act_quant)) else X_STRIDE
-    tables = 4 * gguf_dot.IQ2_TABLE_WORDS
-    return (isinstance(gate, GGUFMatrix) and gate.qtype == "IQ2_XXS" and backend() == "cuda"
-            and bool(flags.get("kernel_gguf_iq2_staged"))
-            and gate_up_shared_bytes(x.shape[-1], stride) + tables <= shared_memory_limit("cuda"))
-
-
 def _placeholder():
     """An 8-word input standing for an absent matrix/bias (8+ elements keep Metal's device space)."""
     return constant((0,) * 8, mx.uint32)
@@ -1022,7 +986,7 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
     template = _common_template(x.dtype, K, gate, s_gate)
     given_kernel, routed_kernel, _, (rows, lanes), _ = _kernels(gate)
     if isinstance(gate, GGUFMatrix):
-        given_kernel, routed_kernel = GGUF_GATE_UP_KERNELS[limbs, iq2_staged(x, gate, s_gate, act_quant)]
+        given_kernel, routed_kernel = GGUF_GATE_UP_KERNELS[limbs]
     threads = 32 * 32 // (rows * 32 // lanes)   # 32 rows of h per threadgroup
     routed_ints, shared_ints = integer_kinds(gate, s_gate, act_quant)
     if routed_ints or shared_ints:
