@@ -537,6 +537,14 @@ define("kernel_mhc_wide", "auto",
        "2026-12-06-0357-slice-decode.md); off on Metal until a Mac measures it; on, off",
        choices=AUTO_ON_OFF)
 
+define("kernel_mhc_tiles", "off",
+       "prefill (64 tokens or more): an mHC site's projection (the mixes' 24 dot products over the "
+       "4 x 5120 streams) by threadgroups of 4 tokens, each thread loading the 2 MB fp32 projection "
+       "matrix's values at its columns once for the 4, where a threadgroup per token reads all of "
+       "it per token (the expand's fused projection too, which then leaves it to the next site's "
+       "entry); the same sums in the same order. off (default) until a GPU has measured it; on; "
+       "auto: on under CUDA", choices=AUTO_ON_OFF)
+
 # --- decode loop ----------------------------------------------------------------------------
 define("fixed_decode", "auto",
        "decode one token per step at fixed shapes (dsv4/step.py): window and compressor inputs "

@@ -254,3 +254,28 @@ def test_wide_path_launches(cuda_launches):
     with flags.override(kernel_mhc_wide=False):
         mhc.hc_mixes_collapse_norm(X, *args)
         assert [c[0] for c in calls[7:]] == ["dsv4_hc_project", "dsv4_hc_sinkhorn_collapse_norm"]
+
+
+def test_prefill_projects_in_tiles(cuda_launches):
+    """DSV4_KERNEL_MHC_TILES: from TILES_MIN_TOKENS tokens a site entry's projection runs in tiles
+    of TILE_TOKENS tokens (the last part-filled), and the expand given the next site's fn leaves
+    the projection to that entry (no partials of its own); fewer tokens keep a threadgroup per
+    token, and so does every count with the switch off."""
+    rng = np.random.default_rng()
+    n = mhc.TILES_MIN_TOKENS + 1
+    X, fn, scale, base = random_site(rng, 1, n, 96)
+    pre_in = mx.array(rng.uniform(0, 1, (1, n, 4)).astype(np.float32))
+    args = (pre_in, fn, scale, base, mx.ones((96,), mx.bfloat16), 1e-6, 1e-20, 1e-6, 20)
+    calls = cuda_launches()
+    with flags.override(kernel_mhc_tiles=True):
+        streams, projection = mhc.hc_expand(X[:, :, 0], X, *mhc.hc_mixes(X, fn, scale, base, 1e-6, 1e-20)[1:], fn)
+        assert [c[0] for c in calls[2:]] == ["dsv4_hc_expand"] and projection is None
+        mhc.hc_mixes_collapse_norm(streams, *args, projection=projection)
+        assert [c[0] for c in calls[3:]] == ["dsv4_hc_project_tiles", "dsv4_hc_sinkhorn_collapse_norm"]
+        tiles = -(-n // mhc.TILE_TOKENS)
+        assert calls[3][1]["grid"] == (mhc.PROJECT_THREADS, 1, tiles) and ("TT", mhc.TILE_TOKENS) in calls[3][1]["template"]
+        mhc.hc_mixes_collapse_norm(X[:, :mhc.TILES_MIN_TOKENS - 1], pre_in[:, :mhc.TILES_MIN_TOKENS - 1], *args[1:])
+        assert calls[5][0] == "dsv4_hc_project"
+    with flags.override(kernel_mhc_tiles=False):
+        mhc.hc_mixes_collapse_norm(X, *args)
+        assert calls[7][0] == "dsv4_hc_project"

@@ -109,3 +109,24 @@ def test_fp32_fixed_decode_with_wide_mhc_equals_reference_over_64_greedy_steps(c
     assert fast_tokens == ref_tokens
     err = float(mx.max(mx.abs(fast_logits - ref_logits)) / mx.max(mx.abs(ref_logits)))
     assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("tokens", [mhc.TILES_MIN_TOKENS + 1, 2048])
+def test_prefill_projection_in_tiles(launched, tokens):
+    """DSV4_KERNEL_MHC_TILES at V4.1's width: a site entry's mixes bit for bit the per-token
+    projection's (the same sums in the same order), the last tile part-filled; the expand leaves
+    its projection to the entry, whose x and mixes are then the reference's as check_entry bounds."""
+    X, args = site(tokens, 5120, mx.bfloat16)
+    with flags.override(kernel_mhc_tiles=False):
+        want = mhc.hc_mixes_collapse_norm(X, *args)
+    with flags.override(kernel_mhc_tiles=True):
+        got = mhc.hc_mixes_collapse_norm(X, *args)
+        assert "dsv4_hc_project_tiles" in launched and "dsv4_hc_project" not in launched
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(f32(g), f32(w))
+        y = X[:, 0]
+        streams, projection = mhc.hc_expand(y, X, got[2], got[3], args[1])
+        assert projection is None and launched[-1] == "dsv4_hc_expand"
+        entry = mhc.hc_mixes_collapse_norm(streams, *args, projection=projection)
+    reference = mhc.hc_mixes_collapse_norm_reference(streams, *args)
+    check_entry(entry, reference, False, mx.bfloat16)

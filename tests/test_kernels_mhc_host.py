@@ -291,3 +291,62 @@ def test_expand_partials_on_the_host(builds, tokens, D, bf16):
     rtol = 2.0 ** -8 if bf16 else 1e-6
     np.testing.assert_allclose(X, want, rtol=rtol, atol=1e-5)
     check_partials(partial, collapsed, X, fn, pre_in, em.splits, bf16)
+
+
+# The prefill projection (DSV4_KERNEL_MHC_TILES) against the per-token projection kernel: both
+# bodies in one build, with the dispatcher's THREADS, SPLITS and CHUNK.
+PROJECT_MAIN = r"""
+void project(const T* streams, const float* fn, float* partial, uint32_t tid, uint32_t group_y,
+             uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  @PROJECT@
+}
+void project_tiles(const T* streams, const float* fn, const float* params, float* partial, uint32_t tid,
+                   uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  @PROJECT_TILES@
+}
+int main() {
+  const int tok = read_int();
+  constexpr int K = HC * D;
+  std::vector<float> f((size_t)tok * K);
+  read(f);
+  std::vector<T> streams(f.size());
+  for (size_t i = 0; i < f.size(); ++i) streams[i] = T(f[i]);
+  std::vector<float> fn((size_t)NM * K), params = {(float)tok};
+  read(fn);
+  std::vector<float> one((size_t)tok * SPLITS * (NM + 1), NAN), tiles(one.size(), NAN);
+  launch(THREADS, SPLITS, tok, [&](int t, int g, int z, int n) { project(streams.data(), fn.data(), one.data(), t, g, z, n); });
+  launch(THREADS, SPLITS, (tok + TT - 1) / TT, [&](int t, int g, int z, int n) {
+    project_tiles(streams.data(), fn.data(), params.data(), tiles.data(), t, g, z, n);
+  });
+  std::fwrite(one.data(), 4, one.size(), stdout);
+  std::fwrite(tiles.data(), 4, tiles.size(), stdout);
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("tokens,D,splits,tt", [(9, 96, 2, 4), (7, 100, 1, 3), (5, 5120, 1, mhc.TILE_TOKENS)])
+def test_projection_in_tiles_is_the_per_token_one(tmp_path, tokens, D, splits, tt):
+    """A tile of tt tokens (the last one part-filled) gives each token's partial sums bit for bit
+    as the per-token launch (the same threads, chunks and order), and those are float64's within
+    fp32 summation; the 256 threads of the dispatcher at V4.1's width."""
+    K = HC * D
+    consts = dict(HC=HC, NM=NM, D=D, SPLITS=splits, CHUNK=-(-K // splits), TT=tt, THREADS=mhc.PROJECT_THREADS)
+    main = (PROJECT_MAIN.replace("@PROJECT@", "{" + mhc.PROJECT_KERNEL.body + "}")
+            .replace("@PROJECT_TILES@", "{" + mhc.PROJECT_TILES_KERNEL.body + "}"))
+    source = (EMULATOR + EXTRAS + "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
+              + "using T = bf16;\n" + mhc._STREAM_HEADER + main)
+    exe = build_host(tmp_path, f"project_{D}", source)
+    rng = np.random.default_rng([tokens, D])
+    X, fn, _ = site(rng, tokens, D, True)
+    data = np.array([tokens], np.int32).tobytes() + X.astype(np.float32).tobytes() + fn.tobytes()
+    out = np.frombuffer(subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout, np.float32)
+    one, tiles = np.split(out, 2)
+    np.testing.assert_array_equal(tiles.view(np.uint32), one.view(np.uint32))
+    parts = one.reshape(tokens, splits, NM + 1).astype(np.float64).sum(1)
+    x = X.reshape(tokens, K).astype(np.float64)
+    want = np.concatenate([x @ fn.T.astype(np.float64), (x * x).sum(1, keepdims=True)], axis=1)
+    mag = np.concatenate([np.abs(x) @ np.abs(fn.T.astype(np.float64)), want[:, NM:]], axis=1)
+    assert np.all(np.abs(parts - want) <= 2 * K * 2.0 ** -24 * mag + 1e-30), np.abs(parts - want).max()

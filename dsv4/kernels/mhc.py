@@ -39,6 +39,8 @@ PROJECT_TARGET_THREADGROUPS = 128
 PROJECT_MIN_CHUNK = 1024
 ROW_THREADS = 256
 WIDE_MAX_TOKENS = 8   # decode and verify; prefill keeps the per-token launches
+TILE_TOKENS = 4        # tokens per threadgroup of the prefill projection (DSV4_KERNEL_MHC_TILES)
+TILES_MIN_TOKENS = 64  # fewer tokens (decode, verify) keep a threadgroup per token
 
 
 class Projection(NamedTuple):
@@ -145,6 +147,36 @@ _PROJECT_BODY = r"""
   SHARED float red[32 * (NM + 1)];
   store_partials<NM + 1>(acc, red, lane, warp, tid, group_threads / 32,
                      partial + ((size_t)qi * SPLITS + split) * (NM + 1));
+"""
+
+# The projection of TT tokens per threadgroup (prefill, DSV4_KERNEL_MHC_TILES): each thread loads
+# fn's NM values at its k once for the TT tokens, where _PROJECT_BODY's threadgroup per token
+# reads the whole 2 MB of fn per token (from L2: what bounds it at prefill). A token's sums are
+# _PROJECT_BODY's, in the same order (the same threads, splits and chunks): bit for bit.
+_PROJECT_TILES_BODY = r"""
+  // grid (THREADS, splits, ceil(tokens / TT)); params[0] = tokens.
+  constexpr int K = HC * D;
+  constexpr int NM = HC * (2 + HC);
+  const int split = group_y, t0 = group_z * TT, tokens = (int)params[0];
+  const int k_end = min(K, (split + 1) * CHUNK);
+  float acc[TT][NM + 1];
+  for (int t = 0; t < TT; ++t)
+    for (int o = 0; o <= NM; ++o) acc[t][o] = 0.0f;
+  for (int k = split * CHUNK + (int)tid; k < k_end; k += (int)group_threads) {
+    float f[NM];
+    for (int o = 0; o < NM; ++o) f[o] = fn[(size_t)o * K + k];
+    for (int t = 0; t < TT; ++t) {
+      const float x = t0 + t < tokens ? float(streams[(size_t)(t0 + t) * K + k]) : 0.0f;
+      acc[t][NM] += x * x;
+      for (int o = 0; o < NM; ++o) acc[t][o] += x * f[o];
+    }
+  }
+  SHARED float red[32 * (NM + 1)];
+  for (int t = 0; t < TT && t0 + t < tokens; ++t) {
+    if (t > 0) BARRIER();   // the last token's sums are read out of red
+    store_partials<NM + 1>(acc[t], red, lane, warp, tid, group_threads / 32,
+                           partial + ((size_t)(t0 + t) * SPLITS + split) * (NM + 1));
+  }
 """
 
 _ROW_HEADER = QDQ_HEADER + r"""
@@ -436,6 +468,12 @@ PROJECT_KERNEL = Kernel(
     body=_PROJECT_BODY, header=_STREAM_HEADER,
     checks=(((mx.bfloat16, _F), (_F,), (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 20), ("CHUNK", 1024))),
             ((_F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 96), ("SPLITS", 1), ("CHUNK", 384)))))
+PROJECT_TILES_KERNEL = Kernel(
+    name="dsv4_hc_project_tiles", input_names=("streams", "fn", "params"), output_names=("partial",),
+    body=_PROJECT_TILES_BODY, header=_STREAM_HEADER,
+    checks=(((mx.bfloat16, _F, _F), (_F,),
+             (("T", mx.bfloat16), ("HC", 4), ("D", 5120), ("SPLITS", 1), ("CHUNK", 20480), ("TT", TILE_TOKENS))),
+            ((_F, _F, _F), (_F,), (("T", _F), ("HC", 4), ("D", 96), ("SPLITS", 1), ("CHUNK", 384), ("TT", 3)))))
 SINKHORN_KERNEL = Kernel(
     name="dsv4_hc_sinkhorn", input_names=("partial", "scale", "base", "params"),
     output_names=("pre", "post", "comb"), body=_SINKHORN_BODY, header=_ROW_HEADER,
@@ -553,19 +591,31 @@ def _entry_partials(streams, fn, pre_in) -> Projection:
     return Projection(partial, splits, collapsed)
 
 
+def _tiles(tokens: int) -> bool:
+    """Prefill's projection in tiles of TILE_TOKENS tokens (DSV4_KERNEL_MHC_TILES)."""
+    return tokens >= TILES_MIN_TOKENS and flags.switch("kernel_mhc_tiles", backend() == "cuda")
+
+
 def _project(streams, fn) -> Projection:
-    """Launch the split-K projection kernel."""
+    """Launch the split-K projection kernel: a threadgroup per token and split, or (prefill)
+    per TILE_TOKENS tokens and split."""
     *lead, hc, D = streams.shape
     tokens = math.prod(lead)
     splits = max(1, min(math.ceil(PROJECT_TARGET_THREADGROUPS / tokens), hc * D // PROJECT_MIN_CHUNK))
     splits = 1 << (splits.bit_length() - 1)   # a power of two: few compiled variants
     nm = hc * (2 + hc)
-    (partial,) = PROJECT_KERNEL(
-        inputs=[streams, _float32(fn)], output_shapes=[(tokens * splits * (nm + 1),)],
-        output_dtypes=[mx.float32], grid=(PROJECT_THREADS, splits, tokens),
-        threadgroup=(PROJECT_THREADS, 1, 1),
-        template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits),
-                  ("CHUNK", math.ceil(hc * D / splits))])
+    template = [("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits),
+                ("CHUNK", math.ceil(hc * D / splits))]
+    launch = dict(output_shapes=[(tokens * splits * (nm + 1),)], output_dtypes=[mx.float32],
+                  threadgroup=(PROJECT_THREADS, 1, 1))
+    if _tiles(tokens):
+        (partial,) = PROJECT_TILES_KERNEL(
+            inputs=[streams, _float32(fn), constant((float(tokens),))],
+            grid=(PROJECT_THREADS, splits, math.ceil(tokens / TILE_TOKENS)),
+            template=template + [("TT", TILE_TOKENS)], **launch)
+    else:
+        (partial,) = PROJECT_KERNEL(inputs=[streams, _float32(fn)], grid=(PROJECT_THREADS, splits, tokens),
+                                    template=template, **launch)
     return Projection(partial, splits)
 
 
@@ -711,12 +761,12 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None):
     splits = math.ceil(D / ROW_THREADS)
     grid = (splits * ROW_THREADS, tokens, 1)
     template = [("T", residual.dtype), ("HC", hc), ("D", D)]
-    if fn is None:
+    if fn is None or _tiles(tokens):   # (the entry then projects the new streams in tiles)
         (out,) = EXPAND_KERNEL(
             inputs=[y, residual, _float32(post), _float32(comb)],
             output_shapes=[residual.shape], output_dtypes=[residual.dtype],
             grid=grid, threadgroup=(ROW_THREADS, 1, 1), template=template)
-        return out
+        return out if fn is None else (out, None)
     out, partial = EXPAND_PROJECT_KERNEL(
         inputs=[y, residual, _float32(post), _float32(comb), _float32(fn)],
         output_shapes=[residual.shape, (tokens * splits * (hc * (2 + hc) + 1),)],
