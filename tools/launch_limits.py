@@ -42,6 +42,8 @@ from dsv4.kernels.dialect import Kernel, compact  # noqa: E402
 TOKENS = range(1, 9)
 CONTEXT = 65536          # decode position: the compressed rows a layer attends over
 PREFILL_TOKENS = 512     # a prefill chunk (dsv4.generation.PREFILL_CHUNK)
+CUDA_PREFILL_TOKENS = 4096   # CUDA's (dsv4.generation.CUDA_PREFILL_CHUNK)
+MAX_GROUPS_YZ = 65535    # threadgroups a CUDA grid may have on y and on z
 _ELEMENT_BYTES = {"float": 4, "int": 4, "uint": 4, "uint32_t": 4, "int32_t": 4, "float2": 8,
                   "uint4": 16, "float4": 16, "half": 2, "bfloat16_t": 2, "uint16_t": 2, "uint8_t": 1, "bool": 1}
 _ARRAY = re.compile(r"\bSHARED(_ATOMIC_U32|\s+\w+)\s+(\w+)((?:\s*\[[^\]]+\])+)\s*;")
@@ -121,6 +123,8 @@ def problems(launch: Launch) -> list[str]:
                    f"a SIMD group would be partial")
     if any(g % t for g, t in zip(launch.grid, launch.threadgroup)):
         out.append(f"grid {launch.grid} is not whole threadgroups of {launch.threadgroup}")
+    if max(launch.grid[1:]) > MAX_GROUPS_YZ:
+        out.append(f"grid {launch.grid}: more than {MAX_GROUPS_YZ} threadgroups on y or z")
     return [f"{launch}: {p}" for p in out]
 
 
@@ -263,6 +267,18 @@ def v41_calls():
             scores = indexer.indexer_scores(q, _zeros(1, n, a.index_head_dim), _zeros(1, t, a.index_n_heads),
                                             1.0, positions, ratio, _zeros(1, t, n, dtype=mx.bool_))
             topk.topk_visible(scores, a.index_topk, positions, ratio)
+
+    # A prefill chunk (CUDA's, the larger) through the mHC projection in tiles and the row tails
+    # with each position's angles: the queries' rows (every head) and the q-LoRA latent.
+    t = CUDA_PREFILL_TOKENS
+    streams, pre = _zeros(1, t, hc, D), _zeros(1, t, hc, dtype=mx.float32)
+    fn, scale, base = _zeros(nm, hc * D, dtype=mx.float32), _zeros(3, dtype=mx.float32), _zeros(nm, dtype=mx.float32)
+    with flags.override(kernel_mhc_tiles=True):
+        mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps, fp8_copy=True)
+    angles = (_zeros(t, R, dtype=mx.float32),) * 2
+    rows.row_tail(_zeros(1, t, H * Dh), None, angles, rows.NO_QDQ, shape=(1, t, H, Dh))
+    rows.row_tail(_zeros(1, t, a.q_lora_rank), (_zeros(a.q_lora_rank), 1e-20), None, rows.FP8)
+    rows.rope_angles(_zeros(1, dtype=mx.int32), _zeros(R, dtype=mx.float32), 1.0, t)
 
     # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs;
     # its sparse attention there, with the selected rows and without (window-only layers).
