@@ -209,19 +209,27 @@ def collapse_in_order(X, pre, bf16):
     return rounded(v, bf16)
 
 
-def check_partials(partial, collapsed, X, fn, pre_in, splits, bf16):
-    """Summed over the splits, the projections and sums of squares are the float64 ones
-    within fp32 summation (2 K 2^-24 of the sum of magnitudes); the collapse is bit-exact."""
+def check_sums(parts, X, fn, h=None):
+    """parts [tokens, NM + 1 (+ 1 with h)]: the projections and the sum of squares of the
+    streams X (and of h) are the float64 ones within fp32 summation (2 K 2^-24 of the sum of
+    magnitudes)."""
     t, _, D = X.shape
     K = HC * D
-    parts = partial.reshape(t, splits, NM + 2).astype(np.float64).sum(1)
     x = X.reshape(t, K).astype(np.float64)
-    h = collapsed.reshape(t, D)
-    np.testing.assert_array_equal(h, collapse_in_order(X, pre_in, bf16))
-    want = np.concatenate([x @ fn.T.astype(np.float64), (x * x).sum(1, keepdims=True),
-                           (h.astype(np.float64) ** 2).sum(1, keepdims=True)], axis=1)
+    squares = [x] + ([h.astype(np.float64)] if h is not None else [])
+    want = np.concatenate([x @ fn.T.astype(np.float64)] + [(v * v).sum(1, keepdims=True) for v in squares], axis=1)
     mag = np.concatenate([np.abs(x) @ np.abs(fn.T.astype(np.float64)), want[:, NM:]], axis=1)
     assert np.all(np.abs(parts - want) <= 2 * K * 2.0 ** -24 * mag + 1e-30), np.abs(parts - want).max()
+
+
+def check_partials(partial, collapsed, X, fn, pre_in, splits, bf16):
+    """Summed over the splits, the projections and sums of squares are the float64 ones
+    within fp32 summation (check_sums); the collapse is bit-exact."""
+    t, _, D = X.shape
+    parts = partial.reshape(t, splits, NM + 2).astype(np.float64).sum(1)
+    h = collapsed.reshape(t, D)
+    np.testing.assert_array_equal(h, collapse_in_order(X, pre_in, bf16))
+    check_sums(parts, X, fn, h)
 
 
 def check_finish(got, fn, scale, base, collapsed, weight, X, fp8, bf16):
@@ -345,8 +353,4 @@ def test_projection_in_tiles_is_the_per_token_one(tmp_path, tokens, D, splits, t
     out = np.frombuffer(subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout, np.float32)
     one, tiles = np.split(out, 2)
     np.testing.assert_array_equal(tiles.view(np.uint32), one.view(np.uint32))
-    parts = one.reshape(tokens, splits, NM + 1).astype(np.float64).sum(1)
-    x = X.reshape(tokens, K).astype(np.float64)
-    want = np.concatenate([x @ fn.T.astype(np.float64), (x * x).sum(1, keepdims=True)], axis=1)
-    mag = np.concatenate([np.abs(x) @ np.abs(fn.T.astype(np.float64)), want[:, NM:]], axis=1)
-    assert np.all(np.abs(parts - want) <= 2 * K * 2.0 ** -24 * mag + 1e-30), np.abs(parts - want).max()
+    check_sums(one.reshape(tokens, splits, NM + 1).astype(np.float64).sum(1), X, fn)

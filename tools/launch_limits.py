@@ -186,9 +186,9 @@ def v41_calls():
     layouts = [(lambda shape: _mx_matrix(shape, "mxfp4"), lambda shape: _mx_matrix(shape, "mxfp8"))]
     layouts += [(lambda shape, r=r: _gguf_matrix(shape, r), lambda shape, d=d: _gguf_matrix(shape, d))
                 for r, d in GGUF_RECIPES]
+    fn, scale, base = _zeros(nm, hc * D, dtype=mx.float32), _zeros(3, dtype=mx.float32), _zeros(nm, dtype=mx.float32)
     for t in TOKENS:
         streams, pre = _zeros(1, t, hc, D), _zeros(1, t, hc, dtype=mx.float32)
-        fn, scale, base = _zeros(nm, hc * D, dtype=mx.float32), _zeros(3, dtype=mx.float32), _zeros(nm, dtype=mx.float32)
         post, comb = _zeros(1, t, hc, dtype=mx.float32), _zeros(1, t, hc, hc, dtype=mx.float32)
         with flags.override(kernel_mhc_wide=False):   # the per-token launches (CUDA's default is wide)
             mhc.hc_mixes(streams, fn, scale, base, 1e-20, a.hc_eps)
@@ -272,7 +272,6 @@ def v41_calls():
     # with each position's angles: the queries' rows (every head) and the q-LoRA latent.
     t = CUDA_PREFILL_TOKENS
     streams, pre = _zeros(1, t, hc, D), _zeros(1, t, hc, dtype=mx.float32)
-    fn, scale, base = _zeros(nm, hc * D, dtype=mx.float32), _zeros(3, dtype=mx.float32), _zeros(nm, dtype=mx.float32)
     with flags.override(kernel_mhc_tiles=True):
         mhc.hc_mixes_collapse_norm(streams, pre, fn, scale, base, _zeros(D), 1e-20, 1e-20, a.hc_eps, fp8_copy=True)
     angles = (_zeros(t, R, dtype=mx.float32),) * 2
