@@ -119,6 +119,7 @@ def test_prefill_projection_in_tiles(launched, tokens):
     X, args = site(tokens, 5120, mx.bfloat16)
     with flags.override(kernel_mhc_tiles=False):
         want = mhc.hc_mixes_collapse_norm(X, *args)
+    launched.clear()
     with flags.override(kernel_mhc_tiles=True):
         got = mhc.hc_mixes_collapse_norm(X, *args)
         assert "dsv4_hc_project_tiles" in launched and "dsv4_hc_project" not in launched
