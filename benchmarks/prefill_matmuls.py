@@ -15,8 +15,8 @@ For each chunk size T:
 - the grouped wo_a (8 groups of 4096 -> 1024, mxfp8) as decode computes it (gather_qmm, one row
   per token and group), against a batched product per group;
 - the sparse attention's reference over the chunk's queries (64 heads of 512, 128 window and
-  512 compressed rows each), its row gathers alone, and dsv4's tensor-core kernel
-  (dsv4/kernels/attention_prefill.py, CUDA).
+  512 compressed rows each), its row gathers alone, and dsv4's tensor-core kernels
+  (dsv4/kernels/attention_prefill.py; attention_prefill_staged.py, CUDA).
 TFLOP/s are each call's FLOPs over its median time; torch's bf16 matmul rate is measured in
 the same process (benchmarks/roofline.py).
 """
@@ -146,7 +146,7 @@ def attention_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
     """The sparse attention's reference (what prefill runs) over a chunk of t queries, each
     seeing a window of 128 rows and 512 compressed rows, and the part of it that only gathers
     each query's rows (in fp32, from the rows widened once)."""
-    from dsv4.kernels import attention_prefill
+    from dsv4.kernels import attention_prefill, attention_prefill_staged
     from dsv4.kernels import sparse_attention as sa
     from dsv4.kernels.dialect import backend
 
@@ -176,6 +176,9 @@ def attention_rows(t: int, repeats: int) -> list[tuple[str, float, float]]:
         rows.append((name, "dsv4 tensor-core kernel (attention_prefill)", flops, _mlx_seconds(
             lambda: attention_prefill.prefill_attention(q, window_kv, window_idx, compressed, topk_idx, sinks,
                                                         d ** -0.5), repeats)))
+        rows.append((name, "its rows staged for all heads (attention_prefill_staged)", flops, _mlx_seconds(
+            lambda: attention_prefill_staged.prefill_attention(q, window_kv, window_idx, compressed, topk_idx,
+                                                               sinks, d ** -0.5), repeats)))
     return rows
 
 

@@ -414,6 +414,13 @@ define("kernel_prefill_attention_mma", "auto",
        "where it took 6.98 ms against 16.96 for 2048 queries (benchmarks/results/"
        "2026-12-04-0831-prefill-matmuls.md) and the slice's 4K prefill 0.49 s against 0.54 "
        "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
+define("kernel_prefill_attention_staged", "off",
+       "CUDA: prefill's sparse attention with a threadgroup per query and all its heads (up to 64), "
+       "the query's rows staged once in threadgroup memory by cp.async for every head, the scores "
+       "recomputed in a second pass instead of stored (dsv4/kernels/attention_prefill_staged.py), "
+       "instead of kernel_prefill_attention_mma's threadgroup per 16 heads, which reads each row from "
+       "L2 once per 16 heads and pass. The same roundings, another fp32 summation order. off "
+       "(default) until a GPU has timed it; on; auto: on under CUDA", choices=AUTO_ON_OFF)
 define("kernel_matvec_long_threadgroups", "auto",
        "the one-token matvec launch (DSV4_KERNEL_MATVEC; GGUF blocks always): fewer, longer "
        "threadgroups, since each copies and rounds the whole x before its first load: K split over "

@@ -2,7 +2,7 @@
 CPU, in CI: the body compiled with clang under the threadgroup emulator (test_kernels_matvec)
 and the mma.sync emulator (tests/mma_emulator.py, its bf16 variant), launched by the
 dispatcher itself (`sparse_attention` under dialect.pretend_gpu, each launch running the host
-build), so the choice of path, the rotations around the kernel, the index broadcast and the
+build; test_kernels_attention_prefill_staged runs its kernel the same way), so the choice of path, the rotations around the kernel, the index broadcast and the
 stand-in for a missing compressed cache are checked with the body. The output must match the
 plain-MLX reference within the GPU tests' bound (both round the probabilities to bf16, against
 maxima that may differ in their last fp32 bit) and the float64 oracle of model-spec §3.7 within
@@ -23,6 +23,7 @@ from dsv4.kernels import sparse_attention as sa
 from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts_host import BF16
+from tests.test_kernels_experts_prefill_host import CP_ASYNC_EMULATOR
 from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_sparse_attention import as_np, oracle
 from tests.test_kernels_sparse_attention_host import bf16_bytes, case, f32_bytes, i32_bytes
@@ -46,7 +47,7 @@ int main() {
   std::vector<int> wi(queries * NW), ti(queries * NK);
   std::vector<float> sinks(H), params(1);
   read(q); read(wkv); read(wi); read(ckv); read(ti); read(sinks); read(params);
-  launch(THREADS, H / 16, (int)queries, [&](int t, int g, int z, int n) {
+  launch(THREADS, GROUPS_Y, (int)queries, [&](int t, int g, int z, int n) {
     body(q.data(), wkv.data(), wi.data(), ckv.data(), ti.data(), sinks.data(), params.data(), out.data(),
          qs, ws, cs, t, g, z, n);
   });
@@ -66,24 +67,31 @@ def check(got, c):
 
 
 class Emulated:
-    """pretend_gpu's launch: each instantiation built once, run on the host."""
+    """pretend_gpu's launch of `module`'s kernel (attention_prefill or attention_prefill_staged):
+    each instantiation built once, run on the host; `mutation` goes before the body's source,
+    `replace` are (old, new) edits of the kernel's header and body. `launches` holds each launch's
+    template values, grid and threadgroup."""
 
-    def __init__(self, folder, mutation=""):
-        self.folder, self.mutation, self.built, self.launches = folder, mutation, {}, []
+    def __init__(self, folder, mutation="", module=ap, replace=()):
+        self.folder, self.mutation, self.module, self.replace = folder, mutation, module, replace
+        self.built, self.launches = {}, []
 
     def __call__(self, kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
-        assert kernel is ap.KERNEL and threadgroup == (ap.THREADS, 1, 1) and dict(template)["T"] == mx.bfloat16
+        assert kernel is self.module.KERNEL and dict(template)["T"] == mx.bfloat16
         q, wkv, wi, ckv, ti, sinks, params = inputs
         B, S, H, D = q.shape
-        assert grid == (ap.THREADS, H // ap.HEADS, B * S) and output_shapes == [q.shape]
-        self.launches.append(dict(template))
-        key = tuple(template)
+        assert grid[0] == threadgroup[0] and grid[2] == B * S and output_shapes == [q.shape]
+        self.launches.append(dict(template, grid=grid, threadgroup=threadgroup))
+        key = (tuple(template), grid[1])
         if key not in self.built:
             consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            self.built[key] = build_host(self.folder, f"prefill_attention{len(self.built)}",
-                                         EMULATOR + BF16 + self.mutation + MMA_EMULATOR + consts
-                                         + f"constexpr int THREADS = {ap.THREADS};\n" + ap.HEADER
-                                         + MAIN.replace("BODY", kernel.body))
+            source = kernel.header + MAIN.replace("BODY", kernel.body).replace("GROUPS_Y", str(grid[1]))
+            for old, new in self.replace:
+                assert old in source, old
+                source = source.replace(old, new)
+            self.built[key] = build_host(self.folder, f"{kernel.name}{len(self.built)}",
+                                         EMULATOR + BF16 + self.mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR + consts
+                                         + f"constexpr int THREADS = {threadgroup[0]};\n" + source)
         data = (i32_bytes(*q.shape, *wkv.shape, *ckv.shape) + bf16_bytes(q) + bf16_bytes(wkv)
                 + np.array(wi).tobytes() + bf16_bytes(ckv) + np.array(ti).tobytes() + f32_bytes(sinks)
                 + f32_bytes(params))
@@ -96,11 +104,10 @@ def emulated(tmp_path_factory):
     return Emulated(tmp_path_factory.mktemp("attention_prefill"))
 
 
-def run(emulated, c):
-    """sparse_attention itself, as prefill calls it, with every launch on the host."""
+def run(emulated, c, switch="kernel_prefill_attention_mma"):
+    """sparse_attention itself, as prefill calls it, with `switch` on and every launch on the host."""
     emulated.launches.clear()
-    with (flags.override(kernel_prefill_attention_mma=True), dialect.pretend_gpu("cuda", emulated),
-          warnings.catch_warnings()):
+    with (flags.override(**{switch: True}), dialect.pretend_gpu("cuda", emulated), warnings.catch_warnings()):
         warnings.simplefilter("error")   # a fall-back to the reference would be a failure
         got = sa.sparse_attention(**c)
     assert len(emulated.launches) == 1
@@ -123,12 +130,12 @@ def test_prefill_kernel_matches_reference_and_oracle(emulated, B, S, H, D, W, N,
     assert np.abs(got - oracle(*as_np(c))).max() <= 2.0 ** -7 * kv_max
 
 
-def test_shared_indices_no_compressed_cache_and_edge_rows(emulated):
+def check_edge_rows(run, emulated, D):
     """Indices [1, S, w] shared by the batch; a window-only layer (no compressed cache: one
     never-selected row stands in); a query with no row (zeros), one with one row, out-of-range
     indices (none), a repeated row (counted twice, as the reference does)."""
     rng = np.random.default_rng()
-    c = case(rng, 2, 10, 16, 64, 12, 9, 6, 4, invalid=0.0)
+    c = case(rng, 2, 10, 16, D, 12, 9, 6, 4, invalid=0.0)
     wi, ti = np.array(c["window_idx"])[:1], np.array(c["topk_idx"])[:1]
     wi[0, 0] = -1; ti[0, 0] = -1
     wi[0, 1] = [3, -1, -1, -1, -1, -1]; ti[0, 1] = -1
@@ -142,6 +149,10 @@ def test_shared_indices_no_compressed_cache_and_edge_rows(emulated):
     got = run(emulated, c)
     assert emulated.launches[0]["NK"] == 1
     check(got, c)
+
+
+def test_shared_indices_no_compressed_cache_and_edge_rows(emulated):
+    check_edge_rows(run, emulated, 64)
 
 
 def test_rotations_around_the_kernel(emulated):
@@ -179,17 +190,19 @@ def test_the_switch_takes_bf16_prefill_on_cuda_only():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["kernel_prefill_attention_mma", "kernel_prefill_attention_staged"])
 @pytest.mark.parametrize("ratio", [True, False])
-def test_prefill_attention_on_the_gpu(ratio):
-    """The CUDA build at V4.1's widths (64 heads of 512, window 128, top-512 of 1024 compressed
-    rows, or none) against the reference, 64 queries."""
+def test_prefill_attention_on_the_gpu(ratio, switch):
+    """Each launch's CUDA build (this file's kernel; the staged one of attention_prefill_staged.py)
+    at V4.1's widths (64 heads of 512, window 128, top-512 of 1024 compressed rows, or none)
+    against the reference, 64 queries."""
     if dialect.backend() != "cuda":
         pytest.skip("CUDA only")
     rng = np.random.default_rng()
     c = case(rng, 1, 64, 64, 512, 191, 1024, 128, 512, invalid=0.1, rope=32, rotate_queries=True)
     if not ratio:
         c.update(compressed_kv=None, topk_idx=None)
-    with flags.override(kernel_prefill_attention_mma=True), warnings.catch_warnings():
+    with flags.override(**{switch: True}), warnings.catch_warnings():
         warnings.simplefilter("error")
         got = np.array(sa.sparse_attention(**c).astype(mx.float32))
     check(got, c)

@@ -118,6 +118,8 @@ def problems(launch: Launch) -> list[str]:
     threads = math.prod(launch.threadgroup)
     if threads > dialect.MAX_THREADS:
         out.append(f"{threads} threads per threadgroup, more than {dialect.MAX_THREADS}")
+    if launch.kernel.max_threads and threads > launch.kernel.max_threads:
+        out.append(f"{threads} threads per threadgroup, more than its launch bounds ({launch.kernel.max_threads})")
     if launch.threadgroup[0] % dialect.SIMD_WIDTH or tuple(launch.threadgroup[1:]) != (1, 1):
         out.append(f"threadgroup {launch.threadgroup} is not ({dialect.SIMD_WIDTH} k, 1, 1): "
                    f"a SIMD group would be partial")
@@ -280,16 +282,18 @@ def v41_calls():
     rows.rope_angles(_zeros(1, dtype=mx.int32), _zeros(R, dtype=mx.float32), 1.0, t)
 
     # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs;
-    # its sparse attention there, with the selected rows and without (window-only layers).
+    # its sparse attention there (a threadgroup per 16 heads, or staged for all heads), with the
+    # selected rows and without (window-only layers).
     if dialect.backend() == "cuda":
-        with flags.override(kernel_prefill_attention_mma=True):
-            for compressed in (None, _zeros(1, CONTEXT // 2, Dh)):
-                topk_idx = None if compressed is None else _zeros(1, PREFILL_TOKENS, a.index_topk, dtype=mx.int32)
-                angles = _zeros(1, PREFILL_TOKENS, R, dtype=mx.float32)
-                sparse_attention.sparse_attention(
-                    _zeros(1, PREFILL_TOKENS, H, Dh), _zeros(1, a.sliding_window + PREFILL_TOKENS, Dh),
-                    _zeros(1, PREFILL_TOKENS, a.sliding_window, dtype=mx.int32), compressed, topk_idx,
-                    _zeros(H, dtype=mx.float32), Dh ** -0.5, angles, angles, rotate_queries=True)
+        for staged in (False, True):
+            with flags.override(kernel_prefill_attention_mma=True, kernel_prefill_attention_staged=staged):
+                for compressed in (None, _zeros(1, CONTEXT // 2, Dh)):
+                    topk_idx = None if compressed is None else _zeros(1, PREFILL_TOKENS, a.index_topk, dtype=mx.int32)
+                    angles = _zeros(1, PREFILL_TOKENS, R, dtype=mx.float32)
+                    sparse_attention.sparse_attention(
+                        _zeros(1, PREFILL_TOKENS, H, Dh), _zeros(1, a.sliding_window + PREFILL_TOKENS, Dh),
+                        _zeros(1, PREFILL_TOKENS, a.sliding_window, dtype=mx.int32), compressed, topk_idx,
+                        _zeros(H, dtype=mx.float32), Dh ** -0.5, angles, angles, rotate_queries=True)
         gate, down = _mx_matrix((E, I, D), "mxfp4"), _mx_matrix((E, D, I), "mxfp4")
         pairs = mx.array(np.sort(np.arange(PREFILL_TOKENS * k, dtype=np.uint32) % E))   # sorted, as RoutedExperts gives them
         for m, width in ((gate, D), (down, I)):

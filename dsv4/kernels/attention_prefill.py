@@ -214,18 +214,24 @@ def reference(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale):
     return attention_core(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale)
 
 
+def launch_indices(q, window_idx, compressed_kv, topk_idx):
+    """(window_idx, compressed_kv, topk_idx) as the prefill launches take them: int32 indices for
+    each of the batch's queries, and one never-selected row for a missing compressed cache."""
+    B, S, _, D = q.shape
+    fit = lambda idx: (idx if idx.shape[0] == B else mx.broadcast_to(idx, (B, S, idx.shape[-1]))).astype(mx.int32)
+    if compressed_kv is None:
+        compressed_kv = constant((((0.0,) * D,),), q.dtype)
+        topk_idx = mx.full((B, S, 1), -1, mx.int32)
+    return fit(window_idx), compressed_kv, fit(topk_idx)
+
+
 @falls_back(reference, "kernel_prefill_attention_mma")
 def prefill_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, scale):
     """sparse_attention's core (queries already rotated, output not de-rotated) for q
     [B, S, H, D] bf16 over window_kv [B, W, D] (window_idx [B|1, S, w]) and compressed_kv
     [B, N, D] or None (topk_idx [B|1, S, k]) -> [B, S, H, D] bf16."""
     B, S, H, D = q.shape
-    fit = lambda idx: (idx if idx.shape[0] == B else mx.broadcast_to(idx, (B, S, idx.shape[-1]))).astype(mx.int32)
-    window_idx = fit(window_idx)
-    if compressed_kv is None:   # one never-selected row stands for the missing cache
-        compressed_kv = constant((((0.0,) * D,),), q.dtype)
-        topk_idx = mx.full((B, S, 1), -1, mx.int32)
-    topk_idx = fit(topk_idx)
+    window_idx, compressed_kv, topk_idx = launch_indices(q, window_idx, compressed_kv, topk_idx)
     rows = window_idx.shape[-1] + topk_idx.shape[-1]
     (out,) = KERNEL(
         inputs=[q, window_kv, window_idx, compressed_kv, topk_idx, sinks.astype(mx.float32),

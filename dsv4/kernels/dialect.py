@@ -287,6 +287,7 @@ class Kernel:
     header: str = ""
     checks: tuple = field(default=(), compare=False)
     dialects: tuple = field(default=("metal", "cuda"), compare=False)
+    max_threads: int = 0   # CUDA: the threadgroup's most threads, as launch bounds (see `launch_bounds`)
 
     def source(self, dialect: str) -> tuple[str, str]:
         """(header, body) as the backend gets them: compacted, and the header cut to what the
@@ -296,7 +297,7 @@ class Kernel:
         if dialect == "metal":
             header, body = METAL_HEADER + self.header, METAL_BODY_PRELUDE + self.body
         elif dialect == "cuda":
-            header, body = CUDA_HEADER + self.header, CUDA_BODY_PRELUDE + self.body
+            header, body = CUDA_HEADER + self.header + launch_bounds(self.max_threads), CUDA_BODY_PRELUDE + self.body
         else:
             raise ValueError(f"unknown kernel dialect {dialect!r}; expected 'metal' or 'cuda'")
         body = compact(body)
@@ -317,6 +318,9 @@ class Kernel:
         dialect = backend()
         if dialect is None:
             raise RuntimeError(f"kernel {self.name}: no GPU backend (Metal or CUDA) on the default device")
+        if self.max_threads and threadgroup[0] > self.max_threads:
+            raise ValueError(f"kernel {self.name}: a threadgroup of {threadgroup[0]} threads, past its launch bounds "
+                             f"({self.max_threads})")
         bad = [(k, v) for k, v in template if isinstance(v, int) and not isinstance(v, bool) and v < 0]
         if bad:
             # CUDA names the instantiation after its template values: a minus sign breaks the name.
@@ -454,6 +458,17 @@ def _defined_name(item: str):
     if assign and (not call or assign.start() < call.start()):
         return assign.group(1)
     return call.group(1) if call else None
+
+
+def launch_bounds(max_threads: int) -> str:
+    """CUDA header lines that give the kernel __launch_bounds__(max_threads, 1), so that NVRTC keeps
+    its registers within what one threadgroup of max_threads may have (65536 / max_threads; without
+    them a launch of 512 threads fails past 128). MLX declares the kernel `__global__ void name(`
+    right after the header and takes no launch bounds itself: __global__ redefined at the header's
+    end reaches that declaration alone. Empty for 0."""
+    if not max_threads:
+        return ""
+    return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({max_threads}, 1)\n"
 
 
 def used_only(header: str, body: str) -> str:

@@ -26,7 +26,7 @@ import math
 import mlx.core as mx
 
 from dsv4 import flags
-from dsv4.kernels import attention_prefill
+from dsv4.kernels import attention_prefill, attention_prefill_staged
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back
 from dsv4.kernels.experts import _HEADER as EXPERTS_HEADER
 
@@ -605,8 +605,9 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
 
     Uses the GPU kernel when the backend has one, flag `kernel_sparse_attention` is on and
     B*S <= MAX_KERNEL_QUERIES (decode, draft verification); for more queries (prefill) on CUDA
-    the tensor-core kernel of attention_prefill.py where flag `kernel_prefill_attention_mma`
-    is on; else `sparse_attention_reference`.
+    a tensor-core kernel: attention_prefill_staged.py's where flag
+    `kernel_prefill_attention_staged` is on, else attention_prefill.py's where
+    `kernel_prefill_attention_mma` is; else `sparse_attention_reference`.
     """
     if rotate_queries and rope_cos is None:
         raise ValueError("rotate_queries needs the angles (rope_cos, rope_sin)")
@@ -617,6 +618,9 @@ def sparse_attention(q, window_kv, window_idx, compressed_kv, topk_idx, sinks, s
         return sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, sinks,
                                        scale, rope_cos, rope_sin, shape, rotate_queries)
     rows = window_idx.shape[-1] + (0 if compressed_kv is None else topk_idx.shape[-1])
+    if attention_prefill_staged.applies(q, window_kv, compressed_kv):
+        return _with_rope(attention_prefill_staged.prefill_attention, q, window_kv, window_idx, compressed_kv,
+                          topk_idx, sinks, scale, rope_cos, rope_sin, shape, rotate_queries)
     if attention_prefill.applies(q, window_kv, compressed_kv, rows):
         return _with_rope(attention_prefill.prefill_attention, q, window_kv, window_idx, compressed_kv,
                           topk_idx, sinks, scale, rope_cos, rope_sin, shape, rotate_queries)
