@@ -50,6 +50,17 @@ TILE = 16       # rows staged at a time: PV's k
 MAX_THREADS = 512   # 4 head groups of 4 SIMD groups: 128 registers a thread (launch bounds)
 
 HEADER = attention_prefill.HEADER + r"""
+// Whether row r (< NR) of query qi's list picks a row (prefill_row's test, without the pointer).
+template <int NW, int NK, typename PI>
+KFN bool prefill_row_valid(PI window_idx, PI topk_idx, int qi, int r, int W, int N) {
+  if (r < NW) {
+    const int j = window_idx[(size_t)qi * NW + r];
+    return j >= 0 && j < W;
+  }
+  if (r >= NW + NK) return false;
+  const int j = topk_idx[(size_t)qi * NK + (r - NW)];
+  return j >= 0 && j < N;
+}
 // Staged row r's 16-byte chunk c sits at chunk c ^ staged_swizzle(r) of its row.
 KFN int staged_swizzle(int r) { return (r & 6) ^ ((r & 1) << 2); }
 // Tile `tile` of query qi's rows into `dst` (TILE x D/8 chunks) by cp.async, zeros for a row that
@@ -95,6 +106,19 @@ BODY = r"""
     qa[k][0] = lo.x; qa[k][1] = hi.x; qa[k][2] = lo.y; qa[k][3] = hi.y;
     qa[k][4] = lo.z; qa[k][5] = hi.z; qa[k][6] = lo.w; qa[k][7] = hi.w;
   }
+  // Where this lane's fragments sit in a staged tile (16-byte chunks): QK's row 8 n + q at the
+  // chunks of k steps of parity p (add 8 (k >> 1)); PV's rows 2t, 2t + 1, 2t + 8, 2t + 9 at chunk
+  // q of its 64-dim blocks (add 8 h). The swizzle changes only a chunk's low 3 bits.
+  int qk_at[2][2], pv_at[4];
+  for (int n = 0; n < 2; ++n)
+    for (int p = 0; p < 2; ++p) {
+      const int r = 8 * n + q;
+      qk_at[n][p] = r * CH + dq * (DW / 8) + ((4 * p + t) ^ staged_swizzle(r));
+    }
+  for (int i = 0; i < 4; ++i) {
+    const int r = 2 * t + (i & 1) + 8 * (i >> 1);
+    pv_at[i] = r * CH + dq * (DW / 8) + (q ^ staged_swizzle(r));
+  }
   float acc[8 * NB][4];
   for (int j = 0; j < 8 * NB; ++j) for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, s0 = 0.0f, s1 = 0.0f;
@@ -117,9 +141,8 @@ BODY = r"""
     // This SIMD group's part of the scores: heads q, q + 8 x tile rows 8 n + 2t, 8 n + 2t + 1.
     float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     for (int n = 0; n < 2; ++n) {
-      const int r = 8 * n + q;
       for (int k = 0; k < KK; ++k) {
-        const uint4 v = tr[r * CH + ((dq * (DW / 8) + 4 * k + t) ^ staged_swizzle(r))];
+        const uint4 v = tr[qk_at[n][k & 1] + 8 * (k >> 1)];
         const uint32_t b0[2] = {v.x, v.y}, b1[2] = {v.z, v.w};
         mma_16816_bf16(d[n], qa[k], b0);
         mma_16816_bf16(d[n], qa[k] + 4, b1);
@@ -140,8 +163,8 @@ BODY = r"""
     }
     for (int n = 0; n < 2; ++n) {
       const int r = 16 * tile + 8 * n + 2 * t;
-      const bool ok0 = prefill_row<D, NW, NK>(window_kv, window_idx, compressed_kv, topk_idx, b, qi, r, W, N) != 0;
-      const bool ok1 = prefill_row<D, NW, NK>(window_kv, window_idx, compressed_kv, topk_idx, b, qi, r + 1, W, N) != 0;
+      const bool ok0 = prefill_row_valid<NW, NK>(window_idx, topk_idx, qi, r, W, N);
+      const bool ok1 = prefill_row_valid<NW, NK>(window_idx, topk_idx, qi, r + 1, W, N);
       sc[n][0] = ok0 ? sc[n][0] * scale : -INFINITY; sc[n][1] = ok1 ? sc[n][1] * scale : -INFINITY;
       sc[n][2] = ok0 ? sc[n][2] * scale : -INFINITY; sc[n][3] = ok1 ? sc[n][3] * scale : -INFINITY;
     }
@@ -159,13 +182,10 @@ BODY = r"""
       pa[2 * n] = bf16_rne_bits(p0) | (bf16_rne_bits(p1) << 16);
       pa[2 * n + 1] = bf16_rne_bits(p2) | (bf16_rne_bits(p3) << 16);
     }
-    // PV: chunk c of rows 2t, 2t + 1, 2t + 8, 2t + 9; n-tile 8 h + e's column q is dim 8 c + e.
+    // PV: n-tile 8 h + e's column q is dim 8 c + e, c = dq DW / 8 + 8 h + q.
     for (int h = 0; h < NB; ++h) {
-      const int c = dq * (DW / 8) + 8 * h + q;
-      const uint4 ra = tr[(2 * t) * CH + (c ^ staged_swizzle(2 * t))];
-      const uint4 rb = tr[(2 * t + 1) * CH + (c ^ staged_swizzle(2 * t + 1))];
-      const uint4 rc = tr[(2 * t + 8) * CH + (c ^ staged_swizzle(2 * t + 8))];
-      const uint4 rd = tr[(2 * t + 9) * CH + (c ^ staged_swizzle(2 * t + 9))];
+      const uint4 ra = tr[pv_at[0] + 8 * h], rb = tr[pv_at[1] + 8 * h];
+      const uint4 rc = tr[pv_at[2] + 8 * h], rd = tr[pv_at[3] + 8 * h];
       const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
       const uint32_t wc[4] = {rc.x, rc.y, rc.z, rc.w}, wd[4] = {rd.x, rd.y, rd.z, rd.w};
       for (int e = 0; e < 8; ++e) {
