@@ -8,7 +8,8 @@ Each kernel's first compile-gate instantiation (Kernel.checks: V4.1's mxfp4 expe
 mxfp8 shared expert, top-6, I = 2304, D = 5120; the matvec at K = 5120 mxfp8) is compiled once.
 Registers per thread bound the warps an SM keeps resident (65536 registers per SM): fewer
 registers, more loads in flight to hide DRAM latency in these bandwidth-bound launches.
-The prefill's routed-experts launches (experts_prefill.py) follow. `--nvdisasm PATH` adds each
+The prefill's routed-experts launches (experts_prefill.py) and sparse attention launches
+(attention_prefill.py, attention_prefill_staged.py) follow. `--nvdisasm PATH` adds each
 kernel's innermost loops in SASS instructions (nvdisasm of the cubin). `--gguf`: the GGUF-block
 launches instead (gguf_dot.py's rows_dot), every compile-gate instantiation: ds4's q2 and q4
 recipes and a Q2_K/Q4_K mix, the matvec per GGUF type.
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
-    from dsv4.kernels import experts, experts_prefill, matvec
+    from dsv4.kernels import attention_prefill, attention_prefill_staged, experts, experts_prefill, matvec
     from tools.metal_syntax_check import required_nvrtc_paths
 
     paths = required_nvrtc_paths()
@@ -173,7 +174,10 @@ def main(argv=None) -> int:
                 ("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
                 ("prefill routed experts, bf16 mma (DSV4_KERNEL_PREFILL_EXPERTS_BF16)", experts_prefill.KERNEL_BF16),
                 ("prefill routed experts, bf16 fed a chunk ahead (DSV4_KERNEL_PREFILL_EXPERTS_STREAM)",
-                 experts_prefill.KERNEL_STREAM)]]
+                 experts_prefill.KERNEL_STREAM),
+                ("prefill sparse attention, a threadgroup per 16 heads", attention_prefill.KERNEL),
+                ("prefill sparse attention, rows staged for all heads (DSV4_KERNEL_PREFILL_ATTENTION_STAGED)",
+                 attention_prefill_staged.KERNEL)]]
     for what, kernel, check in [] if a.gguf else kernels:
         r = resources(kernel, paths, check)
         sizes = [", ".join(map(str, innermost_loops(r["cubin"], a.nvdisasm)))] if loops else []
