@@ -2,8 +2,9 @@
 CPU, in CI: the body compiled with clang under the threadgroup emulator (test_kernels_matvec)
 and the mma.sync emulator (tests/mma_emulator.py, its bf16 variant), launched by the
 dispatcher itself (`sparse_attention` under dialect.pretend_gpu, each launch running the host
-build; test_kernels_attention_prefill_staged runs its kernel the same way), so the choice of path, the rotations around the kernel, the index broadcast and the
-stand-in for a missing compressed cache are checked with the body. The output must match the
+build; test_kernels_attention_prefill_staged runs its kernel the same way), so the choice of
+path, the rotations around the kernel, the index broadcast and the stand-in for a missing
+compressed cache are checked with the body. The output must match the
 plain-MLX reference within the GPU tests' bound (both round the probabilities to bf16, against
 maxima that may differ in their last fp32 bit) and the float64 oracle of model-spec §3.7 within
 bf16 rounding; a mutated fragment layout must fail. Unverified here: the real instruction and
