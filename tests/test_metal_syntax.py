@@ -55,6 +55,25 @@ def test_nvrtc_gate_rejects_a_type_error():
     assert gate.check_cuda_nvrtc(bad, paths)
 
 
+def test_nvrtc_gate_names_the_one_instantiation_that_fails():
+    """The instantiations compile as one program; when it fails, the errors name only the
+    instantiation that fails on its own (here row_tail's D = 1280, refused by a static_assert)."""
+    paths = require_nvrtc()
+    kernel = next(k for k in gate.all_kernels() if k.name == "dsv4_row_tail")
+    bad = dataclasses.replace(kernel, body=kernel.body + "\n  static_assert(D != 1280, \"refused\");\n")
+    errors = gate.check_cuda_nvrtc(bad, paths)
+    assert len(errors) == 1 and "('D', 1280)" in errors[0] and "refused" in errors[0], errors
+
+
+def test_nvrtc_programs_keep_overloads_of_one_name_apart():
+    """hc_collapse_norm's first two instantiations differ only in a parameter's type: one name,
+    two overloads, which NVRTC cannot look up in one program."""
+    kernel = next(k for k in gate.all_kernels() if k.name == "dsv4_hc_collapse_norm")
+    sources = [gate.cuda_source(kernel, check) for check in kernel.checks]
+    assert sources[0][0] == sources[1][0] != sources[2][0]
+    assert gate.programs(sources) == [[0, 2], [1]]
+
+
 def test_wrapper_matches_mlx_signature_rules():
     kernel = next(k for k in gate.all_kernels() if "metal" in k.dialects)   # the Metal gate
     src = gate.metal_source(kernel, kernel.checks[0])
