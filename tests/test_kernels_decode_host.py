@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
 """
 
 
-HOST_FLAGS = ["-std=c++20", "-O1", "-ffp-contract=off"]
+HOST_FLAGS = ["-std=c++20", "-O2", "-ffp-contract=off"]
 
 
 @functools.cache
