@@ -430,6 +430,14 @@ define("kernel_matvec_long_threadgroups", "auto",
        "(benchmarks/results/2026-12-06-1429-matvec-split.md); off: K split while fewer than 2048 rows "
        "are in flight, 4 or 2 rows while 128 threadgroups remain. auto (default): on under CUDA, off "
        "on Metal until a Mac measures it; on, off", choices=AUTO_ON_OFF)
+define("kernel_matvec_joined", False,
+       "a one-token step's projections of one input that take the matvec kernel together (wq_a and "
+       "wkv: mxfp8 or GGUF Q8_0, the same width in) as one launch over their rows stacked, where MLX's "
+       "quantized_matmul (or the kernel) runs them one launch each: a launch a layer fewer in a step "
+       "whose host encodes ~10 µs a launch. The rows are laid out once, on first use, as one matrix "
+       "of which each layer keeps a view (no memory added); each output row is the kernel's dot "
+       "product of that row (fp32, within the summation bound of MLX's). Off (default) until a GPU "
+       "has timed it; on")
 define("kernel_matvec_tokens", False,
        "GPU projections of 2-6 tokens (a DSpark verify, a batch of sessions) that take the matvec "
        "kernel (DSV4_KERNEL_MATVEC; GGUF blocks always) in one pass over the weight: each "

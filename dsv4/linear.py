@@ -20,6 +20,7 @@ GPU, for 1-8 tokens, it runs as one fused kernel (dsv4/kernels/matvec.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -251,12 +252,51 @@ def _matvec_operand(layer: nn.Module, x: mx.array, rounds: bool = False):
     its own for them), a layer with a bias or not quantized, or what `kernel_supports` refuses
     (the CPU, more than 8 tokens)."""
     gguf = isinstance(layer, GGUFLinear)
-    if not (gguf or isinstance(layer, nn.QuantizedLinear) and "bias" not in layer):
+    if not _kernel_layer(layer):
         return None
     if not flags.switch("kernel_matvec", gguf or rounds and layer["weight"].shape[0] >= MATVEC_AUTO_MIN_ROWS):
         return None
     q = matrix_operand(layer)
     return q if kernel_supports(x, q) else None
+
+
+def _kernel_layer(layer: nn.Module) -> bool:
+    """A layer whose projection the matvec kernel can make: GGUF blocks, or MLX-quantized without a bias."""
+    return isinstance(layer, GGUFLinear) or isinstance(layer, nn.QuantizedLinear) and "bias" not in layer
+
+
+def _joined_operand(layers: tuple, x: mx.array) -> Optional[tuple]:
+    """(`join_rows(layers)`) where a one-token x's projections by two or more layers run as one
+    matvec launch (flag `kernel_matvec_joined`, and `kernel_matvec` not off): layers the kernel
+    takes, of one layout and input width, on a device where it runs. Else None."""
+    if len(layers) < 2 or x.size != x.shape[-1] or not flags.get("kernel_matvec_joined"):
+        return None
+    if not all(_kernel_layer(layer) for layer in layers) or not flags.switch("kernel_matvec", True):
+        return None
+    operands = [matrix_operand(layer) for layer in layers]
+    if len({(q.layout, q.in_features) for q in operands}) > 1 or not kernel_supports(x, operands[0]):
+        return None
+    return join_rows(layers)
+
+
+def join_rows(layers: tuple) -> tuple:
+    """(the layers' weights as one kernel operand, their rows stacked in order; the row after each
+    layer's). Made once: the arrays are concatenated, then each layer's own become row views of
+    the concatenation, so that no weight is held twice; made again if a layer's weight was replaced."""
+    store = layers[0].__dict__
+    hit = store.get("_joined_rows")
+    if hit is not None and len(hit[0]) == len(layers) and all(w is l["weight"] for w, l in zip(hit[0], layers)):
+        return hit[1], hit[2]
+    names = [n for n in ("weight", "scales", "biases") if n in layers[0]]
+    joint = {n: mx.concatenate([layer[n] for layer in layers], axis=-2) for n in names}
+    ends = tuple(int(e) for e in np.cumsum([layer["weight"].shape[-2] for layer in layers]))
+    for layer, start, end in zip(layers, (0,) + ends[:-1], ends):
+        for n in names:
+            layer[n] = joint[n][start:end]
+    mx.eval(joint, [layer[n] for layer in layers for n in names])
+    q = dataclasses.replace(matrix_operand(layers[0]), **joint)
+    store["_joined_rows"] = (tuple(layer["weight"] for layer in layers), q, ends)
+    return q, ends
 
 
 def fp8_input(x: mx.array) -> mx.array:
@@ -272,6 +312,11 @@ def fp8_linears(x: mx.array, *layers: nn.Module, rounded: Optional[mx.array] = N
     matvec in one launch) where flag `kernel_matvec` says; everything else, the CPU always,
     calls the layer on the rounded x."""
     out, rounds = [], rounded is None and bool(flags.get("act_quant"))
+    joined = _joined_operand(layers, x)
+    if joined is not None:
+        q, ends = joined
+        y = quantized_matvec(x, q, rounds) if rounded is None else quantized_matvec(rounded, q, False)
+        return [y[..., a:b] for a, b in zip((0,) + ends[:-1], ends)]
     for layer in layers:
         q = _matvec_operand(layer, x, rounds)
         if q is not None:

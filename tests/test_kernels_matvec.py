@@ -426,3 +426,82 @@ def test_kernel_body_on_the_host(tmp_path, n, k, mode, bits, gs, act_quant):
     mag = np.abs(xin) @ np.abs(dequantize_np(q)).T
     # fp32 sums in some order: within 2 K 2^-24 sum|w x| of the exact float64 product.
     assert np.all(np.abs(got - want) <= 2 * k * 2.0 ** -24 * mag + 1e-30), np.abs(got - want).max()
+
+
+def two_layers(layout: str, rng):
+    """wq_a and wkv as a model holds them, at toy widths (96 and 32 rows of 256), in `layout`."""
+    from dsv4.linear import GGUFLinear
+    from dsv4.testing import gguf_block_weight
+    if layout == "Q8_0":
+        layers = [GGUFLinear(256, n, "Q8_0") for n in (96, 32)]
+        for layer in layers:
+            layer.weight = mx.array(gguf_block_weight(rng, layer.weight.shape[:1] + (256,), "Q8_0"))
+        return layers
+    return [Linear(256, n, bias=False).to_quantized(32, 8, layout) for n in (96, 32)]
+
+
+@pytest.mark.parametrize("layout", ["mxfp8", "Q8_0"])
+@pytest.mark.parametrize("pre_rounded", [False, True])
+def test_joined_projections_are_one_launch_over_the_stacked_rows(layout, pre_rounded):
+    """DSV4_KERNEL_MATVEC_JOINED: a one-token x's wq_a and wkv as one matvec over their rows
+    stacked, each output the reference matvec by its own layer's weight; the layers keep views of
+    the stacked matrix (their values, no memory added), made once."""
+    from dsv4.linear import fp8_linears, join_rows, matrix_operand
+    rng = np.random.default_rng(3)
+    a, b = two_layers(layout, rng)
+    x = mx.array(inputs(rng, 1, 256)).astype(mx.bfloat16).reshape(1, 1, 256)
+    rounded = qdq_fp8(x) if pre_rounded else None
+    want = [mv.matvec_reference(x, matrix_operand(layer), True) for layer in (a, b)]
+    weights = [np.array(layer["weight"]) for layer in (a, b)]
+    calls = []
+
+    def kernel(x, q, act_quant, groups=1):
+        calls.append((q.out_features, act_quant))
+        return mv.matvec_reference(x, q, act_quant, groups)
+
+    mx.eval(want)
+    with mock.patch("dsv4.linear.kernel_supports", return_value=True), \
+            mock.patch("dsv4.linear.quantized_matvec", side_effect=kernel), \
+            flags.override(kernel_matvec_joined=True, act_quant=True):
+        before = mx.get_active_memory()
+        q, ends = join_rows((a, b))
+        assert mx.get_active_memory() - before < weights[0].nbytes / 2, "the layers' weights held twice"
+        got = fp8_linears(x, a, b, rounded=rounded)
+        mx.eval(got)
+        assert calls == [(128, not pre_rounded)]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and mx.array_equal(g, w).item()
+        for layer, w in zip((a, b), weights):
+            np.testing.assert_array_equal(np.array(layer["weight"]), w)
+        assert ends == (96, 128) and join_rows((a, b))[0] is q
+        fp8_linears(x, a, b)
+        assert len(calls) == 2 and calls[-1][0] == 128
+        a.weight = mx.array(weights[0]) if layout == "Q8_0" else a.weight + 0   # replaced: joined again
+        assert join_rows((a, b))[0] is not q
+
+
+def test_joined_projections_only_where_one_launch_can_make_them():
+    """Not joined: two tokens (the outputs' rows would not be contiguous), layers of two layouts,
+    the switch off, or the kernel switched off; each layer then takes its own path."""
+    from dsv4.linear import fp8_linears
+    rng = np.random.default_rng(4)
+    a, b = two_layers("mxfp8", rng)
+    c = Linear(256, 32, bias=False).to_quantized(32, 4, "mxfp4")
+    one, two = (mx.array(inputs(rng, n, 256)).astype(mx.bfloat16).reshape(1, n, 256) for n in (1, 2))
+    calls = []
+
+    def kernel(x, q, act_quant, groups=1):
+        calls.append(q.out_features)
+        return mv.matvec_reference(x, q, act_quant, groups)
+
+    with mock.patch("dsv4.linear.kernel_supports", return_value=True), \
+            mock.patch("dsv4.linear.quantized_matvec", side_effect=kernel), \
+            flags.override(kernel_matvec_joined=True, kernel_matvec="on", act_quant=True):
+        for x, layers in ((two, (a, b)), (one, (a, c))):
+            fp8_linears(x, *layers)
+        with flags.override(kernel_matvec_joined=False):
+            fp8_linears(one, a, b)
+        assert calls == [96, 32, 96, 32, 96, 32]
+        with flags.override(kernel_matvec="off"):
+            fp8_linears(one, a, b)
+        assert len(calls) == 6 and "_joined_rows" not in a.__dict__

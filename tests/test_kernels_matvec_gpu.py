@@ -83,6 +83,12 @@ def test_kernel_matches_reference(shape, layout, dtype, act_quant, tokens):
         x = x.reshape(3, 1, K)      # leading dims are kept
     assert mv.kernel_supports(x, q)
     got = mv.quantized_matvec(x, q, act_quant)
+    check_matvec(got, x, q, act_quant)
+
+
+def check_matvec(got, x, q, act_quant):
+    """`got`, x's product by q, against `matvec_reference`'s within the fp32 summation bound."""
+    K, N, tokens, dtype = x.shape[-1], q.out_features, x.size // x.shape[-1], x.dtype
     want = mv.matvec_reference(x, q, act_quant)
     assert got.shape == want.shape == (*x.shape[:-1], N) and got.dtype == dtype
     got, want = f64(got).reshape(tokens, N), f64(want).reshape(tokens, N)
@@ -107,6 +113,22 @@ def test_previous_split_matches_reference(shape, layout, dtype, act_quant):
     with flags.override(kernel_matvec_long_threadgroups="off"):
         assert mv.work_split(*shape, layout[2])[0] > 1
         test_kernel_matches_reference(shape, layout, dtype, act_quant, 1)
+
+
+@pytest.mark.parametrize("pre_rounded", [False, True])
+def test_joined_wq_a_and_wkv_match_the_reference(pre_rounded):
+    """DSV4_KERNEL_MATVEC_JOINED at V4.1's widths: wq_a's 1280 rows and wkv's 512 in one launch,
+    each output within the bound of its own layer's reference, the layers' values kept."""
+    from dsv4.linear import fp8_linears
+    a, b = (Linear(5120, n, bias=False).to_quantized(32, 8, "mxfp8") for n in (1280, 512))
+    x = activations(1, 5120, mx.bfloat16).reshape(1, 1, 5120)
+    own = [mv.QuantizedMatrix.of(layer) for layer in (a, b)]
+    with flags.override(kernel_matvec_joined=True, act_quant=True):
+        got = fp8_linears(x, a, b, rounded=qdq_fp8(x) if pre_rounded else None)
+    assert "_joined_rows" in a.__dict__
+    for g, q, layer in zip(got, own, (a, b)):
+        check_matvec(g, x, q, True)
+        assert mx.array_equal(layer["weight"], q.weight).item() and mx.array_equal(layer["scales"], q.scales).item()
 
 
 def test_fp8_linear_dispatches_to_the_kernel():

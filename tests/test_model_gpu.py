@@ -64,12 +64,14 @@ def fixed_greedy(model, prompt, steps):
     return tokens, mx.stack(seen[:steps])
 
 
-def test_fp32_fixed_compiled_kernels_equal_reference_without_kernels_over_64_greedy_steps(ckpt):
+@pytest.mark.parametrize("switches", [{}, {"kernel_matvec_joined": True}], ids=["defaults", "joined"])
+def test_fp32_fixed_compiled_kernels_equal_reference_without_kernels_over_64_greedy_steps(ckpt, switches):
     """Issue 11's check: the lean decode (kernels, fixed shapes, compile, run-ahead) against
-    the plain reference path."""
+    the plain reference path; with the defaults, and with the switches still off by default
+    that change the step's launches."""
     model, _ = dsv4.load(ckpt, dtype=mx.float32)
     prompt = np.random.default_rng(1).integers(7, 500, (1, 24))
-    with flags.override(kv_qdq=False, act_quant=False):
+    with flags.override(kv_qdq=False, act_quant=False, **switches):
         fast_tokens, fast_logits = fixed_greedy(model, prompt, 64)
         with flags.override(fixed_decode="off", **KERNELS_OFF):
             ref_tokens, ref_logits = greedy(model, prompt, 64)
