@@ -6,12 +6,29 @@ import os
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")   # before any import of MLX: read at its first fp32 matmul
 
+import shutil  # noqa: E402
 import signal  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
 from dsv4.kernels.dialect import backend, poisoned_outputs  # noqa: E402
 from dsv4.testing import write_tiny_checkpoint  # noqa: E402
+from tools.cxx import HOST_BUILDS  # noqa: E402
+
+
+def pytest_configure(config):
+    """The session's folder of host-built kernel executables (tests/test_kernels_decode_host.py
+    build_host), made by the first process, whose environment xdist's workers inherit."""
+    if HOST_BUILDS not in os.environ:
+        config.host_builds = tempfile.mkdtemp(prefix="dsv4-host-builds-")
+        os.environ[HOST_BUILDS] = config.host_builds
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "host_builds", None):
+        shutil.rmtree(config.host_builds, ignore_errors=True)
+        del os.environ[HOST_BUILDS]
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,8 @@ dsv4.quant.qdq_fp8. Without a compiler the tests fail rather than skip.
 
 import atexit
 import functools
+import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -21,7 +23,7 @@ import mlx.core as mx
 
 from dsv4.kernels.experts import _HEADER
 from dsv4.quant import qdq_fp8
-from tools.cxx import cxx_command
+from tools.cxx import HOST_BUILDS, cxx_command
 
 # The standard headers of every host build (the prelude's and the threadgroup emulator's, which
 # runs its threads as ucontext fibers: macOS declares those only under _XOPEN_SOURCE). Parsing
@@ -141,12 +143,23 @@ def _precompiled_headers() -> list[str]:
 def build_host(folder, name: str, source: str):
     """source (C++, after HOST_PRELUDE) compiled in folder -> the executable's path. C++20: the
     kernels' headers use it. No FMA contraction: the bit-exact tests check fp32 arithmetic as
-    written, and zig's clang targets the host CPU, which has FMA."""
+    written, and zig's clang targets the host CPU, which has FMA. A source is built once a test
+    session: tests repeat instantiations over other inputs, and the executables are kept in the
+    session's DSV4_HOST_BUILDS (tests/conftest.py), which xdist's workers share."""
+    text = HOST_PRELUDE + source
+    builds = os.environ.get(HOST_BUILDS)
+    kept = Path(builds) / hashlib.sha256(f"{HOST_FLAGS}\n{text}".encode()).hexdigest() if builds else None
+    if kept is not None and kept.exists():
+        return kept
     src, exe = folder / f"{name}.cpp", folder / name
-    src.write_text(HOST_PRELUDE + source)
+    src.write_text(text)
     result = subprocess.run(cxx_command() + HOST_FLAGS + _precompiled_headers() + ["-o", str(exe), str(src)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[:3000]
+    if kept is not None:   # whole or not at all: another worker may be building the same source
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}")
+        shutil.copy2(exe, partial)
+        os.replace(partial, kept)
     return exe
 
 

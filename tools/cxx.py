@@ -17,6 +17,11 @@ import shutil
 import sys
 
 
+# The environment variable naming a test session's folder of host-built kernel executables
+# (tests/conftest.py makes it, tests/test_kernels_decode_host.py's build_host fills it).
+HOST_BUILDS = "DSV4_HOST_BUILDS"
+
+
 def cxx_command() -> list[str]:
     """The command that compiles C++ (clang's flags): zig's clang, else clang++ on PATH."""
     if importlib.util.find_spec("ziglang") is not None:
