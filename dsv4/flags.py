@@ -552,6 +552,14 @@ define("kernel_mhc_wide", "auto",
        "2026-12-06-0357-slice-decode.md); off on Metal until a Mac measures it; on, off",
        choices=AUTO_ON_OFF)
 
+define("kernel_moe_next_projection", False,
+       "decode (the wide mHC entry, DSV4_KERNEL_MHC_WIDE): the experts' down launch, which expands "
+       "the FFN site's streams, also makes the next layer's attention-site entry partials (its "
+       "projection, sums of squares and collapse, as the partials launch makes them), so that entry "
+       "is one launch, its finish: a launch a layer fewer, where no Engram lies between the layers. "
+       "The collapse is the partials launch's arithmetic; the projection sums in another fp32 "
+       "order. Off (default) until a GPU has timed it; on")
+
 define("kernel_mhc_tiles", "off",
        "prefill (64 tokens or more): an mHC site's projection (the mixes' 24 dot products over the "
        "4 x 5120 streams) by threadgroups of 4 tokens, each thread loading the 2 MB fp32 projection "

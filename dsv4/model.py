@@ -21,7 +21,7 @@ from .engram import Engram, NgramHasher
 from .linear import Linear
 from .kernels import cuda_cache, head as head_kernel
 from .kernels.dialect import backend
-from .kernels.mhc import hc_collapse_norm, hc_expand, hc_mixes_collapse_norm
+from .kernels.mhc import Projection, hc_collapse_norm, hc_expand, hc_mixes_collapse_norm, wide_entry
 from .moe import MoE
 
 
@@ -40,6 +40,14 @@ def layer_evaluation(state, lead: tuple[int, int]) -> Optional[Callable]:
     if how == "off" or not isinstance(state, ForwardState) or lead[0] * lead[1] == 1:
         return None
     return mx.async_eval if how == "async" else mx.eval
+
+
+def projects_ahead(block, streams: mx.array) -> bool:
+    """Whether the block before `block` makes its attention site's entry partials in its MoE's
+    expand (flag `kernel_moe_next_projection`): the wide entry's few tokens, and no Engram
+    between them (it changes the streams that enter the site)."""
+    return (bool(flags.get("kernel_moe_next_projection")) and "engram" not in block
+            and wide_entry(streams))
 
 
 class Block(nn.Module):
@@ -65,11 +73,21 @@ class Block(nn.Module):
                  lead: tuple[int, int]) -> tuple[mx.array, mx.array]:
         """streams [B*S, hc, D] (tokens flat: the kernels' and the MoE's layout), pre the
         previous site's [B*S, hc], lead = (B, S) -> the new streams and this block's pre."""
-        x, expand, pre = self.ffn_input(streams, pre, state, lead)
-        return profiler.mark("moe", self.ffn(x, expand=expand)), pre
+        return self.run(streams, pre, state, lead)[:2]
+
+    def run(self, streams: mx.array, pre: mx.array, state: ForwardState, lead: tuple[int, int],
+            projection: Optional[Projection] = None, next_fn: Optional[mx.array] = None) -> tuple:
+        """`__call__` -> (streams, pre, the next site's projection or None). `projection`: what
+        the block before made of these streams for this block's attention site; `next_fn`: the
+        next block's attention fn, whose projection the MoE's expand then makes too."""
+        x, expand, pre = self.ffn_input(streams, pre, state, lead, projection)
+        if next_fn is None:
+            return profiler.mark("moe", self.ffn(x, expand=expand)), pre, None
+        streams, projection = self.ffn(x, expand=expand + (next_fn, pre))
+        return profiler.mark("moe", streams), pre, projection
 
     def ffn_input(self, streams: mx.array, pre: mx.array, state: ForwardState,
-                  lead: tuple[int, int]) -> tuple[mx.array, tuple, mx.array]:
+                  lead: tuple[int, int], projection: Optional[Projection] = None) -> tuple[mx.array, tuple, mx.array]:
         """The block up to its MoE: -> (the MoE's input x [B*S, D], expand = (streams, post,
         comb) of the FFN site, this block's pre)."""
         a = self.args
@@ -80,7 +98,7 @@ class Block(nn.Module):
         x, *x_fp8, a_pre, a_post, a_comb = hc_mixes_collapse_norm(
             streams, pre, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base,
             self.attn_norm.weight, self.attn_norm.eps, *mixes, x_shape=(*lead, streams.shape[-1]),
-            fp8_copy=bool(flags.get("act_quant")))
+            fp8_copy=bool(flags.get("act_quant")), projection=projection)
         x = profiler.mark("attention", self.attn(x, state, *x_fp8))
         # The expand also projects the new streams for the FFN site's mixes (kernel path).
         streams, projection = hc_expand(x, streams, a_post, a_comb, self.hc_ffn_fn, a_pre)
@@ -236,8 +254,12 @@ class Model(nn.Module):
         """`blocks` (consecutive layers) over streams and pre (as `embed_streams` gives them)
         -> the streams and pre after the last of them; see `forward` for the rest."""
         evaluate = layer_evaluation(state, lead)
-        for block in blocks:
-            streams, pre = block(self.layer_input(block, streams, lead, engram_rows, hidden), pre, state, lead)
+        projection = None
+        for i, block in enumerate(blocks):
+            after = blocks[i + 1] if i + 1 < len(blocks) else None
+            next_fn = after.hc_attn_fn if after is not None and projects_ahead(after, streams) else None
+            streams, pre, projection = block.run(self.layer_input(block, streams, lead, engram_rows, hidden),
+                                                 pre, state, lead, projection, next_fn)
             if evaluate is not None:
                 evaluate(streams, pre)
         return streams, pre

@@ -137,10 +137,15 @@ class MoE(nn.Module):
         # `experts` is gone and this layer's experts come from the store's cache.
         self.streamed = None
 
-    def __call__(self, x: mx.array, expand: Optional[tuple[mx.array, mx.array, mx.array]] = None) -> mx.array:
+    def __call__(self, x: mx.array, expand: Optional[tuple] = None):
         """x [..., D] -> [..., D]; with expand = (streams, post, comb) of the FFN site, the
         expanded streams [..., hc, D] (fused into the experts kernel where it runs). Tokens
-        given flat ([N, D], streams [N, hc, D]) need no reshapes."""
+        given flat ([N, D], streams [N, hc, D]) need no reshapes. An expand that also carries
+        the next site's (fn, pre_in) gives (streams, projection) as `hc_expand` with them does:
+        that site's entry partials, made in the experts' down launch where it runs (None where
+        nothing made them)."""
+        if expand is not None and len(expand) > 3 and (self.streamed is not None or self.sharded):
+            return self(x, expand[:3]), None
         if self.streamed is not None:   # (never sharded: the loader refuses --parallel then)
             return self._streamed(x, expand)
         shape = x.shape
@@ -152,6 +157,8 @@ class MoE(nn.Module):
             y = self._fused(self.experts, flat, expand, logits=logits)
             if y is None:
                 y = self._reference(self.experts, flat, *self.gate.select(logits), expand)
+        if isinstance(y, tuple):
+            return y[0].reshape(expand[0].shape), y[1]
         return y.reshape(expand[0].shape if expand is not None else shape)
 
     def _reference(self, experts, flat, ids, weights, expand, sort_rows=None) -> mx.array:
@@ -204,9 +211,11 @@ class MoE(nn.Module):
         if q is None:
             return None
         if expand is not None:
-            streams, post, comb = expand
+            streams, post, comb, *site = expand
             (n, _), (hc, d) = flat.shape, streams.shape[-2:]
             expand = (streams.reshape(n, hc, d), post.reshape(n, hc), comb.reshape(n, hc, hc))
+            if site:   # the next site's fn and pre_in
+                expand += (site[0], site[1].reshape(n, hc))
         if logits is None:
             return fused_experts(flat, ids, weights, q[0], q[1], q[2], tuple(q[3:]), self.limit,
                                  bool(flags.get("act_quant")), expand)

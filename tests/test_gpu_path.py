@@ -14,18 +14,38 @@ def model():
     return build({**SMALL, **ROLES})[0]
 
 
-def test_kernels_stand_in_and_replace_mlx_launches(model):
-    with_kernels = gpu_path.count(model, 64)
+@pytest.fixture(scope="module")
+def default_counts(model):
+    """The step's primitives with the switches' defaults."""
+    return gpu_path.count(model, 64)
+
+
+def total(counts) -> int:
+    return counts[gpu_path.STAND_IN] + sum(launches(counts).values())
+
+
+def test_kernels_stand_in_and_replace_mlx_launches(model, default_counts):
     with flags.override(**{n: False for n in flags.FLAGS if n.startswith("kernel_")}):
         without = gpu_path.count(model, 64)
     assert without[gpu_path.STAND_IN] == 0                 # no custom kernel: nothing stood in
-    kernels = with_kernels[gpu_path.STAND_IN]
-    assert kernels >= 4 * model.args.num_hidden_layers     # attention (2) and experts (2) per layer at least
-    on = kernels + sum(launches(with_kernels).values())
+    assert default_counts[gpu_path.STAND_IN] >= 4 * model.args.num_hidden_layers   # attention (2), experts (2) a layer at least
+    on = total(default_counts)
     off = sum(launches(without).values())
     assert on < off                                        # each kernel replaces several MLX launches
-    lines = gpu_path.summary(with_kernels, model.args.num_hidden_layers)
+    lines = gpu_path.summary(default_counts, model.args.num_hidden_layers)
     assert lines[0].startswith(f"launches per step: {on} ")
+
+
+def test_joined_projections_and_the_next_projection_take_a_launch_off_each_layer(model, default_counts):
+    """DSV4_KERNEL_MATVEC_JOINED: wq_a and wkv in one launch, a layer's two MLX products gone for
+    one kernel; DSV4_KERNEL_MOE_NEXT_PROJECTION: every layer's attention entry but the first (no
+    Engram in the slice) without its partials launch, made by the layer before's down launch."""
+    layers = model.args.num_hidden_layers
+    with flags.override(kernel_matvec_joined=True, kernel_moe_next_projection=True):
+        both = gpu_path.count(model, 64)
+    assert both["QuantizedMatmul"] == default_counts["QuantizedMatmul"] - 2 * layers   # wq_a's and wkv's
+    assert both[gpu_path.STAND_IN] == default_counts[gpu_path.STAND_IN] + layers - (layers - 1)
+    assert total(both) == total(default_counts) - layers - (layers - 1)
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,15 @@ int main() {
 }
 """
 
+# The down launches' mains: the routed and shared down matrices, read after h and idx.
+DOWN_READS = r"""
+  const size_t rows = (size_t)experts * DO;
+  std::vector<uint32_t> dw(rows * I * BITS / 32);
+  std::vector<SCALE> ds(rows * I / GS), db(ds.size());
+  std::vector<uint32_t> sdw((size_t)DO * I * SBITS / 32);
+  std::vector<SSCALE> sds((size_t)DO * I / SGS), sdb(sds.size());
+  read(h); read(idx); read(dw); read(ds); read(db); read(sdw); read(sds); read(sdb);
+"""
 DOWN_MAIN = r"""
 void body(const T* h, const int* idx, const uint32_t* down_w, const SCALE* down_s, const SCALE* down_b,
           const uint32_t* sdown_w, const SSCALE* sdown_s, const SSCALE* sdown_b, const T* residual,
@@ -81,13 +90,7 @@ int main() {
   const int tokens = read_int(), experts = read_int();
   std::vector<T> h((size_t)tokens * (K + HS) * I), y((size_t)tokens * DO, T(NAN));
   std::vector<int> idx(tokens * K);
-  const size_t rows = (size_t)experts * DO;
-  std::vector<uint32_t> dw(rows * I * BITS / 32);
-  std::vector<SCALE> ds(rows * I / GS), db(ds.size());
-  std::vector<uint32_t> sdw((size_t)DO * I * SBITS / 32);
-  std::vector<SSCALE> sds((size_t)DO * I / SGS), sdb(sds.size());
-  read(h); read(idx); read(dw); read(ds); read(db); read(sdw); read(sds); read(sdb);
-  constexpr int RW = ROWS * 32 / LANES;
+""" + DOWN_READS + r"""  constexpr int RW = ROWS * 32 / LANES;
   launch(32 * GROUPS, (DO + RW - 1) / RW, tokens, [&](int t, int g, int z, int threads) {
     body(h.data(), idx.data(), dw.data(), ds.data(), db.data(), sdw.data(), sds.data(), sdb.data(), nullptr,
          nullptr, nullptr, y.data(), t, g, z, threads);
@@ -245,3 +248,89 @@ def test_mxfp4_integer_unit_on_the_host(tmp_path, tokens):
         assert ex.kernel_supports(x, gate, up, down, shared)
     h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True, integer=True)
     check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, True), True)
+
+
+DOWN_PROJECTING_MAIN = r"""
+void body(const T* h, const int* idx, const uint32_t* down_w, const SCALE* down_s, const SCALE* down_b,
+          const uint32_t* sdown_w, const SSCALE* sdown_s, const SSCALE* sdown_b, const T* residual,
+          const float* post, const float* comb, T* y, const float* fn, const float* pre_in, float* partial,
+          T* collapsed, uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+  EMULATED_IDS(tid)
+  BODY
+}
+int main() {
+  const int tokens = read_int(), experts = read_int();
+  constexpr int RW = ROWS * 32 / LANES, BLOCKS = (DO + RW - 1) / RW, NM = HC * (2 + HC);
+  std::vector<T> h((size_t)tokens * (K + HS) * I), residual((size_t)tokens * HC * DO);
+  std::vector<T> y((size_t)tokens * HC * DO, T(NAN)), collapsed((size_t)tokens * DO, T(NAN));
+  std::vector<int> idx(tokens * K);
+  std::vector<float> post(tokens * HC), comb(tokens * HC * HC), fn((size_t)NM * HC * DO), pre_in(tokens * HC);
+  std::vector<float> partial((size_t)tokens * BLOCKS * (NM + 2), NAN);
+""" + DOWN_READS + r"""  read(residual); read(post); read(comb); read(fn); read(pre_in);
+  launch(32 * GROUPS, BLOCKS, tokens, [&](int t, int g, int z, int threads) {
+    body(h.data(), idx.data(), dw.data(), ds.data(), db.data(), sdw.data(), sds.data(), sdb.data(), residual.data(),
+         post.data(), comb.data(), y.data(), fn.data(), pre_in.data(), partial.data(), collapsed.data(), t, g, z, threads);
+  });
+  std::fwrite(y.data(), 2, y.size(), stdout);
+  std::fwrite(collapsed.data(), 2, collapsed.size(), stdout);
+  std::fwrite(partial.data(), 4, partial.size(), stdout);
+  return 0;
+}
+"""
+
+
+def f32_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (nearest even), as float32."""
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def test_down_body_makes_the_next_sites_entry_partials(tmp_path, tokens=3):
+    """DSV4_KERNEL_MOE_NEXT_PROJECTION: the projecting down body on V4.1's experts (mxfp4, the
+    mxfp8 shared expert), HC 4, D = 160 (20 column blocks of 8): its new streams are the expand of
+    the plain down body's y in the kernel's fp32 order (bit for bit: the host makes no FMAs), the
+    collapse with pre_in likewise, and each column block's partials the projection by fn, sum of
+    X^2 and of h^2 over its 8 columns, within the fp32 summation bound of float64's."""
+    rng = np.random.default_rng([7, tokens])
+    I, D, HC = 288, 160, 4
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), I, D, tokens)
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True)
+    consts = layouts(K, I, D, gate, shared)
+    plain = np.array(run_down(tmp_path, E, K, h, idx, down, shared[2], consts).astype(mx.float32))
+    residual = mx.array(rng.standard_normal((tokens, HC, D)).astype(np.float32)).astype(mx.bfloat16)
+    post, pre_in = (rng.uniform(0.1, 2.0, (tokens, HC)).astype(np.float32) for _ in range(2))
+    comb = rng.uniform(0.0, 1.0, (tokens, HC, HC)).astype(np.float32)
+    NM = HC * (2 + HC)
+    fn = (rng.standard_normal((NM, HC * D)) * 0.05).astype(np.float32)
+    groups = K + ex.shared_splits(down, shared[2], K)
+    exe = build(tmp_path, "down_projecting", ex.DOWN_PROJECTING_KERNEL, DOWN_PROJECTING_MAIN,
+                dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=HC, GROUPS=groups), down, shared[2])
+    data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
+            + matrix_bytes(down, down, E * D, I) + matrix_bytes(shared[2], down, D, I)
+            + bf16_bits(residual) + post.tobytes() + comb.tobytes() + fn.tobytes() + pre_in.tobytes())
+    out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
+    n_streams, blocks = tokens * HC * D, D // (ex.ROWS_DOWN * 32 // ex.LANES_DOWN)
+    streams = np.array(from_bf16_bits(out[:2 * n_streams], (tokens, HC, D)).astype(mx.float32))
+    collapsed = np.array(from_bf16_bits(out[2 * n_streams:2 * (n_streams + tokens * D)], (tokens, D)).astype(mx.float32))
+    partial = np.frombuffer(out[2 * (n_streams + tokens * D):], np.float32).reshape(tokens, blocks, NM + 2)
+
+    res = np.array(residual.astype(mx.float32))
+    want = np.empty_like(streams)
+    for j in range(HC):   # v = post_j y, then + comb[i][j] R_i in order, each step rounded to fp32
+        v = post[:, j:j + 1] * plain
+        for i in range(HC):
+            v = (v + comb[:, i, j:j + 1] * res[:, i]).astype(np.float32)
+        want[:, j] = f32_bf16(v)
+    np.testing.assert_array_equal(streams, want)
+    hv = np.zeros((tokens, D), np.float32)
+    for c in range(HC):
+        hv = (hv + pre_in[:, c:c + 1] * streams[:, c]).astype(np.float32)
+    np.testing.assert_array_equal(collapsed, f32_bf16(hv))
+
+    xs = streams.astype(np.float64).reshape(tokens, HC, blocks, D // blocks)
+    f = fn.astype(np.float64).reshape(NM, HC, blocks, D // blocks)
+    exact = np.concatenate([np.einsum("mjbc,tjbc->tbm", f, xs), (xs ** 2).sum((1, 3))[..., None],
+                            (collapsed.astype(np.float64).reshape(tokens, blocks, -1) ** 2).sum(-1)[..., None]], -1)
+    mag = np.concatenate([np.einsum("mjbc,tjbc->tbm", np.abs(f), np.abs(xs)), exact[..., NM:]], -1)
+    assert np.isfinite(partial).all()
+    assert (np.abs(partial - exact) <= 2 * HC * D // blocks * 2.0 ** -24 * mag + 1e-30).all()

@@ -289,6 +289,38 @@ def test_experts_with_fused_expand_equals_expand_kernel():
     assert np.mean(fused == want) > 0.99
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_experts_down_makes_the_next_sites_entry_partials(tokens):
+    """DSV4_KERNEL_MOE_NEXT_PROJECTION at V4.1's width (mxfp4 experts, the mxfp8 shared expert):
+    the expand that also carries the next site's fn and pre_in gives the plain fused expand's
+    streams bit for bit, and a projection whose entry (its finish alone) gives the entry's x of
+    the partials launch (the same collapse; its RMS factor summed in another order: an ulp apart
+    at most, rarely) and the reference's mixes."""
+    E, I, D, K = 24, 256, 5120, 6
+    gate, up, down = (quantized(s, "mxfp4", 4, 32) for s in ((E, I, D), (E, I, D), (E, D, I)))
+    shared = tuple(quantized(s, "mxfp8", 8, 32) for s in ((I, D), (I, D), (D, I)))
+    x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
+    idx = mx.array(np.stack([RNG.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    rw = arr(RNG.uniform(0.05, 1.0, (tokens, K)))
+    expand = (arr(RNG.standard_normal((tokens, 4, D)), mx.bfloat16), arr(RNG.uniform(0, 2, (tokens, 4))),
+              arr(RNG.uniform(0, 1, (tokens, 4, 4))))
+    fn = arr(RNG.standard_normal((24, 4 * D)) / np.sqrt(4 * D))
+    pre_in = arr(RNG.uniform(0, 1, (tokens, 4)))
+    streams, projection = ex.experts(x, idx, rw, gate, up, down, shared, 10.0, True, expand + (fn, pre_in))
+    assert projection is not None and projection.collapsed is not None
+    np.testing.assert_array_equal(f32(streams), f32(ex.experts(x, idx, rw, gate, up, down, shared, 10.0, True, expand)))
+    scale, base = arr(RNG.uniform(0.5, 2, 3)), arr(RNG.standard_normal(24))
+    weight = arr(RNG.uniform(0.5, 1.5, D), mx.bfloat16)
+    args = (streams, pre_in, fn, scale, base, weight, 1e-6, 1e-20, 1e-6, 20)
+    x_in, *mixes = mhc.hc_mixes_collapse_norm(*args, projection=projection)
+    separate = mhc.hc_mixes_collapse_norm(*args)
+    np.testing.assert_allclose(f32(x_in), f32(separate[0]), rtol=2.0 ** -8, atol=0)
+    assert np.mean(f32(x_in) == f32(separate[0])) > 0.999
+    want = mhc.hc_mixes_reference(streams, fn, scale, base, 1e-20, 1e-6, 20)
+    for g, w in zip(mixes, want):
+        np.testing.assert_allclose(f32(g), f32(w), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("tokens,expand", [(1, True), (3, False), (8, True)])
 def test_routed_experts_run_the_routers_tail_in_the_gate_up_kernel(tokens, expand):
     """The router's tail inside the gate/up launch (routed_experts) is the router kernel's

@@ -141,9 +141,9 @@ def test_the_wide_entry_is_the_default_under_cuda_only(monkeypatch, gpu, wide):
     """auto: the H100 measured the wide launches faster (the slice's step 2.52 against 2.70 ms);
     no Mac has measured them."""
     monkeypatch.setattr(mhc, "backend", lambda: gpu)
-    assert mhc._wide(mx.zeros((1, 1, 4, 64), mx.bfloat16)) is wide
+    assert mhc.wide_entry(mx.zeros((1, 1, 4, 64), mx.bfloat16)) is wide
     with flags.override(kernel_mhc_wide="off" if wide else "on"):
-        assert mhc._wide(mx.zeros((1, 1, 4, 64), mx.bfloat16)) is not wide
+        assert mhc.wide_entry(mx.zeros((1, 1, 4, 64), mx.bfloat16)) is not wide
 
 
 def test_references_take_flat_token_layouts():

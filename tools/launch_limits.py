@@ -221,6 +221,8 @@ def v41_calls():
         logits = _zeros(t, E, dtype=mx.float32)
         route(logits, _zeros(E, dtype=mx.float32), k, 1.0, a.routed_scaling_factor, True)
         expand = (_zeros(t, hc, D), _zeros(t, hc, dtype=mx.float32), _zeros(t, hc, hc, dtype=mx.float32))
+        # the expand that also makes the next site's entry partials (DSV4_KERNEL_MOE_NEXT_PROJECTION)
+        projecting = expand + (_zeros(hc * (2 + hc), hc * D, dtype=mx.float32), _zeros(t, hc, dtype=mx.float32))
         for routed, dense in layouts:
             gate, up, down = routed((E, I, D)), routed((E, I, D)), routed((E, D, I))
             shared = (dense((I, D)), dense((I, D)), dense((D, I)))
@@ -228,7 +230,8 @@ def v41_calls():
             # halves units
             for e, switches in ((None, {}), (expand, {}), (expand, dict(kernel_moe_dp4a=True)),
                                 (expand, dict(kernel_gguf_dp4a_down=True)),
-                                (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_dp4a=False))):
+                                (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_dp4a=False)),
+                                (projecting, {}), (projecting, dict(kernel_gguf_dp4a_down=True))):
                 with flags.override(**switches):
                     experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up,
                                     down, shared, a.swiglu_limit, True, e)

@@ -37,7 +37,7 @@ from dsv4 import flags
 from dsv4.kernels import gguf_dot
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
 from dsv4.kernels.gguf_dot import GGUFMatrix
-from dsv4.kernels.mhc import hc_expand
+from dsv4.kernels.mhc import Projection, hc_expand
 from dsv4.kernels.router import HEADER as ROUTER_HEADER
 from dsv4.kernels.router import kernel_applies as route_kernel_applies
 from dsv4.kernels.router import route
@@ -621,11 +621,8 @@ _DOWN_DOTS = r"""
       part[(int)warp * RW + (int)lane / LANES * ROWS + r] = slot < K ? float(static_cast<T>(acc[r])) : acc[r];
 """
 _DOWN_DOTS = _DOWN_DOTS.replace("MAX_SHARED_SPLITS", str(MAX_SHARED_SPLITS))
-# The down launch's sum of the slots' outputs and its epilogue, after part[slot * RW + row].
-_DOWN_SUM = r"""
-  BARRIER();
-  const int o = row0 + (int)tid;
-  if ((int)tid < RW && o < DO) {
+# The down launch's sum of the slots' outputs (part[slot * RW + row]) for row o = row0 + tid: total.
+_DOWN_TOTAL = r"""
     float total = 0.0f;
     for (int s = 0; s < K; ++s) total += part[s * RW + (int)tid];
     if (HS) {   // the shared expert's parts, in order
@@ -633,26 +630,76 @@ _DOWN_SUM = r"""
       for (int j = 1; j < SPLITS; ++j) shared_part += part[(K + j) * RW + (int)tid];
       total += float(static_cast<T>(shared_part));
     }
-    if (HC == 0) {
-      y[(size_t)t * DO + o] = static_cast<T>(total);
-    } else {
-      // mHC expand fused: y becomes the HC new streams [tokens, HC, DO], in hc_expand's order.
-      const float yv = float(static_cast<T>(total));
-      for (int j = 0; j < HC; ++j) {
+"""
+# mHC expand fused: new stream j at row o, v = post_j y + sum_i comb[i][j] R_i (hc_expand's order).
+_EXPAND_STREAM = r"""
         float v = post[t * HC + j] * yv;
         for (int i = 0; i < HC; ++i)
           v += comb[(t * HC + i) * HC + j] * float(residual[((size_t)t * HC + i) * DO + o]);
+"""
+# The down launch's epilogue: y [tokens, DO], or with the expand the HC new streams [tokens, HC, DO].
+_DOWN_SUM = r"""
+  BARRIER();
+  const int o = row0 + (int)tid;
+  if ((int)tid < RW && o < DO) {""" + _DOWN_TOTAL + r"""
+    if (HC == 0) {
+      y[(size_t)t * DO + o] = static_cast<T>(total);
+    } else {
+      const float yv = float(static_cast<T>(total));
+      for (int j = 0; j < HC; ++j) {""" + _EXPAND_STREAM + r"""
         y[((size_t)t * HC + j) * DO + o] = static_cast<T>(v);
       }
     }
   }
 """
+# The epilogue with the expand that also makes the next site's entry partials, as the wide path's
+# partials launch makes them (mhc.py; DSV4_KERNEL_MOE_NEXT_PROJECTION): SIMD group 0's lanes are
+# the threadgroup's RW rows (columns of the streams). Each expands its column, then over its HC
+# stored streams X_j takes the projection by the next site's fn, sum X_j^2, and the collapse
+# h = round(sum_c pre_in_c X_c) (the partials launch's arithmetic) with h^2, summed over the lanes
+# into the column block's partials: partial[t, group_y] = (NM projections, sum X^2, sum h^2);
+# collapsed[t, o] = h.
+_DOWN_SUM_PROJECTING = r"""
+  BARRIER();
+  static_assert(RW <= 32, "a column a lane of SIMD group 0");
+  constexpr int NM = HC * (2 + HC);
+  const int o = row0 + (int)tid;
+  if (warp == 0) {
+    float acc[NM + 2];
+    for (int m = 0; m < NM + 2; ++m) acc[m] = 0.0f;
+    if ((int)tid < RW && o < DO) {""" + _DOWN_TOTAL + r"""
+      const float yv = float(static_cast<T>(total));
+      float x[HC];
+      for (int j = 0; j < HC; ++j) {""" + _EXPAND_STREAM + r"""
+        const T stored = static_cast<T>(v);
+        y[((size_t)t * HC + j) * DO + o] = stored;
+        x[j] = float(stored);
+      }
+      float hv = 0.0f;
+      for (int c = 0; c < HC; ++c) hv += pre_in[t * HC + c] * x[c];
+      const T h = static_cast<T>(hv);
+      collapsed[(size_t)t * DO + o] = h;
+      acc[NM + 1] = float(h) * float(h);
+      for (int j = 0; j < HC; ++j) {
+        acc[NM] += x[j] * x[j];
+        for (int m = 0; m < NM; ++m) acc[m] += x[j] * fn[(size_t)m * (HC * DO) + j * DO + o];
+      }
+    }
+    const size_t at = ((size_t)t * ((DO + RW - 1) / RW) + group_y) * (NM + 2);
+    for (int m = 0; m < NM + 2; ++m) {
+      const float sum = simd_sum_f(acc[m]);
+      if (lane == 0) partial[at + m] = sum;
+    }
+  }
+"""
 
 _DOWN_BODY = _DOWN_DOTS + _DOWN_SUM
+_DOWN_PROJECTING_BODY = _DOWN_DOTS + _DOWN_SUM_PROJECTING
 # The down launch over h as X_INTS limbs (_STORE_LIMBS): rows_dot's integer units read them.
-_DOWN_LIMBS_BODY = (_DOWN_DOTS.replace("GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;",
+_DOWN_LIMBS_DOTS = (_DOWN_DOTS.replace("GLOBAL T* hrow = h + ((size_t)t * (K + HS) + slot) * I;",
                                        "GLOBAL uint4* hrow = (GLOBAL uint4*)h + ((size_t)t * (K + HS) + slot) * (I / 32) * X_INTS;")
-                    .replace("I, 0, false>", "I, X_INTS, false>") + _DOWN_SUM)
+                    .replace("I, 0, false>", "I, X_INTS, false>"))
+_DOWN_LIMBS_BODY = _DOWN_LIMBS_DOTS + _DOWN_SUM
 
 # Where the gate/up kernel gets slot `slot`'s expert and router weight: from the router's
 # outputs, or (the routed variant) by running the router's tail itself, SIMD group 0 of every
@@ -747,6 +794,16 @@ ROUTED_GATE_UP_KERNEL = Kernel(name="dsv4_experts_routed_gate_up", input_names=_
                                header=_HEADER + ROUTER_HEADER, checks=_check_instances("routed_gate_up"))
 DOWN_KERNEL = Kernel(name="dsv4_experts_down", input_names=_DOWN_INPUTS, output_names=("y",),
                      body=_DOWN_BODY, header=_HEADER, checks=_check_instances("down"))
+
+
+def _projecting(down: Kernel, body: str) -> Kernel:
+    """`down`'s launch with the epilogue that also makes the next site's entry partials
+    (_DOWN_SUM_PROJECTING). Compile gates: `down`'s first instance with the expand, fn and pre_in
+    fp32 (the dots before the epilogue are `down`'s, whose gates take every layout)."""
+    ins, outs, tmpl = next(check for check in down.checks if dict(check[2])["HC"] > 0)
+    checks = ((ins + (mx.float32, mx.float32), outs + (mx.float32, outs[0]), tmpl),)
+    return Kernel(name=down.name.replace("_down", "_down_projecting"), input_names=_DOWN_INPUTS + ("fn", "pre_in"),
+                  output_names=("y", "partial", "collapsed"), body=body, header=down.header, checks=checks)
 
 
 # The same bodies over rows of GGUF blocks (gguf_dot.py's rows_dot). Launch shapes (ROWS, LANES)
@@ -852,6 +909,12 @@ GGUF_LIMBS_GATE_UP_KERNEL, GGUF_LIMBS_ROUTED_GATE_UP_KERNEL = GGUF_GATE_UP_KERNE
 # The down launch over h as limbs (DSV4_KERNEL_GGUF_DP4A_DOWN): rows_dot's integer units read them.
 GGUF_LIMBS_DOWN_KERNEL = Kernel(name="dsv4_experts_down_gguf_limbs", input_names=_DOWN_INPUTS, output_names=("y",),
                                 body=_DOWN_LIMBS_BODY, header=_GGUF_HEADER, checks=_gguf_limbs_checks("down"))
+# The down launches' projecting twins (DSV4_KERNEL_MOE_NEXT_PROJECTION), by the down launch's name.
+DOWN_PROJECTING_KERNEL = _projecting(DOWN_KERNEL, _DOWN_PROJECTING_BODY)
+GGUF_DOWN_PROJECTING_KERNEL = _projecting(GGUF_DOWN_KERNEL, _DOWN_PROJECTING_BODY)
+GGUF_LIMBS_DOWN_PROJECTING_KERNEL = _projecting(GGUF_LIMBS_DOWN_KERNEL, _DOWN_LIMBS_DOTS + _DOWN_SUM_PROJECTING)
+PROJECTING_DOWN_KERNELS = {DOWN_KERNEL.name: DOWN_PROJECTING_KERNEL, GGUF_DOWN_KERNEL.name: GGUF_DOWN_PROJECTING_KERNEL,
+                           GGUF_LIMBS_DOWN_KERNEL.name: GGUF_LIMBS_DOWN_PROJECTING_KERNEL}
 
 
 def _kernels(m):
@@ -1023,10 +1086,11 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     dtype = mx.bfloat16 if limbs else h.dtype   # the kernels' activations are bf16 (kernel_supports)
     K = indices.shape[-1]
     DO = down.out_features
+    site = ()
     if expand is None:
         streams, out_shape, hc = [_placeholder()] * 3, (T, DO), 0
     else:
-        residual, post, comb = expand
+        residual, post, comb, *site = expand
         hc = residual.shape[-2]
         streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
         out_shape = (T, hc, DO)
@@ -1036,13 +1100,19 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
     per_group, groups = rows * 32 // lanes, K + shared_splits(down, s_down, K)
     template += [("ROWS", rows), ("LANES", lanes)]
-    (y,) = kernel(
+    blocks = math.ceil(DO / per_group)
+    outputs = dict(output_shapes=[out_shape], output_dtypes=[dtype])
+    if site:   # the next site's fn and pre_in: its entry partials, a column block's each
+        kernel = PROJECTING_DOWN_KERNELS[kernel.name]
+        streams += [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in site]
+        outputs = dict(output_shapes=[out_shape, (T * blocks * (hc * (2 + hc) + 2),), (T, DO)],
+                       output_dtypes=[dtype, mx.float32, dtype])
+    y, *made = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,
-        output_shapes=[out_shape], output_dtypes=[dtype],
-        grid=(32 * groups, math.ceil(DO / per_group), T), threadgroup=(32 * groups, 1, 1),
+        grid=(32 * groups, blocks, T), threadgroup=(32 * groups, 1, 1),
         # h arrives already rounded to fp8 (gate_up kernel), so no act_quant here.
-        template=template + [("I", I), ("DO", DO), ("HC", hc)])
-    return y
+        template=template + [("I", I), ("DO", DO), ("HC", hc)], **outputs)
+    return (y, Projection(made[0], blocks, made[1])) if site else y
 
 
 def shared_splits(down, s_down, K: int) -> int:

@@ -563,7 +563,7 @@ def _compiled_mixes_reference(norm_eps: float, hc_eps: float, iterations: int):
                                         iterations=iterations))
 
 
-def _wide(streams) -> bool:
+def wide_entry(streams) -> bool:
     """The wide decode path applies (switch on, few tokens, quads of columns, whole lanes)."""
     *lead, hc, D = streams.shape
     return (flags.switch("kernel_mhc_wide", backend() == "cuda") and math.prod(lead) <= WIDE_MAX_TOKENS
@@ -711,7 +711,7 @@ def hc_mixes_collapse_norm(streams, pre_in, fn, scale, base, norm_weight, rms_ep
         """The kernel's outputs as returned: the fp8 copy rounded after it where it made none."""
         return (x, *(copy or ([qdq_fp8(x)] if fp8_copy else [])), pre, post, comb)
 
-    if projection is None and _wide(streams):
+    if projection is None and wide_entry(streams):
         projection = _entry_partials(streams, fn, pre_in)
     if projection is not None and projection.collapsed is not None:
         kernel = ENTRY_FINISH_FP8_KERNEL if fused_copy else ENTRY_FINISH_KERNEL
@@ -749,7 +749,7 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None):
         return hc_expand_reference(y, residual, post, comb, fn)
     *lead, hc, D = residual.shape
     tokens = math.prod(lead)
-    if fn is not None and pre is not None and _wide(residual):
+    if fn is not None and pre is not None and wide_entry(residual):
         splits = _column_blocks(hc, D)
         out, partial, collapsed = EXPAND_PARTIALS_KERNEL(
             inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre)],
