@@ -145,7 +145,7 @@ def build_host(folder, name: str, source: str):
     kernels' headers use it. No FMA contraction: the bit-exact tests check fp32 arithmetic as
     written, and zig's clang targets the host CPU, which has FMA. A source is built once a test
     session: tests repeat instantiations over other inputs, and the executables are kept in the
-    session's DSV4_HOST_BUILDS (tests/conftest.py), which xdist's workers share."""
+    session's folder (tools/cxx.py HOST_BUILDS, made by tests/conftest.py), which xdist's workers share."""
     text = HOST_PRELUDE + source
     builds = os.environ.get(HOST_BUILDS)
     kept = Path(builds) / hashlib.sha256(f"{HOST_FLAGS}\n{text}".encode()).hexdigest() if builds else None

@@ -19,7 +19,7 @@ import sys
 
 # The environment variable naming a test session's folder of host-built kernel executables
 # (tests/conftest.py makes it, tests/test_kernels_decode_host.py's build_host fills it).
-HOST_BUILDS = "DSV4_HOST_BUILDS"
+HOST_BUILDS = "DSV4TESTS_HOST_BUILDS"   # not DSV4_: dsv4 warns of unknown switches
 
 
 def cxx_command() -> list[str]:
