@@ -353,14 +353,16 @@ define("kernel_topk", True,
        "the indexer's top-k rows (ties to the lower row) and their visibility for 1-8 queries in "
        "one GPU launch by radix selection (~4 launches otherwise, the partition a full sort); "
        "off runs the plain-MLX ops")
-define("kernel_prefill_rows", "off",
+define("kernel_prefill_rows", "auto",
        "a prefill chunk (the reference path, more than one position) runs its projection tails "
        "(norm, RoPE of the last dims, fp8/fp4 rounding) and the attention output's inverse RoPE "
        "as dsv4/kernels/rows.py launches with each position's angles ([S, R] from one launch), as "
        "the fixed-shape step does, instead of plain-MLX ops (RoPE: fp32 casts and transposes of "
        "the whole [S, 64, 512] queries and output). The same roundings; cos/sin and the norm's "
-       "fp32 sums as the kernels compute them. off (default) until a GPU has run it; on; auto: on "
-       "under CUDA",
+       "fp32 sums as the kernels compute them. auto (default): on under CUDA, where with "
+       "DSV4_KERNEL_MHC_TILES and DSV4_KERNEL_PREFILL_ATTENTION_STAGED the slice prefilled 4K at 22019 "
+       "tokens/s against 20511 with the staged attention alone on an H100 (32K: 15406 against 15415; "
+       "benchmarks/results/2026-12-07-0742-slice-prefill.md); off on Metal until a Mac runs it; on, off",
        choices=AUTO_ON_OFF)
 define("kernel_rows_positions", True,
        "a fixed-shape step of several positions (DSpark's verify, a draft block) runs its "
@@ -414,13 +416,15 @@ define("kernel_prefill_attention_mma", "auto",
        "where it took 6.98 ms against 16.96 for 2048 queries (benchmarks/results/"
        "2026-12-04-0831-prefill-matmuls.md) and the slice's 4K prefill 0.49 s against 0.54 "
        "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
-define("kernel_prefill_attention_staged", "off",
+define("kernel_prefill_attention_staged", "auto",
        "CUDA: prefill's sparse attention with a threadgroup per query and all its heads (up to 64), "
        "the query's rows staged once in threadgroup memory by cp.async for every head, the scores "
        "recomputed in a second pass instead of stored (dsv4/kernels/attention_prefill_staged.py), "
        "instead of kernel_prefill_attention_mma's threadgroup per 16 heads, which reads each row from "
-       "L2 once per 16 heads and pass. The same roundings, another fp32 summation order. off "
-       "(default) until a GPU has timed it; on; auto: on under CUDA", choices=AUTO_ON_OFF)
+       "L2 once per 16 heads and pass. The same roundings, another fp32 summation order. auto "
+       "(default): on under CUDA, where the slice prefilled 4K at 20511 tokens/s against 19000 and 32K "
+       "at 15415 against 14523 on an H100 (benchmarks/results/2026-12-07-0742-slice-prefill.md); on, off",
+       choices=AUTO_ON_OFF)
 define("kernel_matvec_long_threadgroups", "auto",
        "the one-token matvec launch (DSV4_KERNEL_MATVEC; GGUF blocks always): fewer, longer "
        "threadgroups, since each copies and rounds the whole x before its first load: K split over "
@@ -560,13 +564,14 @@ define("kernel_moe_next_projection", False,
        "The collapse is the partials launch's arithmetic; the projection sums in another fp32 "
        "order. Off (default) until a GPU has timed it; on")
 
-define("kernel_mhc_tiles", "off",
+define("kernel_mhc_tiles", "auto",
        "prefill (64 tokens or more): an mHC site's projection (the mixes' 24 dot products over the "
        "4 x 5120 streams) by threadgroups of 4 tokens, each thread loading the 2 MB fp32 projection "
        "matrix's values at its columns once for the 4, where a threadgroup per token reads all of "
        "it per token (the expand's fused projection too, which then leaves it to the next site's "
-       "entry); the same sums in the same order. off (default) until a GPU has measured it; on; "
-       "auto: on under CUDA", choices=AUTO_ON_OFF)
+       "entry); the same sums in the same order. auto (default): on under CUDA (with "
+       "DSV4_KERNEL_PREFILL_ROWS: see it for the H100's numbers); off on Metal until a Mac measures "
+       "it; on, off", choices=AUTO_ON_OFF)
 
 # --- decode loop ----------------------------------------------------------------------------
 define("fixed_decode", "auto",

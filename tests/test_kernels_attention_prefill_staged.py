@@ -105,9 +105,11 @@ def test_the_switch_takes_bf16_prefill_on_cuda_only():
         with dialect.pretend_gpu("metal", None):
             assert not st.applies(q(), kv, kv)
     with dialect.pretend_gpu("cuda", None):
-        assert not st.applies(q(), kv, kv)                          # default: off
-        with flags.override(kernel_prefill_attention_staged="auto"):
-            assert st.applies(q(), kv, kv)
+        assert st.applies(q(), kv, kv)                              # default: auto, on under CUDA
+        with flags.override(kernel_prefill_attention_staged="off"):
+            assert not st.applies(q(), kv, kv)
+    with dialect.pretend_gpu("metal", None):
+        assert not st.applies(q(), kv, kv)
     assert st.shared_bytes(512, 64) <= dialect.shared_memory_limit("cuda")
     assert [st.head_groups(h) for h in (16, 32, 48, 64, 128)] == [1, 2, 1, 4, 4]
 

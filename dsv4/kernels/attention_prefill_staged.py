@@ -1,5 +1,5 @@
 """Prefill's sparse attention with each query's rows staged once for all its heads (flag
-`kernel_prefill_attention_staged`; off until timed on a GPU).
+`kernel_prefill_attention_staged`; auto: on under CUDA).
 
 Why. attention_prefill.py's launch gives a threadgroup 16 heads of one query, so a query's 640
 rows (640 KB at V4.1's widths) come from L2 once per group of 16 heads and pass: 8 times for
