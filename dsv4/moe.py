@@ -144,7 +144,8 @@ class MoE(nn.Module):
         the next site's (fn, pre_in) gives (streams, projection) as `hc_expand` with them does:
         that site's entry partials, made in the experts' down launch where it runs (None where
         nothing made them)."""
-        if expand is not None and len(expand) > 3 and (self.streamed is not None or self.sharded):
+        site = expand is not None and len(expand) > 3
+        if site and (self.streamed is not None or self.sharded):
             return self(x, expand[:3]), None
         if self.streamed is not None:   # (never sharded: the loader refuses --parallel then)
             return self._streamed(x, expand)
@@ -157,7 +158,7 @@ class MoE(nn.Module):
             y = self._fused(self.experts, flat, expand, logits=logits)
             if y is None:
                 y = self._reference(self.experts, flat, *self.gate.select(logits), expand)
-        if isinstance(y, tuple):
+        if site:
             return y[0].reshape(expand[0].shape), y[1]
         return y.reshape(expand[0].shape if expand is not None else shape)
 

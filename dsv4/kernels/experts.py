@@ -37,7 +37,7 @@ from dsv4 import flags
 from dsv4.kernels import gguf_dot
 from dsv4.kernels.dialect import Kernel, backend, constant, falls_back, shared_memory_limit
 from dsv4.kernels.gguf_dot import GGUFMatrix
-from dsv4.kernels.mhc import Projection, hc_expand
+from dsv4.kernels.mhc import Projection, hc_expand, partials_shape
 from dsv4.kernels.router import HEADER as ROUTER_HEADER
 from dsv4.kernels.router import kernel_applies as route_kernel_applies
 from dsv4.kernels.router import route
@@ -1089,10 +1089,10 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     site = ()
     if expand is None:
         streams, out_shape, hc = [_placeholder()] * 3, (T, DO), 0
-    else:
-        residual, post, comb, *site = expand
-        hc = residual.shape[-2]
-        streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (post, comb)]
+    else:   # residual, post, comb, and the next site's fn and pre_in where given: all but residual fp32
+        residual, *mixes = expand
+        site, hc = mixes[2:], residual.shape[-2]
+        streams = [residual] + [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in mixes]
         out_shape = (T, hc, DO)
     layouts = down.template(integer=True) + (s_down or down).template("S", integer=True) if limbs else None
     template = _common_template(dtype, K, down, s_down, layouts)
@@ -1102,10 +1102,9 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     template += [("ROWS", rows), ("LANES", lanes)]
     blocks = math.ceil(DO / per_group)
     outputs = dict(output_shapes=[out_shape], output_dtypes=[dtype])
-    if site:   # the next site's fn and pre_in: its entry partials, a column block's each
+    if site:   # the next site's entry partials, a column block's each
         kernel = PROJECTING_DOWN_KERNELS[kernel.name]
-        streams += [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in site]
-        outputs = dict(output_shapes=[out_shape, (T * blocks * (hc * (2 + hc) + 2),), (T, DO)],
+        outputs = dict(output_shapes=[out_shape, partials_shape(T, blocks, hc), (T, DO)],
                        output_dtypes=[dtype, mx.float32, dtype])
     y, *made = kernel(
         inputs=[h, indices] + matrix_operands(down) + matrix_operands(s_down) + streams,

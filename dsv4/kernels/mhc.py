@@ -575,8 +575,9 @@ def _column_blocks(hc: int, D: int) -> int:
     return math.ceil(D / (128 // hc))
 
 
-def _partials_shape(tokens: int, splits: int, hc: int) -> tuple:
-    """The wide path's partials: per token and split, the NM projections and two sums of squares."""
+def partials_shape(tokens: int, splits: int, hc: int) -> tuple:
+    """The wide path's partials (and the projecting down launch's, experts.py): per token and
+    split, the NM projections and two sums of squares."""
     return (tokens * splits * (hc * (2 + hc) + 2),)
 
 
@@ -585,7 +586,7 @@ def _entry_partials(streams, fn, pre_in) -> Projection:
     tokens, splits = math.prod(lead), _column_blocks(hc, D)
     partial, collapsed = ENTRY_PARTIALS_KERNEL(
         inputs=[streams, _float32(fn), _float32(pre_in)],
-        output_shapes=[_partials_shape(tokens, splits, hc), (tokens, D)],
+        output_shapes=[partials_shape(tokens, splits, hc), (tokens, D)],
         output_dtypes=[mx.float32, streams.dtype], grid=(32 * splits, tokens, 1), threadgroup=(32, 1, 1),
         template=[("T", streams.dtype), ("HC", hc), ("D", D), ("SPLITS", splits)])
     return Projection(partial, splits, collapsed)
@@ -753,7 +754,7 @@ def hc_expand(y, residual, post, comb, fn=None, pre=None):
         splits = _column_blocks(hc, D)
         out, partial, collapsed = EXPAND_PARTIALS_KERNEL(
             inputs=[y, residual, _float32(post), _float32(comb), _float32(fn), _float32(pre)],
-            output_shapes=[residual.shape, _partials_shape(tokens, splits, hc), (tokens, D)],
+            output_shapes=[residual.shape, partials_shape(tokens, splits, hc), (tokens, D)],
             output_dtypes=[residual.dtype, mx.float32, residual.dtype],
             grid=(32 * splits, tokens, 1), threadgroup=(32, 1, 1),
             template=[("T", residual.dtype), ("HC", hc), ("D", D), ("SPLITS", splits)])
