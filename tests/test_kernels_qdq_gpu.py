@@ -29,7 +29,7 @@ def cases(rng, shape):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("shape", [(1, 1, 5120), (3, 7, 64), (2, 128)])
+@pytest.mark.parametrize("shape", [(1, 1, 5120), (3, 7, 64), (2, 128), (1, 5, 32), (1, 4096, 2304)])
 @pytest.mark.parametrize("name", ["qdq_fp8", "qdq_fp4_pow2"])
 def test_qdq_kernel_is_bit_identical_to_the_reference(name, shape, dtype):
     assert backend() is not None, "needs MLX's CUDA or Metal backend"

@@ -114,3 +114,22 @@ def test_fp4_packing_is_exact_dequant():
                                  mode="mxfp4", dtype=mx.float32))
     want = e2m1_packed_value(w) * np.repeat(e8m0_scale(s), 32, -1)
     np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("shape,threads", [((4096, 5120), 256), ((1, 5120), 256), ((3, 7, 64), 64),
+                                           ((1, 3, 32), 32), ((2, 96), 64)])
+def test_the_rounding_kernel_launches_whole_threadgroups_of_up_to_eight_blocks(shape, threads):
+    """The GPU launch of quant.qdq_fp8 (a SIMD group a block of 32): as many blocks a threadgroup
+    as divide the values, up to 8, so that a prefill's rounding starts 8x fewer threadgroups and
+    none is partial (the kernel has no bounds check)."""
+    from dsv4.kernels import dialect
+    launches = []
+
+    def record(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, **_):
+        launches.append((grid, threadgroup))
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with dialect.pretend_gpu("cuda", record):
+        quant.qdq_fp8(mx.zeros(shape, mx.bfloat16))
+    ((grid, tg),) = launches
+    assert grid == (int(np.prod(shape)), 1, 1) and tg == (threads, 1, 1) and grid[0] % threads == 0

@@ -85,8 +85,8 @@ for _fmt, _name in ((FP8, "FP8"), (FP4, "FP4")):   # the reference's constants, 
               .replace(f"{_name}_TOP", f"AS_FLOAT({_f32_bits(_top)})"))
 
 _BODY = r"""
-  // grid (elements, 1, 1), threadgroup 32: one SIMD group per block of 32 values.
-  const uint32_t i = group_x * 32u + tid;
+  // grid (elements, 1, 1): one SIMD group per block of 32 values, THREADGROUP / 32 a threadgroup.
+  const uint32_t i = group_x * group_threads + tid;
   out[i] = static_cast<T>(qdq_pow2_lane<MODE>(float(x[i])));
 """
 
@@ -118,6 +118,15 @@ def qdq_pow2_kernel(x: mx.array, fmt: int) -> mx.array:
     """x rounded per 32 values to e4m3 (fmt FP8) or e2m1 (FP4) with a power-of-two scale."""
     kernel = QDQ_FP8_KERNEL if fmt == FP8 else QDQ_FP4_KERNEL
     (out,) = kernel(inputs=[x], output_shapes=[x.shape], output_dtypes=[x.dtype],
-                    grid=(x.size, 1, 1), threadgroup=(BLOCK, 1, 1),
+                    grid=(x.size, 1, 1), threadgroup=(threadgroup(x.size), 1, 1),
                     template=[("T", x.dtype), ("MODE", fmt)])
     return out
+
+
+def threadgroup(size: int) -> int:
+    """Threads a threadgroup for `size` values (a multiple of BLOCK): the most, up to 256, that
+    divide it, so that every threadgroup is whole. A block a threadgroup made a prefill's
+    rounding of 4096 x 5120 values 655360 threadgroups of one SIMD group, which an H100 ran at
+    0.11 TB/s (0.53 ms: benchmarks/results/2026-12-07-1005-prefill-profile-4096-c4096.md),
+    bound by starting them."""
+    return next(n for n in (256, 128, 64, BLOCK) if size % n == 0)
