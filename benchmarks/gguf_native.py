@@ -223,7 +223,7 @@ def prefill_rows(name, weights, chunk=512, chunks=8):
     """One MoE layer's routed experts over chunks of tokens: the GGUF layers' prefill path
     against gather_qmm on the affine mapping."""
     from dsv4.linear import GGUFExpertLinear, QuantizedExpertLinear
-    from dsv4.moe import clamped_swiglu
+    from dsv4.kernels.swiglu import clamped_swiglu
 
     gate, up, down, _ = weights
     layers = {}

@@ -517,6 +517,15 @@ define("kernel_gguf_halves", "auto",
        "(benchmarks/results/2026-12-03-2111-gguf-native.md), and with the table of pairs the q2 gate/up "
        "463 vs 543 us at eight tokens, the same at one (2026-12-04-1623-gguf-halves-iq2.md); off on Metal until a Mac measures it; on, off",
        choices=AUTO_ON_OFF)
+define("kernel_swiglu", "auto",
+       "the experts' hidden activation where the fused decode kernel does not make it (prefill "
+       "chunks, the routed pairs sorted by expert): the clamped SwiGLU, the router weight, the "
+       "rounding to the activation dtype and to fp8 in one launch (dsv4/kernels/swiglu.py), "
+       "where plain MLX makes ~10 launches over fp32 copies; silu as the decode kernel computes "
+       "it, so a value may round one bf16 (fp8) step from the reference's. auto (default): on "
+       "under CUDA, where an H100's slice prefilled 4K tokens at 24898 tokens/s against 23690 and "
+       "32K at 16651 against 16552 (benchmarks/results/2026-12-07-1016-slice-prefill.md); off on "
+       "Metal until a Mac measures it; on, off", choices=AUTO_ON_OFF)
 define("kernel_head", True,
        "fp32 logits of 1-8 tokens from the bf16 head in one pass through a custom GPU kernel (also "
        "the compressors' fp32 kv and gate inputs, both in one launch); off runs x_fp32 @ W.T, for "

@@ -20,16 +20,9 @@ from .kernels.experts import routed_experts
 from .kernels.experts import kernel_supports as experts_kernel_supports
 from .kernels.mhc import hc_expand
 from .kernels.router import route
+from .kernels import swiglu
 from .linear import (ExpertLinear, Linear, dequant_matmul, fp8_input, fp8_linear, fp8_linears,
                      matrix_operand)
-
-
-def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
-    """silu(min(g, limit)) * clip(u, -limit, limit) in fp32."""
-    g, u = g.astype(mx.float32), u.astype(mx.float32)
-    if limit > 0:
-        g, u = mx.minimum(g, limit), mx.clip(u, -limit, limit)
-    return nn.silu(g) * u
 
 
 class Router(nn.Module):
@@ -89,9 +82,8 @@ class RoutedExperts(nn.Module):
         if not (n * k >= 64 if sort_rows is None else sort_rows):
             # Few rows: every token's k experts straight from the indices.
             xs = fp8_input(x)[:, None, None, :]                              # [N, 1, 1, D]
-            h = clamped_swiglu(self.w1(xs, ids), self.w3(xs, ids), self.limit)
-            h = h * weights[..., None, None]
-            y = self.w2(fp8_input(h.astype(x.dtype)), ids)                   # [N, k, 1, D]
+            h = swiglu.hidden(self.w1(xs, ids), self.w3(xs, ids), weights, self.limit, flags.get("act_quant"))
+            y = self.w2(h, ids)                                              # [N, k, 1, D]
             return y[:, :, 0]
         # Many rows: sort the (token, expert) pairs so each expert's rows go together.
         flat = ids.reshape(-1)
@@ -99,9 +91,9 @@ class RoutedExperts(nn.Module):
         inv = mx.argsort(order)
         xs = fp8_input(x)[order // k][:, None, :]                            # [N*k, 1, D]
         e = flat[order]
-        h = clamped_swiglu(self.w1(xs, e, True), self.w3(xs, e, True), self.limit)
-        h = h * weights.reshape(-1)[order][:, None, None]
-        y = self.w2(fp8_input(h.astype(x.dtype)), e, True)
+        h = swiglu.hidden(self.w1(xs, e, True), self.w3(xs, e, True), weights.reshape(-1)[order], self.limit,
+                          flags.get("act_quant"))
+        y = self.w2(h, e, True)
         return y[inv].reshape(n, k, -1)
 
 
@@ -115,7 +107,7 @@ class SharedExpert(nn.Module):
         self.limit = args.swiglu_limit
 
     def __call__(self, x: mx.array) -> mx.array:
-        h = clamped_swiglu(*fp8_linears(x, self.w1, self.w3), self.limit)
+        h = swiglu.clamped_swiglu(*fp8_linears(x, self.w1, self.w3), self.limit)
         return fp8_linear(self.w2, h.astype(x.dtype))
 
 

@@ -174,7 +174,8 @@ def v41_calls():
     dense projections mxfp8) and ds4 GGUFs' (GGUF_RECIPES)."""
     from benchmarks.slice_decode import REAL, ROLES
     from dsv4.config import ModelArgs
-    from dsv4.kernels import experts, experts_prefill, head, indexer, matvec, mhc, rows, sparse_attention, topk
+    from dsv4.kernels import (experts, experts_prefill, head, indexer, matvec, mhc, rows, sparse_attention, swiglu,
+                              topk)
     from dsv4.kernels.router import route
     from dsv4.model import Model
     from dsv4.quant import qdq_fp4_pow2, qdq_fp8
@@ -283,6 +284,13 @@ def v41_calls():
     rows.row_tail(_zeros(1, t, H * Dh), None, angles, rows.NO_QDQ, shape=(1, t, H, Dh))
     rows.row_tail(_zeros(1, t, a.q_lora_rank), (_zeros(a.q_lora_rank), 1e-20), None, rows.FP8)
     rows.rope_angles(_zeros(1, dtype=mx.int32), _zeros(R, dtype=mx.float32), 1.0, t)
+
+    # The hidden activation of a prefill chunk's routed pairs (and of the few-rows path, a decode
+    # step's without the fused kernel), on every backend
+    with flags.override(kernel_swiglu=True):
+        for pairs in (t * k, k):
+            swiglu.hidden(_zeros(pairs, 1, I), _zeros(pairs, 1, I), _zeros(pairs, dtype=mx.float32),
+                          a.swiglu_limit, True)
 
     # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs;
     # its sparse attention there (a threadgroup per 16 heads, or staged for all heads), with the
