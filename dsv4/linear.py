@@ -97,7 +97,19 @@ class QuantizedLinear(nn.QuantizedLinear):
         return super().__call__(x).astype(x.dtype)
 
 
-class ExpertLinear(nn.Module):
+class ExpertPairs(nn.Module):
+    """Stacked experts [E, out, in] multiplying (row, expert) pairs: pair m is x's row m (x_rows[m]
+    where given) through expert indices[m], its product put at row m (out_rows[m]: a permutation),
+    so that a caller who sorts the pairs by expert (prefill) need not gather x or the products
+    back itself. Subclasses give `pairs` (x's rows in pair order, products in pair order)."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
+                 x_rows: Optional[mx.array] = None, out_rows: Optional[mx.array] = None) -> mx.array:
+        y = self.pairs(x if x_rows is None else x[x_rows], indices, sorted_indices)
+        return experts_prefill.placed(y, out_rows)
+
+
+class ExpertLinear(ExpertPairs):
     """Stacked expert weights [E, out, in]; row m of x goes through expert indices[m]."""
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int):
@@ -105,7 +117,7 @@ class ExpertLinear(nn.Module):
         scale = math.sqrt(1 / input_dims)
         self.weight = mx.random.uniform(-scale, scale, (num_experts, output_dims, input_dims))
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    def pairs(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if dequant_matmul() and self["weight"].dtype != mx.float32:   # the CPU's gather_mm: fp32 only
             w = kept(self, "dense_float32", self["weight"], lambda: self["weight"].astype(mx.float32))
             return mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=indices,
@@ -146,7 +158,7 @@ class GGUFLinear(nn.Module):
         return (x.astype(mx.float32) @ w.T).astype(x.dtype)
 
 
-class GGUFExpertLinear(nn.Module):
+class GGUFExpertLinear(ExpertPairs):
     """Stacked experts kept as GGUF blocks: weight uint8 [E, out, row bytes]; row m of x
     through expert indices[m], as ExpertLinear. Decode (1-8 tokens on a GPU) runs in the fused
     experts kernel (moe.py); here, prefill and the CPU: the CPU multiplies by a dense fp32 copy,
@@ -168,7 +180,7 @@ class GGUFExpertLinear(nn.Module):
     def dequantized(self) -> mx.array:
         return kept(self, "dense_float32", self["weight"], lambda: self.matrix().dequantized())
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    def pairs(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if dequant_matmul():
             w = self.dequantized().swapaxes(-1, -2)
             return mx.gather_mm(x.astype(mx.float32), w, rhs_indices=indices,
@@ -208,20 +220,24 @@ def matrix_operand(layer: nn.Module):
     return None
 
 
-class QuantizedExpertLinear(nn.Module):
+class QuantizedExpertLinear(ExpertPairs):
     def __init__(self, group_size: int, bits: int, mode: str):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
+                 x_rows: Optional[mx.array] = None, out_rows: Optional[mx.array] = None) -> mx.array:
+        if not dequant_matmul() and experts_prefill.applies(self, x, indices, x_rows):   # rows read and put in place
+            return experts_prefill.prefill_experts(x, self["weight"], self["scales"], indices, self.group_size,
+                                                   self.bits, self.mode, sorted_indices, x_rows, out_rows)
+        return super().__call__(x, indices, sorted_indices, x_rows, out_rows)
+
+    def pairs(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if dequant_matmul():
             w = _dense(self, mx.float32)
             out = mx.gather_mm(x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=indices,
                                sorted_indices=sorted_indices)
             return out.astype(x.dtype)
-        if experts_prefill.applies(self, x, indices):
-            return experts_prefill.prefill_experts(x, self["weight"], self["scales"], indices, self.group_size,
-                                                   self.bits, self.mode, sorted_indices)
         return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"),
                              rhs_indices=indices, transpose=True, group_size=self.group_size,
                              bits=self.bits, mode=self.mode, sorted_indices=sorted_indices)

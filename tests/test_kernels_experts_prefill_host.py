@@ -54,20 +54,20 @@ template <int N> inline void cp_async_wait() {
 """
 
 MAIN = r"""
-void body(const T* x, const uint32_t* w, const uint8_t* s, const int* tiles, T* y,
-          uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
+void body(const T* x, const uint32_t* w, const uint8_t* s, const int* tiles, const int* x_rows, const int* y_rows,
+          T* y, uint32_t tid, uint32_t group_y, uint32_t group_z, uint32_t group_threads) {
   EMULATED_IDS(tid)
   BODY
 }
 int main() {
-  const int pairs = read_int(), rows = read_int(), n_tiles = read_int();
-  std::vector<T> x((size_t)pairs * K), y((size_t)pairs * N, T(NAN));
+  const int pairs = read_int(), x_count = read_int(), rows = read_int(), n_tiles = read_int();
+  std::vector<T> x((size_t)x_count * K), y((size_t)pairs * N, T(NAN));
   std::vector<uint32_t> w((size_t)rows * K * BITS / 32);
   std::vector<uint8_t> s((size_t)rows * K / 32);
-  std::vector<int> tiles(3 * n_tiles);
-  read(x); read(w); read(s); read(tiles);
+  std::vector<int> tiles(3 * n_tiles), x_rows(pairs), y_rows(pairs);
+  read(x); read(w); read(s); read(tiles); read(x_rows); read(y_rows);
   launch(THREADS, (N + ROWS - 1) / ROWS, n_tiles, [&](int t, int g, int z, int threads) {
-    body(x.data(), w.data(), s.data(), tiles.data(), y.data(), t, g, z, threads);
+    body(x.data(), w.data(), s.data(), tiles.data(), x_rows.data(), y_rows.data(), y.data(), t, g, z, threads);
   });
   std::fwrite(y.data(), 2, y.size(), stdout);
   return 0;
@@ -99,11 +99,12 @@ def host_launch(folder, mutation="", body_mutations=()):
         values = {n: v for n, v in template if isinstance(v, int)}
         assert kernel in (experts_prefill.KERNEL, experts_prefill.KERNEL_BF16, experts_prefill.KERNEL_STREAM)
         assert threadgroup == (experts_prefill.THREADS, 1, 1)
-        x, w, s, tiles = inputs
+        x, w, s, tiles, x_rows, y_rows = inputs
         (pairs, n), = output_shapes
         assert grid == (experts_prefill.THREADS, -(-n // launch_rows(kernel)), tiles.shape[0])
-        head = np.array([pairs, w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes()
-        data = head + bf16_bits(x) + np.array(w).tobytes() + np.array(s).tobytes() + np.array(tiles).tobytes()
+        assert x_rows.dtype == y_rows.dtype == mx.int32 and x_rows.shape == y_rows.shape == (pairs,)
+        head = np.array([pairs, x.shape[0], w.shape[0] * w.shape[1], tiles.shape[0]], np.int32).tobytes()
+        data = head + bf16_bits(x) + b"".join(np.array(a).tobytes() for a in (w, s, tiles, x_rows, y_rows))
         out = subprocess.run([str(exe(kernel, values, MAIN))], input=data, capture_output=True, check=True).stdout
         return [from_bf16_bits(out, (pairs, n))]
 
@@ -188,6 +189,29 @@ def test_prefill_experts_on_the_host(tmp_path, mode, n, k, sort, staging):
     y = host_prefill(tmp_path, layer, x, ids, sort, staging)
     assert y.shape == (2 * tile + 6, 1, n) and y.dtype == mx.bfloat16
     check(y, layer, x, ids)
+
+
+@pytest.mark.parametrize("staging", ["launch", "bf16", "stream"])
+def test_pairs_read_their_tokens_rows_and_land_in_token_order(tmp_path, staging):
+    """As RoutedExperts calls the layer at prefill: pairs sorted by expert, each reading its
+    token's row of x (x_rows: tokens shared by several pairs, not copied per pair) and its product
+    put at its place in (token, slot) order (out_rows), by the launch itself."""
+    rng = np.random.default_rng(11)
+    bf16_tiles = staging != "launch"
+    tile = experts_prefill.BF16_TILE_PAIRS if bf16_tiles else experts_prefill.TILE_PAIRS
+    pairs = 2 * tile + 6
+    layer, x, ids = problem(rng, "mxfp4", 6, 136 if bf16_tiles else 40, 256, pairs, tile)
+    tokens = rng.integers(0, pairs // 3, pairs)          # x's first pairs / 3 rows are the tokens
+    order = np.argsort(ids, kind="stable")
+    launch = host_launch(tmp_path)
+    with (flags.override(kernel_prefill_experts_mma=True, dequant_matmul="off", **STAGINGS[staging]),
+          dialect.pretend_gpu("cuda", launch), warnings.catch_warnings()):
+        warnings.simplefilter("error")
+        y = layer(x[: pairs // 3], mx.array(ids[order]), True, x_rows=mx.array(tokens[order]),
+                  out_rows=mx.array(order.astype(np.int32)))
+        mx.eval(y)
+    assert launch.kernels == LAUNCHES[staging]
+    check(y, layer, x[mx.array(tokens)], ids)
 
 
 @pytest.mark.parametrize("staging", ["bf16", "stream"])
@@ -303,9 +327,14 @@ def test_prefill_experts_on_the_gpu(mode, n, k, staging):
 
 @pytest.mark.parametrize("mode", ["mxfp4", "mxfp8"])
 def test_the_reference_is_each_pairs_product(mode):
-    """The plain-MLX reference the kernel falls back to (CPU here) against the same float64 products."""
+    """The plain-MLX reference the kernel falls back to (CPU here) against the same float64
+    products, with and without the pairs' rows."""
     rng = np.random.default_rng()
     layer, x, ids = problem(rng, mode, 5, 24, 128, 40)
     y = experts_prefill.reference(x, layer.weight, layer.scales, mx.array(ids), 32, layer.bits, mode)
     assert y.shape == (40, 1, 24) and y.dtype == mx.bfloat16
     check(y, layer, x, ids)
+    tokens, order = rng.integers(0, 40, 40), rng.permutation(40)
+    y = experts_prefill.reference(x, layer.weight, layer.scales, mx.array(ids[order]), 32, layer.bits, mode,
+                                  x_rows=mx.array(tokens[order]), out_rows=mx.array(order))
+    check(y, layer, x[mx.array(tokens)], ids)

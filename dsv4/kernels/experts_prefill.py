@@ -2,7 +2,9 @@
 whose experts average a full tile, where the H200 measured it faster than gather_qmm).
 
 At prefill the (token, expert) pairs come sorted by expert (moe.RoutedExperts), each expert a
-run of rows. MLX's gather_qmm multiplies them at 26 TFLOP/s on the H200, 3% of its bf16 rate
+run of rows; each sorted pair reads its token's row of x (`x_rows`) and stores its product in
+(token, slot) order (`out_rows`), so that neither x nor the products are gathered around the
+launch (at a 4096-token chunk each gather moved 251 MB a layer at 0.26 TB/s on an H100). MLX's gather_qmm multiplies them at 26 TFLOP/s on the H200, 3% of its bf16 rate
 (benchmarks/results/2026-12-04-0241-prefill-matmuls.md); its gather_mm on bf16 weights is no
 faster. Here a threadgroup multiplies a tile of up to 32 pairs of one expert by 64 rows of that
 expert's MX matrix with mma.sync m16n8k16: the weights as fp16 A fragments straight from their
@@ -48,6 +50,7 @@ MX_MODES = {"mxfp4": 4, "mxfp8": 8}   # the MX layouts (bits) the launches decod
 
 _PREAMBLE = r"""
   // grid (THREADS, ceil(N / 64), tiles); tile z = (expert, first pair, pairs) in `tiles`.
+  // Sorted pair p multiplies x's row x_rows[p] into y's row y_rows[p].
   constexpr int GROUPS = K / 32;
   const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
   const int count = tiles[3 * (int)group_z + 2];
@@ -89,7 +92,7 @@ _STORE = r"""
   for (int j = 0; j < 4; ++j)
     for (int i = 0; i < 4; ++i) {
       const int pr = 8 * j + 2 * t + (i & 1), row = row0 + q + (i >= 2 ? 8 : 0);
-      if (pr < count && row < N) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[j][i]);
+      if (pr < count && row < N) y[(size_t)y_rows[first + pr] * N + row] = static_cast<T>(acc[j][i]);
     }
 """
 
@@ -117,7 +120,7 @@ _CONVERT = r"""
       uint32_t* to = xp + pr * XSTRIDE + 16 * gl;
       if (pr < count) {
         float v[32];
-        for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)(first + pr) * K, 4 * c + gl, c8, v + 8 * c8);
+        for (int c8 = 0; c8 < 4; ++c8) load_bf16_8(x + (size_t)x_rows[first + pr] * K, 4 * c + gl, c8, v + 8 * c8);
         xsc[pr * 4 + gl] = pack_x_pairs<MODE>(to, v);
       } else {
         for (int p = 0; p < 16; ++p) to[p] = 0u;
@@ -141,13 +144,14 @@ _BF16_STAGE = r"""
     for (int h = 0; h < 2; ++h) {   // pairs tid / 4 and 32 + tid / 4, group tid % 4 of the chunk
       const int pr = ((int)tid >> 2) + 32 * h, gl = (int)tid & 3;
       uint32_t* to = xp + pr * XSTRIDE + 16 * gl;
-      if (pr < count) pack_bf16_pairs<MODE>(to, x + (size_t)(first + pr) * K + 32 * (4 * c + gl));
+      if (pr < count) pack_bf16_pairs<MODE>(to, x + (size_t)x_rows[first + pr] * K + 32 * (4 * c + gl));
       else if (pr < 8 * blocks) for (int i = 0; i < 16; ++i) to[i] = 0u;
     }
 """
 
 _BF16_BODY = r"""
   // grid (THREADS, ceil(N / 128), tiles); tile z = (expert, first pair, pairs <= 64) in `tiles`.
+  // Sorted pair p multiplies x's row x_rows[p] into y's row y_rows[p].
   constexpr int GROUPS = K / 32;
   const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
   const int count = tiles[3 * (int)group_z + 2];
@@ -202,7 +206,7 @@ STAGE
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int pr = 8 * j + 2 * t + (i & 1), row = row0 + 16 * set + q + (i >= 2 ? 8 : 0);
-        if (pr < count) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[set][j][i]);
+        if (pr < count) y[(size_t)y_rows[first + pr] * N + row] = static_cast<T>(acc[set][j][i]);
       }
 """
 
@@ -239,15 +243,16 @@ template <bool HUGE> KFN uint32_t stream_scaled(uint32_t v, int m) {
 }
 // Piece i (0-3) of lane t's group in the chunk of x of a pair of parity odd: its place in the buffer row.
 KFN int stream_piece(int t, int i, int odd) { return (4 * t + i) ^ (t & 2) ^ odd; }
-// Chunk c of the tile's x (its `count` pairs from `first`) into buffer c & 1 of xs by cp.async, one
-// group: thread tid copies piece tid % 16 of pairs tid / 16 + 8 r.
-template <int K, typename PX> KFN void stream_stage(uint32_t* xs, PX x, int first, int count, uint32_t tid, int c) {
+// Chunk c of the tile's x (its `count` pairs from `first`, pair p's row x_rows[p]) into buffer c & 1
+// of xs by cp.async, one group: thread tid copies piece tid % 16 of pairs tid / 16 + 8 r.
+template <int K, typename PX, typename PR>
+KFN void stream_stage(uint32_t* xs, PX x, PR x_rows, int first, int count, uint32_t tid, int c) {
   const int piece = (int)tid & 15;
   for (int r = 0; r < 8; ++r) {
     const int pr = ((int)tid >> 4) + 8 * r;
     if (pr < count)
       cp_async16(xs + (c & 1) * 64 * STREAM_X_WORDS + pr * STREAM_X_WORDS + 4 * stream_piece(piece >> 2, piece & 3, pr & 1),
-                 x + (size_t)(first + pr) * K + 128 * c + 8 * piece);
+                 x + (size_t)x_rows[first + pr] * K + 128 * c + 8 * piece);
   }
   cp_async_commit();
 }
@@ -310,6 +315,7 @@ KFN void stream_chunk(const uint32_t (&wc)[4][BITS], const int* m,
 
 _STREAM_BODY = r"""
   // grid (THREADS, ceil(N / 128), tiles); tile z = (expert, first pair, pairs <= 64) in `tiles`.
+  // Sorted pair p multiplies x's row x_rows[p] into y's row y_rows[p].
   constexpr int GROUPS = K / 32;
   constexpr int CHUNKS = K / 128;
   const int expert = tiles[3 * (int)group_z], first = tiles[3 * (int)group_z + 1];
@@ -325,11 +331,11 @@ _STREAM_BODY = r"""
   for (int set = 0; set < 2; ++set)
     for (int j = 0; j < 8; ++j) for (int i = 0; i < 4; ++i) acc[set][j][i] = 0.0f;
   uint32_t wc[4][BITS], wn[4][BITS], code[4], next[4];
-  stream_stage<K>(xs, x, first, count, tid, 0);
+  stream_stage<K>(xs, x, x_rows, first, count, tid, 0);
   stream_rows<BITS, GROUPS>(wl, sl, 0, wc, code);
   for (int c = 0; c < CHUNKS; ++c) {
     if (c + 1 < CHUNKS) {   // the next chunk's x and weights in flight while this one multiplies
-      stream_stage<K>(xs, x, first, count, tid, c + 1);
+      stream_stage<K>(xs, x, x_rows, first, count, tid, c + 1);
       stream_rows<BITS, GROUPS>(wl, sl, c + 1, wn, next);
       cp_async_wait<1>();
     } else {
@@ -359,7 +365,7 @@ _STREAM_BODY = r"""
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int pr = 8 * j + 2 * t + (i & 1), row = row0 + 16 * set + q + (i >= 2 ? 8 : 0);
-        if (pr < count) y[(size_t)(first + pr) * N + row] = static_cast<T>(acc[set][j][i]);
+        if (pr < count) y[(size_t)y_rows[first + pr] * N + row] = static_cast<T>(acc[set][j][i]);
       }
 """
 
@@ -469,23 +475,23 @@ HEADER = _HEADER + _HALVES_HEADER + _PACK_HEADER + _BF16_HEADER
 
 _SHAPES = (("mxfp4", 4, 2304, 5120), ("mxfp4", 4, 5120, 2304), ("mxfp8", 8, 2304, 5120))
 
-_X_CHECKS = tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32), (mx.bfloat16,),
+_X_CHECKS = tuple(((mx.bfloat16, mx.uint32, mx.uint8, mx.int32, mx.int32, mx.int32), (mx.bfloat16,),
                    (("T", mx.bfloat16), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE),
                     ("N", n), ("K", k)))
                   for mode, bits, n, k in _SHAPES)
 
 KERNEL = Kernel(
-    name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    name="dsv4_prefill_experts_mma", input_names=("x", "w", "s", "tiles", "x_rows", "y_rows"), output_names=("y",),
     body=_BODY.replace("STAGE", _CONVERT), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 KERNEL_BF16 = Kernel(
-    name="dsv4_prefill_experts_mma_bf16", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    name="dsv4_prefill_experts_mma_bf16", input_names=("x", "w", "s", "tiles", "x_rows", "y_rows"), output_names=("y",),
     body=_BF16_BODY.replace("STAGE\n", _BF16_STAGE), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 STREAM_HEADER = HEADER + _STREAM_HEADER + _STREAM_CHUNK
 
 KERNEL_STREAM = Kernel(
-    name="dsv4_prefill_experts_mma_stream", input_names=("x", "w", "s", "tiles"), output_names=("y",),
+    name="dsv4_prefill_experts_mma_stream", input_names=("x", "w", "s", "tiles", "x_rows", "y_rows"), output_names=("y",),
     body=_STREAM_BODY, header=STREAM_HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 
@@ -493,13 +499,15 @@ def _mx(m) -> bool:
     return getattr(m, "mode", None) in MX_MODES and m.bits == MX_MODES[m.mode] and m.group_size == 32
 
 
-def applies(layer, x: mx.array, indices: mx.array) -> bool:
-    """Whether QuantizedExpertLinear's product of x [P, 1, K] (P = indices.size pairs) takes the
-    tensor-core launch: CUDA, an MX layout of groups of 32, bf16 x with K in chunks of 128, and
-    the flag: auto from a full tile's pairs per expert on average (fewer leave the tiles mostly
-    empty: slower than gather_qmm on the H200 at 8 an expert), on from MIN_PAIRS."""
-    if not (backend() == "cuda" and _mx(layer) and x.dtype == mx.bfloat16
-            and x.shape[-1] % CHUNK == 0 and x.shape[:-2] == indices.shape):
+def applies(layer, x: mx.array, indices: mx.array, x_rows: mx.array | None = None) -> bool:
+    """Whether QuantizedExpertLinear's product of x [P, 1, K] (P = indices.size pairs; with x_rows
+    [P], any rows of x) takes the tensor-core launch: CUDA, an MX layout of groups of 32, bf16 x with
+    K in chunks of 128, and the flag: auto from a full tile's pairs per expert on average (fewer
+    leave the tiles mostly empty: slower than gather_qmm on the H200 at 8 an expert), on from
+    MIN_PAIRS."""
+    pairs = x.shape[:-2] if x_rows is None else x_rows.shape
+    if not (backend() == "cuda" and _mx(layer) and x.dtype == mx.bfloat16 and x.ndim == 3
+            and x.shape[-1] % CHUNK == 0 and pairs == indices.shape):
         return False
     least = TILE_PAIRS * layer.weight.shape[0] if flags.get("kernel_prefill_experts_mma") == "auto" else MIN_PAIRS
     return flags.switch("kernel_prefill_experts_mma", True) and indices.size >= least
@@ -529,26 +537,43 @@ def tiles(experts_sorted: mx.array, experts: int, size: int = TILE_PAIRS) -> mx.
     return mx.stack([expert, firsts[expert] + size * piece, count], axis=1).astype(mx.int32)
 
 
-def reference(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False):
-    """gather_qmm over the pairs, in fp32 on every backend, rounded to x's dtype."""
+def reference(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False, x_rows=None, out_rows=None):
+    """gather_qmm over the pairs, in fp32 on every backend, rounded to x's dtype: pair m takes x's
+    row x_rows[m] (m without them) and its product lands in row out_rows[m] (m)."""
+    x = x if x_rows is None else x[x_rows]
     y = mx.gather_qmm(x.astype(mx.float32), weight, scales, None, rhs_indices=indices, transpose=True,
                       group_size=group_size, bits=bits, mode=mode, sorted_indices=sorted_indices)
-    return y.astype(x.dtype)
+    return placed(y.astype(x.dtype), out_rows)
+
+
+def placed(y: mx.array, out_rows: mx.array | None) -> mx.array:
+    """Rows y[m] put at out_rows[m] (a permutation of the rows), as the launches store them."""
+    return y if out_rows is None else y[mx.argsort(out_rows)]
 
 
 @falls_back(reference, "kernel_prefill_experts_mma")
-def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False):
-    """x [P, 1, K] (bf16) through the experts indices [P] of the stacked MX matrix (weight
-    [E, N, K * bits / 32] uint32, scales [E, N, K / 32]) -> [P, 1, N], as gather_qmm. The tiles
-    need the pairs sorted by expert: unless `sorted_indices` says they come so (RoutedExperts
-    sorts them), they are sorted here and the result put back in the callers' order. No host
-    sync: the tiles are made on the device, the grid sized for the most there can be."""
+def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_indices=False, x_rows=None,
+                    out_rows=None):
+    """x [X, 1, K] (bf16) through the experts indices [P] of the stacked MX matrix (weight
+    [E, N, K * bits / 32] uint32, scales [E, N, K / 32]) -> [P, 1, N], as gather_qmm: pair m takes
+    x's row x_rows[m] (m without them: X = P) and its product lands in row out_rows[m] (m; a
+    permutation). The tiles need the pairs sorted by expert: unless `sorted_indices` says they come
+    so (RoutedExperts sorts them), they are sorted here, each pair keeping its rows, so that
+    neither x nor the result is gathered. No host sync: the tiles are made on the device, the grid
+    sized for the most there can be."""
     P, K = indices.size, x.shape[-1]
     N = scales.shape[1]
-    flat, x = indices.reshape(-1), x.reshape(P, K)
-    order = None if sorted_indices else mx.argsort(flat)
-    if order is not None:
-        flat, x = flat[order], x[order]
+    flat, x = indices.reshape(-1), x.reshape(-1, K)
+    identity = None
+    if not sorted_indices:
+        order = mx.argsort(flat)
+        flat = flat[order]
+        x_rows = order if x_rows is None else x_rows[order]
+        out_rows = order if out_rows is None else out_rows[order]
+    elif x_rows is None or out_rows is None:
+        identity = mx.arange(P, dtype=mx.int32)
+    x_rows = (identity if x_rows is None else x_rows).astype(mx.int32)
+    out_rows = (identity if out_rows is None else out_rows).astype(mx.int32)
     bf16 = flags.switch("kernel_prefill_experts_bf16", True) and N >= 32   # (a SIMD group's rows)
     size, rows = (BF16_TILE_PAIRS, BF16_TILE_ROWS) if bf16 else (TILE_PAIRS, TILE_ROWS)
     work = tiles(flat, weight.shape[0], size)
@@ -556,8 +581,8 @@ def prefill_experts(x, weight, scales, indices, group_size, bits, mode, sorted_i
     if bf16:
         kernel = KERNEL_STREAM if flags.switch("kernel_prefill_experts_stream", True) else KERNEL_BF16
     (y,) = kernel(
-        inputs=[x, weight, scales, work], output_shapes=[(P, N)], output_dtypes=[x.dtype],
+        inputs=[x, weight, scales, work, x_rows, out_rows], output_shapes=[(P, N)], output_dtypes=[x.dtype],
         grid=(THREADS, math.ceil(N / rows), work.shape[0]), threadgroup=(THREADS, 1, 1),
         template=[("T", x.dtype), ("MODE", MODE_IDS[mode]), ("BITS", bits), ("XSTRIDE", X_STRIDE), ("N", N),
                   ("K", K)])
-    return (y if order is None else y[mx.argsort(order)]).reshape(P, 1, N)
+    return y.reshape(P, 1, N)
