@@ -85,16 +85,17 @@ class RoutedExperts(nn.Module):
             h = swiglu.hidden(self.w1(xs, ids), self.w3(xs, ids), weights, self.limit, flags.get("act_quant"))
             y = self.w2(h, ids)                                              # [N, k, 1, D]
             return y[:, :, 0]
-        # Many rows: sort the (token, expert) pairs so each expert's rows go together.
+        # Many rows: sort the (token, expert) pairs so each expert's rows go together; the gate
+        # and up products read each pair's token row, the down products land in (token, slot) order.
         flat = ids.reshape(-1)
         order = mx.argsort(flat)
-        inv = mx.argsort(order)
-        xs = fp8_input(x)[order // k][:, None, :]                            # [N*k, 1, D]
+        tokens = order // k
+        xq = fp8_input(x)[:, None, :]                                        # [N, 1, D]
         e = flat[order]
-        h = swiglu.hidden(self.w1(xs, e, True), self.w3(xs, e, True), weights.reshape(-1)[order], self.limit,
-                          flags.get("act_quant"))
-        y = self.w2(h, e, True)
-        return y[inv].reshape(n, k, -1)
+        g, u = (w(xq, e, True, x_rows=tokens) for w in (self.w1, self.w3))   # [N*k, 1, I], sorted
+        h = swiglu.hidden(g, u, weights.reshape(-1)[order], self.limit, flags.get("act_quant"))
+        y = self.w2(h, e, True, out_rows=order)                              # [N*k, 1, D], in order
+        return y.reshape(n, k, -1)
 
 
 class SharedExpert(nn.Module):
