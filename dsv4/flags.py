@@ -349,6 +349,14 @@ define("kernel_indexer", True,
        "the indexer's scores of the compressed rows for 1-8 queries (products with every key, "
        "ReLU, head weights, visibility and candidate masks) in one GPU launch (~7 otherwise, "
        "with an fp32 copy of the keys); off runs the plain-MLX ops")
+define("kernel_prefill_indexer", "auto",
+       "a prefill chunk's indexer scores: the weighted ReLU of the queries' [heads, rows] products "
+       "summed over heads in one launch over the matmul's output (dsv4/kernels/indexer.py "
+       "HEAD_SUM_KERNEL), where plain MLX reads and writes the fp32 products three times (max, "
+       "multiply, sum); the same products, the heads summed in another fp32 order. auto (default): "
+       "on under CUDA, where an H100's slice prefilled 32K tokens at 20746 tokens/s against 15633 "
+       "and 4K at 26334 against 25012 (benchmarks/results/2026-12-07-1028-slice-prefill.md); off on "
+       "Metal until a Mac measures it; on, off", choices=AUTO_ON_OFF)
 define("kernel_topk", True,
        "the indexer's top-k rows (ties to the lower row) and their visibility for 1-8 queries in "
        "one GPU launch by radix selection (~4 launches otherwise, the partition a full sort); "

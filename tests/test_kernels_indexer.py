@@ -68,7 +68,13 @@ def test_dispatch():
         assert dict(calls[1]["template"])["CANDIDATES"] is False
         with flags.override(kernel_indexer=False):
             ix.indexer_scores(*args)
+        # A prefill's queries: the reference's matmul, its heads summed in one launch (the
+        # DSV4_KERNEL_PREFILL_INDEXER kernel), none with that switch off.
         big = mx.zeros((1, ix.MAX_QUERIES + 1, 4, 16))
-        ix.indexer_scores(big, args[1], mx.zeros((1, ix.MAX_QUERIES + 1, 4)), 0.5,
-                          mx.arange(ix.MAX_QUERIES + 1), ratio)
-        assert len(calls) == 2
+        prefill = (big, args[1], mx.zeros((1, ix.MAX_QUERIES + 1, 4)), 0.5, mx.arange(ix.MAX_QUERIES + 1), ratio)
+        assert ix.indexer_scores(*prefill).shape == (1, ix.MAX_QUERIES + 1, 11) and len(calls) == 3
+        assert calls[2]["grid"] == (ix.HEAD_SUM_THREADS, ix.MAX_QUERIES + 1, 1)
+        assert calls[2]["output_shapes"] == [(1, ix.MAX_QUERIES + 1, 11)] and dict(calls[2]["template"]) == dict(H=4)
+        with flags.override(kernel_prefill_indexer="off"):
+            ix.indexer_scores(*prefill)
+        assert len(calls) == 3

@@ -32,6 +32,15 @@ def test_kernel_matches_float64(B, S, H, DK, N, ratio, keys_dtype, candidates):
     cand = rng.random((B, S, N + 5)) < 0.7 if candidates else None
     scale = DK ** -0.5 * H ** -0.5
     assert ix.kernel_applies(mx.array(q), keys)
+    check_scores(q, keys, w, scale, positions, ratio, cand)
+    with flags.override(kernel_indexer=False):
+        check_scores(q, keys, w, scale, positions, ratio, cand)
+
+
+def check_scores(q, keys, w, scale, positions, ratio, cand):
+    """indexer_scores as the switches have it against float64: masks exact, finite scores within
+    the fp32 bound of their sums."""
+    DK, H = q.shape[-1], q.shape[-2]
     got = np.array(ix.indexer_scores(mx.array(q), keys, w, scale, mx.array(positions), ratio,
                                      None if cand is None else mx.array(cand)))
     k64, w64 = np.array(keys.astype(mx.float32)), np.array(w.astype(mx.float32))
@@ -41,7 +50,19 @@ def test_kernel_matches_float64(B, S, H, DK, N, ratio, keys_dtype, candidates):
     assert np.isfinite(got[finite]).all()
     mag = oracle(np.abs(q), np.abs(k64), np.abs(w64), scale, positions, ratio, None)
     assert np.all(np.abs(got[finite] - want[finite]) <= (DK + H + 2) * 2.0 ** -24 * mag[finite])
-    with flags.override(kernel_indexer=False):
-        ref = np.array(ix.indexer_scores(mx.array(q), keys, w, scale, mx.array(positions), ratio,
-                                         None if cand is None else mx.array(cand)))
-    assert np.all(np.abs(ref[finite] - want[finite]) <= (DK + H + 2) * 2.0 ** -24 * mag[finite])
+
+
+@pytest.mark.parametrize("S,N,candidates", [(64, 2048, True), (300, 77, False)])
+def test_prefill_head_sum_matches_float64(S, N, candidates):
+    """A prefill's queries (more than the kernel takes): the matmul's products summed over V4.1's 64
+    heads in one launch (DSV4_KERNEL_PREFILL_INDEXER), held to the same bound, masks exact."""
+    rng = np.random.default_rng()
+    H, DK, ratio = 64, 128, 2
+    q = rng.standard_normal((1, S, H, DK)).astype(np.float32)
+    keys = mx.array(rng.standard_normal((1, N, DK)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((1, S, H)).astype(np.float32)).astype(mx.bfloat16)
+    positions = np.sort(rng.integers(0, N * ratio, S)).astype(np.int32)
+    cand = rng.random((1, S, N + 5)) < 0.7 if candidates else None
+    scale = DK ** -0.5 * H ** -0.5
+    assert not ix.kernel_applies(mx.array(q), keys) and ix.head_sum_applies(mx.array(q), keys)
+    check_scores(q, keys, w, scale, positions, ratio, cand)

@@ -292,6 +292,12 @@ def v41_calls():
             swiglu.hidden(_zeros(pairs, 1, I), _zeros(pairs, 1, I), _zeros(pairs, dtype=mx.float32),
                           a.swiglu_limit, True)
 
+    # A prefill chunk's indexer scores, its heads summed in one launch
+    with flags.override(kernel_prefill_indexer=True):
+        indexer.indexer_scores(_zeros(1, t, a.index_n_heads, a.index_head_dim, dtype=mx.float32),
+                               _zeros(1, CONTEXT // 2, a.index_head_dim), _zeros(1, t, a.index_n_heads), 1.0,
+                               _zeros(t, dtype=mx.int32), 2)
+
     # A prefill chunk's routed experts on CUDA tensor cores: PREFILL_TOKENS tokens' sorted pairs;
     # its sparse attention there (a threadgroup per 16 heads, or staged for all heads), with the
     # selected rows and without (window-only layers).

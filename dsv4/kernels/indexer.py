@@ -79,17 +79,68 @@ SCORES_KERNEL = Kernel(
     body=_BODY, checks=_CHECKS)
 
 
+# Prefill (more queries than the kernel above takes): the [h, N] products of every query come from
+# a matmul, and the sum over heads of their weighted ReLU from one launch over them (a thread per
+# query and row, the heads in index order), where plain MLX reads and writes the fp32 products
+# three times (max, multiply, sum): ~11 of a 4K prefill's 178 ms of kernels on an H100
+# (benchmarks/results/2026-12-07-1017-prefill-profile-4096-c4096.md). The same products; the sum
+# over heads in another fp32 order.
+_HEAD_SUM_BODY = r"""
+  // grid (N, queries, 1): dots [queries, H, N] fp32, w [queries, H] scaled -> scores [queries, N].
+  const int N = dots_shape[2];
+  const size_t qi = group_y;
+  const int n = (int)(group_x * group_threads + tid);
+  if (n >= N) return;
+  float total = 0.0f;
+  for (int h = 0; h < H; ++h) total += FMAX(dots[(qi * H + h) * (size_t)N + n], 0.0f) * w[qi * H + h];
+  scores[qi * (size_t)N + n] = total;
+"""
+
+HEAD_SUM_KERNEL = Kernel(
+    name="dsv4_indexer_head_sum", input_names=("dots", "w"), output_names=("scores",), body=_HEAD_SUM_BODY,
+    checks=(((mx.float32, mx.float32), (mx.float32,), (("H", 64),)),))
+HEAD_SUM_THREADS = 256
+
+
 def indexer_scores_reference(q, keys, w, scale, positions, ratio, candidates=None):
     """Plain-MLX definition; see `indexer_scores`."""
     w = w.astype(mx.float32) * scale
     dots = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)                     # [B,S,h,N]
     scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
-    n = keys.shape[1]
+    return _masked(scores, keys.shape[1], positions, ratio, candidates)
+
+
+def _masked(scores, n, positions, ratio, candidates):
+    """Scores [B, S, N] with the rows a query may not see (and, where given, those outside its
+    candidates) at -inf."""
     visible = (positions[:, None] + 1) // ratio                                        # [S,1]
     scores = mx.where(ramp(n) < visible, scores, -mx.inf)
     if candidates is not None:
         scores = mx.where(candidates[..., :n], scores, -mx.inf)
     return scores
+
+
+def head_sum_applies(q, keys) -> bool:
+    """Whether `indexer_scores` sums a prefill's heads in one launch: more queries than the kernel
+    above takes, DSV4_KERNEL_PREFILL_INDEXER (auto: CUDA; Metal keeps plain MLX until a Mac
+    measures it)."""
+    dialect = backend()
+    return (dialect is not None and flags.switch("kernel_prefill_indexer", dialect == "cuda")
+            and q.shape[0] * q.shape[1] > MAX_QUERIES and q.dtype == mx.float32 and keys.shape[1] > 0)
+
+
+@falls_back(indexer_scores_reference, "kernel_prefill_indexer")
+def prefill_scores(q, keys, w, scale, positions, ratio, candidates=None):
+    """`indexer_scores_reference` with the weighted ReLU summed over heads by HEAD_SUM_KERNEL."""
+    b, s, h, _ = q.shape
+    n = keys.shape[1]
+    dots = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)                     # [B,S,h,N]
+    (scores,) = HEAD_SUM_KERNEL(
+        inputs=[dots.reshape(b * s, h, n), (w.astype(mx.float32) * scale).reshape(b * s, h)],
+        output_shapes=[(b, s, n)], output_dtypes=[mx.float32],
+        grid=(math.ceil(n / HEAD_SUM_THREADS) * HEAD_SUM_THREADS, b * s, 1), threadgroup=(HEAD_SUM_THREADS, 1, 1),
+        template=[("H", h)])
+    return _masked(scores, n, positions, ratio, candidates)
 
 
 def kernel_applies(q, keys) -> bool:
@@ -110,11 +161,13 @@ def indexer_scores(q, keys, w, scale, positions, ratio, candidates=None):
     positions  [S] int32           each query's position; rows n < (p + 1) // ratio are visible
     candidates [B, S, >= N] bool   optional: rows outside it score -inf too
 
-    Through the kernel where `kernel_applies` (flag `kernel_indexer`, a GPU, <= 8 queries),
-    else `indexer_scores_reference`.
+    Through the kernel where `kernel_applies` (flag `kernel_indexer`, a GPU, <= 8 queries), else
+    the reference's matmul with its heads summed in one launch (`head_sum_applies`: a prefill on
+    CUDA), else `indexer_scores_reference`.
     """
     if not kernel_applies(q, keys):
-        return indexer_scores_reference(q, keys, w, scale, positions, ratio, candidates)
+        fn = prefill_scores if head_sum_applies(q, keys) else indexer_scores_reference
+        return fn(q, keys, w, scale, positions, ratio, candidates)
     b, s, h, dk = q.shape
     n = keys.shape[1]
     has_candidates = candidates is not None
