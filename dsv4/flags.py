@@ -319,6 +319,13 @@ define("kernel_moe_dp4a", False,
        "(issue-bound at ~4.2 instructions a weight on the H200); within the fp32 bound, not the same "
        "bits. The mxfp8 shared expert keeps the float unit. Off (default): slower on an H100, the slice's "
        "step at 512 2.84 ms against 2.70 (benchmarks/results/2026-12-06-0355-slice-decode.md)")
+define("kernel_moe_mma", False,
+       "CUDA: the fused experts' gate/up launch makes its mxfp4 routed slots on tensor cores "
+       "(dsv4/kernels/experts_mma.py): bf16 mma.sync, the codes decoded with their group's power of "
+       "two as the prefill's tensor-core launch decodes them (~2.7 instructions a weight against "
+       "~4.2); the same threadgroups, x copy and epilogue. Exact products summed in fp32 in another "
+       "order. Off (default) until a GPU has timed it (host-emulated only: "
+       "tests/test_kernels_experts_host.py); on")
 define("kernel_moe_shared_splits", 1,
        "the fused experts' down launch: SIMD groups on the shared expert's rows, each a part of its "
        "inputs, beside one per routed expert, so that the threadgroup's slowest SIMD group is no "

@@ -1,6 +1,7 @@
-"""mma.sync m16n8k16 as the host runs it, for the host tests of the tensor-core bodies
-(test_kernels_experts_prefill_host, test_kernels_attention_prefill_host), compiled with clang
-after test_kernels_matvec's threadgroup emulator.
+"""mma.sync m16n8k16 (and cp.async) as the host runs them, for the host tests of the tensor-core
+bodies (test_kernels_experts_prefill_host, test_kernels_attention_prefill_host,
+test_kernels_experts_host's mma gate/up), compiled with clang after test_kernels_matvec's
+threadgroup emulator.
 
 mma.sync is warp-wide: here each lane posts its fragment registers and every lane computes its D
 elements from the whole A, B and C, which it reassembles by the PTX ISA's layout tables for
@@ -54,6 +55,35 @@ inline uint32_t host_h2_mul_bf16_bits(uint32_t a, uint32_t b) {
   return host_bf16_rn(frag_bf16(a, 0) * frag_bf16(b, 0)) | host_bf16_rn(frag_bf16(a, 1) * frag_bf16(b, 1)) << 16;
 }
 #define H2_MUL_BF16_BITS(a, b) host_h2_mul_bf16_bits(a, b)
+"""
+
+# cp.async as the host runs it, at the two ends of what the GPU may do: each thread's copies wait
+# in its queue until a cp_async_wait lets them land (all but the newest N committed groups), so a
+# body that reads a buffer before waiting for it, or before the barrier after the others' waits,
+# reads what was there before; or, with CP_ASYNC_EARLY defined, they land as they are issued.
+CP_ASYNC_EMULATOR = r"""
+struct PendingCopy { void* dst; const void* src; };
+std::vector<PendingCopy> cp_queue[1024];
+std::vector<size_t> cp_groups[1024];   // each committed group's end in the thread's queue
+inline int cp_thread() { return (int)(t_warp * 32 + t_lane); }
+inline void cp_async16(void* dst, const void* src) {
+#ifdef CP_ASYNC_EARLY
+  std::memcpy(dst, src, 16);
+#else
+  cp_queue[cp_thread()].push_back({dst, src});
+#endif
+}
+inline void cp_async_commit() { cp_groups[cp_thread()].push_back(cp_queue[cp_thread()].size()); }
+template <int N> inline void cp_async_wait() {
+  std::vector<PendingCopy>& queue = cp_queue[cp_thread()];
+  std::vector<size_t>& groups = cp_groups[cp_thread()];
+  if ((int)groups.size() <= N) return;
+  const size_t landed = groups[groups.size() - 1 - N];
+  for (size_t i = 0; i < landed; ++i) std::memcpy(queue[i].dst, queue[i].src, 16);
+  queue.erase(queue.begin(), queue.begin() + landed);
+  groups.erase(groups.begin(), groups.end() - N);
+  for (size_t& end : groups) end -= landed;
+}
 """
 
 MUTATIONS = {

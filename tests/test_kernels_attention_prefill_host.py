@@ -21,10 +21,9 @@ from dsv4 import flags
 from dsv4.kernels import attention_prefill as ap
 from dsv4.kernels import dialect
 from dsv4.kernels import sparse_attention as sa
-from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
+from tests.mma_emulator import CP_ASYNC_EMULATOR, MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts_host import BF16
-from tests.test_kernels_experts_prefill_host import CP_ASYNC_EMULATOR
 from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_sparse_attention import as_np, oracle
 from tests.test_kernels_sparse_attention_host import bf16_bytes, case, f32_bytes, i32_bytes

@@ -19,10 +19,12 @@ import pytest
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.kernels import dialect, experts_mma
 from dsv4.kernels import experts as ex
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import check_down, check_hidden, hidden_expected, quantized
 from tests.test_kernels_matvec import EMULATOR
+from tests.mma_emulator import CP_ASYNC_EMULATOR, MMA_EMULATOR, MUTATIONS
 
 BF16 = r"""
 struct bf16 {   // the activation type T: bf16 bits, rounded to nearest even from float
@@ -126,11 +128,11 @@ def matrix_bytes(m: ex.QuantizedMatrix | None, like: ex.QuantizedMatrix, rows: i
     return np.array(m.weight).tobytes() + scales.tobytes() + biases.tobytes()
 
 
-def build(tmp_path, name, kernel, main, consts, routed, shared):
+def build(tmp_path, name, kernel, main, consts, routed, shared, prelude="", header=ex._HEADER):
     scale = lambda m: "float" if m.mode == "affine" else "uint8_t"
-    return build_host(tmp_path, name, EMULATOR + BF16
+    return build_host(tmp_path, name, EMULATOR + BF16 + prelude
                       + "".join(f"constexpr int {k} = {int(v)};\n" for k, v in consts.items())
-                      + ex._HEADER + main.replace("BODY", kernel.body).replace("SSCALE", scale(shared or routed))
+                      + header + main.replace("BODY", kernel.body).replace("SSCALE", scale(shared or routed))
                       .replace("SCALE", scale(routed)))
 
 
@@ -159,17 +161,25 @@ def layouts(K, I, D, routed, shared):
                 **layout("S", shared[0] if shared else routed))
 
 
-def run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, limit, act_quant, integer=False):
+def run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, limit, act_quant, integer=False, mma=""):
     """h from the gate/up body on the host; with `integer`, the routed experts in mxfp4's integer
-    unit (MXFP4_INT) over x's copy as limbs, as the dispatcher's template has them."""
+    unit (MXFP4_INT) over x's copy as limbs, as the dispatcher's template has them; with `mma`,
+    the tensor-core launch (experts_mma.py) under the mma.sync emulator (`mma` its prelude: a
+    layout mutation, or MMA_EMULATOR's own tables with "plain")."""
     tokens, D = x.shape
     I = gate.out_features
     consts = dict(layouts(K, I, D, gate, shared), ROWS=ex.ROWS_GATE_UP, LANES=ex.LANES_GATE_UP, XS=ex.X_STRIDE,
                   ACTQ=act_quant)
     if integer:
         consts.update(MODE=ex.MXFP4_INT, XS=ex.X_INTS)
-    gate_up = build(tmp_path, "gate_up_ints" if integer else "gate_up", ex.GATE_UP_KERNEL, GATE_UP_MAIN, consts,
-                    gate, shared[0] if shared else None)
+    if mma:
+        mutation = "" if mma == "plain" else MUTATIONS[mma]
+        gate_up = build(tmp_path, f"gate_up_mma_{sorted(MUTATIONS).index(mma) if mma in MUTATIONS else 'plain'}",
+                        experts_mma.GATE_UP_KERNEL, GATE_UP_MAIN, consts, gate, shared[0] if shared else None,
+                        prelude=mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR, header=experts_mma.GATE_UP_KERNEL.header)
+    else:
+        gate_up = build(tmp_path, "gate_up_ints" if integer else "gate_up", ex.GATE_UP_KERNEL, GATE_UP_MAIN,
+                        consts, gate, shared[0] if shared else None)
     s_gate, s_up = (shared[0], shared[1]) if shared else (None, None)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(x) + np.array(idx).tobytes()
             + np.array(rw).tobytes() + np.array([limit], np.float32).tobytes()
@@ -214,6 +224,44 @@ def run_down(tmp_path, E, K, h, idx, down, s_down, consts):
             + matrix_bytes(down, down, E * D, h.shape[-1]) + matrix_bytes(s_down, down, D, h.shape[-1]))
     out = subprocess.run([str(down_exe)], input=data, capture_output=True, check=True).stdout
     return from_bf16_bits(out, (tokens, D))
+
+
+@pytest.mark.parametrize("tokens,act_quant,scales", [(1, True, "quantized"), (3, False, "quantized"),
+                                                     (2, True, "codes 100-199")])
+def test_mma_gate_up_on_the_host(tmp_path, tokens, act_quant, scales):
+    """DSV4_KERNEL_MOE_MMA: the gate/up body with V4.1's mxfp4 routed experts on (emulated) tensor
+    cores, the mxfp8 shared expert in rows_dot, against the reference's bounds. D = 512: two chunks
+    of 128 a SIMD group's half; every fp4 code drawn; scale codes past 128 take the second power of
+    two, as in the prefill launch."""
+    rng = np.random.default_rng([5, tokens, int(act_quant), len(scales)])
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, 512, tokens)
+    if scales != "quantized":
+        gate, up = (dataclasses.replace(m, scales=mx.array(rng.integers(100, 200, m.scales.shape).astype(np.uint8)))
+                    for m in (gate, up))
+    launched = []
+
+    def record(kernel, *, output_shapes, output_dtypes, **_):
+        launched.append(kernel.name)
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with dialect.pretend_gpu("cuda", record):
+        for on in (True, False):
+            with flags.override(kernel_moe_mma=on):
+                ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
+    assert launched == [experts_mma.GATE_UP_KERNEL.name, ex.GATE_UP_KERNEL.name]
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, act_quant, mma="plain")
+    with np.errstate(over="ignore"):   # the reference's exp(-g) of the huge scales' g
+        want = hidden_expected(x, idx, rw, gate, up, shared, 0.3, act_quant)
+    check_hidden(h, want, act_quant)
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))
+def test_mma_gate_up_fails_with_a_wrong_fragment_layout(tmp_path, mutation):
+    rng = np.random.default_rng([6])
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, 512, 1)
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True, mma=mutation)
+    with pytest.raises(AssertionError):
+        check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, True), True)
 
 
 @pytest.mark.parametrize("splits,expected", [(0, 2), (3, 3)])

@@ -17,41 +17,12 @@ import pytest
 from dsv4 import flags
 from dsv4.kernels import dialect, experts_prefill
 from dsv4.linear import ExpertLinear
-from tests.mma_emulator import MMA_EMULATOR, MUTATIONS
+from tests.mma_emulator import CP_ASYNC_EMULATOR, MMA_EMULATOR, MUTATIONS
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts import dequantize_np
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_matvec import EMULATOR
 from dsv4.kernels import experts as ex
-
-# cp.async as the host runs it, at the two ends of what the GPU may do: each thread's copies wait
-# in its queue until a cp_async_wait lets them land (all but the newest N committed groups), so a
-# body that reads a buffer before waiting for it, or before the barrier after the others' waits,
-# reads what was there before; or, with CP_ASYNC_EARLY defined, they land as they are issued.
-CP_ASYNC_EMULATOR = r"""
-struct PendingCopy { void* dst; const void* src; };
-std::vector<PendingCopy> cp_queue[1024];
-std::vector<size_t> cp_groups[1024];   // each committed group's end in the thread's queue
-inline int cp_thread() { return (int)(t_warp * 32 + t_lane); }
-inline void cp_async16(void* dst, const void* src) {
-#ifdef CP_ASYNC_EARLY
-  std::memcpy(dst, src, 16);
-#else
-  cp_queue[cp_thread()].push_back({dst, src});
-#endif
-}
-inline void cp_async_commit() { cp_groups[cp_thread()].push_back(cp_queue[cp_thread()].size()); }
-template <int N> inline void cp_async_wait() {
-  std::vector<PendingCopy>& queue = cp_queue[cp_thread()];
-  std::vector<size_t>& groups = cp_groups[cp_thread()];
-  if ((int)groups.size() <= N) return;
-  const size_t landed = groups[groups.size() - 1 - N];
-  for (size_t i = 0; i < landed; ++i) std::memcpy(queue[i].dst, queue[i].src, 16);
-  queue.erase(queue.begin(), queue.begin() + landed);
-  groups.erase(groups.begin(), groups.end() - N);
-  for (size_t& end : groups) end -= landed;
-}
-"""
 
 MAIN = r"""
 void body(const T* x, const uint32_t* w, const uint8_t* s, const int* tiles, const int* x_rows, const int* y_rows,

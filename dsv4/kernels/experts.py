@@ -205,6 +205,14 @@ KFN float pow2_ceil(float v) {
   return AS_FLOAT((((b >> 23) & 0xffu) + ((b & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
 }
 
+// A row of h from its gate and up sums: each rounded to TT as its matmul's output would be, the
+// clamped SwiGLU, the router weight, rounded to TT.
+template <typename TT> KFN float hidden_of(float g, float u, float limit, float route) {
+  const float gv = FMIN(float(static_cast<TT>(g)), limit);
+  const float uv = FMIN(FMAX(float(static_cast<TT>(u)), -limit), limit);
+  return float(static_cast<TT>(gv / (1.0f + EXP(-gv)) * uv * route));
+}
+
 // fp8 e4m3 with a power-of-two scale per 32 values (the official act_quant); returns the scale.
 KFN float qdq_fp8_32(LOCAL float* v) {
   float amax = 1e-4f;
@@ -548,24 +556,23 @@ _GATE_UP_BODY = r"""
     const float x_scale = ACTQ ? qdq_fp8_32(v) : 1.0f;
     if (slot < K) store_x_pack<RXS>(xs, p, v, x_scale);
     else store_x_pack<SXS>(xs, p, v, x_scale);
+    STAGE_X
   }
   BARRIER();
   SELECT_EXPERT
-  float g[ROWS], u[ROWS];
-  if (slot < K) {
-    rows_dot<MODE, BITS, GS, ROWS, LANES, D, RXS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
-                                                        (size_t)expert * I, row0, I, g, u, lane);
-  } else {
-    rows_dot<SMODE, SBITS, SGS, ROWS, LANES, D, SXS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
-                                                          sup_b, 0, row0, I, g, u, lane);
-  }
   SHARED float block_h[32];
-  if ((int)lane % LANES == 0) {
-    for (int r = 0; r < ROWS; ++r) {
-      const float gv = FMIN(float(static_cast<T>(g[r])), limit);
-      const float uv = FMIN(FMAX(float(static_cast<T>(u[r])), -limit), limit);
-      block_h[warp * RW + (int)lane / LANES * ROWS + r] = float(static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route));
+  ROUTED_DOTS
+  {
+    float g[ROWS], u[ROWS];
+    if (slot < K) {
+      rows_dot<MODE, BITS, GS, ROWS, LANES, D, RXS, true>(xs, gate_w, gate_s, gate_b, up_w, up_s, up_b,
+                                                          (size_t)expert * I, row0, I, g, u, lane);
+    } else {
+      rows_dot<SMODE, SBITS, SGS, ROWS, LANES, D, SXS, true>(xs, sgate_w, sgate_s, sgate_b, sup_w, sup_s,
+                                                            sup_b, 0, row0, I, g, u, lane);
     }
+    if ((int)lane % LANES == 0)
+      for (int r = 0; r < ROWS; ++r) block_h[warp * RW + (int)lane / LANES * ROWS + r] = hidden_of<T>(g[r], u[r], limit, route);
   }
   BARRIER();
   if (warp == 0) {
@@ -719,9 +726,13 @@ _ROUTED = {"ROUTE_TOKEN": r"""
   if (group_y == 0 && slot == 0 && (int)tid < K) ids[t * K + (int)tid] = picked_ids[tid];"""}
 
 
-def _gate_up_body(parts: dict, store: dict = _STORE_T) -> str:
+# The routed slots' dots as rows_dot makes them (the mma launch's in experts_mma.py).
+_ROWS_DOTS = {"STAGE_X": "", "ROUTED_DOTS": ""}
+
+
+def _gate_up_body(parts: dict, store: dict = _STORE_T, dots: dict = _ROWS_DOTS) -> str:
     body = _GATE_UP_BODY
-    for name, code in dict(store, **parts).items():
+    for name, code in dict(store, **dots, **parts).items():
         body = re.sub(rf"^ *{name}\n", lambda _: code.lstrip("\n") + "\n", body, flags=re.M)
     return body
 
@@ -1057,6 +1068,9 @@ def gate_up_kernel(x, indices, weights, gate, up, shared=None, swiglu_limit=10.0
                                     (s_gate or gate).template("S", integer=shared_ints))
     template += [("ROWS", rows), ("LANES", lanes), ("XS", X_INTS if routed_ints or shared_ints else X_STRIDE),
                  ("ACTQ", bool(act_quant)), ("I", I), ("D", D)]
+    from dsv4.kernels import experts_mma   # (it builds on this module's kernels)
+    if experts_mma.applies(x, gate, act_quant, routed_ints):
+        given_kernel, routed_kernel = experts_mma.GATE_UP_KERNEL, experts_mma.ROUTED_GATE_UP_KERNEL
     matrices = [a for m in (gate, up, s_gate, s_up) for a in matrix_operands(m)]
     h_shape, h_dtype = ((T, slots, I // 32 * 4 * X_INTS), mx.uint32) if limbs else ((T, slots, I), x.dtype)
     launch = dict(grid=(threads, I // 32, T * slots), threadgroup=(threads, 1, 1),

@@ -489,6 +489,9 @@ KERNEL_BF16 = Kernel(
     body=_BF16_BODY.replace("STAGE\n", _BF16_STAGE), header=HEADER, dialects=("cuda",), checks=_X_CHECKS)
 
 STREAM_HEADER = HEADER + _STREAM_HEADER + _STREAM_CHUNK
+# The decoding of MX codes into bf16 pairs with their group's power of two (stream_pair,
+# stream_scaled), for launches whose header already has experts.py's (experts_mma.py).
+FP4_PAIRS_HEADER = _BF16_HEADER + _STREAM_HEADER
 
 KERNEL_STREAM = Kernel(
     name="dsv4_prefill_experts_mma_stream", input_names=("x", "w", "s", "tiles", "x_rows", "y_rows"), output_names=("y",),
