@@ -397,23 +397,44 @@ def test_experts(mode, bits, gs, shared_mode, tokens, act_quant):
 
 @pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])   # V4.1's widths
 @pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_mxfp4_gate_up_on_tensor_cores(I, D, tokens):
+    """DSV4_KERNEL_MOE_MMA: the gate/up launch with mxfp4's routed experts on tensor cores (the
+    mxfp8 shared expert in rows_dot), given ids and routed, against hidden_reference with the float
+    unit's bounds, with and without act_quant (host emulation: tests/test_kernels_experts_host.py)."""
+    from dsv4.kernels import experts_mma
+    for act_quant in (True, False):
+        with flags.override(kernel_moe_mma=True):
+            case = mxfp4_gate_up(I, D, tokens, act_quant)
+            assert experts_mma.applies(case[0], case[3], act_quant, False)
+
+
+@pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])   # V4.1's widths
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_mxfp4_integer_unit_gate_up(I, D, tokens):
     """DSV4_KERNEL_MOE_DP4A: the gate/up launch with mxfp4's routed experts in the integer unit
     (x fp8-rounded, as limbs; the mxfp8 shared expert as floats), given ids and routed, against
     hidden_reference with the float unit's bounds; the routed launch picks the router kernel's ids
     (host emulation: tests/test_kernels_experts_host.py)."""
+    with flags.override(kernel_moe_dp4a=True):
+        x, *_, gate, _, shared = mxfp4_gate_up(I, D, tokens, True)
+        assert ex.integer_kinds(gate, shared[0], True) == (True, False)
+
+
+def mxfp4_gate_up(I, D, tokens, act_quant):
+    """V4.1's mxfp4 routed experts and mxfp8 shared expert (16 experts at V4.1's widths: 1.5 GB of
+    host randoms, not 36), through the gate/up launch as the switches have it, given ids and
+    routed: both checked against hidden_reference's bounds and each other. Returns the case."""
     from dsv4.kernels import router
-    E, K = (384 if D < 5120 else 16), 6   # 16 experts at V4.1's widths: 1.5 GB of host randoms, not 36
+    E, K = (384 if D < 5120 else 16), 6
     gate, up = quantized((E, I, D), "mxfp4", 4, 32), quantized((E, I, D), "mxfp4", 4, 32)
     shared = (quantized((I, D), "mxfp8", 8, 32), quantized((I, D), "mxfp8", 8, 32))
     x = arr(RNG.standard_normal((tokens, D)) * 3, mx.bfloat16)
     logits, bias = arr(RNG.standard_normal((tokens, E))), arr(RNG.standard_normal(E) * 0.1)
     idx, rw = router.route_kernel(logits, bias, K, 1.0, 1.5, True)
-    with flags.override(kernel_moe_dp4a=True):
-        assert ex.integer_kinds(gate, shared[0], True) == (True, False)
-        h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, True)
-        routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, True,
-                                          routing=(logits, bias, K, 1.0, 1.5, True))
-    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, True), True)
+    h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
+    routed_h, ids = ex.gate_up_kernel(x, None, None, gate, up, shared, 0.3, act_quant,
+                                      routing=(logits, bias, K, 1.0, 1.5, True))
+    check_hidden(h, hidden_expected(x, idx, rw, gate, up, shared, 0.3, act_quant), act_quant)
     np.testing.assert_array_equal(np.array(ids), np.array(idx))
     np.testing.assert_array_equal(f32(routed_h), f32(h))
+    return x, idx, rw, gate, up, shared
