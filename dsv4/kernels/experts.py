@@ -41,6 +41,7 @@ from dsv4.kernels.mhc import Projection, hc_expand, partials_shape
 from dsv4.kernels.router import HEADER as ROUTER_HEADER
 from dsv4.kernels.router import kernel_applies as route_kernel_applies
 from dsv4.kernels.router import route
+from dsv4.kernels.swiglu import HIDDEN_HEADER
 from dsv4.quant import qdq_fp8
 
 MAX_KERNEL_TOKENS = 8
@@ -185,7 +186,7 @@ def down_reference(h, indices, down, s_down=None):
 # What every decode kernel of a few tokens shares: the official fp8 rounding, bf16 loads, the
 # threadgroup copy of x (XChunk) and lane-group sums. The matrix decoders come on top: MLX's
 # packs here (PACKS_HEADER), GGUF blocks in gguf_dot.py; each defines rows_dot.
-X_HEADER = f"constexpr int X_INTS = {X_INTS};\nconstexpr int X_STRIDE = {X_STRIDE};\n" + r"""
+X_HEADER = f"constexpr int X_INTS = {X_INTS};\nconstexpr int X_STRIDE = {X_STRIDE};\n" + HIDDEN_HEADER + r"""
 KFN float e4m3_round(float x) {
   const float a = FABS(x);
   float r;
@@ -203,14 +204,6 @@ KFN float e4m3_round(float x) {
 KFN float pow2_ceil(float v) {
   const uint32_t b = AS_UINT(v);
   return AS_FLOAT((((b >> 23) & 0xffu) + ((b & 0x7fffffu) != 0u ? 1u : 0u)) << 23);
-}
-
-// A row of h from its gate and up sums: each rounded to TT as its matmul's output would be, the
-// clamped SwiGLU, the router weight, rounded to TT.
-template <typename TT> KFN float hidden_of(float g, float u, float limit, float route) {
-  const float gv = FMIN(float(static_cast<TT>(g)), limit);
-  const float uv = FMIN(FMAX(float(static_cast<TT>(u)), -limit), limit);
-  return float(static_cast<TT>(gv / (1.0f + EXP(-gv)) * uv * route));
 }
 
 // fp8 e4m3 with a power-of-two scale per 32 values (the official act_quant); returns the scale.

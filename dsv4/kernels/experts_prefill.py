@@ -4,7 +4,8 @@ whose experts average a full tile, where the H200 measured it faster than gather
 At prefill the (token, expert) pairs come sorted by expert (moe.RoutedExperts), each expert a
 run of rows; each sorted pair reads its token's row of x (`x_rows`) and stores its product in
 (token, slot) order (`out_rows`), so that neither x nor the products are gathered around the
-launch (at a 4096-token chunk each gather moved 251 MB a layer at 0.26 TB/s on an H100). MLX's gather_qmm multiplies them at 26 TFLOP/s on the H200, 3% of its bf16 rate
+launch (at a 4096-token chunk each gather moved 251 MB a layer at 0.26 TB/s on an H100). MLX's
+gather_qmm multiplies them at 26 TFLOP/s on the H200, 3% of its bf16 rate
 (benchmarks/results/2026-12-04-0241-prefill-matmuls.md); its gather_mm on bf16 weights is no
 faster. Here a threadgroup multiplies a tile of up to 32 pairs of one expert by 64 rows of that
 expert's MX matrix with mma.sync m16n8k16: the weights as fp16 A fragments straight from their
@@ -509,7 +510,7 @@ def applies(layer, x: mx.array, indices: mx.array, x_rows: mx.array | None = Non
     leave the tiles mostly empty: slower than gather_qmm on the H200 at 8 an expert), on from
     MIN_PAIRS."""
     pairs = x.shape[:-2] if x_rows is None else x_rows.shape
-    if not (backend() == "cuda" and _mx(layer) and x.dtype == mx.bfloat16 and x.ndim == 3
+    if not (backend() == "cuda" and _mx(layer) and x.dtype == mx.bfloat16
             and x.shape[-1] % CHUNK == 0 and pairs == indices.shape):
         return False
     least = TILE_PAIRS * layer.weight.shape[0] if flags.get("kernel_prefill_experts_mma") == "auto" else MIN_PAIRS

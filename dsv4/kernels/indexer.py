@@ -104,10 +104,14 @@ HEAD_SUM_THREADS = 256
 
 def indexer_scores_reference(q, keys, w, scale, positions, ratio, candidates=None):
     """Plain-MLX definition; see `indexer_scores`."""
-    w = w.astype(mx.float32) * scale
-    dots = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)                     # [B,S,h,N]
+    dots, w = _products(q, keys, w, scale)
     scores = mx.sum(mx.maximum(dots, 0.0) * w[..., None], axis=2)                    # [B,S,N]
     return _masked(scores, keys.shape[1], positions, ratio, candidates)
+
+
+def _products(q, keys, w, scale):
+    """Every query head's products with every key, fp32 [B, S, h, N], and the scaled head weights."""
+    return q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2), w.astype(mx.float32) * scale
 
 
 def _masked(scores, n, positions, ratio, candidates):
@@ -134,9 +138,9 @@ def prefill_scores(q, keys, w, scale, positions, ratio, candidates=None):
     """`indexer_scores_reference` with the weighted ReLU summed over heads by HEAD_SUM_KERNEL."""
     b, s, h, _ = q.shape
     n = keys.shape[1]
-    dots = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)                     # [B,S,h,N]
+    dots, w = _products(q, keys, w, scale)
     (scores,) = HEAD_SUM_KERNEL(
-        inputs=[dots.reshape(b * s, h, n), (w.astype(mx.float32) * scale).reshape(b * s, h)],
+        inputs=[dots.reshape(b * s, h, n), w.reshape(b * s, h)],
         output_shapes=[(b, s, n)], output_dtypes=[mx.float32],
         grid=(math.ceil(n / HEAD_SUM_THREADS) * HEAD_SUM_THREADS, b * s, 1), threadgroup=(HEAD_SUM_THREADS, 1, 1),
         template=[("H", h)])

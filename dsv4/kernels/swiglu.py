@@ -8,8 +8,8 @@ with fp8() the input rounding of the down matmul (act_quant: e4m3 per 32 values 
 power-of-two scale, dsv4.quant.qdq_fp8). In plain MLX that is ~10 launches over fp32 copies of
 g and u: at a prefill chunk of 4096 tokens (24576 pairs x 2304) an H100 spent ~20 ms of a 4K
 prefill's 204 in them (benchmarks/results/2026-12-07-1005-prefill-profile-4096-c4096.md).
-Here a SIMD group takes a block of 32 values of a pair's row: the same fp32 operations as the
-fused decode kernel's (silu as g / (1 + exp(-g))), the rounding as dsv4/kernels/qdq.py's
+Here a SIMD group takes a block of 32 values of a pair's row: the fused decode kernel's fp32
+operations (`hidden_of`, silu as g / (1 + exp(-g))), the rounding as dsv4/kernels/qdq.py's
 (bit-identical to the reference's). Against the reference's silu (MLX's g * sigmoid(g)), a value
 may round to the next bf16 (and then fp8) step.
 """
@@ -35,19 +35,27 @@ def clamped_swiglu(g: mx.array, u: mx.array, limit: float) -> mx.array:
     return nn.silu(g) * u
 
 
+# A value of h from its gate and up sums, as the fused decode launch (experts.py) and this one make
+# it: each sum rounded to TT as its matmul's output would be, the clamped SwiGLU, the router
+# weight, rounded to TT.
+HIDDEN_HEADER = r"""
+template <typename TT> KFN float hidden_of(float g, float u, float limit, float route) {
+  const float gv = FMIN(float(static_cast<TT>(g)), limit);
+  const float uv = FMIN(FMAX(float(static_cast<TT>(u)), -limit), limit);
+  return float(static_cast<TT>(gv / (1.0f + EXP(-gv)) * uv * route));
+}
+"""
+
 _BODY = r"""
   // grid (pairs * I, 1, 1): a SIMD group a block of 32 of a pair's I values (I % 32 == 0).
   const uint32_t i = group_x * group_threads + tid;
-  const float limit = params[0];
-  const float gv = FMIN(float(gate[i]), limit);
-  const float uv = FMIN(FMAX(float(up[i]), -limit), limit);
-  const float h = float(static_cast<T>(gv / (1.0f + EXP(-gv)) * uv * route[i / (uint32_t)I]));
+  const float h = hidden_of<T>(float(gate[i]), float(up[i]), params[0], route[i / (uint32_t)I]);
   out[i] = static_cast<T>(ACTQ ? qdq_pow2_lane<0>(h) : h);
 """
 
 KERNEL = Kernel(
     name="dsv4_swiglu_hidden", input_names=("gate", "up", "route", "params"), output_names=("out",),
-    body=_BODY, header=qdq.HEADER,
+    body=_BODY, header=qdq.HEADER + HIDDEN_HEADER,
     checks=tuple(((t, t, mx.float32, mx.float32), (t,), (("T", t), ("I", 2304), ("ACTQ", actq)))
                  for t in (mx.bfloat16, mx.float32) for actq in (True, False)))
 
