@@ -213,28 +213,35 @@ def test_experts_kernel_bodies_on_the_host(tmp_path, mode, bits, gs, shared_mode
     check_down(run_down(tmp_path, E, K, h, idx, down, s_down, layouts(K, I, D, gate, shared)), h, idx, down, s_down)
 
 
-def run_down(tmp_path, E, K, h, idx, down, s_down, consts):
+def run_down(tmp_path, E, K, h, idx, down, s_down, consts, mma=""):
     """y from the down body on the host, over as many SIMD groups as the launch has
-    (shared_splits: DSV4_KERNEL_MOE_SHARED_SPLITS)."""
+    (shared_splits: DSV4_KERNEL_MOE_SHARED_SPLITS); with `mma`, the tensor-core launch
+    (experts_mma.DOWN_KERNEL) under the mma.sync emulator, as run_gate_up's."""
     tokens, D = h.shape[0], down.out_features
     groups = K + ex.shared_splits(down, s_down, K)
-    down_exe = build(tmp_path, f"down{groups}", ex.DOWN_KERNEL, DOWN_MAIN,
-                     dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0, GROUPS=groups), down, s_down)
+    consts = dict(consts, ROWS=ex.ROWS_DOWN, LANES=ex.LANES_DOWN, DO=D, HC=0, GROUPS=groups)
+    if mma:
+        consts.update(zip(("ROWS", "LANES"), experts_mma.DOWN_SHAPE))
+        down_exe = build(tmp_path, f"down_mma_{groups}_{mma}", experts_mma.DOWN_KERNEL, DOWN_MAIN, consts, down, s_down,
+                         prelude=("" if mma == "plain" else MUTATIONS[mma]) + MMA_EMULATOR + CP_ASYNC_EMULATOR,
+                         header=experts_mma.DOWN_KERNEL.header)
+    else:
+        down_exe = build(tmp_path, f"down{groups}", ex.DOWN_KERNEL, DOWN_MAIN, consts, down, s_down)
     data = (np.array([tokens, E], np.int32).tobytes() + bf16_bits(h) + np.array(idx).tobytes()
             + matrix_bytes(down, down, E * D, h.shape[-1]) + matrix_bytes(s_down, down, D, h.shape[-1]))
     out = subprocess.run([str(down_exe)], input=data, capture_output=True, check=True).stdout
     return from_bf16_bits(out, (tokens, D))
 
 
-@pytest.mark.parametrize("tokens,act_quant,scales", [(1, True, "quantized"), (3, False, "quantized"),
-                                                     (2, True, "codes 100-199")])
-def test_mma_gate_up_on_the_host(tmp_path, tokens, act_quant, scales):
+@pytest.mark.parametrize("tokens,act_quant,scales,D", [(1, True, "quantized", 512), (3, False, "quantized", 1024),
+                                                       (2, True, "codes 100-199", 512)])
+def test_mma_gate_up_on_the_host(tmp_path, tokens, act_quant, scales, D):
     """DSV4_KERNEL_MOE_MMA: the gate/up body with V4.1's mxfp4 routed experts on (emulated) tensor
     cores, the mxfp8 shared expert in rows_dot, against the reference's bounds. D = 512: two chunks
-    of 128 a SIMD group's half; every fp4 code drawn; scale codes past 128 take the second power of
-    two, as in the prefill launch."""
+    of 128 a SIMD group's half, loaded together; D = 1024: four (V4.1's batch of loads); every fp4
+    code drawn; scale codes past 128 take the second power of two, as in the prefill launch."""
     rng = np.random.default_rng([5, tokens, int(act_quant), len(scales)])
-    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, 512, tokens)
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, D, tokens)
     if scales != "quantized":
         gate, up = (dataclasses.replace(m, scales=mx.array(rng.integers(100, 200, m.scales.shape).astype(np.uint8)))
                     for m in (gate, up))
@@ -253,6 +260,33 @@ def test_mma_gate_up_on_the_host(tmp_path, tokens, act_quant, scales):
     with np.errstate(over="ignore"):   # the reference's exp(-g) of the huge scales' g
         want = hidden_expected(x, idx, rw, gate, up, shared, 0.3, act_quant)
     check_hidden(h, want, act_quant)
+
+
+@pytest.mark.parametrize("tokens,scales,D", [(1, "quantized", 160), (3, "codes 100-199", 320)])
+def test_mma_down_on_the_host(tmp_path, tokens, scales, D):
+    """DSV4_KERNEL_MOE_MMA's down launch: V4.1's mxfp4 routed experts on (emulated) tensor cores,
+    the mxfp8 shared expert in rows_dot at 16 rows a threadgroup too, against the reference.
+    I = 384: three chunks of 128 loaded together; D = 160 and 320: 10 and 20 threadgroups of 16
+    rows; scale codes past 128 take the second power of two."""
+    rng = np.random.default_rng([7, tokens, D])
+    E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 384, D, tokens)
+    if scales != "quantized":
+        down = dataclasses.replace(down, scales=mx.array(rng.integers(100, 200, down.scales.shape).astype(np.uint8)))
+    h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True)
+    launched = []
+
+    def record(kernel, *, output_shapes, output_dtypes, **_):
+        launched.append(kernel.name)
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with dialect.pretend_gpu("cuda", record):
+        for on in (True, False):
+            with flags.override(kernel_moe_mma=on):
+                ex.down_kernel(h, idx, down, shared[2])
+    assert launched == [experts_mma.DOWN_KERNEL.name, ex.DOWN_KERNEL.name]
+    y = run_down(tmp_path, E, K, h, idx, down, shared[2], layouts(K, 384, D, gate, shared), mma="plain")
+    with np.errstate(over="ignore"):
+        check_down(y, h, idx, down, shared[2])
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS), ids=list(MUTATIONS))

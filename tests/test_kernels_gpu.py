@@ -410,6 +410,25 @@ def test_mxfp4_gate_up_on_tensor_cores(I, D, tokens):
 
 @pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])   # V4.1's widths
 @pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_mxfp4_down_on_tensor_cores(I, D, tokens):
+    """DSV4_KERNEL_MOE_MMA's down launch (mxfp4's routed experts on tensor cores, the mxfp8 shared
+    expert in rows_dot) against the reference's bounds, and the same as the whole experts call
+    (host emulation: tests/test_kernels_experts_host.py)."""
+    from dsv4.kernels import experts_mma
+    with flags.override(kernel_moe_mma=True):
+        x, idx, rw, gate, up, shared = mxfp4_gate_up(I, D, tokens, True)
+        E = gate.weight.shape[0]
+        down, s_down = quantized((E, D, I), "mxfp4", 4, 32), quantized((D, I), "mxfp8", 8, 32)
+        h, _ = ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, True)
+        assert experts_mma.down_applies(h, down, I, D, idx.shape[-1])
+        got = ex.down_kernel(h, idx, down, s_down)
+        check_down(got, h, idx, down, s_down)
+        np.testing.assert_array_equal(f32(ex.experts_kernel(x, idx, rw, gate, up, down, shared + (s_down,), 0.3, True)),
+                                      f32(got))
+
+
+@pytest.mark.parametrize("I,D", [(256, 512), (2304, 5120)])   # V4.1's widths
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_mxfp4_integer_unit_gate_up(I, D, tokens):
     """DSV4_KERNEL_MOE_DP4A: the gate/up launch with mxfp4's routed experts in the integer unit
     (x fp8-rounded, as limbs; the mxfp8 shared expert as floats), given ids and routed, against

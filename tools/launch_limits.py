@@ -233,7 +233,7 @@ def v41_calls():
                                 (expand, dict(kernel_gguf_dp4a_down=True)),
                                 (expand, dict(kernel_gguf_dp4a_down=True, kernel_gguf_dp4a=False)),
                                 (projecting, {}), (projecting, dict(kernel_gguf_dp4a_down=True)),
-                                (expand, dict(kernel_moe_mma=True))):   # mxfp4's gate/up on tensor cores
+                                (expand, dict(kernel_moe_mma=True))):   # mxfp4's gate/up and down on tensor cores
                 with flags.override(**switches):
                     experts.experts(x, _zeros(t, k, dtype=mx.int32), _zeros(t, k, dtype=mx.float32), gate, up,
                                     down, shared, a.swiglu_limit, True, e)

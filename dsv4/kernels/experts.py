@@ -1105,6 +1105,9 @@ def down_kernel(h, indices, down, s_down=None, expand=None):
     template = _common_template(dtype, K, down, s_down, layouts)
     *_, kernel, _, (rows, lanes) = _kernels(down)
     kernel = GGUF_LIMBS_DOWN_KERNEL if limbs else kernel
+    from dsv4.kernels import experts_mma   # (it builds on this module's kernels)
+    if not site and experts_mma.down_applies(h, down, I, DO, K):
+        kernel, (rows, lanes) = experts_mma.DOWN_KERNEL, experts_mma.DOWN_SHAPE
     per_group, groups = rows * 32 // lanes, K + shared_splits(down, s_down, K)
     template += [("ROWS", rows), ("LANES", lanes)]
     blocks = math.ceil(DO / per_group)
