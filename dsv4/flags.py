@@ -433,6 +433,13 @@ define("kernel_prefill_attention_mma", "auto",
        "where it took 6.98 ms against 16.96 for 2048 queries (benchmarks/results/"
        "2026-12-04-0831-prefill-matmuls.md) and the slice's 4K prefill 0.49 s against 0.54 "
        "(2026-12-04-0848-slice-prefill.md); on, off", choices=AUTO_ON_OFF)
+define("kernel_attention_staged_decode", False,
+       "CUDA: decode's sparse attention (a verify's too) on tensor cores: the prefill's staged launch "
+       "with each query's rows split over threadgroups of all its heads, 32 rows each, kept in "
+       "threadgroup memory for both passes (dsv4/kernels/attention_decode_staged.py), then the 8-row "
+       "merge, instead of the 8-row kernel's SIMD group per head (33 µs a layer under ncu on an H100, "
+       "latency-bound). The 8-row kernels' roundings, another fp32 summation order. Off (default) "
+       "until a GPU has timed it; on")
 define("kernel_prefill_attention_staged", "auto",
        "CUDA: prefill's sparse attention with a threadgroup per query and all its heads (up to 64), "
        "the query's rows staged once in threadgroup memory by cp.async for every head, the scores "

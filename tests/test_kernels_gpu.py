@@ -126,6 +126,28 @@ def test_attention_layouts_change_no_value():
 
 
 @pytest.mark.parametrize("S", [1, 4, 8])
+def test_attention_staged_decode_kernel(S):
+    """The staged partial on tensor cores with the 8-row merge (DSV4_KERNEL_ATTENTION_STAGED_DECODE)
+    at decode and verify widths: V4.1's shape with the fused RoPE both ways, 512 of 8192 rows and
+    512 of 512 selected; 32 heads over two batches; the edge cases."""
+    from dsv4.kernels import attention_decode_staged as staged
+    with flags.override(kernel_attention_staged_decode=True):
+        case = attention_case(1, S, 64, 512, 128, 8192, 128, 512, mx.bfloat16, rope=32, rotate_queries=True)
+        assert staged.applies(case["q"], case["window_kv"], case["compressed_kv"])
+        compare_attention(case)
+        compare_attention(attention_case(1, S, 64, 512, 128, 512, 128, 512, mx.bfloat16, invalid=0.0))
+        compare_attention(attention_case(2, min(S // 2 + 1, sa.MAX_KERNEL_QUERIES // 2), 32, 256, 13, 37, 9, 29,
+                                         mx.bfloat16, rope=8))
+        case = attention_case(1, 3, 16, 512, 8, 40, 5, 36, mx.bfloat16, invalid=0.0)
+        wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
+        wi[0, 0] = -1; ti[0, 0] = -1
+        wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1
+        ti[0, 2, :4] = [100, -5, 2, 2]
+        case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
+        assert np.all(compare_attention(case)[0, 0] == 0)
+
+
+@pytest.mark.parametrize("S", [1, 4, 8])
 def test_attention_rows8_kernels(S):
     """The 8-row kernels (DSV4_KERNEL_ATTENTION_ROWS8) at decode and verify widths: real shape
     with the fused RoPE both ways, 512 of 8192 rows and 512 of 512 selected; odd sizes; the

@@ -17,8 +17,10 @@ import pytest
 import mlx.core as mx
 
 from dsv4 import flags
+from dsv4.kernels import attention_decode_staged as staged
 from dsv4.kernels import dialect
 from dsv4.kernels import sparse_attention as sa
+from tests.mma_emulator import CP_ASYNC_EMULATOR, MMA_EMULATOR
 from tests.test_kernels_decode_host import build_host
 from tests.test_kernels_experts_host import BF16
 from tests.test_kernels_matvec import EMULATOR
@@ -55,6 +57,9 @@ int main() {
   return 0;
 }
 """
+
+# The staged partial kernel (attention_decode_staged.py) names its queries as the prefill's do.
+STAGED_MAIN = (PARTIAL_MAIN.replace("const T* q,", "const T* queries,").replace("const int* q_shape", "const int* queries_shape"))
 
 MERGE_MAIN = r"""
 void body(const float* part_acc, const float* part_ml, const float* sinks, const float* rope_cos,
@@ -99,22 +104,23 @@ class Emulated:
         key = (kernel.name, tuple(template))
         if key not in self.built:
             consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
+            mma = MMA_EMULATOR + CP_ASYNC_EMULATOR if kernel is staged.KERNEL else ""
             self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
-                                         EMULATOR + BF16 + MAX + consts + sa._HEADER + sa._ROWS8_HEADER
+                                         EMULATOR + BF16 + MAX + mma + consts + kernel.header
                                          + main.replace("BODY", kernel.body))
         return self.built[key]
 
-    def __call__(self, kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value):
+    def __call__(self, kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value=None):
         assert grid[0] == threadgroup[0] and dict(template)["T"] == mx.bfloat16
         self.launches.append((kernel.name, grid, threadgroup))
-        if kernel is sa.ROWS8_PARTIAL_KERNEL:
+        if kernel in (sa.ROWS8_PARTIAL_KERNEL, staged.KERNEL):
             q, wkv, wi, ckv, ti, params, cos, sin = inputs
             n_acc = output_shapes[0][0]
             head = i32_bytes(*q.shape, *wkv.shape, *wi.shape, *ckv.shape, *ti.shape, cos.size, n_acc,
                              grid[1], grid[2], threadgroup[0])
             data = (head + bf16_bytes(q) + bf16_bytes(wkv) + np.array(wi).tobytes() + bf16_bytes(ckv)
                     + np.array(ti).tobytes() + f32_bytes(params) + f32_bytes(cos) + f32_bytes(sin))
-            out = self.run(kernel, template, PARTIAL_MAIN, data)
+            out = self.run(kernel, template, STAGED_MAIN if kernel is staged.KERNEL else PARTIAL_MAIN, data)
             acc = np.frombuffer(out, np.float32)
             return [mx.array(acc[:n_acc]), mx.array(acc[n_acc:])]
         assert kernel is sa.ROWS8_MERGE_KERNEL, kernel.name
@@ -206,6 +212,65 @@ def test_rows8_fused_query_rotation_and_inverse_rope(emulated):
     check(run_rows8(emulated, c, 64), c)
     c = case(rng, 1, 1, 2, 256, 9, 20, 8, 12, rope=8)
     check(run_rows8(emulated, c, 16), c)
+
+
+def run_staged(emulated, c):
+    """sparse_attention's kernel path with DSV4_KERNEL_ATTENTION_STAGED_DECODE: the staged partial
+    launch (emulated mma.sync and cp.async) and the 8-row merge, each on the host."""
+    emulated.launches.clear()
+    with flags.override(kernel_attention_staged_decode=True), dialect.pretend_gpu("cuda", emulated):
+        got = sa.sparse_attention_kernel(**c)
+    names = [name for name, *_ in emulated.launches]
+    assert names == [staged.KERNEL.name, sa.ROWS8_MERGE_KERNEL.name]
+    rows = c["window_idx"].shape[-1] + c["topk_idx"].shape[-1]
+    assert emulated.launches[0][1][1] == staged.splits(rows)
+    return np.array(got.astype(mx.float32))
+
+
+# (B, S, H, D, W, N, w, k, rope): 29 rows = one split of two tiles (the second partly past the
+# rows); 70 rows = splits of 2, 2 and 1 tiles over 4 queries of 32 heads (two head groups); D = 512
+# (four 32-dim QK steps and two PV blocks a SIMD group) with the queries rotated in the launch.
+@pytest.mark.parametrize("B,S,H,D,W,N,w,k,rope", [
+    (1, 1, 16, 256, 13, 37, 9, 20, 0),
+    (2, 2, 32, 256, 20, 70, 16, 54, 16),
+    (1, 1, 16, 512, 21, 50, 16, 43, 32),
+])
+def test_staged_decode_kernel_matches_reference_and_oracle(emulated, B, S, H, D, W, N, w, k, rope):
+    rng = np.random.default_rng([B, S, H, D])
+    c = case(rng, B, S, H, D, W, N, w, k, rope=rope, rotate_queries=rope > 0)
+    got = run_staged(emulated, c)
+    check(got, c)
+    if not rope:   # spec §3.7 in float64: the bf16 probabilities and output only
+        kv_max = max(np.abs(as_np(c)[1]).max(), np.abs(as_np(c)[3]).max())
+        assert np.abs(got - oracle(*as_np(c))).max() <= 2.0 ** -7 * kv_max
+
+
+def test_staged_decode_window_only_layer(emulated):
+    """A layer without compressed rows: the dispatcher's stand-in row (never selected) makes 9
+    tiles of the window's 128 rows and it, in 5 splits."""
+    rng = np.random.default_rng(4)
+    c = dict(case(rng, 1, 1, 16, 256, 128, 1, 128, 1, rope=16, rotate_queries=True), compressed_kv=None, topk_idx=None)
+    emulated.launches.clear()
+    with flags.override(kernel_attention_staged_decode=True), dialect.pretend_gpu("cuda", emulated):
+        got = np.array(sa.sparse_attention_kernel(**c).astype(mx.float32))
+    assert [(name, grid[1]) for name, grid, _ in emulated.launches][0] == (staged.KERNEL.name, 5)
+    want = np.array(sa.sparse_attention_reference(**c).astype(mx.float32))
+    kv_max = float(mx.max(mx.abs(c["window_kv"].astype(mx.float32))))
+    assert np.all(np.abs(got - want) <= 2.0 ** -7 * kv_max + 2.0 ** -8 * np.abs(want))
+
+
+def test_staged_decode_edge_cases_no_row_one_row_out_of_range(emulated):
+    rng = np.random.default_rng(3)
+    c = case(rng, 1, 4, 16, 256, 8, 40, 5, 36, invalid=0.0)
+    wi, ti = np.array(c["window_idx"]), np.array(c["topk_idx"])
+    wi[0, 0] = -1; ti[0, 0] = -1                              # no valid row -> zeros
+    wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1             # exactly one row, in the first split
+    ti[0, 2] = -1; ti[0, 2, 30] = 7; wi[0, 2] = -1            # exactly one row, in the second split
+    ti[0, 3, :4] = [100, -5, 2, 2]; wi[0, 3] = [8, 9, -1, 7, 0]   # out of range = none; a repeat counts twice
+    c.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
+    got = run_staged(emulated, c)
+    assert np.all(got[0, 0] == 0)
+    check(got, c)
 
 
 def test_rows8_applies_only_to_its_shapes(monkeypatch):

@@ -211,8 +211,10 @@ def v41_calls():
                                      (_zeros(1, CONTEXT, Dh), a.index_topk)):
             topk_idx = None if compressed is None else _zeros(1, t, selected, dtype=mx.int32)
             angles = _zeros(1, t, R, dtype=mx.float32)
-            for rows8 in (False, True):   # the 4-row kernels and the 8-row ones
-                with flags.override(kernel_attention_rows8=rows8):
+            # the 4-row kernels, the 8-row ones, the staged partial (tensor cores) with the 8-row merge
+            for switches in (dict(kernel_attention_rows8=False), dict(kernel_attention_rows8=True),
+                             dict(kernel_attention_staged_decode=True)):
+                with flags.override(**switches):
                     sparse_attention.sparse_attention(
                         _zeros(1, t, H, Dh), _zeros(1, a.sliding_window, Dh),
                         _zeros(1, t, a.sliding_window, dtype=mx.int32), compressed, topk_idx,

@@ -84,7 +84,7 @@ KFN void stage_rows(uint4* dst, PT window_kv, PI window_idx, PT compressed_kv, P
 }
 """
 
-BODY = r"""
+BODY_TEMPLATE = r"""
   // grid (128 HG, H / (16 HG), B * S): SIMD group w: heads h0 .. h0 + 15, dims dq DW ...
   constexpr int DW = D / 4;    // dims a SIMD group takes
   constexpr int CH = D / 8;    // 16-byte chunks a row
@@ -92,7 +92,7 @@ BODY = r"""
   constexpr int NB = DW / 64;  // PV's 64-dim blocks
   const int S = queries_shape[1], W = window_kv_shape[1], N = compressed_kv_shape[1];
   const int qi = (int)group_z, b = qi / S, hg = (int)warp >> 2, dq = (int)warp & 3;
-  const int h0 = 16 * (HG * (int)group_y + hg), q = (int)lane >> 2, t = (int)lane & 3;
+  const int h0 = 16 * (HG * HEAD_GROUPS_Y + hg), q = (int)lane >> 2, t = (int)lane & 3;
   const float scale = params[0];
   SHARED uint4 rows[2][16 * CH];
   SHARED uint4 parts[4 * HG][2][32];
@@ -101,8 +101,9 @@ BODY = r"""
   uint32_t qa[KK][8];
   for (int k = 0; k < KK; ++k) {
     const int c = dq * (DW / 8) + 4 * k + t;
-    const uint4 lo = LOAD_U4(queries + ((size_t)qi * H + h0 + q) * D, c);
-    const uint4 hi = LOAD_U4(queries + ((size_t)qi * H + h0 + q + 8) * D, c);
+    uint4 lo = LOAD_U4(queries + ((size_t)qi * H + h0 + q) * D, c);
+    uint4 hi = LOAD_U4(queries + ((size_t)qi * H + h0 + q + 8) * D, c);
+    ROTATE_QUERIES
     qa[k][0] = lo.x; qa[k][1] = hi.x; qa[k][2] = lo.y; qa[k][3] = hi.y;
     qa[k][4] = lo.z; qa[k][5] = hi.z; qa[k][6] = lo.w; qa[k][7] = hi.w;
   }
@@ -123,20 +124,26 @@ BODY = r"""
   for (int j = 0; j < 8 * NB; ++j) for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, s0 = 0.0f, s1 = 0.0f;
 
-  stage_rows<D, NW, NK>(rows[0], window_kv, window_idx, compressed_kv, topk_idx, b, qi, 0, W, N, (int)tid, (int)group_threads);
-  for (int g = 0; g < 2 * NT; ++g) {
-    const int tile = g % NT;
-    cp_async_wait<0>();
-    BARRIER();   // tile g landed for all; every SIMD group is done with tile g - 1 and its parts
-    if (g + 1 < 2 * NT) {
-      stage_rows<D, NW, NK>(rows[(g + 1) & 1], window_kv, window_idx, compressed_kv, topk_idx, b, qi, (g + 1) % NT, W, N,
-                            (int)tid, (int)group_threads);
+  TILES
+  // Two buffers: tile g + 1 staged while tile g multiplies, or (RESIDENT, count <= 2) both at once.
+  for (int i = 0; i < (RESIDENT ? count : 1); ++i)
+    stage_rows<D, NW, NK>(rows[i], window_kv, window_idx, compressed_kv, topk_idx, b, qi, first + i, W, N, (int)tid,
+                          (int)group_threads);
+  for (int g = 0; g < 2 * count; ++g) {
+    const int tile = first + g % count;
+    if (g == 0 || !RESIDENT) {
+      cp_async_wait<0>();
     }
-    if (g == NT) {   // pass 0's maxima, over the lanes t of each head
+    BARRIER();   // tile g landed for all; every SIMD group is done with tile g - 1 and its parts
+    if (!RESIDENT && g + 1 < 2 * count) {
+      stage_rows<D, NW, NK>(rows[(g + 1) & 1], window_kv, window_idx, compressed_kv, topk_idx, b, qi,
+                            first + (g + 1) % count, W, N, (int)tid, (int)group_threads);
+    }
+    if (g == count) {   // pass 0's maxima, over the lanes t of each head
       for (int o = 1; o <= 2; o <<= 1) { m0 = FMAX(m0, simd_xor_f(m0, o)); m1 = FMAX(m1, simd_xor_f(m1, o)); }
       m0 = FMAX(m0, -1e30f); m1 = FMAX(m1, -1e30f);
     }
-    const uint4* tr = rows[g & 1];
+    const uint4* tr = rows[RESIDENT ? g % count : g & 1];
 
     // This SIMD group's part of the scores: heads q, q + 8 x tile rows 8 n + 2t, 8 n + 2t + 1.
     float d[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -168,7 +175,7 @@ BODY = r"""
       sc[n][0] = ok0 ? sc[n][0] * scale : -INFINITY; sc[n][1] = ok1 ? sc[n][1] * scale : -INFINITY;
       sc[n][2] = ok0 ? sc[n][2] * scale : -INFINITY; sc[n][3] = ok1 ? sc[n][3] * scale : -INFINITY;
     }
-    if (g < NT) {
+    if (g < count) {
       m0 = FMAX(m0, FMAX(FMAX(sc[0][0], sc[0][1]), FMAX(sc[1][0], sc[1][1])));
       m1 = FMAX(m1, FMAX(FMAX(sc[0][2], sc[0][3]), FMAX(sc[1][2], sc[1][3])));
       continue;
@@ -196,7 +203,13 @@ BODY = r"""
     }
   }
   for (int o = 1; o <= 2; o <<= 1) { s0 += simd_xor_f(s0, o); s1 += simd_xor_f(s1, o); }
-  const float den0 = s0 + EXP(sinks[h0 + q] - m0), den1 = s1 + EXP(sinks[h0 + q + 8] - m1);
+  EPILOGUE
+"""
+
+
+# The prefill launch's parts of BODY_TEMPLATE: its threadgroups' head groups on grid y, the
+# queries as they come (rotated), every tile, and the output normalized by the sink's denominator.
+_NORMALIZED = r"""  const float den0 = s0 + EXP(sinks[h0 + q] - m0), den1 = s1 + EXP(sinks[h0 + q + 8] - m1);
   // Heads q, q + 8: dims dq DW + 64 h + 16 t .. + 15 (columns 2t, then 2t + 1, of n-tiles 8 h ..).
   for (int h = 0; h < NB; ++h) {
     uint32_t o0[8], o1[8];
@@ -215,6 +228,10 @@ BODY = r"""
     out0[0] = a0; out0[1] = a1; out1[0] = b0; out1[1] = b1;
   }
 """
+BODY = (BODY_TEMPLATE.replace("HEAD_GROUPS_Y", "(int)group_y")
+        .replace("    ROTATE_QUERIES\n", "")
+        .replace("  TILES\n", "  const int first = 0, count = NT;\n  constexpr bool RESIDENT = false;\n")
+        .replace("  EPILOGUE\n", _NORMALIZED.lstrip("\n")))
 
 
 def head_groups(H: int) -> int:

@@ -130,6 +130,25 @@ def _query_rows(window_kv, window_idx, compressed_kv, topk_idx, B):
     return rows, window_kv.dtype, valid
 
 
+# RoPE of a pair of dims in fp32 (the decode kernels' fused rotations; attention_decode_staged.py's too).
+ROPE_HEADER = r"""
+// RoPE of the pair v[0], v[1] (dims d, d + 1, d even) if it lies in the last 2R dims of a row
+// of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
+// a sin + b cos) or, INVERSE, back (a cos + b sin, b cos - a sin).
+template <int D, int R, bool INVERSE, typename PC>
+KFN void rotate_pair(LOCAL float* v, int d, PC cosv, PC sinv, int qi) {
+  const int first_rot = D - 2 * R;
+  if (R > 0 && d >= first_rot) {
+    const int k = (d - first_rot) / 2;
+    const float c = cosv[(size_t)qi * R + k];
+    const float sn = sinv[(size_t)qi * R + k];
+    const float a = v[0], bb = v[1];
+    v[0] = INVERSE ? a * c + bb * sn : a * c - bb * sn;
+    v[1] = INVERSE ? bb * c - a * sn : a * sn + bb * c;
+  }
+}
+"""
+
 # Lanes read their slice of a row (DPL consecutive values) with 16-byte loads where they can:
 # scalar 2-byte loads at a 32-byte lane stride cost the partial kernel 8x the memory
 # instructions (ncu: 56 µs per layer at decode for 0.5 MB of rows, latency-bound). The rows
@@ -158,22 +177,7 @@ KFN int query_row(PI window_idx, PI topk_idx, int qi, int r, int NW, int NK, int
   return (j >= 0 && j < N) ? W + j : -1;
 }
 
-// RoPE of the pair v[0], v[1] (dims d, d + 1, d even) if it lies in the last 2R dims of a row
-// of D values, at the angles cos/sin[qi*R + k], in fp32: forward (a cos - b sin,
-// a sin + b cos) or, INVERSE, back (a cos + b sin, b cos - a sin).
-template <int D, int R, bool INVERSE, typename PC>
-KFN void rotate_pair(LOCAL float* v, int d, PC cosv, PC sinv, int qi) {
-  const int first_rot = D - 2 * R;
-  if (R > 0 && d >= first_rot) {
-    const int k = (d - first_rot) / 2;
-    const float c = cosv[(size_t)qi * R + k];
-    const float sn = sinv[(size_t)qi * R + k];
-    const float a = v[0], bb = v[1];
-    v[0] = INVERSE ? a * c + bb * sn : a * c - bb * sn;
-    v[1] = INVERSE ? bb * c - a * sn : a * sn + bb * c;
-  }
-}
-
+""" + ROPE_HEADER + r"""
 // rotate_pair on this lane's DPL values v (dims lane*DPL.., pairs adjacent).
 template <int D, int DPL, int R, bool INVERSE, typename PC>
 KFN void rotate_lane(LOCAL float* v, PC cosv, PC sinv, int qi, uint32_t lane) {
@@ -564,17 +568,23 @@ def sparse_attention_kernel(q, window_kv, window_idx, compressed_kv, topk_idx, s
     elif rope_cos.size != B * S * rope_half:   # [R] shared by several queries: one row each
         rope_cos, rope_sin = (mx.broadcast_to(a, (B, S, rope_half)) for a in (rope_cos, rope_sin))
     rope_cos, rope_sin = _float32(rope_cos), _float32(rope_sin)
+    rope_q = rope_half if rotate_queries else 0
+    from dsv4.kernels import attention_decode_staged as staged   # (it builds on this module's header)
     rows8 = rows8_applies(q)
-    template = [("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits),
-                ("ROPE_Q", rope_half if rotate_queries else 0)]
-    partial_outputs = dict(output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
-                           output_dtypes=[mx.float32, mx.float32])
-    inputs = [q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx), constant((float(scale),)),
-              rope_cos, rope_sin]
-    launch = dict(grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1))
-    part_acc, part_ml = (ROWS8_PARTIAL_KERNEL if rows8 else PARTIAL_KERNEL)(
-        inputs=inputs, **partial_outputs, **launch,
-        template=template if rows8 else template + [("VEC", _vector_loads(q.dtype, D))])
+    if staged.applies(q, window_kv, compressed_kv):   # tensor cores; the 8-row merge
+        part_acc, part_ml, splits = staged.partials(q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx),
+                                                    scale, rope_cos, rope_sin, rope_q)
+        rows8 = True
+    else:
+        template = [("T", q.dtype), ("D", D), ("H", H), ("G", G), ("SPLITS", splits), ("ROPE_Q", rope_q)]
+        partial_outputs = dict(output_shapes=[(B * S * H * splits * D,), (B * S * H * splits * 2,)],
+                               output_dtypes=[mx.float32, mx.float32])
+        inputs = [q, window_kv, _int32(window_idx), compressed_kv, _int32(topk_idx), constant((float(scale),)),
+                  rope_cos, rope_sin]
+        launch = dict(grid=(32 * G, groups * splits, B * S), threadgroup=(32 * G, 1, 1))
+        part_acc, part_ml = (ROWS8_PARTIAL_KERNEL if rows8 else PARTIAL_KERNEL)(
+            inputs=inputs, **partial_outputs, **launch,
+            template=template if rows8 else template + [("VEC", _vector_loads(q.dtype, D))])
     merge_threads = 32 * D // 128 if rows8 else 32
     (out,) = (ROWS8_MERGE_KERNEL if rows8 else MERGE_KERNEL)(
         inputs=[part_acc, part_ml, _float32(sinks), rope_cos, rope_sin],
