@@ -233,6 +233,26 @@ def run_down(tmp_path, E, K, h, idx, down, s_down, consts, mma=""):
     return from_bf16_bits(out, (tokens, D))
 
 
+def huge_scales(rng, m: ex.QuantizedMatrix) -> ex.QuantizedMatrix:
+    """m with e8m0 scale codes drawn from 100-199: past 128 a weight needs the second power of two."""
+    return dataclasses.replace(m, scales=mx.array(rng.integers(100, 200, m.scales.shape).astype(np.uint8)))
+
+
+def launched_on_and_off(call) -> list[str]:
+    """The kernels `call` launches on (pretended) CUDA with DSV4_KERNEL_MOE_MMA on, then off."""
+    launched = []
+
+    def record(kernel, *, output_shapes, output_dtypes, **_):
+        launched.append(kernel.name)
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    with dialect.pretend_gpu("cuda", record):
+        for on in (True, False):
+            with flags.override(kernel_moe_mma=on):
+                call()
+    return launched
+
+
 @pytest.mark.parametrize("tokens,act_quant,scales,D", [(1, True, "quantized", 512), (3, False, "quantized", 1024),
                                                        (2, True, "codes 100-199", 512)])
 def test_mma_gate_up_on_the_host(tmp_path, tokens, act_quant, scales, D):
@@ -243,19 +263,9 @@ def test_mma_gate_up_on_the_host(tmp_path, tokens, act_quant, scales, D):
     rng = np.random.default_rng([5, tokens, int(act_quant), len(scales)])
     E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 288, D, tokens)
     if scales != "quantized":
-        gate, up = (dataclasses.replace(m, scales=mx.array(rng.integers(100, 200, m.scales.shape).astype(np.uint8)))
-                    for m in (gate, up))
-    launched = []
-
-    def record(kernel, *, output_shapes, output_dtypes, **_):
-        launched.append(kernel.name)
-        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-
-    with dialect.pretend_gpu("cuda", record):
-        for on in (True, False):
-            with flags.override(kernel_moe_mma=on):
-                ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)
-    assert launched == [experts_mma.GATE_UP_KERNEL.name, ex.GATE_UP_KERNEL.name]
+        gate, up = huge_scales(rng, gate), huge_scales(rng, up)
+    assert launched_on_and_off(lambda: ex.gate_up_kernel(x, idx, rw, gate, up, shared, 0.3, act_quant)) == [
+        experts_mma.GATE_UP_KERNEL.name, ex.GATE_UP_KERNEL.name]
     h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, act_quant, mma="plain")
     with np.errstate(over="ignore"):   # the reference's exp(-g) of the huge scales' g
         want = hidden_expected(x, idx, rw, gate, up, shared, 0.3, act_quant)
@@ -271,19 +281,10 @@ def test_mma_down_on_the_host(tmp_path, tokens, scales, D):
     rng = np.random.default_rng([7, tokens, D])
     E, K, gate, up, down, shared, x, idx, rw = case(rng, "mxfp4", 4, 32, ("mxfp8", 8, 32), 384, D, tokens)
     if scales != "quantized":
-        down = dataclasses.replace(down, scales=mx.array(rng.integers(100, 200, down.scales.shape).astype(np.uint8)))
+        down = huge_scales(rng, down)
     h = run_gate_up(tmp_path, E, K, gate, up, shared, x, idx, rw, 0.3, True)
-    launched = []
-
-    def record(kernel, *, output_shapes, output_dtypes, **_):
-        launched.append(kernel.name)
-        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-
-    with dialect.pretend_gpu("cuda", record):
-        for on in (True, False):
-            with flags.override(kernel_moe_mma=on):
-                ex.down_kernel(h, idx, down, shared[2])
-    assert launched == [experts_mma.DOWN_KERNEL.name, ex.DOWN_KERNEL.name]
+    assert launched_on_and_off(lambda: ex.down_kernel(h, idx, down, shared[2])) == [
+        experts_mma.DOWN_KERNEL.name, ex.DOWN_KERNEL.name]
     y = run_down(tmp_path, E, K, h, idx, down, shared[2], layouts(K, 384, D, gate, shared), mma="plain")
     with np.errstate(over="ignore"):
         check_down(y, h, idx, down, shared[2])

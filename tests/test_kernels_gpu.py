@@ -125,48 +125,41 @@ def test_attention_layouts_change_no_value():
     np.testing.assert_array_equal(f32(grouped), f32(per_query).reshape(B * S, 8, 1, H * D // 8))
 
 
+def decode_attention_cases(S, odd_heads, edge_heads, edge_compressed, edge_selected):
+    """The decode kernels against the reference at decode and verify widths: V4.1's shape with the
+    fused RoPE both ways (512 of 8192 compressed rows), 512 of 512 selected; odd sizes over two
+    batches; the edge cases (no row, one row, out of range)."""
+    compare_attention(attention_case(1, S, 64, 512, 128, 8192, 128, 512, mx.bfloat16, rope=32, rotate_queries=True))
+    compare_attention(attention_case(1, S, 64, 512, 128, 512, 128, 512, mx.bfloat16, invalid=0.0))
+    # 2 x (S // 2 + 1) queries would pass the kernels' 8 at S = 8
+    compare_attention(attention_case(2, min(S // 2 + 1, sa.MAX_KERNEL_QUERIES // 2), odd_heads, 256, 13, 37, 9, 29,
+                                     mx.bfloat16, rope=8))
+    case = attention_case(1, 3, edge_heads, 512, 8, edge_compressed, 5, edge_selected, mx.bfloat16, invalid=0.0)
+    wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
+    wi[0, 0] = -1; ti[0, 0] = -1
+    wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1
+    ti[0, 2, :4] = [100, -5, 2, 2]
+    case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
+    assert np.all(compare_attention(case)[0, 0] == 0)
+
+
 @pytest.mark.parametrize("S", [1, 4, 8])
 def test_attention_staged_decode_kernel(S):
-    """The staged partial on tensor cores with the 8-row merge (DSV4_KERNEL_ATTENTION_STAGED_DECODE)
-    at decode and verify widths: V4.1's shape with the fused RoPE both ways, 512 of 8192 rows and
-    512 of 512 selected; 32 heads over two batches; the edge cases."""
+    """The staged partial on tensor cores with the 8-row merge (DSV4_KERNEL_ATTENTION_STAGED_DECODE):
+    all the heads in one threadgroup, so 32 heads for the odd sizes and 16 (over 3 splits) at the edges."""
     from dsv4.kernels import attention_decode_staged as staged
     with flags.override(kernel_attention_staged_decode=True):
-        case = attention_case(1, S, 64, 512, 128, 8192, 128, 512, mx.bfloat16, rope=32, rotate_queries=True)
-        assert staged.applies(case["q"], case["window_kv"], case["compressed_kv"])
-        compare_attention(case)
-        compare_attention(attention_case(1, S, 64, 512, 128, 512, 128, 512, mx.bfloat16, invalid=0.0))
-        compare_attention(attention_case(2, min(S // 2 + 1, sa.MAX_KERNEL_QUERIES // 2), 32, 256, 13, 37, 9, 29,
-                                         mx.bfloat16, rope=8))
-        case = attention_case(1, 3, 16, 512, 8, 40, 5, 36, mx.bfloat16, invalid=0.0)
-        wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
-        wi[0, 0] = -1; ti[0, 0] = -1
-        wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1
-        ti[0, 2, :4] = [100, -5, 2, 2]
-        case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
-        assert np.all(compare_attention(case)[0, 0] == 0)
+        q, kv = mx.zeros((1, S, 64, 512), mx.bfloat16), mx.zeros((1, 8, 512), mx.bfloat16)
+        assert staged.applies(q, kv, kv)
+        decode_attention_cases(S, 32, 16, 40, 36)
 
 
 @pytest.mark.parametrize("S", [1, 4, 8])
 def test_attention_rows8_kernels(S):
-    """The 8-row kernels (DSV4_KERNEL_ATTENTION_ROWS8) at decode and verify widths: real shape
-    with the fused RoPE both ways, 512 of 8192 rows and 512 of 512 selected; odd sizes; the
-    edge cases (no row, one row, out of range)."""
+    """The 8-row kernels (DSV4_KERNEL_ATTENTION_ROWS8): 11 heads for the odd sizes, 8 at the edges."""
     with flags.override(kernel_attention_rows8=True):
-        case = attention_case(1, S, 64, 512, 128, 8192, 128, 512, mx.bfloat16, rope=32, rotate_queries=True)
-        assert sa.rows8_applies(case["q"])
-        compare_attention(case)
-        compare_attention(attention_case(1, S, 64, 512, 128, 512, 128, 512, mx.bfloat16, invalid=0.0))
-        # odd sizes; 2 x (S // 2 + 1) queries would pass the kernels' 8 at S = 8
-        compare_attention(attention_case(2, min(S // 2 + 1, sa.MAX_KERNEL_QUERIES // 2), 11, 256, 13, 37, 9, 29,
-                                         mx.bfloat16, rope=8))
-        case = attention_case(1, 3, 8, 512, 8, 8, 5, 4, mx.bfloat16, invalid=0.0)
-        wi, ti = np.array(case["window_idx"]), np.array(case["topk_idx"])
-        wi[0, 0] = -1; ti[0, 0] = -1
-        wi[0, 1] = [3, -1, -1, -1, -1]; ti[0, 1] = -1
-        ti[0, 2] = [100, -5, 2, 2]
-        case.update(window_idx=mx.array(wi), topk_idx=mx.array(ti))
-        assert np.all(compare_attention(case)[0, 0] == 0)
+        assert sa.rows8_applies(mx.zeros((1, S, 64, 512), mx.bfloat16))
+        decode_attention_cases(S, 11, 8, 8, 4)
 
 
 
