@@ -41,10 +41,11 @@ CHUNK = 128   # input values a lane's step of the loop covers (4 groups of 32)
 _STAGE_X = {"STAGE_X": r"""
     for (int j = 0; j < 16; ++j) xb[16 * p + j] = (AS_UINT(v[2 * j]) >> 16) | (AS_UINT(v[2 * j + 1]) & 0xffff0000u);"""}
 
-# Lane (q, t)'s share of U chunks from chunk c, rows q and q + 8 (wl, sl at row q's group t):
-# every load issued before any is used, so that a SIMD group keeps U x 1 KB in flight (one chunk
-# a step left it waiting on each load: 85 against the portable launch's 63 µs on an H100).
-MMA_HEADER = r"""
+# A lane (q, t)'s rows q and q + 8 over chunks of the input (wl, sl at row q's group t), both
+# launches' routed dots: a batch of chunks' loads issued before any is used, so that a SIMD group
+# keeps U x 1 KB in flight (one chunk a step left it waiting on each load: 85 against the portable
+# launch's 63 µs on an H100).
+MMA_HEADER = experts_prefill.FP4_PAIRS_HEADER + r"""
 // Chunks loaded together: the most of 4, 3, 2 that divides a SIMD group's chunks.
 KFN constexpr int mma_batch(int chunks) { return chunks % 4 == 0 ? 4 : chunks % 3 == 0 ? 3 : chunks % 2 == 0 ? 2 : 1; }
 template <int GROUPS, int U>
@@ -75,6 +76,23 @@ KFN void mma_rows_dots(float (&acc)[4], const uint32_t (&w)[U][2][4], const int 
       }
     }
 }
+// acc += rows q and q + 8 times the input over chunks c0 .. c0 + N - 1, loaded mma_batch(N) at a
+// time; a batch with a scale code past 128 takes the second power of two (one path a SIMD group).
+template <int GROUPS, int N>
+KFN void mma_rows(float (&acc)[4], GLOBAL uint32_t* wl, GLOBAL uint8_t* sl, const uint32_t* xb, int c0, int t) {
+  constexpr int U = mma_batch(N);
+  for (int c = c0; c < c0 + N; c += U) {
+    uint32_t w[U][2][4];
+    int m[U][2];
+    mma_rows_load<GROUPS, U>(wl, sl, c, w, m);
+    bool huge = false;
+    for (int u = 0; u < U; ++u) huge = huge || m[u][0] > 127 || m[u][1] > 127;
+    if (simd_max_f(huge ? 1.0f : 0.0f) > 0.0f)
+      mma_rows_dots<true, U>(acc, w, m, xb, c, t);
+    else
+      mma_rows_dots<false, U>(acc, w, m, xb, c, t);
+  }
+}
 """
 
 _MMA_DOTS = r"""
@@ -85,22 +103,11 @@ _MMA_DOTS = r"""
     const int q = (int)lane >> 2, t = (int)lane & 3;
     constexpr int GROUPS = D / 32;
     constexpr int HALF = D / CHUNK_VALUES / 2;   // chunks a SIMD group takes
-    constexpr int U = mma_batch(HALF);
     const size_t row = (size_t)expert * I + (int)group_y * 32 + 16 * (tile & 1) + q;   // and row + 8
     GLOBAL uint32_t* wl = (tile < 2 ? gate_w : up_w) + row * GROUPS * 4 + 4 * t;       // group t of chunk 0
     GLOBAL uint8_t* sl = (tile < 2 ? gate_s : up_s) + row * GROUPS + t;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int c = half_k * HALF; c < (half_k + 1) * HALF; c += U) {
-      uint32_t w[U][2][4];
-      int m[U][2];
-      mma_rows_load<GROUPS, U>(wl, sl, c, w, m);
-      bool huge = false;
-      for (int u = 0; u < U; ++u) huge = huge || m[u][0] > 127 || m[u][1] > 127;
-      if (simd_max_f(huge ? 1.0f : 0.0f) > 0.0f)   // the SIMD group's one path
-        mma_rows_dots<true, U>(acc, w, m, xb, c, t);
-      else
-        mma_rows_dots<false, U>(acc, w, m, xb, c, t);
-    }
+    mma_rows<GROUPS, HALF>(acc, wl, sl, xb, half_k * HALF, t);
     if (t == 0) {
       half_sums[half_k][16 * tile + q] = acc[0];
       half_sums[half_k][16 * tile + q + 8] = acc[2];
@@ -121,12 +128,11 @@ def _mma_kernel(plain: Kernel, parts: dict) -> Kernel:
     body = body.replace("  SHARED uint4 xs[D / 32 * XS];\n", "  SHARED uint4 xs[D / 32 * XS];\n" + _XB)
     checks = tuple(c for c in plain.checks if dict(c[2])["MODE"] == ex.MODE_IDS["mxfp4"])
     return Kernel(name=plain.name + "_mma", input_names=plain.input_names, output_names=plain.output_names,
-                  body=body, header=plain.header + experts_prefill.FP4_PAIRS_HEADER + MMA_HEADER, dialects=("cuda",), checks=checks)
+                  body=body, header=plain.header + MMA_HEADER, dialects=("cuda",), checks=checks)
 
 
 GATE_UP_KERNEL = _mma_kernel(ex.GATE_UP_KERNEL, ex._GIVEN)
 ROUTED_GATE_UP_KERNEL = _mma_kernel(ex.ROUTED_GATE_UP_KERNEL, ex._ROUTED)
-
 
 
 # The down launch: SIMD group s < K makes slot s's 16 rows of the threadgroup on tensor cores
@@ -153,23 +159,12 @@ _MMA_DOWN_DOTS = r"""
     const int q = (int)lane >> 2, lt = (int)lane & 3;
     constexpr int GROUPS = I / 32;
     constexpr int CHUNKS = I / CHUNK_VALUES;
-    constexpr int U = mma_batch(CHUNKS);
     const size_t row = (size_t)idx[t * K + slot] * DO + row0 + q;   // and row + 8
     GLOBAL uint32_t* wl = down_w + row * GROUPS * 4 + 4 * lt;
     GLOBAL uint8_t* sl = down_s + row * GROUPS + lt;
     const uint32_t* hb = reinterpret_cast<const uint32_t*>(hs[slot]);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int c = 0; c < CHUNKS; c += U) {
-      uint32_t w[U][2][4];
-      int m[U][2];
-      mma_rows_load<GROUPS, U>(wl, sl, c, w, m);
-      bool huge = false;
-      for (int u = 0; u < U; ++u) huge = huge || m[u][0] > 127 || m[u][1] > 127;
-      if (simd_max_f(huge ? 1.0f : 0.0f) > 0.0f)
-        mma_rows_dots<true, U>(acc, w, m, hb, c, lt);
-      else
-        mma_rows_dots<false, U>(acc, w, m, hb, c, lt);
-    }
+    mma_rows<GROUPS, CHUNKS>(acc, wl, sl, hb, 0, lt);
     // Each expert's output rounded to the activation dtype, as in the portable launch.
     if (lt == 0) {
       part[(int)warp * RW + q] = float(static_cast<T>(acc[0]));
@@ -195,7 +190,7 @@ def _down_checks():
 
 DOWN_KERNEL = Kernel(name=ex.DOWN_KERNEL.name + "_mma", input_names=ex.DOWN_KERNEL.input_names,
                      output_names=ex.DOWN_KERNEL.output_names, body=_MMA_DOWN_DOTS + ex._DOWN_SUM,
-                     header=ex.DOWN_KERNEL.header + experts_prefill.FP4_PAIRS_HEADER + MMA_HEADER,
+                     header=ex.DOWN_KERNEL.header + MMA_HEADER,
                      dialects=("cuda",), checks=_down_checks())
 
 
