@@ -8,8 +8,9 @@ Each kernel's first compile-gate instantiation (Kernel.checks: V4.1's mxfp4 expe
 mxfp8 shared expert, top-6, I = 2304, D = 5120; the matvec at K = 5120 mxfp8) is compiled once.
 Registers per thread bound the warps an SM keeps resident (65536 registers per SM): fewer
 registers, more loads in flight to hide DRAM latency in these bandwidth-bound launches.
-The prefill's routed-experts launches (experts_prefill.py) and sparse attention launches
-(attention_prefill.py, attention_prefill_staged.py) follow. `--nvdisasm PATH` adds each
+The decode tensor-core launches (experts_mma.py, attention_decode_staged.py), the prefill's
+routed-experts launches (experts_prefill.py) and sparse attention launches (attention_prefill.py,
+attention_prefill_staged.py) follow. `--nvdisasm PATH` adds each
 kernel's innermost loops in SASS instructions (nvdisasm of the cubin). `--gguf`: the GGUF-block
 launches instead (gguf_dot.py's rows_dot), every compile-gate instantiation: ds4's q2 and q4
 recipes and a Q2_K/Q4_K mix, the matvec per GGUF type.
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
-    from dsv4.kernels import attention_prefill, attention_prefill_staged, experts, experts_prefill, matvec
+    from dsv4.kernels import (attention_decode_staged, attention_prefill, attention_prefill_staged, experts,
+                              experts_mma, experts_prefill, matvec)
     from tools.metal_syntax_check import required_nvrtc_paths
 
     paths = required_nvrtc_paths()
@@ -171,6 +173,11 @@ def main(argv=None) -> int:
     ints = next(i for i, c in enumerate(experts.GATE_UP_KERNEL.checks) if ("MODE", experts.MXFP4_INT) in c[2])
     kernels.insert(1, ("experts gate/up, mxfp4 in the integer unit (DSV4_KERNEL_MOE_DP4A)", experts.GATE_UP_KERNEL, ints))
     kernels += [(what, kernel, 0) for what, kernel in [
+                ("experts gate/up with the router's tail on tensor cores (DSV4_KERNEL_MOE_MMA)",
+                 experts_mma.ROUTED_GATE_UP_KERNEL),
+                ("experts down on tensor cores (DSV4_KERNEL_MOE_MMA)", experts_mma.DOWN_KERNEL),
+                ("decode sparse attention on tensor cores (DSV4_KERNEL_ATTENTION_STAGED_DECODE)",
+                 attention_decode_staged.KERNEL),
                 ("prefill routed experts (x staged in the launch)", experts_prefill.KERNEL),
                 ("prefill routed experts, bf16 mma (DSV4_KERNEL_PREFILL_EXPERTS_BF16)", experts_prefill.KERNEL_BF16),
                 ("prefill routed experts, bf16 fed a chunk ahead (DSV4_KERNEL_PREFILL_EXPERTS_STREAM)",
