@@ -326,8 +326,9 @@ define("kernel_moe_mma", False,
        "against ~4.2), each lane's loads of several chunks issued together; the gate/up launch's "
        "threadgroups, x copy and epilogue, the down launch's 16 rows a threadgroup (the shared "
        "expert's rows_dot at 4 x 8). Exact products summed in fp32 in another order. Off (default): "
-       "the gate/up launch without the batched loads took 85 against 63 µs at one token on an H100 "
-       "(2026-12-07); on")
+       "slower on the H200, gate/up 67.7 against 65.7 µs at one token and 175.9 against 165.0 at four, "
+       "down 37.9 against 27.1 and 103.9 against 78.7, the slice's step 2.54 against 2.31 ms "
+       "(benchmarks/results/2026-12-07-1709-experts-shapes-mma.md, 2026-12-07-1711-slice-decode.md); on")
 define("kernel_moe_shared_splits", 1,
        "the fused experts' down launch: SIMD groups on the shared expert's rows, each a part of its "
        "inputs, beside one per routed expert, so that the threadgroup's slowest SIMD group is no "
@@ -438,8 +439,9 @@ define("kernel_attention_staged_decode", False,
        "with each query's rows split over threadgroups of all its heads, 32 rows each, kept in "
        "threadgroup memory for both passes (dsv4/kernels/attention_decode_staged.py), then the 8-row "
        "merge, instead of the 8-row kernel's SIMD group per head (33 µs a layer under ncu on an H100, "
-       "latency-bound). The 8-row kernels' roundings, another fp32 summation order. Off (default) "
-       "until a GPU has timed it; on")
+       "latency-bound). The 8-row kernels' roundings, another fp32 summation order. Off (default): "
+       "the H200's step 2.42 against 2.31 ms at 512, 2.65 against 2.54 at 8K "
+       "(benchmarks/results/2026-12-07-1711-slice-decode.md); on")
 define("kernel_prefill_attention_staged", "auto",
        "CUDA: prefill's sparse attention with a threadgroup per query and all its heads (up to 64), "
        "the query's rows staged once in threadgroup memory by cp.async for every head, the scores "
