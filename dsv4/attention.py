@@ -31,7 +31,7 @@ from .kernels.dialect import backend
 from .kernels.sparse_attention import sparse_attention
 from .config import ModelArgs
 from .linear import (GGUFLinear, Linear, QuantizedLinear, dequant_matmul, dequant_prefill, dequantize,
-                     fp8_linear, fp8_linears, matrix_operand)
+                     fp8_linear, fp8_linear_tail, fp8_linears, matrix_operand)
 from .quant import qdq_fp4_e4m3, qdq_fp4_pow2, qdq_fp8
 
 
@@ -394,12 +394,18 @@ class Attention(nn.Module):
         cache, dsv4.step.StepState for the fixed-shape decode step) holds the cache and answers
         window / compress / select / compressed / output_angles. x_fp8: x already rounded as
         wq_a and wkv take it (fp8_input), if the caller has it."""
-        latent, kv = fp8_linears(x, self.wq_a, self.wkv, rounded=x_fp8)   # rounded once for both
         # With the angles from the state the attention rotates the queries as it loads them
         # and de-rotates its output (fused into the kernel where it runs).
         angles = state.output_angles(self)
-        qr, q = self.queries(latent, state, rotate=angles is None)
-        window, window_idx = state.window(self, self.window_rows(kv, state))
+        tailed = self.tailed_projections(x, x_fp8, state)
+        if tailed is None:
+            latent, kv = fp8_linears(x, self.wq_a, self.wkv, rounded=x_fp8)   # rounded once for both
+            qr, q = self.queries(latent, state, rotate=angles is None)
+            window_row = self.window_rows(kv, state)
+        else:
+            qr, window_row = tailed
+            q = self.head_queries(qr, state, rotate=angles is None)
+        window, window_idx = state.window(self, window_row)
         compressed = topk = None
         if self.ratio:
             if "compressor" in self:
@@ -422,14 +428,32 @@ class Attention(nn.Module):
     def queries(self, latent: mx.array, state, rotate: bool = True) -> tuple[mx.array, mx.array]:
         """wq_a's output [B, S, q_lora_rank] -> (the q-LoRA latent as matmul input [B, S,
         q_lora_rank], queries [B, S, H, Dh], rotated unless `rotate` is False)."""
-        b, s, _ = latent.shape
         qr_in = finish_rows(latent, self.q_norm, qdq=qdq_fp8 if flags.get("act_quant") else None,
                             fused=state.fused)
+        return qr_in, self.head_queries(qr_in, state, rotate)
+
+    def head_queries(self, qr_in: mx.array, state, rotate: bool = True) -> mx.array:
+        """The q-LoRA latent as matmul input [B, S, q_lora_rank] -> queries [B, S, H, Dh],
+        rotated unless `rotate` is False."""
+        b, s, _ = qr_in.shape
         shape = (b, s, self.n_heads, self.head_dim)
         if not rotate:
-            return qr_in, self.wq_b(qr_in).reshape(shape)
-        return qr_in, finish_rows(self.wq_b(qr_in), rot=state.rotation(self._freqs), fused=state.fused,
-                                  shape=shape)
+            return self.wq_b(qr_in).reshape(shape)
+        return finish_rows(self.wq_b(qr_in), rot=state.rotation(self._freqs), fused=state.fused, shape=shape)
+
+    def tailed_projections(self, x: mx.array, x_fp8: Optional[mx.array], state) -> Optional[tuple]:
+        """(the q-LoRA latent as queries() makes it, the window KV row as window_rows() makes it),
+        each projection and its tail one launch (DSV4_KERNEL_MATVEC_TAIL, the fixed-shape step),
+        or None where those launches do not run."""
+        rot = state.rotation(self._freqs)
+        if not (state.fused and rot.angles is not None and flags.get("kernel_matvec_tail")):
+            return None
+        fmt = lambda on: rows.FP8 if on else rows.NO_QDQ
+        qr = fp8_linear_tail(self.wq_a, x, (self.q_norm.weight, self.q_norm.eps), None,
+                             fmt(flags.get("act_quant")), rounded=x_fp8)
+        row = fp8_linear_tail(self.wkv, x, (self.kv_norm.weight, self.kv_norm.eps), rot.angles,
+                              fmt(flags.get("kv_qdq")), rounded=x_fp8)
+        return None if qr is None or row is None else (qr, row)
 
     def window_rows(self, kv: mx.array, state) -> mx.array:
         """wkv's output [B, S, Dh] -> this chunk's window KV rows as the cache holds them."""

@@ -469,6 +469,13 @@ define("kernel_matvec_joined", False,
        "product of that row (fp32, within the summation bound of MLX's). Off (default): an H100 timed "
        "it with DSV4_KERNEL_MOE_NEXT_PROJECTION at 2.42 against 2.39 ms a step, 13 launches fewer "
        "(benchmarks/results/2026-12-07-0744-slice-decode.md); on")
+define("kernel_matvec_tail", False,
+       "CUDA, the fixed-shape step (1-8 tokens): wq_a and wkv each with its tail in one launch "
+       "(dsv4/kernels/matvec_tail.py): the matvec kernel's rows, then the last of a token's "
+       "threadgroups to finish takes its row through the row-tail stages (q_norm and the fp8 "
+       "rounding; kv_norm, RoPE and the fp8 rounding), where a matvec launch and a row-tail launch "
+       "ran each: two launches a layer fewer, the same values in the same order. Off (default) "
+       "until a GPU has timed it; on")
 define("kernel_matvec_tokens", False,
        "GPU projections of 2-6 tokens (a DSpark verify, a batch of sessions) that take the matvec "
        "kernel (DSV4_KERNEL_MATVEC; GGUF blocks always) in one pass over the weight: each "

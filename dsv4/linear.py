@@ -31,11 +31,12 @@ import numpy as np
 
 from . import flags, gguf_blocks
 from .constants import derived, kept
-from .kernels import experts_prefill
+from .kernels import experts_prefill, matvec_tail
 from .kernels.dialect import backend
 from .kernels.experts import QuantizedMatrix
 from .kernels.gguf_dot import GGUFMatrix
 from .kernels.matvec import kernel_supports, quantized_matvec
+from .kernels.rows import NO_QDQ
 from .quant import qdq_fp8
 
 
@@ -342,6 +343,25 @@ def fp8_linears(x: mx.array, *layers: nn.Module, rounded: Optional[mx.array] = N
             rounded = fp8_input(x)
         out.append(layer(rounded))
     return out
+
+
+def fp8_linear_tail(layer: nn.Module, x: mx.array, norm=None, rope=None, qdq: int = NO_QDQ,
+                    rounded: Optional[mx.array] = None) -> Optional[mx.array]:
+    """rows.row_tail(fp8_linear(layer, x), norm, rope, qdq) as one launch where it runs (flag
+    `kernel_matvec_tail`: dsv4/kernels/matvec_tail.py), else None; `rounded` as fp8_linears
+    takes it. The layer keeps the launch's counters (one buffer a layer: its projection is one
+    launch a step)."""
+    if not _kernel_layer(layer) or not flags.switch("kernel_matvec", True):
+        return None
+    q = matrix_operand(layer)
+    x, act_quant = (x, bool(flags.get("act_quant"))) if rounded is None else (rounded, False)
+    if not matvec_tail.applies(x, q, qdq):
+        return None
+    store = layer.__dict__
+    if "_tail_arrivals" not in store:
+        store["_tail_arrivals"] = matvec_tail.arrivals()
+        mx.eval(store["_tail_arrivals"])
+    return matvec_tail.projection_tail(x, q, act_quant, store["_tail_arrivals"], norm, rope, qdq)
 
 
 def fp8_linear(layer: nn.Module, x: mx.array) -> mx.array:

@@ -78,3 +78,14 @@ def test_a_propose_runs_the_block_through_kernels_and_each_draft_adds_only_its_p
     assert calls_one == calls_three and calls_one["mx.fast.rope"] == 0
     assert calls_one["dsv4_experts_down"] == stages and calls_one["dsv4_sparse_attention_partial"] == stages
     assert one < three <= one + 2 * 12, (one, three)
+
+
+def test_tailed_projections_take_two_launches_off_each_layer(model, default_counts):
+    """DSV4_KERNEL_MATVEC_TAIL: wq_a and wkv each with its tail in one launch, where MLX's product
+    and a row-tail kernel ran each: two MLX products and two row tails a layer gone for two kernels."""
+    layers = model.args.num_hidden_layers
+    with flags.override(kernel_matvec_tail=True):
+        tailed = gpu_path.count(model, 64)
+    assert tailed["QuantizedMatmul"] == default_counts["QuantizedMatmul"] - 2 * layers
+    assert tailed[gpu_path.STAND_IN] == default_counts[gpu_path.STAND_IN]   # two tails out, two tailed launches in
+    assert total(tailed) == total(default_counts) - 2 * layers

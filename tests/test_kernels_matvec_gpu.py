@@ -181,3 +181,28 @@ def test_grouped_tokens_matvec_matches_gather_qmm(tokens):
     err = np.abs(got - want)
     assert np.all(err <= 2.0 ** -7 * np.abs(want) + 2 * 4096 * 2.0 ** -24 * mag), float(err.max())
     assert np.mean(err <= 2.0 ** -7 * np.abs(want) + 1e-30) > 0.9
+
+
+@pytest.mark.parametrize("N,R,act_quant", [(1280, 0, False), (512, 32, False), (512, 32, True)],
+                         ids=["wq_a", "wkv", "wkv-rounding-x"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_projection_and_its_tail_in_one_launch_equal_the_two_launches(N, R, act_quant, tokens):
+    """DSV4_KERNEL_MATVEC_TAIL at V4.1's widths (K = 5120, mxfp8): wq_a with q_norm and the fp8
+    rounding, wkv with kv_norm, RoPE and the fp8 rounding, bit for bit the matvec launch and then
+    the row-tail launch (the same sums in the same order); the same counters across calls (each
+    launch must leave them at zero for the next)."""
+    from dsv4.kernels import matvec_tail, rows
+
+    q = quantized((N, 5120), "mxfp8", 8, 32, mx.bfloat16)
+    counters = matvec_tail.arrivals()
+    norm = (mx.array(RNG.uniform(0.5, 1.5, N).astype(np.float32)).astype(mx.bfloat16), 1e-6)
+    theta = mx.array(RNG.uniform(-np.pi, np.pi, R).astype(np.float32))
+    rope = (mx.cos(theta), mx.sin(theta)) if R else None
+    with flags.override(kernel_matvec_tail=True, kernel_matvec="on"):
+        for _ in range(3):
+            x = activations(tokens, 5120, mx.bfloat16)
+            assert matvec_tail.applies(x, q, rows.FP8)
+            two = rows.row_tail(mv.quantized_matvec(x, q, act_quant), norm, rope, rows.FP8)
+            one = matvec_tail.projection_tail(x, q, act_quant, counters, norm, rope, rows.FP8)
+            assert mx.array_equal(one, two).item()
+    assert not mx.any(counters).item()

@@ -64,8 +64,9 @@ def fixed_greedy(model, prompt, steps):
     return tokens, mx.stack(seen[:steps])
 
 
-@pytest.mark.parametrize("switches", [{}, {"kernel_matvec_joined": True}, {"kernel_moe_next_projection": True}],
-                         ids=["defaults", "joined", "next-projection"])
+@pytest.mark.parametrize("switches", [{}, {"kernel_matvec_joined": True}, {"kernel_moe_next_projection": True},
+                                      {"kernel_matvec_tail": True}],
+                         ids=["defaults", "joined", "next-projection", "tailed"])
 def test_fp32_fixed_compiled_kernels_equal_reference_without_kernels_over_64_greedy_steps(ckpt, switches):
     """Issue 11's check: the lean decode (kernels, fixed shapes, compile, run-ahead) against
     the plain reference path; with the defaults, and with the switches still off by default

@@ -174,8 +174,8 @@ def v41_calls():
     dense projections mxfp8) and ds4 GGUFs' (GGUF_RECIPES)."""
     from benchmarks.slice_decode import REAL, ROLES
     from dsv4.config import ModelArgs
-    from dsv4.kernels import (experts, experts_prefill, head, indexer, matvec, mhc, rows, sparse_attention, swiglu,
-                              topk)
+    from dsv4.kernels import (experts, experts_prefill, head, indexer, matvec, matvec_tail, mhc, rows,
+                              sparse_attention, swiglu, topk)
     from dsv4.kernels.router import route
     from dsv4.model import Model
     from dsv4.quant import qdq_fp4_pow2, qdq_fp8
@@ -249,6 +249,13 @@ def v41_calls():
                         # tokens: the multi-token launch (2..6 tokens); dp4a: GGUF rows in the integer units (x's limbs)
                         with flags.override(kernel_matvec_tokens=tokens, kernel_gguf_dp4a=dp4a):
                             matvec.quantized_matvec(_zeros(t, d), q, True)
+            # wq_a and wkv with their tails (DSV4_KERNEL_MATVEC_TAIL), on x rounded by the mHC entry
+            with flags.override(kernel_matvec_tail=True):
+                for n, norm, rope in ((a.q_lora_rank, True, None), (Dh, True, (_zeros(R, dtype=mx.float32),) * 2)):
+                    q = dense((n, D))
+                    if matvec_tail.applies(_zeros(t, D), q, rows.FP8):
+                        matvec_tail.projection_tail(_zeros(t, D), q, False, matvec_tail.arrivals(),
+                                                    (_zeros(n), 1e-20), rope, rows.FP8)
             # The grouped wo_a: every group of heads through its rows in one launch (GGUF blocks;
             # MLX's packs through the multi-token launch only)
             g, q = a.o_groups, dense((a.o_groups * a.o_lora_rank, H * Dh // a.o_groups))

@@ -12,6 +12,8 @@ Dispatchers the model calls (kernel or reference by backend and by flags.py's ke
                                       -> rounding; a prefill's inverse RoPE of the attention output
   matvec.quantized_matvec (through dsv4.linear: QuantizedLinear, fp8_linear)   quantized projection
                                       of 1-8 tokens, with the fp8 input rounding fused
+  matvec_tail.projection_tail (through dsv4.linear.fp8_linear_tail: the fixed-shape step's wq_a
+                                      and wkv)   a projection and its row tail in one launch (CUDA)
   router.route (through dsv4.moe.Router)   scores, biased top-k and weights after the gate matmul
   head.head_logits (through Model.logits, dsv4.moe.Router)   fp32 logits of 1-8 tokens from a bf16
                                       weight (the output head, the router's gate)

@@ -40,6 +40,13 @@ Vocabulary available to bodies:
   cp_async_commit()          (CUDA) close the thread's copies issued since the last commit into a group
   cp_async_wait<N>()         (CUDA) wait until at most the N newest groups are in flight (then a
                              BARRIER() before reading what other threads copied)
+  DEVICE_FENCE()             (CUDA) this thread's global writes are seen by every threadgroup
+                             that sees its later ones (__threadfence)
+  DEVICE_ARRIVE(c, i)        (CUDA) the uint32 c[i] (an input: a counter the launch owns) plus
+                             one, atomically on the device; gives the value before
+  DEVICE_RESET(c, i)         (CUDA) c[i] back to 0, atomically
+  LOAD_CG(p)                 (CUDA) *p read from L2 (not this SM's L1): another threadgroup's
+                             write after its DEVICE_FENCE
 """
 
 from __future__ import annotations
@@ -192,6 +199,10 @@ __device__ inline void cp_async16(void* dst, const void* src) {
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+#define DEVICE_FENCE() __threadfence()
+#define DEVICE_ARRIVE(c, i) atomicAdd((unsigned int*)(c) + (i), 1u)
+#define DEVICE_RESET(c, i) atomicExch((unsigned int*)(c) + (i), 0u)
+#define LOAD_CG(p) __ldcg(p)
 """
 
 CUDA_BODY_PRELUDE = r"""

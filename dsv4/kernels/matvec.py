@@ -72,10 +72,11 @@ _BODY = r"""
   float acc[ROWS], unused[ROWS];
   if (SPLIT == 1) {
     const int row0 = (int)group_y * tg_rows + (int)warp * ROWS;
-    if (row0 >= N) return;
-    rows_dot<MODE, BITS, GS, ROWS, 32, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
-    if (lane == 0) {
-      for (int r = 0; r < ROWS && row0 + r < N; ++r) y[(size_t)t * N + row0 + r] = static_cast<T>(acc[r]);
+    if (row0 < N) {
+      rows_dot<MODE, BITS, GS, ROWS, 32, K, XS, false>(xs, w, s, b, w, s, b, 0, row0, N, acc, unused, lane);
+      if (lane == 0) {
+        for (int r = 0; r < ROWS && row0 + r < N; ++r) PUT_ROW((size_t)t * N + row0 + r, acc[r]);
+      }
     }
   } else {
     constexpr int KS = K / SPLIT;   // slice length; KS % 32 == 0 and KS % GS == 0
@@ -89,10 +90,21 @@ _BODY = r"""
     if (warp == 0 && (int)lane < tg_rows && out_row < N) {
       float v = 0.0f;
       for (int i = 0; i < SPLIT; ++i) v += part[lane * SPLIT + i];
-      y[(size_t)t * N + out_row] = static_cast<T>(v);
+      PUT_ROW((size_t)t * N + out_row, v);
     }
   }
 """
+
+
+def _stored(body: str, store: str) -> str:
+    """The body with each row's sum v at index i stored as `store` says (a format of i and v)."""
+    for i, v in (("(size_t)t * N + row0 + r", "acc[r]"), ("(size_t)t * N + out_row", "v")):
+        body = body.replace(f"PUT_ROW({i}, {v})", store.format(i=i, v=v))
+    assert "PUT_ROW" not in body
+    return body
+
+
+_PLAIN_BODY = _stored(_BODY, "y[{i}] = static_cast<T>({v})")
 
 
 def _checks():
@@ -112,7 +124,7 @@ def _checks():
 
 
 MATVEC_KERNEL = Kernel(name="dsv4_quantized_matvec", input_names=("x", "w", "s", "b"),
-                       output_names=("y",), body=_BODY, header=_HEADER, checks=_checks())
+                       output_names=("y",), body=_PLAIN_BODY, header=_HEADER, checks=_checks())
 
 
 def _gguf_checks():
@@ -324,7 +336,7 @@ GGUF_TOKENS_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec_tokens", input_names=(
 
 # The one-token body over rows of GGUF blocks (gguf_dot.py's rows_dot).
 GGUF_MATVEC_KERNEL = Kernel(name="dsv4_gguf_matvec", input_names=("x", "w", "s", "b"),
-                            output_names=("y",), body=_BODY, header=X_HEADER + gguf_dot.HEADER,
+                            output_names=("y",), body=_PLAIN_BODY, header=X_HEADER + gguf_dot.HEADER,
                             checks=_gguf_checks())
 
 

@@ -31,20 +31,12 @@ MAX_WIDTH = 2048
 NO_QDQ = -1
 FP4_E4M3 = 2   # dsv4.quant.qdq_fp4_e4m3: e2m1 with an e4m3 scale per 16 (the compressed KV)
 
-_BODY = f"""
+# The stages on a row held by a threadgroup of 256 (THREADS): thread tid holds h[e] = value
+# d = tid + 256 e (E = ceil(D / 256) of them, 0 past D), ss the sum of their squares; `row` is the
+# row's index, params (eps, rows per position, positions S), weight the norm's, cosv/sinv the
+# angles. matvec.py's tailed projection runs them too, on its output row.
+STAGES = f"""
   constexpr int FP4_E4M3 = {FP4_E4M3};""" + r"""
-  // grid (256 rows, 1, 1), threadgroup 256: one row per threadgroup (on x: a prefill chunk's
-  // query rows outnumber CUDA's 65535 threadgroups on y); lane values d = tid + 256 e, so each
-  // SIMD group holds whole blocks of 32 and both values of a RoPE pair.
-  constexpr int E = (D + 255) / 256;
-  const size_t row = group_x;
-  float h[E];
-  float ss = 0.0f;
-  for (int e = 0; e < E; ++e) {
-    const int d = (int)tid + 256 * e;
-    h[e] = d < D ? float(x[row * D + d]) : 0.0f;
-    ss += h[e] * h[e];
-  }
   if (NORM) {
     SHARED float red[8];
     const float s = simd_sum_f(ss);
@@ -79,7 +71,21 @@ _BODY = f"""
   } else if (QDQ > 0) {
     for (int e = 0; e < E; ++e) h[e] = qdq_pow2_lane<(QDQ == 1 ? 0 : 1)>(h[e]);
   }
+"""
+
+_BODY = r"""
+  // grid (256 rows, 1, 1), threadgroup 256: one row per threadgroup (on x: a prefill chunk's
+  // query rows outnumber CUDA's 65535 threadgroups on y); lane values d = tid + 256 e, so each
+  // SIMD group holds whole blocks of 32 and both values of a RoPE pair.
+  constexpr int E = (D + 255) / 256;
+  const size_t row = group_x;
+  float h[E];
+  float ss = 0.0f;
   for (int e = 0; e < E; ++e) {
+    const int d = (int)tid + 256 * e;
+    h[e] = d < D ? float(x[row * D + d]) : 0.0f;
+    ss += h[e] * h[e];
+  }""" + STAGES + r"""  for (int e = 0; e < E; ++e) {
     const int d = (int)tid + 256 * e;
     if (d < D) out[row * D + d] = static_cast<T>(h[e]);
   }
