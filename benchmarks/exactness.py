@@ -1,6 +1,6 @@
 """The fast path against the plain reference path, where the two must agree (issue 27's checks).
 
-    MLX_ENABLE_TF32=0 python -m benchmarks.exactness [--contexts 512] [--steps 32] [--small] [--no-demo]
+    python -m benchmarks.exactness [--contexts 512] [--steps 32] [--small] [--no-demo]
 
 1. **Real widths** (the shape-true slice of benchmarks/slice_decode.py, cast to float32, the
    fp8/fp4 roundings off): each context is prefilled with random tokens, then `--steps` random
@@ -17,14 +17,16 @@
    0.2% of the reference.
 
 On a machine without a GPU every kernel dispatcher takes its plain-MLX reference, so this
-checks the fixed-shape decoder and its run-ahead only; the H200 run is the real check. There,
-set MLX_ENABLE_TF32=0: otherwise MLX's fp32 matmuls round their inputs to TF32, in the
-reference path too (2.5e-4 / 1.4e-3 with it, 5e-6 / 2e-6 without, at 512).
+checks the fixed-shape decoder and its run-ahead only; the H200 run is the real check. There
+it runs with MLX_ENABLE_TF32=0 (it starts itself again with the variable set where it is not):
+otherwise MLX's fp32 matmuls round their inputs to TF32, in the reference path too (2.5e-4 /
+1.4e-3 with it, 5e-6 / 2e-6 without, at 512).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from datetime import datetime
@@ -135,6 +137,18 @@ def demo_rows() -> tuple[list[str], dict]:
     return rows, dict(tokens=len(ids), losses=losses)
 
 
+def exact_fp32_matmuls(argv: list) -> None:
+    """Under CUDA, run again with MLX_ENABLE_TF32=0 unless it is set: MLX reads it once, and
+    TF32 would round the reference path's fp32 matmuls too (a forgotten variable made a whole
+    run's numbers 50-800x worse, 2026-12-07)."""
+    from dsv4.kernels.dialect import backend
+
+    if backend() == "cuda" and os.environ.get("MLX_ENABLE_TF32") != "0":
+        print("exactness: running again with MLX_ENABLE_TF32=0 (exact fp32 matmuls)", flush=True)
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.exactness", *argv],
+                  {**os.environ, "MLX_ENABLE_TF32": "0"})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="512")
@@ -143,6 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-demo", action="store_true", help="skip the demo checkpoint's loss")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
+    exact_fp32_matmuls(sys.argv[1:] if argv is None else argv)
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
     from benchmarks.slice_decode import REAL, ROLES, SMALL, build

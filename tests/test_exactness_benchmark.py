@@ -42,3 +42,22 @@ def test_mean_cross_entropy_against_a_direct_sum():
     logits, targets = rng.normal(size=(5, 11)) * 4, rng.integers(0, 11, 5)
     want = np.mean([np.log(np.sum(np.exp(row))) - row[t] for row, t in zip(logits, targets)])
     assert abs(exactness.mean_cross_entropy(logits, targets) - want) < 1e-12
+
+
+@pytest.mark.parametrize("backend,tf32,restarts", [("cuda", None, True), ("cuda", "1", True), ("cuda", "0", False),
+                                                   ("metal", None, False), (None, None, False)])
+def test_a_cuda_run_restarts_itself_with_exact_fp32_matmuls(monkeypatch, backend, tf32, restarts):
+    """MLX reads MLX_ENABLE_TF32 once; TF32 would round the reference path's matmuls too."""
+    calls = []
+    monkeypatch.setattr("dsv4.kernels.dialect.backend", lambda: backend)
+    monkeypatch.setattr(exactness.os, "execve", lambda *a: calls.append(a))
+    if tf32 is None:
+        monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    else:
+        monkeypatch.setenv("MLX_ENABLE_TF32", tf32)
+    exactness.exact_fp32_matmuls(["--contexts", "512"])
+    if restarts:
+        (path, args, env), = calls
+        assert args[1:] == ["-m", "benchmarks.exactness", "--contexts", "512"] and env["MLX_ENABLE_TF32"] == "0"
+    else:
+        assert calls == []
