@@ -102,7 +102,7 @@ def applies(x: mx.array, q, qdq: int) -> bool:
     tokens = x.size // x.shape[-1]
     integer = isinstance(q, GGUFMatrix) and q.integer
     return (not mv.tokens_applies(q, tokens, 1, integer) and q.out_features % 32 == 0
-            and rows.kernel_applies(mx.zeros((1,), x.dtype), qdq, q.out_features))
+            and rows.kernel_applies(x, qdq, q.out_features))
 
 
 def arrivals() -> mx.array:
