@@ -9,10 +9,10 @@
 #       "python -m benchmarks.slice_decode --contexts 512 --variants dsv4 --ab kernel_moe_dp4a=on --out \$OUT"
 #
 # KC=scratch_gpu/kc: the kernel cache (DSV4_KERNEL_CACHE) lives in that directory, unpacked
-# first from $KC.tgz when the call carried one; when the commands added to it, it comes back as
-# $OUT/kc.tgz: copy that to $KC.tgz before the next call (the archive, ~8x smaller than the
-# directory, fits the call's 64 MiB with .dev/), so that a fresh machine loads the kernels
-# instead of spending ~60-70 s of NVRTC on the slice's.
+# first from $KC.tgz when the call carried one; the builds the commands added come back as
+# $OUT/kc-new.tgz (only those: the whole cache outgrew the 16 MiB a returned file may have):
+# merge them into $KC.tgz before the next call with tools/kernel_cache_merge.sh, so that a
+# fresh machine loads the kernels instead of spending ~100 s of NVRTC on the slice's.
 start=$(date +%s)
 D=${D:-540}
 TAIL=${TAIL:-25}
@@ -23,7 +23,7 @@ export PYTHONPATH=/tmp/site:$PWD
 if [ -n "$KC" ]; then
   mkdir -p "$KC" && export DSV4_KERNEL_CACHE=$(realpath "$KC")
   [ -f "$KC.tgz" ] && tar xzf "$KC.tgz" -C "$KC"
-  cached=$(ls "$KC" | wc -l)
+  stamp=$(mktemp)   # files newer than this are this call's builds (tar keeps the archive's times)
 fi
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 n=0
@@ -36,6 +36,11 @@ for cmd in "$@"; do
   echo "rc $?"
   tail -n "$TAIL" "$OUT/step-$n.log"
 done
-if [ -n "$KC" ] && [ "$(ls "$KC" | wc -l)" != "$cached" ]; then
-  tar czf "$OUT/kc.tgz" -C "$KC" . && echo "kernel cache: $(ls "$KC" | wc -l) files, back as \$OUT/kc.tgz"
+if [ -n "$KC" ]; then
+  (cd "$KC" && find . -type f -newer "$stamp") > "$OUT/kc-new.list"
+  if [ -s "$OUT/kc-new.list" ]; then
+    tar czf "$OUT/kc-new.tgz" -C "$KC" -T "$OUT/kc-new.list" \
+      && echo "kernel cache: $(wc -l < "$OUT/kc-new.list") new builds back as \$OUT/kc-new.tgz"
+  fi
+  rm -f "$OUT/kc-new.list"
 fi
