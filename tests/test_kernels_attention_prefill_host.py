@@ -22,7 +22,7 @@ from dsv4.kernels import attention_prefill as ap
 from dsv4.kernels import dialect
 from dsv4.kernels import sparse_attention as sa
 from tests.mma_emulator import CP_ASYNC_EMULATOR, MMA_EMULATOR, MUTATIONS
-from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_decode_host import build_kernel
 from tests.test_kernels_experts_host import BF16
 from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_sparse_attention import as_np, oracle
@@ -68,13 +68,13 @@ def check(got, c):
 
 class Emulated:
     """pretend_gpu's launch of `module`'s kernel (attention_prefill or attention_prefill_staged):
-    each instantiation built once, run on the host; `mutation` goes before the body's source,
+    built and run on the host; `mutation` goes before the body's source,
     `replace` are (old, new) edits of the kernel's header and body. `launches` holds each launch's
     template values, grid and threadgroup."""
 
     def __init__(self, folder, mutation="", module=ap, replace=()):
         self.folder, self.mutation, self.module, self.replace = folder, mutation, module, replace
-        self.built, self.launches = {}, []
+        self.launches = []
 
     def __call__(self, kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
         assert kernel is self.module.KERNEL and dict(template)["T"] == mx.bfloat16
@@ -82,20 +82,14 @@ class Emulated:
         B, S, H, D = q.shape
         assert grid[0] == threadgroup[0] and grid[2] == B * S and output_shapes == [q.shape]
         self.launches.append(dict(template, grid=grid, threadgroup=threadgroup))
-        key = (tuple(template), grid[1])
-        if key not in self.built:
-            consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            source = kernel.header + MAIN.replace("BODY", kernel.body).replace("GROUPS_Y", str(grid[1]))
-            for old, new in self.replace:
-                assert old in source, old
-                source = source.replace(old, new)
-            self.built[key] = build_host(self.folder, f"{kernel.name}{len(self.built)}",
-                                         EMULATOR + BF16 + self.mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR + consts
-                                         + f"constexpr int THREADS = {threadgroup[0]};\n" + source)
+        exe = build_kernel(self.folder, kernel, template,
+                           EMULATOR + BF16 + self.mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR,
+                           MAIN.replace("GROUPS_Y", str(grid[1])), after=f"constexpr int THREADS = {threadgroup[0]};\n",
+                           edits=self.replace)
         data = (i32_bytes(*q.shape, *wkv.shape, *ckv.shape) + bf16_bytes(q) + bf16_bytes(wkv)
                 + np.array(wi).tobytes() + bf16_bytes(ckv) + np.array(ti).tobytes() + f32_bytes(sinks)
                 + f32_bytes(params))
-        out = subprocess.run([str(self.built[key])], input=data, capture_output=True, check=True).stdout
+        out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
         return [mx.array(np.frombuffer(out, np.uint16).reshape(q.shape)).view(mx.bfloat16)]
 
 

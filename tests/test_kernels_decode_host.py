@@ -163,6 +163,19 @@ def build_host(folder, name: str, source: str):
     return exe
 
 
+def build_kernel(folder, kernel, template, before: str, main: str, after: str = "", edits=()):
+    """A dialect Kernel's body built on the host (build_host): `before` (the emulator and what it
+    lacks), the template's integer values as the constants the body reads (its types are the
+    callers' aliases), `after`, the kernel's header, then `main` with the body at BODY; `edits`:
+    (old, new) replacements in that source, each of which must apply."""
+    consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if not isinstance(v, mx.Dtype))
+    source = before + consts + after + kernel.header + main.replace("BODY", kernel.body)
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    return build_host(folder, f"{kernel.name}_{hashlib.sha256(source.encode()).hexdigest()[:12]}", source)
+
+
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory):
     exe = build_host(tmp_path_factory.mktemp("decode"), "decode", _HEADER + HOST_MAIN)

@@ -18,7 +18,7 @@ from dsv4 import flags
 from dsv4.kernels import dialect, experts_prefill
 from dsv4.linear import ExpertLinear
 from tests.mma_emulator import CP_ASYNC_EMULATOR, MMA_EMULATOR, MUTATIONS
-from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_decode_host import build_kernel
 from tests.test_kernels_experts import dequantize_np
 from tests.test_kernels_experts_host import BF16, bf16_bits, from_bf16_bits
 from tests.test_kernels_matvec import EMULATOR
@@ -47,23 +47,13 @@ int main() {
 
 
 def host_launch(folder, mutation="", body_mutations=()):
-    """A pretend_gpu launch that builds (once per kernel and template) and runs the body on the
-    host; `body_mutations`: (old, new) replacements in the source built."""
-    built = {}
+    """A pretend_gpu launch that builds and runs the body on the host; `body_mutations`: (old, new)
+    replacements in the source built."""
 
     def exe(kernel, values, main):
-        values = {**values, "ROWS": launch_rows(kernel)}
-        key = (kernel.name, tuple(sorted(values.items())))
-        if key not in built:
-            consts = "".join(f"constexpr int {n} = {int(v)};\n" for n, v in values.items())
-            source = (EMULATOR + BF16 + mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR + consts
-                      + f"constexpr int THREADS = {experts_prefill.THREADS};\n"
-                      + kernel.header + main.replace("BODY", kernel.body))
-            for old, new in body_mutations:
-                assert old in source, old
-                source = source.replace(old, new)
-            built[key] = build_host(folder, f"prefill{len(built)}", source)
-        return built[key]
+        return build_kernel(folder, kernel, {**values, "ROWS": launch_rows(kernel)}.items(),
+                            EMULATOR + BF16 + mutation + MMA_EMULATOR + CP_ASYNC_EMULATOR, main,
+                            after=f"constexpr int THREADS = {experts_prefill.THREADS};\n", edits=body_mutations)
 
     def launch(kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, **_):
         launch.kernels.append(kernel.name)

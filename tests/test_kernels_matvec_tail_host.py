@@ -19,7 +19,7 @@ import pytest
 from dsv4 import flags
 from dsv4.kernels import dialect, matvec as mv, matvec_tail, rows
 from dsv4.linear import Linear, matrix_operand
-from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_decode_host import build_kernel
 from tests.test_kernels_matvec import EMULATOR, inputs
 from tests.test_kernels_mhc_host import EXTRAS
 from tests.test_kernels_rows_host import PRELUDE, ROW_TAIL_MAIN
@@ -77,21 +77,15 @@ int main() {
 
 
 class Emulated:
-    """pretend_gpu's launch for the plain matvec, the row tail and the tailed launch, each
-    instantiation built once; `order(groups)` gives the order the threadgroups run in."""
+    """pretend_gpu's launch for the plain matvec, the row tail and the tailed launch, built and
+    run on the host; `order(groups)` gives the order the threadgroups run in."""
 
     def __init__(self, folder):
-        self.folder, self.built, self.launches, self.counters = folder, {}, [], []
+        self.folder, self.launches, self.counters = folder, [], []
         self.order = lambda groups: list(range(groups))
 
     def exe(self, kernel, template, main, extra: str):
-        key = (kernel.name, tuple(template), extra)
-        if key not in self.built:
-            consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
-                                         EMULATOR + EXTRAS + PRELUDE + HOST + consts + extra + kernel.header
-                                         + main.replace("BODY", kernel.body))
-        return self.built[key]
+        return build_kernel(self.folder, kernel, template, EMULATOR + EXTRAS + PRELUDE + HOST, main, after=extra)
 
     def __call__(self, kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value):
         self.launches.append(kernel.name)

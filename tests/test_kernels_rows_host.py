@@ -19,7 +19,7 @@ import pytest
 
 from dsv4 import flags
 from dsv4.kernels import dialect, rows
-from tests.test_kernels_decode_host import build_host
+from tests.test_kernels_decode_host import build_kernel
 from tests.test_kernels_matvec import EMULATOR
 from tests.test_kernels_mhc_host import EXTRAS
 
@@ -99,20 +99,14 @@ def i32_bytes(*values) -> bytes:
 
 
 class Emulated:
-    """pretend_gpu's launch: each instantiation of the two kernels built once, run on the host."""
+    """pretend_gpu's launch of the two kernels, built and run on the host."""
 
     def __init__(self, folder):
-        self.folder, self.built, self.launches = folder, {}, []
+        self.folder, self.launches = folder, []
 
     def exe(self, kernel, template, types, main):
-        key = (kernel.name, tuple(template), types)
-        if key not in self.built:
-            consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template if k != "T")
-            aliases = "".join(f"using {name} = {TYPES.get(dtype, dtype)};\n" for name, dtype in types)
-            self.built[key] = build_host(self.folder, f"{kernel.name}_{len(self.built)}",
-                                         EMULATOR + EXTRAS + PRELUDE + consts + aliases + kernel.header
-                                         + main.replace("BODY", kernel.body))
-        return self.built[key]
+        aliases = "".join(f"using {name} = {TYPES.get(dtype, dtype)};\n" for name, dtype in types)
+        return build_kernel(self.folder, kernel, template, EMULATOR + EXTRAS + PRELUDE, main, after=aliases)
 
     def __call__(self, kernel, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template, init_value):
         self.launches.append((kernel.name, grid, threadgroup))

@@ -48,20 +48,7 @@ _EPILOGUE = r"""
   }
   BARRIER();
   if (last_arrival[0] == 0u) return;
-  DEVICE_FENCE();
-  constexpr int E = (D + 255) / 256;
-  const size_t row = (size_t)t;
-  float h[E];
-  float ss = 0.0f;
-  for (int e = 0; e < E; ++e) {
-    const int d = (int)tid + 256 * e;
-    h[e] = d < D ? LOAD_CG(raw + row * D + d) : 0.0f;
-    ss += h[e] * h[e];
-  }""" + rows.STAGES + r"""  for (int e = 0; e < E; ++e) {
-    const int d = (int)tid + 256 * e;
-    if (d < D) y[row * D + d] = static_cast<T>(h[e]);
-  }
-"""
+  DEVICE_FENCE();""" + rows.held_row("(size_t)t", "LOAD_CG(raw + row * D + d)", "y[row * D + d]")
 
 BODY = mv._stored(mv._BODY, "raw[{i}] = float(static_cast<T>({v}))") + _EPILOGUE
 

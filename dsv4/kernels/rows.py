@@ -34,8 +34,8 @@ FP4_E4M3 = 2   # dsv4.quant.qdq_fp4_e4m3: e2m1 with an e4m3 scale per 16 (the co
 # The stages on a row held by a threadgroup of 256 (THREADS): thread tid holds h[e] = value
 # d = tid + 256 e (E = ceil(D / 256) of them, 0 past D), ss the sum of their squares; `row` is the
 # row's index, params (eps, rows per position, positions S), weight the norm's, cosv/sinv the
-# angles. matvec.py's tailed projection runs them too, on its output row.
-STAGES = f"""
+# angles.
+_STAGES = f"""
   constexpr int FP4_E4M3 = {FP4_E4M3};""" + r"""
   if (NORM) {
     SHARED float red[8];
@@ -73,23 +73,34 @@ STAGES = f"""
   }
 """
 
-_BODY = r"""
-  // grid (256 rows, 1, 1), threadgroup 256: one row per threadgroup (on x: a prefill chunk's
-  // query rows outnumber CUDA's 65535 threadgroups on y); lane values d = tid + 256 e, so each
-  // SIMD group holds whole blocks of 32 and both values of a RoPE pair.
+
+
+def held_row(row: str, value: str, target: str) -> str:
+    """A body fragment: row `row` (a C expression) loaded by a threadgroup of 256 from `value` (an
+    fp32 expression in row and d, its value d), taken through the stages, and stored, rounded to T,
+    to `target` (an lvalue in row and d). The row-tail launch's, and matvec_tail.py's on the
+    matvec's output row."""
+    return (r"""
   constexpr int E = (D + 255) / 256;
-  const size_t row = group_x;
+  const size_t row = ROW;
   float h[E];
   float ss = 0.0f;
   for (int e = 0; e < E; ++e) {
     const int d = (int)tid + 256 * e;
-    h[e] = d < D ? float(x[row * D + d]) : 0.0f;
+    h[e] = d < D ? VALUE : 0.0f;
     ss += h[e] * h[e];
-  }""" + STAGES + r"""  for (int e = 0; e < E; ++e) {
+  }""".replace("ROW", row).replace("VALUE", value) + _STAGES + r"""  for (int e = 0; e < E; ++e) {
     const int d = (int)tid + 256 * e;
-    if (d < D) out[row * D + d] = static_cast<T>(h[e]);
+    if (d < D) TARGET = static_cast<T>(h[e]);
   }
-"""
+""".replace("TARGET", target))
+
+
+_BODY = r"""
+  // grid (256 rows, 1, 1), threadgroup 256: one row per threadgroup (on x: a prefill chunk's
+  // query rows outnumber CUDA's 65535 threadgroups on y); lane values d = tid + 256 e, so each
+  // SIMD group holds whole blocks of 32 and both values of a RoPE pair.""" + held_row("group_x", "float(x[row * D + d])",
+                                                                                "out[row * D + d]")
 
 _F = mx.float32
 ROW_TAIL_KERNEL = Kernel(
