@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import distributed, flags, profiler
+from . import distributed, encode_thread, flags, profiler
 from .cache import Cache, LayerCache
 from .constants import derived, ramp
 from .kernels.indexer import indexer_scores
@@ -90,7 +90,7 @@ def _full_width(freqs: mx.array, dims: int) -> mx.array:
     if hit is None or hit[0] is not freqs:
         pad = mx.full((dims // 2 - freqs.shape[0],), mx.inf, mx.float32)
         hit = (freqs, mx.concatenate([pad, freqs.astype(mx.float32)]))
-        mx.eval(hit[1])
+        encode_thread.evaluate(hit[1])
         _FULL_WIDTH[key] = hit
     return hit[1]
 

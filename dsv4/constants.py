@@ -20,6 +20,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from . import encode_thread
+
 _keeping = False
 
 
@@ -53,7 +55,7 @@ def kept(owner, key: str, source: mx.array, make: Callable[[], mx.array]) -> mx.
     hit = store.get(key)
     if hit is None or hit[0] is not source:
         value = make()
-        mx.eval(value)
+        encode_thread.evaluate(value)
         store[key] = (source, value)
     return store[key][1]
 

@@ -654,6 +654,12 @@ define("batch_fixed_decode", "auto",
 define("async_decode", True,
        "build and queue the next decode step before the current token reaches the host "
        "(one step in flight, as mlx-lm does); off waits for each token first")
+define("encode_thread", False,
+       "with async_decode, MLX encodes each queued decode step (mx.async_eval, ~10 us a primitive) "
+       "on a thread of its own while the loop builds the next step's graph (dsv4/encode_thread.py): "
+       "a host-bound step costs the longer of the two instead of their sum; the same tokens. "
+       "Where building a step evaluates nothing (the fixed-shape step without Engram). "
+       "Off until a GPU has timed it")
 define("engram_pieces", True,
        "with Engram, run the compiled fixed-shape step (decode, a speculative verify, the server's "
        "batch) as pieces queued one by one (dsv4/step_pieces.py): the layers before the first "

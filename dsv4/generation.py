@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from . import flags, memory, profiler
+from . import encode_thread, flags, memory, profiler
 from .cache import Cache
 from .errors import InputError, reported
 from .kernels.dialect import backend
@@ -177,17 +177,30 @@ def decode_tokens(model, cache: Cache, first: mx.array, sampler,
 
     With DSV4_ASYNC_DECODE the step that feeds a token is queued before the token reaches
     the host, so the GPU never waits for Python; a step queued for a token the caller
-    stops at is dropped (the decoder's close keeps only the positions handed out)."""
+    stops at is dropped (the decoder's close keeps only the positions handed out). With
+    DSV4_ENCODE_THREAD, MLX encodes that step on a thread of its own (dsv4/encode_thread.py)
+    while this loop builds the one after."""
     run_ahead = flags.get("async_decode") and not profiler.enabled()
     step = decoder(model, cache)
+    encoder = encode_thread.shared() if run_ahead and flags.get("encode_thread") and step.lazy_steps else None
     fed = cache.offset
-    y = first
+    y, encoding = first, None   # encoding: y's step on the encoder thread, until it has encoded
+    if encoder is not None:   # arrays of this thread's streams, which the encoder cannot encode
+        mx.eval(y, list(mx.random.state))
     try:
         for n in range(1, (limit or sys.maxsize) + 1):
-            ahead = None
+            ahead = queued = None
             if run_ahead and n != limit:
-                ahead = sampler(step(y))
-                mx.async_eval(ahead)
+                with encode_thread.building(encoder):
+                    ahead = sampler(step(y))
+                if encoder is not None:
+                    # With it, what this thread reads later: the step's writes (close() reads the last
+                    # step's) and the sampler's key.
+                    queued = encoder.queue([ahead, step.state(), list(mx.random.state)])
+                else:
+                    mx.async_eval(ahead)
+            if encoding is not None:
+                encoding.wait()
             yield int(y.item())
             if n == limit:
                 return
@@ -196,8 +209,10 @@ def decode_tokens(model, cache: Cache, first: mx.array, sampler,
                 profiler.step_begin()
                 ahead = profiler.mark("sampling", sampler(step(y)))
                 profiler.step_end()
-            y = ahead
+            y, encoding = ahead, queued
     finally:
+        if encoder is not None:
+            encoder.drain()   # the step queued ahead, dropped, is encoded before the cache is read back
         step.close(fed)
 
 

@@ -29,7 +29,7 @@ import mlx.nn as nn
 
 import numpy as np
 
-from . import flags, gguf_blocks
+from . import encode_thread, flags, gguf_blocks
 from .constants import derived, kept
 from .kernels import experts_prefill, matvec_tail
 from .kernels.dialect import backend
@@ -310,7 +310,7 @@ def join_rows(layers: tuple) -> tuple:
     for layer, start, end in zip(layers, (0,) + ends[:-1], ends):
         for n in names:
             layer[n] = joint[n][start:end]
-    mx.eval(joint, [layer[n] for layer in layers for n in names])
+    encode_thread.evaluate(joint, [layer[n] for layer in layers for n in names])
     q = dataclasses.replace(matrix_operand(layers[0]), **joint)
     store["_joined_rows"] = (tuple(layer["weight"] for layer in layers), q, ends)
     return q, ends
@@ -360,7 +360,7 @@ def fp8_linear_tail(layer: nn.Module, x: mx.array, norm=None, rope=None, qdq: in
     store = layer.__dict__
     if "_tail_arrivals" not in store:
         store["_tail_arrivals"] = matvec_tail.arrivals()
-        mx.eval(store["_tail_arrivals"])
+        encode_thread.evaluate(store["_tail_arrivals"])
     return matvec_tail.projection_tail(x, q, act_quant, store["_tail_arrivals"], norm, rope, qdq)
 
 

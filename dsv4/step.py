@@ -324,7 +324,9 @@ class FixedDecoder:
         # Streamed experts (dsv4/expert_store.py) bring each layer's routing to the host
         # mid-step: such a model's step runs as compiled segments, or op by op.
         how = step_segments.mode(self.model, self.batch * length)
-        key += (how,)
+        # A traced graph's primitives keep the stream it was traced on, and only that stream's
+        # thread encodes them (dsv4/encode_thread.py builds steps on its own).
+        key += (how, str(mx.default_stream(mx.default_device())))
         if key not in steps:
             model, args = self.model, self.args
             state = lambda pos, buffers: StepState(args, pos, ring, dict(buffers), dict(regimes), completing, length)
@@ -347,12 +349,13 @@ class FixedDecoder:
     def __call__(self, token: mx.array) -> mx.array:
         """Feed token [B] (any integer dtype, e.g. argmax's uint32; may be unevaluated) at the
         next position; -> logits [B, V] fp32."""
+        fed = token   # kept as given: an array the encoder thread encodes (dsv4/encode_thread.py)
         token = token.reshape(self.batch, 1)   # the embedding gathers with any index dtype: no cast
         engram = self._engram_rows(token)
         self._grow()
         step = self._function()
         logits, self.buffers = step(token, mx.array([self.pos], mx.int32), engram, self.buffers)
-        self._advance(token)
+        self._advance([fed.reshape(self.batch)] if fed.ndim != 1 else [fed])
         return logits
 
     @cuda_cache.builds_in_parallel("decode")
@@ -369,8 +372,21 @@ class FixedDecoder:
         self._grow(n)
         step = self._function(n, hidden)
         (logits, inputs), self.buffers = step(tokens, mx.array([self.pos], mx.int32), engram, self.buffers)
-        self._advance(tokens)
+        self._advance([tokens[:, i] for i in range(n)])
         return logits, inputs
+
+    @property
+    def lazy_steps(self) -> bool:
+        """Whether a one-position step only builds its graph, evaluating nothing: one compiled
+        graph, no Engram rows (read on the host, or queued by their own evaluation), no streamed
+        experts' lookups. Such a step may be built on arrays that another thread is still
+        encoding (dsv4/encode_thread.py)."""
+        return not self.args.engram_layer_ids and step_segments.mode(self.model, self.batch) == "compiled"
+
+    def state(self) -> list:
+        """What the steps so far leave besides their outputs: the buffers they wrote (each step's
+        writes are read by the next, and by close()) and the last token fed."""
+        return list(self.buffers.values()) + self.fed[-1:]
 
     @property
     def room(self) -> int:
@@ -393,9 +409,10 @@ class FixedDecoder:
             del self.fed[len(self.fed) - n:]
             self.host_tokens = self.host_tokens[:, :self.pos]
 
-    def _advance(self, tokens: mx.array) -> None:
-        self.fed.extend(tokens[:, i] for i in range(tokens.shape[1]))
-        self.pos += tokens.shape[1]
+    def _advance(self, positions: list) -> None:
+        """Record the tokens [B] fed at the next positions, one array each."""
+        self.fed.extend(positions)
+        self.pos += len(positions)
         self.high = max(self.high, self.pos)
 
     def _engram_rows(self, tokens: mx.array) -> Mapping:
@@ -481,6 +498,8 @@ class ReferenceDecoder:
 
     def close(self, keep: int) -> None:
         self.cache.trim(self.cache.offset - keep)
+
+    lazy_steps = False   # each step brings its token to the host first
 
 
 def decoder(model, cache: Cache):
