@@ -15,8 +15,9 @@ the first step is evaluated before. Arrays of the thread's stream may be read an
 anywhere once encoded; the loop touches a step's arrays only after `Queued.wait`. Building a graph
 on top of arrays whose encoding is in flight reads only their shapes and types.
 
-A value made once and evaluated while a step is built (a weight's derived constant, at the first
-trace) is of the thread's stream too: `evaluate` hands it to the thread and waits.
+What is evaluated while a step is built (a weight's derived constant at the first trace, the
+tokens Engram hashes on the host) is of the thread's stream too: `evaluate` hands it to the
+thread and waits; a step built in pieces queues each through `async_eval`.
 
 One thread for the process (`shared()`), idle between loops, so that its stream, and the graphs
 traced for it, last.
@@ -117,3 +118,13 @@ def evaluate(*arrays) -> None:
     if encoder is not None:
         encoder.queue(list(arrays)).wait()
     mx.eval(*arrays)
+
+
+def async_eval(*arrays) -> None:
+    """mx.async_eval, or inside `building`, queued to the encoder's thread (which encodes what it is
+    given in order): a step built in pieces queues each piece as it is built."""
+    encoder = getattr(_local, "encoder", None)
+    if encoder is None:
+        mx.async_eval(*arrays)
+    else:
+        encoder.queue(list(arrays))

@@ -42,7 +42,7 @@ from collections.abc import Mapping
 import mlx.core as mx
 import numpy as np
 
-from . import flags
+from . import encode_thread, flags
 from .engram_store import FileTable
 from .pread_pool import native_reader
 from .kernels.dialect import backend
@@ -63,10 +63,15 @@ def _declined(why: str) -> bool:
     return False
 
 
+def reads_stream_of_their_own() -> bool:
+    """Whether the reads run on a CPU stream of their own (not on CUDA: see `_stream`)."""
+    return backend() != "cuda"
+
+
 def _stream() -> mx.Stream:
     """Where the reads run: on CUDA the step's own stream (the reads a host function in it), else
     a CPU stream with its own thread, so nothing else on the CPU stream delays them."""
-    if backend() == "cuda":
+    if not reads_stream_of_their_own():
         return mx.default_stream(mx.gpu)
     if "stream" not in _state:
         _state["stream"] = mx.new_stream(mx.cpu)
@@ -113,8 +118,8 @@ class QueuedRows(Mapping):
             self.rows[str(layer)] = rows.reshape(*ids[layer].shape[:2], -1, model.args.engram_head_dim)
             self.reads.append((table, flat, status))
         # Each stream's part queued on its own (see the module's notes).
-        mx.async_eval([flat for _, flat, _ in self.reads])
-        mx.async_eval([status for _, _, status in self.reads])   # the reads (raw rows: siblings)
+        encode_thread.async_eval([flat for _, flat, _ in self.reads])
+        encode_thread.async_eval([status for _, _, status in self.reads])   # the reads (raw rows: siblings)
 
     def __getitem__(self, layer: str) -> mx.array:
         return self.rows[layer]
@@ -128,6 +133,7 @@ class QueuedRows(Mapping):
     def check(self) -> None:
         """Raise the host path's error for the first row that failed (waits for the reads)."""
         for table, ids, status in self.reads:
+            encode_thread.evaluate(status, ids)
             what, index, error = status.tolist()
             if what:
                 raise table.failure(int(np.array(ids)[index]), error)

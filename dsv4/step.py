@@ -38,7 +38,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import engram_queued, flags, step_pieces, step_segments
+from . import encode_thread, engram_queued, flags, step_pieces, step_segments
 from .attention import Rotation, finish_rows
 from .cache import Cache
 from .constants import keeping, ramp
@@ -377,11 +377,14 @@ class FixedDecoder:
 
     @property
     def lazy_steps(self) -> bool:
-        """Whether a one-position step only builds its graph, evaluating nothing: one compiled
-        graph, no Engram rows (read on the host, or queued by their own evaluation), no streamed
-        experts' lookups. Such a step may be built on arrays that another thread is still
-        encoding (dsv4/encode_thread.py)."""
-        return not self.args.engram_layer_ids and step_segments.mode(self.model, self.batch) == "compiled"
+        """Whether a one-position step evaluates nothing while it is built but through
+        dsv4/encode_thread.py (its Engram rows' tokens, its pieces): compiled whole or in pieces,
+        not around streamed experts' lookups, and its queued Engram reads (if any) on its own
+        stream. Such a step may be built on arrays that the encoder's thread is still encoding
+        (which encodes its own stream's only)."""
+        queued = bool(self.args.engram_layer_ids) and engram_queued.applies(self.model)
+        return (step_segments.mode(self.model, self.batch) in ("compiled", "pieces")
+                and not (queued and engram_queued.reads_stream_of_their_own()))
 
     def state(self) -> list:
         """What the steps so far leave besides their outputs: the buffers they wrote (each step's
@@ -432,8 +435,9 @@ class FixedDecoder:
             return reads
         missing = self.pos - self.host_tokens.shape[1]   # steps whose rows were read in the graph
         if missing:
-            self.host_tokens = np.concatenate(
-                [self.host_tokens, np.array(mx.stack(self.fed[-missing:], axis=1), dtype=np.int64)], axis=1)
+            recent = mx.stack(self.fed[-missing:], axis=1)
+            encode_thread.evaluate(recent)
+            self.host_tokens = np.concatenate([self.host_tokens, np.array(recent, dtype=np.int64)], axis=1)
 
         def fed(ids: np.ndarray) -> None:
             self.host_tokens = np.concatenate([self.host_tokens, ids], axis=1)

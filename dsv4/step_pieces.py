@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import engram_queued, flags
+from . import encode_thread, engram_queued, flags
 from .constants import keeping
 from .kernels import cuda_cache
 from .model import Model
@@ -54,6 +54,7 @@ class PendingRows(Mapping):
 
     def resolve(self) -> None:
         if self.requests is None:
+            encode_thread.evaluate(self.tokens)
             ids = np.array(self.tokens, dtype=np.int64)     # the one host sync Engram needs
             self.requests = {str(layer): request for layer, request
                              in self.model.start_engram_reads(ids, self.past, self.offset).items()}
@@ -141,7 +142,7 @@ class EngramPieces:
         return piece
 
     def __call__(self, tokens: mx.array, pos, engram: Mapping, buffers):
-        mx.async_eval(tokens)   # its own evaluation: the sync below waits for it, not for piece 0
+        encode_thread.async_eval(tokens)   # its own evaluation: the sync below waits for it, not for piece 0
         carried, hidden = {}, []
         for j, piece in enumerate(self.pieces):
             out = piece(tokens, pos, {layer: engram[layer] for layer in self.engram[j]}, buffers, carried)
@@ -151,6 +152,6 @@ class EngramPieces:
             # The last piece the caller queues with what it samples. While a first call's kernels
             # build, nothing is queued early: the step's own end joins the builds first.
             if j < len(self.pieces) - 1 and not cuda_cache.building():
-                mx.async_eval([a for _, a in tree_flatten([carried, buffers, hidden]) if a is not None])
+                encode_thread.async_eval([a for _, a in tree_flatten([carried, buffers, hidden]) if a is not None])
         logits = out["logits"]
         return ((logits, hidden) if self.every else logits[:, -1]), buffers

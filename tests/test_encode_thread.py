@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsv4
-from dsv4 import encode_thread, flags, step
+from dsv4 import encode_thread, engram_queued, flags, step
 from dsv4.generation import stream_generate
 
 FP32 = dict(kv_qdq=False, act_quant=False, fixed_decode="on", async_decode=True)
@@ -67,12 +67,28 @@ def test_stopping_early_keeps_the_tokens_handed_out(loaded, queued):
     assert run(loaded, False, 7, ids)[:7] == got
 
 
-def test_steps_that_evaluate_keep_the_loops_thread(tiny_dir):
-    """Engram's rows bring each step's tokens to the host as it is built: no encoder thread."""
+@pytest.mark.parametrize("engram", [dict(engram_pieces=True), dict(engram_pieces=False),
+                                    dict(engram_queued=True)], ids=["pieces", "one-graph", "queued"])
+def test_engram_steps_tokens_are_the_loops_own(tiny_dir, queued, engram):
+    """With Engram the step brings its tokens to the host (or queues its reads) while it is built:
+    through the encoder's thread, in order. Greedy tokens over 40 steps."""
+    loaded = dsv4.load(tiny_dir, dtype=mx.float32)
+    with flags.override(**engram):
+        plain = run(loaded, False, 40)
+        threaded = run(loaded, True, 40)
+    # Queued reads on a CPU stream of their own (not CUDA's) keep the loop's thread.
+    own_stream = "engram_queued" in engram and engram_queued.reads_stream_of_their_own()
+    assert (not queued if own_stream else len(queued) >= 39) and threaded == plain
+
+
+def test_streamed_experts_steps_keep_the_loops_thread(tiny_dir, monkeypatch):
+    """Streamed experts' lookups evaluate the routing mid-step: no encoder thread."""
     model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
     cache = model.make_cache()
     model(np.array([[7, 8, 9]]), cache)
     with flags.override(fixed_decode="on"):
+        assert step.FixedDecoder(model, cache).lazy_steps
+        monkeypatch.setattr(model, "expert_store", object(), raising=False)
         assert not step.FixedDecoder(model, cache).lazy_steps
     with flags.override(fixed_decode="on", compile=False):
         assert not step.decoder(model, cache).lazy_steps

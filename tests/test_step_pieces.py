@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsv4
-from dsv4 import flags, step, step_pieces
+from dsv4 import encode_thread, flags, step, step_pieces
 from dsv4.batch_step import SessionsDecoder
 
 FP32 = dict(kv_qdq=False, act_quant=False)
@@ -107,14 +107,14 @@ def test_the_layers_before_engram_are_queued_before_the_tokens_reach_the_host(mo
     server's batch of two sessions."""
     events = []
 
-    class Logged:   # mlx.core as step_pieces sees it, its queueing logged
+    class Logged:   # dsv4.encode_thread as step_pieces sees it, its queueing logged
         def __getattr__(self, name):
-            return getattr(mx, name)
+            return getattr(encode_thread, name)
 
         @staticmethod
         def async_eval(*arrays):
             events.append("piece" if isinstance(arrays[0], list) else "tokens")
-            return mx.async_eval(*arrays)
+            return encode_thread.async_eval(*arrays)
 
     reads = model.start_engram_reads
 
@@ -122,7 +122,7 @@ def test_the_layers_before_engram_are_queued_before_the_tokens_reach_the_host(mo
         events.append("reads")
         return reads(*a)
 
-    monkeypatch.setattr(step_pieces, "mx", Logged())
+    monkeypatch.setattr(step_pieces, "encode_thread", Logged())
     monkeypatch.setattr(model, "start_engram_reads", logged_reads)
     with flags.override(compile=True, engram_pieces=pieces, **FP32):
         prompt = np.random.default_rng(0).integers(7, 500, (1, 5))
