@@ -48,10 +48,10 @@ def run(loaded, threaded: bool, max_tokens: int, ids=prompt(5), **sampling):
 
 @pytest.mark.parametrize("sampling", [{}, dict(temp=0.8, top_p=0.9, seed=3)], ids=["greedy", "sampled"])
 def test_tokens_are_the_loops_own(loaded, queued, sampling):
-    plain = run(loaded, False, 80, **sampling)
+    plain = run(loaded, False, 48, **sampling)
     assert not queued
-    threaded = run(loaded, True, 80, **sampling)
-    assert len(queued) == 79   # every step but the last token's, which is not fed
+    threaded = run(loaded, True, 48, **sampling)
+    assert len(queued) == 47   # every step but the last token's, which is not fed
     assert threaded == plain
 
 
@@ -71,14 +71,14 @@ def test_stopping_early_keeps_the_tokens_handed_out(loaded, queued):
                                     dict(engram_queued=True)], ids=["pieces", "one-graph", "queued"])
 def test_engram_steps_tokens_are_the_loops_own(tiny_dir, queued, engram):
     """With Engram the step brings its tokens to the host (or queues its reads) while it is built:
-    through the encoder's thread, in order. Greedy tokens over 40 steps."""
+    through the encoder's thread, in order. Greedy tokens over 24 steps."""
     loaded = dsv4.load(tiny_dir, dtype=mx.float32)
     with flags.override(**engram):
-        plain = run(loaded, False, 40)
-        threaded = run(loaded, True, 40)
+        plain = run(loaded, False, 24)
+        threaded = run(loaded, True, 24)
     # Queued reads on a CPU stream of their own (not CUDA's) keep the loop's thread.
     own_stream = "engram_queued" in engram and engram_queued.reads_stream_of_their_own()
-    assert (not queued if own_stream else len(queued) >= 39) and threaded == plain
+    assert (not queued if own_stream else len(queued) >= 23) and threaded == plain
 
 
 def test_streamed_experts_steps_keep_the_loops_thread(tiny_dir, monkeypatch):
