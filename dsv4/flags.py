@@ -659,7 +659,7 @@ define("encode_thread", False,
        "on a thread of its own while the loop builds the next step's graph (dsv4/encode_thread.py): "
        "a host-bound step costs the longer of the two instead of their sum; the same tokens. "
        "The fixed-shape step, whole or in Engram pieces (the tokens Engram hashes and each piece "
-       "go through the thread); not around streamed experts' lookups. "
+       "go through the thread), in one process; not around streamed experts' lookups. "
        "Off until a GPU has timed it")
 define("engram_pieces", True,
        "with Engram, run the compiled fixed-shape step (decode, a speculative verify, the server's "

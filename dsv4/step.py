@@ -46,6 +46,7 @@ from .kernels import cuda_cache
 from .kernels.dialect import backend
 from .kernels.rows import rope_angles
 from .kernels.selection import candidates_matter, indexer_can_be_skipped, select_all_visible
+from .model import Model
 
 MIN_CAPACITY = 256
 
@@ -379,11 +380,13 @@ class FixedDecoder:
     def lazy_steps(self) -> bool:
         """Whether a one-position step evaluates nothing while it is built but through
         dsv4/encode_thread.py (its Engram rows' tokens, its pieces): compiled whole or in pieces,
-        not around streamed experts' lookups, and its queued Engram reads (if any) on its own
-        stream. Such a step may be built on arrays that the encoder's thread is still encoding
+        not around streamed experts' lookups, its queued Engram reads (if any) on its own stream,
+        one process (a pipeline's stage or a tensor-parallel rank exchanges on streams of its
+        own). Such a step may be built on arrays that the encoder's thread is still encoding
         (which encodes its own stream's only)."""
+        one_process = isinstance(self.model, Model) and self.model.plan.size == 1
         queued = bool(self.args.engram_layer_ids) and engram_queued.applies(self.model)
-        return (step_segments.mode(self.model, self.batch) in ("compiled", "pieces")
+        return (one_process and step_segments.mode(self.model, self.batch) in ("compiled", "pieces")
                 and not (queued and engram_queued.reads_stream_of_their_own()))
 
     def state(self) -> list:

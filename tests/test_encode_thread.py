@@ -81,13 +81,17 @@ def test_engram_steps_tokens_are_the_loops_own(tiny_dir, queued, engram):
     assert (not queued if own_stream else len(queued) >= 23) and threaded == plain
 
 
-def test_streamed_experts_steps_keep_the_loops_thread(tiny_dir, monkeypatch):
-    """Streamed experts' lookups evaluate the routing mid-step: no encoder thread."""
+def test_steps_that_evaluate_or_exchange_keep_the_loops_thread(tiny_dir, monkeypatch):
+    """Streamed experts' lookups evaluate the routing mid-step, and a rank of several exchanges
+    on streams of its own: no encoder thread."""
     model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
     cache = model.make_cache()
     model(np.array([[7, 8, 9]]), cache)
     with flags.override(fixed_decode="on"):
         assert step.FixedDecoder(model, cache).lazy_steps
+        with monkeypatch.context() as m:
+            m.setattr(type(model.plan), "size", property(lambda plan: 2))
+            assert not step.FixedDecoder(model, cache).lazy_steps
         monkeypatch.setattr(model, "expert_store", object(), raising=False)
         assert not step.FixedDecoder(model, cache).lazy_steps
     with flags.override(fixed_decode="on", compile=False):
