@@ -67,23 +67,22 @@ def test_stopping_early_keeps_the_tokens_handed_out(loaded, queued):
     assert run(loaded, False, 7, ids)[:7] == got
 
 
-@pytest.mark.parametrize("engram", [dict(engram_pieces=True), dict(engram_pieces=False),
-                                    dict(engram_queued=True)], ids=["pieces", "one-graph", "queued"])
+@pytest.mark.parametrize("engram", [dict(engram_pieces=True), dict(engram_pieces=False)], ids=["pieces", "one-graph"])
 def test_engram_steps_tokens_are_the_loops_own(tiny_dir, queued, engram):
-    """With Engram the step brings its tokens to the host (or queues its reads) while it is built:
-    through the encoder's thread, in order. Greedy tokens over 24 steps."""
+    """With Engram the step brings its tokens to the host while it is built: through the
+    encoder's thread, in order. Greedy tokens over 24 steps. (Queued reads go through it too
+    where they share the step's stream, on CUDA; off CUDA they keep the loop's thread: below.)"""
     loaded = dsv4.load(tiny_dir, dtype=mx.float32)
     with flags.override(**engram):
         plain = run(loaded, False, 24)
         threaded = run(loaded, True, 24)
-    # Queued reads on a CPU stream of their own (not CUDA's) keep the loop's thread.
-    own_stream = "engram_queued" in engram and engram_queued.reads_stream_of_their_own()
-    assert (not queued if own_stream else len(queued) >= 23) and threaded == plain
+    assert len(queued) >= 23 and threaded == plain
 
 
 def test_steps_that_evaluate_or_exchange_keep_the_loops_thread(tiny_dir, monkeypatch):
-    """Streamed experts' lookups evaluate the routing mid-step, and a rank of several exchanges
-    on streams of its own: no encoder thread."""
+    """Streamed experts' lookups evaluate the routing mid-step, a rank of several exchanges on
+    streams of its own, and queued Engram reads may run on a CPU stream of their own: no encoder
+    thread."""
     model, _ = dsv4.load(tiny_dir, dtype=mx.float32)
     cache = model.make_cache()
     model(np.array([[7, 8, 9]]), cache)
@@ -91,6 +90,10 @@ def test_steps_that_evaluate_or_exchange_keep_the_loops_thread(tiny_dir, monkeyp
         assert step.FixedDecoder(model, cache).lazy_steps
         with monkeypatch.context() as m:
             m.setattr(type(model.plan), "size", property(lambda plan: 2))
+            assert not step.FixedDecoder(model, cache).lazy_steps
+        with monkeypatch.context() as m:   # queued Engram reads on a CPU stream of their own
+            m.setattr(engram_queued, "applies", lambda model: True)
+            m.setattr(engram_queued, "reads_stream_of_their_own", lambda: True)
             assert not step.FixedDecoder(model, cache).lazy_steps
         monkeypatch.setattr(model, "expert_store", object(), raising=False)
         assert not step.FixedDecoder(model, cache).lazy_steps
