@@ -391,8 +391,9 @@ class FixedDecoder:
 
     def state(self) -> list:
         """What the steps so far leave besides their outputs: the buffers they wrote (each step's
-        writes are read by the next, and by close()) and the last token fed."""
-        return list(self.buffers.values()) + self.fed[-1:]
+        writes are read by the next, and by close()). The tokens fed are the loop's own arrays,
+        evaluated or queued before they were fed."""
+        return list(self.buffers.values())
 
     @property
     def room(self) -> int:

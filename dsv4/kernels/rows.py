@@ -74,7 +74,6 @@ _STAGES = f"""
 """
 
 
-
 def held_row(row: str, value: str, target: str) -> str:
     """A body fragment: row `row` (a C expression) loaded by a threadgroup of 256 from `value` (an
     fp32 expression in row and d, its value d), taken through the stages, and stored, rounded to T,
