@@ -82,11 +82,11 @@ def plain_run(tiny, prompt):
 
 
 @pytest.mark.parametrize("k, path", [(k, "fixed") for k in range(1, 6)] +
-                         [(k, path) for k in (1, 5) for path in ("reference", "fixed-propose")])
+                         [(5, path) for path in ("reference", "fixed-propose")])
 def test_greedy_gives_plain_decodes_tokens_and_cache(tiny, prompt, plain_run, k, path):
     """256 tokens past a window of 8 and ratio-2 groups, with the checkpoint's (random) draft
     stages: nearly every draft rejected at the first row. Every k through the GPUs' path; the
-    other paths at the block's ends (the scripted rejections below take every k through the
+    other paths at the longest block (the scripted rejections below take every k through the
     reference verify)."""
     want, want_cache = plain_run
     stats = Stats()
@@ -256,7 +256,7 @@ def test_accepting_keeps_the_target_distribution(temp, top_p, k, wrong):
 @pytest.mark.parametrize("path", ["reference", "fixed-propose"])
 def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt, path):
     """On the tiny model (its random draft stages mostly wrong): the token after the first,
-    over 300 seeds, against p(first) p(second | first) computed from the model."""
+    over 200 seeds, against p(first) p(second | first) computed from the model."""
     sampling = Sampling(temp=0.8, top_p=0.9)
     cache, window = tiny.make_cache(), tiny.draft.make_cache()
     hidden = []
@@ -266,7 +266,7 @@ def test_sampled_generation_matches_plain_sampling_on_the_model(tiny, prompt, pa
     support = np.flatnonzero(first)
     second = {int(t): np.array(mx.softmax(sampled_logits(
         tiny(np.array([[t]]), cache.copy())[:, -1], 0.8, 0.9), axis=-1))[0] for t in support}
-    n, seen = 300, {}
+    n, seen = 200, {}
     for seed in range(n):
         mx.random.seed(seed)
         c, w = cache.copy(), tiny.draft.make_cache()
@@ -416,10 +416,10 @@ def demo_plain(demo):
     return prompt, *plain(model, prompt, TOKENS)
 
 
-@pytest.mark.parametrize("k, path", [(k, "fixed") for k in range(1, 6)] + [(k, "reference") for k in (1, 5)])
+@pytest.mark.parametrize("k, path", [(k, "fixed") for k in range(1, 6)] + [(5, "reference")])
 def test_demo_greedy_speculation_gives_plain_decodes_tokens(demo, demo_plain, k, path):
     """256 tokens (window 16, ratio-2 groups) with drafts that are often right. Every k through
-    the GPUs' path, the reference verify at the block's ends (as on the tiny checkpoint)."""
+    the GPUs' path, the reference verify at the longest block (as on the tiny checkpoint)."""
     model, _ = demo
     prompt, want, want_cache = demo_plain
     stats = Stats()
