@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -83,15 +84,16 @@ def as_gpu_backend(rope: bool = False):
 
 def count(model, context: int) -> collections.Counter:
     """Primitive counts of the compiled fixed-shape step at position `context`, GPU path."""
-    from benchmarks.graph_ops import count_graph
+    from benchmarks.graph_ops import count_graph, prompt_cache
     from dsv4 import flags
 
+    cache = prompt_cache(model, context)   # this machine's own prefill: only the step is counted
     with as_gpu_backend() as (late, building, _):
         with flags.override(dequant_matmul="off", compile=False):
-            count_graph(model, context, fixed=True)          # warm-up: every stand-in's zeros
+            count_graph(model, context, fixed=True, cache=cache)   # warm-up: every stand-in's zeros
         building[0] = True
         with flags.override(dequant_matmul="off", compile=True):
-            counts = count_graph(model, context, fixed=True)
+            counts = count_graph(model, context, fixed=True, cache=cache)
     if late:
         raise RuntimeError(f"stand-in outputs made while counting (they would be counted): {late}")
     return counts
@@ -122,9 +124,9 @@ def count_positions(model, positions: list[int], prompt_tokens: int = 64) -> dic
             dec.rewind(n)
 
     out = {}
+    cache = model.make_cache(reserve=8)
+    mx.eval(model(ids, cache))   # this machine's own prefill: only the steps are counted
     with as_gpu_backend(rope=True) as (late, building, calls), flags.override(fixed_decode="on", dequant_matmul="off"):
-        cache = model.make_cache(reserve=8)
-        mx.eval(model(ids, cache))
         dec = FixedDecoder(model, cache)
         mx.eval(dec.buffers)
         with flags.override(compile=False):
@@ -142,11 +144,15 @@ def count_propose(model, ks: list[int], context: int = 64) -> dict[int, tuple[in
     """k -> (launches, the stand-in calls by kernel name) of one compiled fixed-shape greedy propose
     of k drafts (dsv4/draft_step.py FixedDraft.propose) after a `context`-token prefill, GPU path."""
     from benchmarks.graph_ops import launches, primitive_counts
-    from benchmarks.step_profile import proposer_after_prefill
+    from benchmarks.step_profile import draft_prefill, proposer
     from dsv4 import flags
 
+    window, token = draft_prefill(model, context)   # this machine's own prefill: only the proposes are counted
+
     def proposes(counted: dict) -> None:
-        fixed, propose = proposer_after_prefill(model, context)   # FixedDraft reads `compile` when made
+        seeded = copy.copy(window)                       # each pass from the prefill's window (close() writes it)
+        seeded.rows = list(window.rows)
+        fixed, propose = proposer(model, seeded, token)   # FixedDraft reads `compile` when made
         mx.eval(fixed.buffers)                           # its window, out of the counted graphs
         for k in ks:
             calls.clear()

@@ -51,20 +51,34 @@ def write_report(filename: str, heading: str, lines: list[str]) -> Path:
     return out
 
 
-def count_graph(model, prompt_tokens: int, fixed: bool = False) -> collections.Counter:
+def prompt_ids(model, prompt_tokens: int) -> np.ndarray:
+    """The prompt count_graph decodes after, and the token it feeds: [1, prompt_tokens + 1]."""
+    return np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
+
+
+def prompt_cache(model, prompt_tokens: int):
+    """The cache of count_graph's prompt, prefilled as the switches have it."""
+    import mlx.core as mx
+
+    cache = model.make_cache()
+    mx.eval(model(prompt_ids(model, prompt_tokens)[:, :-1], cache))
+    return cache
+
+
+def count_graph(model, prompt_tokens: int, fixed: bool = False, cache=None) -> collections.Counter:
     """Primitive counts of one decode step after a prompt of `prompt_tokens`: the reference
     forward, or (`fixed`) the fixed-shape step of dsv4.step as the switches have it
     (compiled: fused element-wise runs count once; one graph, not DSV4_ENGRAM_PIECES' pieces,
     of which all but the last are queued before the step returns). The cache writes are counted
-    too."""
+    too. `cache`: the prompt's (prompt_cache), made before under other switches if need be (a
+    copy is decoded into); else it is prefilled here."""
     import mlx.core as mx
 
     from dsv4 import flags
     from dsv4.step import FixedDecoder
 
-    ids = np.random.default_rng(0).integers(7, min(500, model.args.vocab_size), (1, prompt_tokens + 1))
-    cache = model.make_cache()
-    mx.eval(model(ids[:, :-1], cache))
+    ids = prompt_ids(model, prompt_tokens)
+    cache = prompt_cache(model, prompt_tokens) if cache is None else cache.copy()
     if fixed:
         dec = FixedDecoder(model, cache)
         mx.eval(dec.buffers)

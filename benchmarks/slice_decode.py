@@ -329,7 +329,7 @@ def parse_recipes(p, experts: str, dense: str) -> list[tuple[str, str]]:
 
 
 def measure(a, slices: list) -> int:
-    from benchmarks.graph_ops import count_graph, launches
+    from benchmarks.graph_ops import count_graph, launches, prompt_cache
     from benchmarks.hardware import describe, to_markdown
     from benchmarks.report import write_dated
     from benchmarks.roofline import copy_roofline
@@ -399,8 +399,9 @@ def measure(a, slices: list) -> int:
                         f"{1e3 / ms:.1f} | {1e3 / layers40:.1f} | {gbs:.0f} | {share} |")
     per_slice = []
     for sl in slices:
+        cache = prompt_cache(sl.model, 64)   # the machine's own prefill (a GPU's is quantized anyway)
         with flags.override(dequant_matmul="off"):
-            counts = {path: count_graph(sl.model, 64, path == "fixed") for path in ("reference", "fixed")}
+            counts = {path: count_graph(sl.model, 64, path == "fixed", cache) for path in ("reference", "fixed")}
         prims = {path: sum(c.values()) / args.num_hidden_layers for path, c in counts.items()}
         work = {path: sum(launches(c).values()) / args.num_hidden_layers for path, c in counts.items()}
         top = ", ".join(f"{name} {n / args.num_hidden_layers:.1f}" for name, n in counts["fixed"].most_common(12))

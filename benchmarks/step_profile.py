@@ -129,18 +129,29 @@ def verify_split(model, context: int, n: int, steps: int) -> dict:
     return {"verify": times["encode"] + times["run"], **times}
 
 
-def proposer_after_prefill(model, context: int):
-    """(FixedDraft over the draft window a prefilled context seeded, greedy propose(token, k))."""
-    from dsv4.draft_step import FixedDraft
+def draft_prefill(model, context: int):
+    """(the draft window a prefilled context seeded, the greedy token after it)."""
     from dsv4.generation import prefill
-    from dsv4.sampling import LogitAdjustment, Sampling
 
     ids = np.random.default_rng(context).integers(7, model.args.vocab_size, (1, context))
     cache, window = model.make_cache(), model.draft.make_cache()
     token = int(mx.argmax(prefill(model, ids, cache, draft_cache=window), axis=-1).item())
+    return window, token
+
+
+def proposer(model, window, token: int):
+    """(FixedDraft over `window`, greedy propose(token, k))."""
+    from dsv4.draft_step import FixedDraft
+    from dsv4.sampling import LogitAdjustment, Sampling
+
     greedy = Sampling()
     fixed, adjust = FixedDraft(model, window), LogitAdjustment(greedy, model.args.vocab_size)
     return fixed, lambda k: fixed.propose(token, k, adjust, greedy)
+
+
+def proposer_after_prefill(model, context: int):
+    """(FixedDraft over the draft window a prefilled context seeded, greedy propose(token, k))."""
+    return proposer(model, *draft_prefill(model, context))
 
 
 def propose_split(model, context: int, k: int, steps: int) -> dict:
