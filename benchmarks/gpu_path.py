@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import copy
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -150,9 +149,8 @@ def count_propose(model, ks: list[int], context: int = 64) -> dict[int, tuple[in
     window, token = draft_prefill(model, context)   # this machine's own prefill: only the proposes are counted
 
     def proposes(counted: dict) -> None:
-        seeded = copy.copy(window)                       # each pass from the prefill's window (close() writes it)
-        seeded.rows = list(window.rows)
-        fixed, propose = proposer(model, seeded, token)   # FixedDraft reads `compile` when made
+        # each pass from the prefill's window (close() writes it); FixedDraft reads `compile` when made
+        fixed, propose = proposer(model, window.copy(), token)
         mx.eval(fixed.buffers)                           # its window, out of the counted graphs
         for k in ks:
             calls.clear()

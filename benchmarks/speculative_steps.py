@@ -143,7 +143,7 @@ def measure(model, context: int, repeats: int, cycle_tokens: int) -> dict[str, l
         times[f"verify({n})"] = timed(verify, repeats)
     target.close()
 
-    fixed = FixedDraft(model, copied(window))
+    fixed = FixedDraft(model, window.copy())
     for k in range(1, args.dspark_block_size + 1):
         times.update(interleaved({
             f"propose({k}) reference": lambda: mx.eval(proposal_arrays(propose(model, window, token, k, adjust, greedy))),
@@ -152,7 +152,7 @@ def measure(model, context: int, repeats: int, cycle_tokens: int) -> dict[str, l
         hidden = verified[n]
 
         def seed_reference():
-            twin = copied(window)
+            twin = window.copy()
             draft.seed(twin, hidden, 1)
             mx.eval(twin.rows)
 
@@ -180,14 +180,6 @@ def measure(model, context: int, repeats: int, cycle_tokens: int) -> dict[str, l
         for name in (names if r % 2 == 0 else names[::-1]):
             times.setdefault(name, []).extend(runs[name]())
     return times
-
-
-def copied(window):
-    from dsv4.draft import DraftCache
-
-    twin = DraftCache(len(window.rows), window.window)
-    twin.rows, twin.end = list(window.rows), window.end
-    return twin
 
 
 def proposal_arrays(proposal) -> list:

@@ -99,6 +99,12 @@ class DraftCache:
         held = rows if self.rows[stage] is None else mx.concatenate([self.rows[stage], rows], axis=1)
         self.rows[stage] = held[:, -self.window:]
 
+    def copy(self) -> "DraftCache":
+        """A snapshot, as Cache.copy: later updates of either leave the other as it was."""
+        twin = DraftCache(len(self.rows), self.window)
+        twin.rows, twin.end = list(self.rows), self.end
+        return twin
+
 
 @dataclass
 class DraftState:

@@ -10,7 +10,6 @@ import pytest
 
 import dsv4
 from dsv4 import flags
-from dsv4.draft import DraftCache
 from dsv4.draft_step import FixedDraft
 from dsv4.sampling import LogitAdjustment, Sampling
 from dsv4.speculative import propose
@@ -22,12 +21,6 @@ FP32 = dict(kv_qdq=False, act_quant=False)
 def tiny(draft_dir):
     with flags.override(draft="on"):
         return dsv4.load(draft_dir, dtype=mx.float32)[0]
-
-
-def copied(cache: DraftCache) -> DraftCache:
-    twin = DraftCache(len(cache.rows), cache.window)
-    twin.rows, twin.end = list(cache.rows), cache.end
-    return twin
 
 
 SAMPLINGS = {"greedy": Sampling(),
@@ -84,7 +77,7 @@ def check_cycles(model, sampling: Sampling, unseeded: int, reference_switches: O
     hidden = []
     logits = model(prompt[:, unseeded:], cache, hidden=hidden)
     draft.seed(reference, hidden, 1)
-    fixed = FixedDraft(model, copied(reference))
+    fixed = FixedDraft(model, reference.copy())
     adjust = LogitAdjustment(sampling, model.args.vocab_size)
     y = int(mx.argmax(logits[0, -1]).item())
     for cycle in range(90):
